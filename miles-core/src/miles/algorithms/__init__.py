@@ -1,0 +1,1 @@
+"""RL objectives: advantage estimators, policy losses and their composable terms (built-in plugins)."""

@@ -1,0 +1,112 @@
+"""The algorithm interface: what an RL objective needs, how it scores groups, and its per-token loss.
+
+The trainer aggregates the per-token loss the algorithm returns with the algorithm's ``aggregation``
+over the *whole* step (all micro-batches and ranks), so gradient accumulation is exact whatever the
+micro-batching.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import BaseModel
+
+from miles.components import ComponentSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles.types import SampleGroup
+
+__all__ = ["Aggregation", "Algorithm", "AlgorithmNeeds", "LossInputs", "LossOutput"]
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+"""How per-token losses become one number.
+
+- ``token_mean``: sum over every trained token of the step / number of trained tokens (DAPO).
+- ``seq_mean_token_mean``: mean over each sequence's tokens, then mean over sequences (GRPO paper).
+- ``seq_mean_token_sum_norm``: sum over each sequence's tokens / a constant, mean over sequences (Dr.GRPO).
+"""
+
+
+@dataclass(frozen=True)
+class AlgorithmNeeds:
+    """What the training loop must compute before :meth:`Algorithm.loss` can run."""
+
+    rollout: bool = True
+    """Needs generated samples (``False`` for SFT over a data set)."""
+    old_logprobs: bool = True
+    """Needs the trainer's logprobs before the update (the PPO ratio's denominator)."""
+    ref_logprobs: bool = False
+    teacher_logprobs: bool = False
+    values: bool = False
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of one micro-batch: response tokens of its sequences, concatenated (shape ``[T]``).
+
+    ``response_lengths`` splits them back into sequences (for sequence-level ratios).
+    """
+
+    logprobs: torch.Tensor
+    loss_mask: torch.Tensor
+    response_lengths: list[int]
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+
+@dataclass
+class LossOutput:
+    """The algorithm's loss for one micro-batch.
+
+    ``per_token_loss`` (``[T]``) is aggregated by the trainer with the algorithm's aggregation;
+    ``metrics`` are per-token tensors (``[T]``) averaged over trained tokens of the step (clip fractions,
+    KL, ratios ...).
+    """
+
+    per_token_loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Algorithm(ABC):
+    """An RL (or SFT / distillation) objective. Registered with ``miles_register_algorithms``."""
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[BaseModel]] = ComponentSettings
+
+    def __init__(self, settings: BaseModel) -> None:
+        self.settings = settings
+
+    @property
+    def needs(self) -> AlgorithmNeeds:
+        """What must be computed before :meth:`loss` (may depend on settings, e.g. a KL coefficient)."""
+        return AlgorithmNeeds()
+
+    @property
+    def aggregation(self) -> Aggregation:
+        return "token_mean"
+
+    def keep_groups(self, groups: Sequence[SampleGroup]) -> list[bool]:
+        """Which groups to train on (dynamic sampling); the rollout manager refills dropped ones."""
+        return [True] * len(groups)
+
+    @abstractmethod
+    def compute_advantages(
+        self, groups: Sequence[SampleGroup], values: Sequence[Sequence[torch.Tensor]] | None = None
+    ) -> list[list[torch.Tensor]]:
+        """Per-token advantages for each sample of each group (``values`` from the critic when needed)."""
+
+    @abstractmethod
+    def loss(self, inputs: LossInputs) -> LossOutput:
+        """The per-token loss of one micro-batch."""

@@ -1,0 +1,79 @@
+"""The typer application and the error boundary: a :class:`MilesError` prints its message, no traceback."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from miles.errors import MilesError
+
+app = typer.Typer(
+    name="miles",
+    help="Miles: plugin-based RL post-training for language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err_console = Console(stderr=True)
+
+
+def installed_packages() -> list[tuple[str, str]]:
+    """(distribution, version) of every installed ``miles-*`` distribution."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] or ""
+        if name.lower().replace("_", "-").startswith("miles-"):
+            found[name] = dist.version
+    return sorted(found.items())
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        for name, version in installed_packages():
+            typer.echo(f"{name} {version}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="List installed Miles packages.")
+    ] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _register_commands() -> None:
+    # imported here so that each command module can import `app` from this one
+    from miles.cli import plugins, train  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    _register_commands()
+    try:
+        app(args=argv, standalone_mode=False)
+    except MilesError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors come through here with standalone_mode=False
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

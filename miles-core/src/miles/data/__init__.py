@@ -1,0 +1,1 @@
+"""Data sources: where prompts (and labels) come from."""

@@ -1,0 +1,56 @@
+"""The data-source interface: an endless, resumable stream of prompts."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from miles.components import ComponentSettings
+
+__all__ = ["DataSource", "Prompt"]
+
+
+@dataclass
+class Prompt:
+    """One row of a data set, ready for the rollout manager."""
+
+    prompt: str | list[dict[str, Any]]
+    """Plain text, or chat messages (``[{"role": ..., "content": ...}]``) for the chat template."""
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+    """Where the row came from (``file.jsonl:12``), for error messages."""
+    prompt_ids: list[int] | None = None
+    """Token ids after the chat template (set once by the data pipeline; never re-tokenised)."""
+
+
+class DataSource(ABC):
+    """A prompt stream. Registered with ``miles_register_data_sources``.
+
+    Iteration is endless across epochs and deterministic given the seed; :meth:`state_dict` captures
+    the position exactly so a resumed run sees the same prompts.
+    """
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[BaseModel]] = ComponentSettings
+
+    def __init__(self, settings: BaseModel, *, path: str, seed: int, shuffle: bool) -> None:
+        self.settings = settings
+        self.path = path
+        self.seed = seed
+        self.shuffle = shuffle
+
+    @abstractmethod
+    def next_batch(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts (wrapping to the next epoch, reshuffled, when one ends)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, offset, RNG), JSON-serialisable."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""

@@ -1,0 +1,289 @@
+"""Hook specifications: the whole contract between Miles and its plugins.
+
+A plugin is a module (or object) with functions decorated by :data:`miles.hookimpl` and named like the
+specifications below. Built-in plugins use the same hooks as third-party ones. Plugins are found through
+the ``miles.plugins`` entry-point group; the entry point's name is the plugin's name::
+
+    [project.entry-points."miles.plugins"]
+    my_reward = "miles_my_reward.plugin"
+
+**Registration hooks** receive a ``register`` callback and call it once per component class::
+
+    @miles.hookimpl
+    def miles_register_rewards(register):
+        register(MyReward)            # MyReward.name == "my_reward"
+
+Settings select components by that name; a name registered by two plugins is an error naming both.
+**Lifecycle hooks** observe a run (all implementations are called; return values are ignored).
+
+Hooks only ever grow by new keyword arguments, which implementations opt into by naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from miles.plugins.registry import Register
+    from miles.settings.model import MilesSettings
+    from miles.transport.base import PushReport
+    from miles.types import SampleGroup
+
+hookspec = pluggy.HookspecMarker("miles")
+
+# ----------------------------------------------------------------------------------------------------
+# rollout
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_rollout_engines(register: Register) -> None:
+    """Register rollout-engine backends: classes deriving from
+    :class:`miles.rollout.engine.RolloutEngine` that say how to start one engine server.
+
+    Selected by ``rollout.engine``. Built in: ``local`` (``miles serve``); miles-sglang adds ``sglang``.
+
+    :param register: call ``register(EngineClass)``; the class's ``name`` is the key.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def miles_register_rollout_functions(register: Register) -> None:
+    """Register custom rollout functions (:class:`miles.rollout.function.RolloutFunction`): agents,
+    tools, multi-turn episodes that replace the default single-turn generate.
+
+    Selected by ``rollout.function``. Register a function with ``register(fn, name="my_agent")``.
+
+    :param register: call ``register(fn, name=...)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# training
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_trainers(register: Register) -> None:
+    """Register trainer backends: classes deriving from :class:`miles.training.trainer.Trainer`.
+
+    Selected by ``train.backend``. miles-fsdp adds ``fsdp``; miles-megatron adds ``megatron``.
+
+    :param register: call ``register(TrainerClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# weight transport
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_transports(register: Register) -> None:
+    """Register weight transports: classes deriving from :class:`miles.transport.base.WeightTransport`.
+
+    Selected by ``transport``. Built in: ``disk``, ``broadcast``; miles-p2p adds ``p2p``.
+
+    :param register: call ``register(TransportClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# precision
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_precisions(register: Register) -> None:
+    """Register precision recipes: classes deriving from :class:`miles.precision.base.PrecisionRecipe`.
+
+    Selected by ``precision``. Built in: ``fp32``, ``bf16``.
+
+    :param register: call ``register(RecipeClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# algorithm
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_algorithms(register: Register) -> None:
+    """Register RL objectives: classes deriving from :class:`miles.algorithms.base.Algorithm`.
+
+    Selected by ``algorithm``.
+
+    :param register: call ``register(AlgorithmClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# reward
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_rewards(register: Register) -> None:
+    """Register reward functions: classes deriving from :class:`miles.rewards.base.Reward`.
+
+    Selected by the entries of ``reward.functions``.
+
+    :param register: call ``register(RewardClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_data_sources(register: Register) -> None:
+    """Register prompt sources: classes deriving from :class:`miles.data.base.DataSource`.
+
+    Selected by ``data.source``. Built in: ``jsonl``, ``parquet``.
+
+    :param register: call ``register(SourceClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_launchers(register: Register) -> None:
+    """Register launchers: classes deriving from :class:`miles.launch.base.Launcher`.
+
+    Selected by ``cluster.launcher``. Built in: ``local``; a Ray launcher adds ``ray``.
+
+    :param register: call ``register(LauncherClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# lifecycle and metrics
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_loggers(register: Register) -> None:
+    """Register metrics loggers: classes deriving from :class:`miles.metrics.base.MetricsLogger`.
+
+    Selected by ``log.loggers``. Built in: ``jsonl``.
+
+    :param register: call ``register(LoggerClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def miles_on_run_start(settings: MilesSettings, run_dir: str) -> None:
+    """Called once on the driver when a run starts, after settings are resolved and before any process
+    is launched.
+
+    :param settings: the resolved, validated settings.
+    :param run_dir: the run's output directory.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def miles_on_rollout_end(step: int, groups: Sequence[SampleGroup], metrics: Mapping[str, float]) -> None:
+    """Called on the driver after a rollout's groups are generated, scored and filtered.
+
+    :param step: the training step the rollout feeds.
+    :param groups: the kept sample groups (read-only by convention).
+    :param metrics: rollout metrics (mean reward, response length, prefix-cache hit rate ...).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def miles_on_step_end(step: int, metrics: Mapping[str, float]) -> None:
+    """Called on the driver after each training step, with every metric of the step.
+
+    :param step: the step just finished (1-based).
+    :param metrics: flat ``{"group/name": value}`` metrics (reward, loss parts, timings, fidelity signals).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def miles_on_weights_pushed(step: int, version: str, report: PushReport) -> None:
+    """Called on the driver after a weight push was delivered and verified.
+
+    :param step: the training step whose weights were pushed.
+    :param version: the weight version the engines now serve.
+    :param report: what the transport moved (tensors, bytes, seconds).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def miles_on_checkpoint_saved(step: int, path: str) -> None:
+    """Called on the driver after a checkpoint is complete on disk.
+
+    :param step: the step the checkpoint resumes after.
+    :param path: the checkpoint directory.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def miles_on_run_end(run_dir: str, status: str, error: str | None) -> None:
+    """Called once on the driver when a run ends, whatever the reason.
+
+    :param run_dir: the run's output directory.
+    :param status: ``completed``, ``failed`` or ``interrupted``.
+    :param error: the error message when ``status`` is ``failed``.
+
+    .. versionadded:: 0.1
+    """
+
+
+REGISTRATION_HOOKS: dict[str, str] = {
+    "miles_register_rollout_engines": "rollout_engine",
+    "miles_register_rollout_functions": "rollout_function",
+    "miles_register_trainers": "trainer",
+    "miles_register_transports": "transport",
+    "miles_register_precisions": "precision",
+    "miles_register_algorithms": "algorithm",
+    "miles_register_rewards": "reward",
+    "miles_register_data_sources": "data_source",
+    "miles_register_launchers": "launcher",
+    "miles_register_loggers": "logger",
+}
+"""Registration hook name -> registry (:class:`miles.components.ComponentKind` value)."""
+
+__all__ = ["REGISTRATION_HOOKS", "hookspec"] + [name for name in dir() if name.startswith("miles_")]
+

@@ -1,0 +1,1 @@
+"""Launchers: place and run trainer ranks and engine servers, own and reap every child."""

@@ -1,0 +1,10 @@
+"""The built-in plugins: ordinary plugin modules, registered through the same hooks as third-party
+ones and blockable by name (``MILES_DISABLE_PLUGINS=jsonl``)."""
+
+from __future__ import annotations
+
+BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("precision", "miles.precision.builtin"),
+    ("jsonl", "miles.metrics.jsonl"),
+)
+"""``(plugin name, module)`` pairs, in registration order."""

@@ -1,0 +1,79 @@
+"""The engine client interface: the one way the rest of Miles talks to rollout engines.
+
+One implementation (HTTP, SGLang's native protocol) serves the local engine and SGLang servers alike;
+it routes session- and group-affine across several engines. Transports and the rollout manager take an
+:class:`EngineClient`; tests may drive a real local engine through it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
+
+__all__ = ["EngineClient"]
+
+
+class EngineClient(ABC):
+    """Async client over one or more engines speaking SGLang's protocol."""
+
+    @property
+    @abstractmethod
+    def urls(self) -> Sequence[str]:
+        """Base URLs of the engines behind this client."""
+
+    @abstractmethod
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routing_key: str | None = None,
+        rid: str | None = None,
+    ) -> list[GenerateOutput]:
+        """Generate ``sampling_params.n`` completions of one prompt.
+
+        :param routing_key: requests with the same key go to the same engine (a group, a session), so
+            they share its prefix cache; ``None`` routes to the least-loaded engine.
+        :param rid: request id, for :meth:`abort`.
+        """
+
+    @abstractmethod
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (``rid``) or, with ``None``, every request on every engine."""
+
+    @abstractmethod
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Pause every engine (before a weight update)."""
+
+    @abstractmethod
+    async def continue_generation(self) -> None:
+        """Resume every engine after :meth:`pause_generation`."""
+
+    @abstractmethod
+    async def flush_cache(self) -> None:
+        """Empty every engine's prefix cache."""
+
+    @abstractmethod
+    async def model_info(self) -> list[dict[str, Any]]:
+        """``/model_info`` of each engine (includes ``weight_version``)."""
+
+    @abstractmethod
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        """Make every engine load the safetensors directory ``model_path`` and report ``weight_version``."""
+
+    @abstractmethod
+    async def call(self, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+        """POST ``payload`` to ``endpoint`` of one engine and return the JSON body.
+
+        Raises :class:`miles.errors.EngineError` with the engine's ``message`` on HTTP >= 400. Used by
+        transports for the weight-update endpoints (``/init_weights_update_group`` ...).
+        """
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close connections (engines keep running; the launcher owns their processes)."""

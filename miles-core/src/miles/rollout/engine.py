@@ -1,0 +1,63 @@
+"""Rollout-engine backends: how to start one engine server of a given kind.
+
+A backend (``local`` in miles-core, ``sglang`` in miles-sglang) turns settings into the command line of
+one server; the launcher places and runs those commands and owns the processes; everything afterwards
+goes through the HTTP protocol and the :class:`~miles.rollout.client.EngineClient`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pydantic import BaseModel
+
+from miles.components import ComponentSettings
+
+__all__ = ["EngineCapabilities", "EngineLaunch", "RolloutEngine"]
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a kind of engine supports beyond ``/generate``."""
+
+    update_weights_from_disk: bool = True
+    update_weights_from_distributed: bool = False
+    release_memory: bool = False
+    routed_experts: bool = False
+
+
+@dataclass
+class EngineLaunch:
+    """Everything a launcher needs to start one engine server and know when it is up."""
+
+    argv: list[str]
+    """Command line, ``argv[0]`` an executable (typically ``sys.executable``)."""
+    url: str
+    """Base URL the server will listen on (``http://127.0.0.1:PORT``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables (e.g. ``CUDA_VISIBLE_DEVICES``)."""
+    health_path: str = "/health"
+    """Path polled until it answers 200."""
+
+
+class RolloutEngine(ABC):
+    """A kind of engine server. Registered with ``miles_register_rollout_engines``."""
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[BaseModel]] = ComponentSettings
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+
+    def __init__(self, settings: BaseModel) -> None:
+        self.settings = settings
+
+    @abstractmethod
+    def launch(
+        self, *, model_path: str, host: str, port: int, device: str, dtype: str, devices: list[int]
+    ) -> EngineLaunch:
+        """The command that serves ``model_path`` on ``host:port``.
+
+        :param device: ``cpu`` or ``cuda``.
+        :param devices: device indices this engine may use (empty on CPU).
+        """

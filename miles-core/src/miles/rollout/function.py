@@ -1,0 +1,23 @@
+"""Custom rollout functions: replace the default single-turn generate (agents, tools, multi-turn)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from miles.rollout.client import EngineClient
+    from miles.rollout.protocol import SamplingParams
+    from miles.types import Sample
+
+__all__ = ["RolloutFunction"]
+
+
+class RolloutFunction(Protocol):
+    """``async (client, sample, sampling_params) -> Sample``: fill in one sample's response.
+
+    The function receives a sample with ``prompt_ids`` (and ``label`` / ``metadata``) and returns it with
+    ``response_ids``, ``rollout_logprobs``, ``loss_mask``, ``weight_versions`` and ``status`` set. It
+    must keep the tokens exact: multi-turn tool output is appended as token ids with ``loss_mask`` 0.
+    """
+
+    async def __call__(self, client: EngineClient, sample: Sample, sampling_params: SamplingParams) -> Sample: ...

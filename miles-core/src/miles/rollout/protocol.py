@@ -1,0 +1,113 @@
+"""SGLang's native ``/generate`` protocol as typed values.
+
+Both engines Miles drives speak it: the local engine (``miles serve``) and SGLang servers. Field names
+are SGLang's (``srt/managers/io_struct.py``): a request carries ``input_ids`` and ``sampling_params``;
+the response carries ``text``, ``output_ids`` and ``meta_info`` with ``output_token_logprobs`` as
+``[logprob, token_id, text | None]`` triples, ``finish_reason`` and ``weight_version``.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = ["FinishReason", "GenerateOutput", "SamplingParams", "PauseMode"]
+
+PauseMode = Literal["abort", "retract", "in_place"]
+"""How ``/pause_generation`` treats requests in flight (SGLang's modes)."""
+
+
+@dataclass
+class SamplingParams:
+    """SGLang ``sampling_params`` (only keys SGLang accepts; unknown keys are a 400 there)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The dict sent on the wire, without keys left at ``None``."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """``meta_info.finish_reason``: ``stop`` (with what matched), ``length`` or ``abort``."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> FinishReason:
+        if data is None:
+            return cls("abort", message="no finish_reason in the response")
+        return cls(
+            data["type"], matched=data.get("matched"), length=data.get("length"), message=data.get("message")
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = self.length
+        else:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class GenerateOutput:
+    """One completion as returned by ``/generate`` (one entry of a batch response)."""
+
+    text: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    """Logprob of each output token (``meta_info.output_token_logprobs[i][0]``)."""
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    input_logprobs: list[float | None] | None = None
+    """Logprobs of prompt tokens from ``logprob_start_len`` on (the first prompt token has none)."""
+    routed_experts: bytes | None = None
+    """int32 array (tokens x layers x topk) when ``return_routed_experts`` was asked."""
+    rid: str | None = None
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    """The raw ``meta_info`` for fields not mapped above."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GenerateOutput:
+        meta = data.get("meta_info", {})
+        triples = meta.get("output_token_logprobs") or []
+        ids = data.get("output_ids")
+        if ids is None:
+            ids = [int(t[1]) for t in triples]
+        input_lp = meta.get("input_token_logprobs")
+        routed = meta.get("routed_experts")
+        return cls(
+            text=data.get("text", ""),
+            output_ids=[int(t) for t in ids],
+            output_logprobs=[float(t[0]) for t in triples],
+            finish_reason=FinishReason.from_json(meta.get("finish_reason")),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(ids))),
+            cached_tokens=int(meta.get("cached_tokens", 0)),
+            weight_version=None if meta.get("weight_version") is None else str(meta["weight_version"]),
+            input_logprobs=None if input_lp is None else [None if t[0] is None else float(t[0]) for t in input_lp],
+            routed_experts=None if routed is None else base64.b64decode(routed),
+            rid=meta.get("id"),
+            meta_info=meta,
+        )

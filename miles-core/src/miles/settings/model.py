@@ -1,0 +1,276 @@
+"""The settings tree. Every field's docstring is its documentation (CLI help and the reference page).
+
+Components are chosen with a :class:`PluginSpec`: either a bare name (``algorithm = "grpo"``) or a table
+whose ``name`` picks the component and whose other keys are validated by that component's own
+``Settings`` model (``[algorithm] name = "grpo"  clip_eps_high = 0.28``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = [
+    "AlgorithmSpec",
+    "CheckpointSettings",
+    "ClusterSettings",
+    "DataSettings",
+    "LogSettings",
+    "MilesSettings",
+    "PluginSpec",
+    "RewardFunctionSpec",
+    "RewardSettings",
+    "RolloutSettings",
+    "TrainSettings",
+    "TransportSpec",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class PluginSpec(BaseModel):
+    """A component chosen by name; every other key belongs to the component's own settings model."""
+
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
+
+    name: str
+    """Registered name of the component (see ``miles plugins list``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The component's own keys (validated by its ``Settings`` model when the run is resolved)."""
+        return dict(self.model_extra or {})
+
+
+class AlgorithmSpec(PluginSpec):
+    """The RL objective; its other keys are the algorithm's settings."""
+
+
+class TransportSpec(PluginSpec):
+    """The weight transport; its other keys are the transport's settings."""
+
+
+class RewardFunctionSpec(PluginSpec):
+    """One reward function of a (possibly weighted) combination."""
+
+    weight: float = 1.0
+    """Weight of this function in the combined reward."""
+
+
+class ClusterSettings(_Section):
+    """Where processes run."""
+
+    launcher: PluginSpec = Field(default_factory=lambda: PluginSpec(name="local"))
+    """How processes are placed: ``local`` (this host) or ``ray``."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of trainer ranks and engines; ``cpu`` uses gloo, ``cuda`` NCCL."""
+    trainer_ranks: int = Field(1, ge=1)
+    """Number of trainer processes (data-parallel world size for FSDP)."""
+    num_engines: int = Field(1, ge=0)
+    """Number of rollout-engine servers (0 for SFT, which needs none)."""
+    colocate: bool = False
+    """Engines and trainer share devices: engines release memory while the trainer trains."""
+    host: str = "127.0.0.1"
+    """Address services bind to."""
+    engine_startup_timeout: float = Field(300.0, gt=0)
+    """Seconds to wait for an engine to answer ``/health``."""
+
+
+class DataSettings(_Section):
+    """Where prompts come from."""
+
+    source: PluginSpec = Field(default_factory=lambda: PluginSpec(name="jsonl"))
+    """Data-source plugin: ``jsonl``, ``parquet`` ..."""
+    path: str | None = None
+    """Prompt file (JSONL: one object a line)."""
+    prompt_key: str = "prompt"
+    """Key of the prompt (text, or a list of chat messages)."""
+    label_key: str = "label"
+    """Key of the label handed to rewards (reference answer ...)."""
+    apply_chat_template: bool = True
+    """Apply the tokenizer's chat template to the prompt, once, when it is read."""
+    system_prompt: str | None = None
+    """Optional system message prepended before the chat template is applied."""
+    shuffle: bool = True
+    """Shuffle each epoch (deterministically, from ``seed``)."""
+    seed: int = 1234
+    """Seed of the shuffle."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Drop prompts longer than this many tokens (``None``: keep all)."""
+
+
+class RolloutSettings(_Section):
+    """Generation."""
+
+    engine: PluginSpec = Field(default_factory=lambda: PluginSpec(name="local"))
+    """Rollout-engine backend: ``local`` (``miles serve``) or ``sglang``."""
+    function: str | None = None
+    """Custom rollout function: a registered name or ``package.module:function`` (default: single-turn)."""
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    """``sync``: generate then train; ``one_step_off``: overlap one batch; ``fully_async``: a producer."""
+    rollout_batch_size: int = Field(8, ge=1)
+    """Prompts per rollout."""
+    n_samples_per_prompt: int = Field(4, ge=1)
+    """Samples per prompt (the group size)."""
+    max_new_tokens: int = Field(128, ge=1)
+    """Maximum response tokens."""
+    min_new_tokens: int = Field(0, ge=0)
+    """Minimum response tokens (EOS is suppressed before that)."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature (0 = greedy); the trainer applies the same one to its logits."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings."""
+    max_staleness: int = Field(1, ge=0)
+    """Async modes: drop/retry samples whose oldest weight version is this far behind the trainer."""
+    stale_policy: Literal["drop", "retry"] = "drop"
+    """What happens to a sample over ``max_staleness``."""
+    buffer_groups: int = Field(16, ge=1)
+    """Async modes: capacity of the rollout buffer, in groups."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    """How engines treat requests in flight during a weight update."""
+    engine_dtype: str = "auto"
+    """Dtype engines serve in (``auto``: the precision recipe's)."""
+    max_cache_tokens: int = Field(1 << 20, ge=0)
+    """Local engine: prefix-cache capacity in tokens (LRU eviction beyond it)."""
+
+
+class TrainSettings(_Section):
+    """Training."""
+
+    backend: PluginSpec = Field(default_factory=lambda: PluginSpec(name="fsdp"))
+    """Trainer backend: ``fsdp`` or ``megatron``; other keys are the backend's settings."""
+    model_path: str | None = None
+    """Initial policy: a Hugging Face model directory (safetensors) or a ``.gguf`` file."""
+    num_rollouts: int = Field(1, ge=1)
+    """How many rollouts (and their training steps) the run makes."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step (default: all samples of a rollout, i.e. one step per rollout)."""
+    max_tokens_per_micro_batch: int = Field(4096, ge=1)
+    """Token budget of one micro-batch (dynamic batch size)."""
+    lr: float = Field(1e-6, gt=0.0)
+    """Peak learning rate (AdamW)."""
+    min_lr: float = Field(0.0, ge=0.0)
+    """Final learning rate of the cosine decay (equal to ``lr``: constant after warm-up)."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Gradient-norm clip (0: off)."""
+    seed: int = 1234
+    """Seed of model init (when built from a config), dropout and sampling in the driver."""
+
+    steps_per_rollout: int = Field(1, ge=1, exclude=True)
+    """Derived: optimizer steps per rollout (``rollout_batch_size x n_samples / global_batch_size``)."""
+
+
+class RewardSettings(_Section):
+    """Scoring."""
+
+    functions: list[RewardFunctionSpec] = Field(default_factory=list)
+    """Reward functions and weights; the sample's reward is the weighted sum, parts are logged."""
+    timeout: float = Field(30.0, gt=0.0)
+    """Seconds a reward function may take for one sample before the sample is marked failed."""
+    max_concurrency: int = Field(64, ge=1)
+    """Samples scored at once."""
+
+
+class LogSettings(_Section):
+    """Metrics and logs."""
+
+    run_dir: str = "runs/miles"
+    """Output directory of the run (metrics, samples, checkpoints, plots)."""
+    loggers: list[PluginSpec] = Field(default_factory=lambda: [PluginSpec(name="jsonl")])
+    """Metrics loggers: ``jsonl``, ``tensorboard``, ``wandb`` ..."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level."""
+    logprob_diff_warn: float = Field(0.05, ge=0.0)
+    """Warn when the mean |train - rollout| logprob difference exceeds this."""
+
+
+class CheckpointSettings(_Section):
+    """Saving and resuming."""
+
+    save_interval: int | None = Field(None, ge=1)
+    """Save every this many training steps (``None``: only at the end when ``save_final``)."""
+    save_final: bool = True
+    """Save a checkpoint when the run ends."""
+    dir: str | None = None
+    """Checkpoint directory (default: ``<run_dir>/checkpoints``)."""
+    export_hf: bool = True
+    """Export a Hugging Face safetensors directory at the end of the run."""
+
+
+class MilesSettings(BaseSettings):
+    """The whole configuration of a run."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        env_prefix="MILES_",
+        env_nested_delimiter="__",
+        validate_assignment=True,
+    )
+
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    """Where processes run."""
+    data: DataSettings = Field(default_factory=DataSettings)
+    """Where prompts come from."""
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    """Generation."""
+    train: TrainSettings = Field(default_factory=TrainSettings)
+    """Training."""
+    algorithm: AlgorithmSpec = Field(default_factory=lambda: AlgorithmSpec(name="grpo"))
+    """The RL objective: ``grpo``, ``gspo``, ``ppo``, ``reinforce_pp``, ``sft`` ..."""
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    """Scoring."""
+    transport: TransportSpec = Field(default_factory=lambda: TransportSpec(name="disk"))
+    """How weights reach the engines: ``disk``, ``broadcast``, ``p2p`` ..."""
+    precision: PluginSpec = Field(default_factory=lambda: PluginSpec(name="fp32"))
+    """Precision recipe: ``fp32``, ``bf16`` ..."""
+    log: LogSettings = Field(default_factory=LogSettings)
+    """Metrics and logs."""
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    """Saving and resuming."""
+
+    _sources: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _derive(self) -> MilesSettings:
+        """Compute and check derived values (the batch invariant) before anything starts."""
+        rollout, train = self.rollout, self.train
+        samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+        gbs = train.global_batch_size if train.global_batch_size is not None else samples
+        if samples % gbs:
+            raise ValueError(
+                f"train.global_batch_size: {gbs} must divide rollout.rollout_batch_size x "
+                f"rollout.n_samples_per_prompt = {rollout.rollout_batch_size} x {rollout.n_samples_per_prompt} "
+                f"= {samples} (rollout_batch_size x n_samples_per_prompt = global_batch_size x steps_per_rollout)"
+            )
+        if gbs % self.cluster.trainer_ranks:
+            raise ValueError(
+                f"train.global_batch_size: {gbs} is not divisible by cluster.trainer_ranks = "
+                f"{self.cluster.trainer_ranks}"
+            )
+        train.global_batch_size = gbs
+        train.steps_per_rollout = samples // gbs
+        return self

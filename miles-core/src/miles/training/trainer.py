@@ -1,0 +1,123 @@
+"""The trainer interface. Backends (``fsdp``, ``megatron``) implement it; the driver calls it.
+
+A trainer runs SPMD: one instance per rank of a ``torch.distributed`` world (gloo on CPU, NCCL on GPU),
+and every rank calls the same methods in the same order with its share of the batch (collectives inside).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import BaseModel
+
+from miles.components import ComponentSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles.algorithms.base import Algorithm
+    from miles.precision.base import PrecisionRecipe
+    from miles.settings.model import TrainSettings
+    from miles.training.batch import TrainBatch
+
+__all__ = ["DistContext", "LogprobOutput", "Trainer", "WeightBucket"]
+
+WeightBucket = list[tuple[str, "torch.Tensor"]]
+"""A list of (HF parameter name, full tensor) pairs; a transport sends one bucket at a time."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this trainer rank sits."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+    """``cpu`` or ``cuda``; the backend picks gloo or NCCL from it."""
+
+
+@dataclass
+class LogprobOutput:
+    """Per-response-token results of a forward pass, one tensor per sequence (float32, on CPU)."""
+
+    logprobs: list[torch.Tensor]
+    entropy: list[torch.Tensor] | None = None
+
+
+class Trainer(ABC):
+    """A training backend. Registered with ``miles_register_trainers``."""
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[BaseModel]] = ComponentSettings
+
+    def __init__(
+        self,
+        train: TrainSettings,
+        options: BaseModel,
+        precision: PrecisionRecipe,
+        dist: DistContext,
+    ) -> None:
+        """
+        :param train: the core ``train`` settings section (model path, optimizer, batch sizes ...).
+        :param options: this backend's own settings (its ``Settings`` model, from ``train.backend``).
+        :param precision: the precision recipe (parameter / reduce dtypes).
+        :param dist: this rank's place in the world; the process group is already initialised.
+        """
+        self.train_settings = train
+        self.options = options
+        self.precision = precision
+        self.dist = dist
+
+    @abstractmethod
+    def setup(self, *, need_ref: bool = False, need_values: bool = False) -> None:
+        """Load the model (and a frozen reference and/or a value head when asked) and the optimizer."""
+
+    @abstractmethod
+    def compute_logprobs(
+        self,
+        batch: TrainBatch,
+        *,
+        model: Literal["actor", "ref"] = "actor",
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> LogprobOutput:
+        """Per-token logprobs of the response tokens of ``batch`` (logits divided by ``temperature``,
+        as the engine samples)."""
+
+    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Critic values per response token (PPO). Backends without a value head raise."""
+        raise TypeError(f"trainer {self.name!r} has no value head; pick an algorithm that needs no critic")
+
+    @abstractmethod
+    def train_step(self, batch: TrainBatch, algorithm: Algorithm) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this rank's share) with ``algorithm``'s loss.
+
+        Returns metrics reduced over ranks: loss parts, ``grad_norm``, ``lr``, ``tokens``, and
+        ``train_rollout_logprob_abs_diff`` when the batch carries rollout logprobs.
+        """
+
+    @abstractmethod
+    def iter_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Full weights in Hugging Face naming, bucket by bucket (a collective: every rank iterates).
+
+        Rank 0 receives full tensors; other ranks may receive empty buckets.
+        """
+
+    @abstractmethod
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer, scheduler, RNG states and step (sharded; every rank calls)."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote, exactly."""
+
+    @abstractmethod
+    def export_hf(self, path: str) -> None:
+        """Write a Hugging Face safetensors directory that ``transformers`` loads with strict keys."""
+
+    def close(self) -> None:
+        """Release resources; the launcher destroys the process group afterwards."""

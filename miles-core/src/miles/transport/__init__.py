@@ -1,0 +1,1 @@
+"""Weight transports: how trainer weights reach the engines (built-ins: disk, broadcast)."""

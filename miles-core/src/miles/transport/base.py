@@ -1,0 +1,58 @@
+"""The weight-transport interface.
+
+After a training step every trainer rank calls :meth:`WeightTransport.push` with the trainer's bucket
+iterator (gathering is a collective); the transport decides which rank sends what. Afterwards the core
+verifies that the engines serve the new version and the expected checksums.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import BaseModel
+
+from miles.components import ComponentSettings
+
+if TYPE_CHECKING:
+    from miles.rollout.client import EngineClient
+    from miles.training.trainer import DistContext, WeightBucket
+
+__all__ = ["PushReport", "WeightTransport"]
+
+
+@dataclass
+class PushReport:
+    """What one push moved (rank 0's view)."""
+
+    version: str
+    num_tensors: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    checksums: dict[str, str] = field(default_factory=dict)
+    """Per tensor name, a checksum of what was sent (compared with what the engines report)."""
+
+
+class WeightTransport(ABC):
+    """A way to deliver weights. Registered with ``miles_register_transports``."""
+
+    name: ClassVar[str]
+    Settings: ClassVar[type[BaseModel]] = ComponentSettings
+
+    def __init__(self, settings: BaseModel) -> None:
+        self.settings = settings
+
+    async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
+        """Set up channels (process groups, directories) once, before the first push.
+
+        :param client: the engines (``None`` on ranks that do not talk to engines).
+        """
+
+    @abstractmethod
+    async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
+        """Deliver every bucket and make the engines report ``version``. Every rank calls it."""
+
+    async def close(self) -> None:
+        """Tear channels down."""

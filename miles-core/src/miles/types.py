@@ -1,0 +1,222 @@
+"""The data model: one trajectory as the engine produced it (:class:`Sample`) and its group.
+
+A :class:`Sample` is the training data. Its token ids are exactly what the engine consumed and produced,
+so nothing downstream re-tokenises text. Everything it holds survives :meth:`Sample.to_dict` /
+:meth:`Sample.from_dict` (and therefore JSONL files and checkpoints) exactly: floats are kept as Python
+floats (IEEE doubles), which JSON round-trips bit for bit.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = [
+    "Sample",
+    "SampleGroup",
+    "SampleStatus",
+    "WeightSpan",
+    "group_samples",
+]
+
+
+class SampleStatus(str, enum.Enum):
+    """How a trajectory ended."""
+
+    PENDING = "pending"
+    """Not generated yet (a prompt waiting in the rollout manager)."""
+    COMPLETED = "completed"
+    """The policy stopped on its own (EOS, a stop string or a stop token)."""
+    TRUNCATED = "truncated"
+    """Generation hit ``max_new_tokens`` or the context length."""
+    ABORTED = "aborted"
+    """The engine aborted the request (pause in ``abort`` mode, ``/abort_request``, shutdown)."""
+    FAILED = "failed"
+    """Something other than the policy failed (the engine, a tool, a reward); ``status_reason`` says what."""
+
+
+@dataclass(frozen=True)
+class WeightSpan:
+    """Response tokens ``[start, end)`` were sampled under weight version ``version``."""
+
+    start: int
+    end: int
+    version: int
+
+    def to_list(self) -> list[int]:
+        return [self.start, self.end, self.version]
+
+    @classmethod
+    def from_list(cls, value: Sequence[int]) -> WeightSpan:
+        start, end, version = value
+        return cls(int(start), int(end), int(version))
+
+
+@dataclass
+class Sample:
+    """One trajectory: a prompt and the engine's response, token-exact.
+
+    ``response_ids``, ``rollout_logprobs`` and ``loss_mask`` are aligned: one entry per response token.
+    In a multi-turn episode the response holds every turn after the first prompt; tokens the policy did
+    not sample (tool output, environment or user turns) have ``loss_mask`` 0 and ``rollout_logprobs`` 0.0.
+    """
+
+    prompt_ids: list[int]
+    """Prompt token ids, chat template already applied."""
+    response_ids: list[int] = field(default_factory=list)
+    """Response token ids as the engine produced them (and, multi-turn, the environment's tokens)."""
+    rollout_logprobs: list[float] = field(default_factory=list)
+    """Per-token logprob of each response token under the distribution it was sampled from."""
+    loss_mask: list[int] = field(default_factory=list)
+    """Per response token: 1 = sampled by the policy (trained on), 0 = environment / tool / user tokens."""
+    reward: float | None = None
+    """Scalar reward; ``None`` until scored."""
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    """Named parts of the reward (one per reward function of a combined reward)."""
+    status: SampleStatus = SampleStatus.PENDING
+    """How the trajectory ended."""
+    status_reason: str = ""
+    """Why, for aborted / failed samples (e.g. ``"reward 'math' timed out after 5.0s"``)."""
+    group_id: int = 0
+    """All samples generated for one prompt share a group id."""
+    index: int = 0
+    """Index of the sample within its group."""
+    prompt: str = ""
+    """The prompt as text (for logs and rewards; never re-tokenised)."""
+    response: str = ""
+    """The response as text (decoded by the engine)."""
+    label: Any = None
+    """The data set's label for the prompt (reference answer, test cases ...), JSON-serialisable."""
+    weight_versions: list[WeightSpan] = field(default_factory=list)
+    """Which weight version produced which span of the response (several after a mid-rollout update)."""
+    routed_experts: bytes | None = None
+    """MoE routing replay: int32 array (tokens x layers x topk), raw bytes, as the engine returned it."""
+    routed_experts_shape: tuple[int, int, int] | None = None
+    """Shape of ``routed_experts``: (tokens, layers, topk)."""
+    teacher_logprobs: list[float] | None = None
+    """Per response token logprob under a teacher model (on-policy distillation)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free, JSON-serialisable data (data set row fields, tool traces, timings)."""
+
+    # -- derived ----------------------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt followed by response: the sequence the trainer sees."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def oldest_weight_version(self) -> int | None:
+        """The oldest weight version that produced any part of the response (for staleness)."""
+        return min((span.version for span in self.weight_versions), default=None)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field when the per-token lists are not aligned."""
+        n = len(self.response_ids)
+        for name in ("rollout_logprobs", "loss_mask"):
+            value = getattr(self, name)
+            if len(value) != n:
+                raise ValueError(f"Sample.{name} has {len(value)} entries, response_ids has {n}")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(
+                f"Sample.teacher_logprobs has {len(self.teacher_logprobs)} entries, response_ids has {n}"
+            )
+        if self.routed_experts is not None:
+            if self.routed_experts_shape is None:
+                raise ValueError("Sample.routed_experts is set but routed_experts_shape is not")
+            t, layers, k = self.routed_experts_shape
+            if t * layers * k * 4 != len(self.routed_experts):
+                raise ValueError(
+                    f"Sample.routed_experts holds {len(self.routed_experts)} bytes, "
+                    f"shape {self.routed_experts_shape} needs {t * layers * k * 4}"
+                )
+
+    # -- (de)serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict from which :meth:`from_dict` rebuilds an equal sample."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "status":
+                value = value.value
+            elif f.name == "weight_versions":
+                value = [span.to_list() for span in value]
+            elif f.name == "routed_experts":
+                value = None if value is None else base64.b64encode(value).decode("ascii")
+            elif f.name == "routed_experts_shape":
+                value = None if value is None else list(value)
+            elif isinstance(value, (list, dict)):
+                value = json.loads(json.dumps(value))  # detach from the sample
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown Sample field(s): {', '.join(unknown)}")
+        if "prompt_ids" not in data:
+            raise ValueError("Sample field 'prompt_ids' is required")
+        kwargs = dict(data)
+        if "status" in kwargs:
+            kwargs["status"] = SampleStatus(kwargs["status"])
+        if "weight_versions" in kwargs:
+            kwargs["weight_versions"] = [WeightSpan.from_list(v) for v in kwargs["weight_versions"]]
+        if kwargs.get("routed_experts") is not None:
+            kwargs["routed_experts"] = base64.b64decode(kwargs["routed_experts"])
+        if kwargs.get("routed_experts_shape") is not None:
+            kwargs["routed_experts_shape"] = tuple(int(v) for v in kwargs["routed_experts_shape"])
+        if "rollout_logprobs" in kwargs:
+            kwargs["rollout_logprobs"] = [float(v) for v in kwargs["rollout_logprobs"]]
+        if kwargs.get("teacher_logprobs") is not None:
+            kwargs["teacher_logprobs"] = [float(v) for v in kwargs["teacher_logprobs"]]
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> Sample:
+        return cls.from_dict(json.loads(line))
+
+
+@dataclass
+class SampleGroup:
+    """The samples generated for one prompt; advantages are computed over a group."""
+
+    group_id: int
+    samples: list[Sample]
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def rewards(self) -> list[float]:
+        """Rewards of the group's samples; an unscored sample counts as 0.0."""
+        return [0.0 if s.reward is None else float(s.reward) for s in self.samples]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "samples": [s.to_dict() for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SampleGroup:
+        return cls(int(data["group_id"]), [Sample.from_dict(s) for s in data["samples"]])
+
+
+def group_samples(samples: Iterable[Sample]) -> list[SampleGroup]:
+    """Group samples by ``group_id``, keeping first-seen group order and index order within a group."""
+    groups: dict[int, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group_id, []).append(sample)
+    return [SampleGroup(gid, sorted(members, key=lambda s: s.index)) for gid, members in groups.items()]

@@ -95,7 +95,13 @@ class Algorithm(ABC):
 
     @property
     def aggregation(self) -> Aggregation:
+        """How the trainer turns per-token losses into the step loss (see :mod:`miles.algorithms.aggregation`)."""
         return "token_mean"
+
+    @property
+    def seq_len_norm(self) -> float:
+        """The constant of ``seq_mean_token_sum_norm`` aggregation (Dr.GRPO: the maximum response length)."""
+        return 1.0
 
     def keep_groups(self, groups: Sequence[SampleGroup]) -> list[bool]:
         """Which groups to train on (dynamic sampling); the rollout manager refills dropped ones."""

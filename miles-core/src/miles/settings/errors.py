@@ -45,15 +45,17 @@ def format_validation_error(
             msg = "required key is missing"
         elif err["msg"].startswith("Value error, "):
             msg = err["msg"][len("Value error, ") :]
+        # a model validator's message starts with the field it is about: "train.global_batch_size: ..."
+        named = msg.split(" ", 1)[0]
+        if kind == "value_error" and named.endswith(":") and "." in named:
+            path, msg = named[:-1], msg[len(named) :].strip()
+            if prefix and not path.startswith(prefix):
+                path = f"{prefix}.{path}"
         source = source_of(path) if source_of else None
         where = f" ({source})" if source else ""
         got = ""
-        if kind not in ("extra_forbidden", "missing") and "input" in err and not isinstance(err["input"], dict):
+        if kind not in ("extra_forbidden", "missing", "value_error") and "input" in err and not isinstance(err["input"], dict):
             got = f" (got {err['input']!r})"
-        # a model validator's message already names its field(s): do not prefix the section path
-        if kind == "value_error" and ":" in msg.split(" ", 1)[0]:
-            lines.append(f"{msg}{where}")
-        else:
-            lines.append(f"{path}{where}: {msg}{got}")
+        lines.append(f"{path}{where}: {msg}{got}")
     head = f"invalid {context}:" if context else "invalid settings:"
     return "\n".join([head, *("  " + line for line in lines)])

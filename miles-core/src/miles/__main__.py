@@ -1,0 +1,5 @@
+"""``python -m miles`` runs the CLI."""
+
+from miles.cli import main
+
+main()

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def miles(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "miles", *args], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+def test_version_lists_installed_packages() -> None:
+    out = miles("--version")
+    assert out.returncode == 0
+    assert "miles-core 0.1.0" in out.stdout.splitlines()
+
+
+def test_plugins_list_json_schema_and_hook_filter() -> None:
+    out = miles("plugins", "list", "--json", "--hook", "miles_register_precisions")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["schema_version"] == 1
+    names = [p["name"] for p in data["plugins"]]
+    assert "precision" in names and "jsonl" not in names
+    entry = next(p for p in data["plugins"] if p["name"] == "precision")
+    assert set(entry) == {"name", "distribution", "version", "builtin", "status", "error", "registers", "hooks"}
+    assert {"kind": "precision", "name": "bf16"} in entry["registers"]
+
+
+def test_plugins_list_shows_blocked(tmp_path: Path) -> None:
+    out = miles("plugins", "list", env={"MILES_DISABLE_PLUGINS": "jsonl", "COLUMNS": "200"})
+    assert out.returncode == 0
+    line = next(line for line in out.stdout.splitlines() if " jsonl " in line)
+    assert "blocked" in line
+
+
+@pytest.mark.parametrize(
+    ("config", "args", "message"),
+    [
+        ("[train]\nlr = \"fast\"\n", [], "train.lr ({path}:2): Input should be a valid number"),
+        ("[precision]\nname = \"fp7\"\n", [], "precision.name ({path}:2): unknown precision 'fp7' (available: bf16, fp32)"),
+        ("", ["--set", "precision=fp7"], "precision (--set precision=fp7): unknown precision 'fp7'"),
+    ],
+)
+def test_train_config_errors_exit_2_without_traceback(tmp_path: Path, config: str, args: list[str], message: str) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(config)
+    out = miles("train", "--dry-run", str(path), *args, env={"COLUMNS": "300"})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message.format(path=path) in " ".join(out.stderr.split())
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,48 @@
+"""Shared fixtures for miles-core tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
+    """Install a real (path-based) distribution exposing ``miles.plugins`` entry points.
+
+    ``fake_distribution("miles-x", {"x": "miles_x_plugin"}, {"miles_x_plugin": "source"})`` writes the
+    modules and a ``.dist-info`` with ``entry_points.txt`` into a folder on ``sys.path`` (and
+    ``PYTHONPATH`` for subprocesses), exactly what pip would leave behind.
+    """
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    added: list[str] = []
+
+    def make(dist: str, entry_points: dict[str, str], modules: dict[str, str], version: str = "0.3.1") -> Path:
+        for module, source in modules.items():
+            (site / f"{module}.py").write_text(textwrap.dedent(source))
+            added.append(module)
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[miles.plugins]\n{lines}\n")
+        return site
+
+    yield make
+    for module in added:
+        sys.modules.pop(module, None)
+
+
+@pytest.fixture(autouse=True)
+def _plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start with no plugin-selection variables from the developer's shell."""
+    for var in ("MILES_DISABLE_PLUGINS", "MILES_LOAD_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles.errors import SettingsError
+from miles.settings import MilesSettings, load_settings
+from miles.settings.loader import parse_override
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_derived_values() -> None:
+    settings = load_settings(env={})
+    assert isinstance(settings, MilesSettings)
+    assert settings.train.global_batch_size == 32  # 8 prompts x 4 samples
+    assert settings.train.steps_per_rollout == 1
+    assert settings.algorithm.name == "grpo" and settings.transport.name == "disk"
+
+
+def test_precedence_file_then_env_then_set(tmp_path: Path) -> None:
+    config = _write(tmp_path, "run.toml", "[train]\nlr = 1e-4\nseed = 1\nwarmup_steps = 3\n[rollout]\ntemperature = 0.5\n")
+    env = {"MILES_TRAIN__LR": "2e-4", "MILES_TRAIN__SEED": "2"}
+    settings = load_settings(config, env=env, overrides=["train.seed=3"])
+    assert settings.train.lr == 2e-4  # env beats file
+    assert settings.train.seed == 3  # --set beats env
+    assert settings.train.warmup_steps == 3  # file beats default
+    assert settings.rollout.temperature == 0.5
+
+
+def test_yaml_file_and_plugin_tables(tmp_path: Path) -> None:
+    config = _write(
+        tmp_path,
+        "run.yaml",
+        "algorithm:\n  name: ppo\n  gamma: 0.99\nreward:\n  functions:\n    - name: math\n      weight: 2.0\n    - length_penalty\n",
+    )
+    settings = load_settings(config, env={})
+    assert settings.algorithm.name == "ppo" and settings.algorithm.options == {"gamma": 0.99}
+    assert [(f.name, f.weight) for f in settings.reward.functions] == [("math", 2.0), ("length_penalty", 1.0)]
+
+
+def test_batch_invariant(tmp_path: Path) -> None:
+    settings = load_settings(env={}, overrides=["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=8", "train.global_batch_size=8"])
+    assert settings.train.steps_per_rollout == 4
+    config = _write(tmp_path, "run.toml", "[train]\nglobal_batch_size = 12\n")
+    with pytest.raises(SettingsError) as info:
+        load_settings(config, env={})
+    message = str(info.value)
+    assert f"train.global_batch_size ({config}:2): 12 must divide" in message
+    assert "= 32" in message
+    with pytest.raises(SettingsError, match=r"train.global_batch_size \(env MILES_TRAIN__GLOBAL_BATCH_SIZE\): 32 is not divisible by cluster.trainer_ranks = 3"):
+        load_settings(env={"MILES_TRAIN__GLOBAL_BATCH_SIZE": "32", "MILES_CLUSTER__TRAINER_RANKS": "3"})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[train]\nlr = -1.0\n", "train.lr ({path}:2): Input should be greater than 0 (got -1.0)"),
+        ("[train]\n\nlrr = 0.1\n", "train.lrr ({path}:3): unknown key"),
+        ("[rollout]\nmode = \"async\"\n", "rollout.mode ({path}:2): Input should be 'sync', 'one_step_off' or 'fully_async'"),
+        ("[cluster]\ntrainer_ranks = \"two\"\n", "cluster.trainer_ranks ({path}:2): Input should be a valid integer"),
+        ("[[reward.functions]]\nname = \"math\"\n\n[[reward.functions]]\nname = \"regex\"\nweight = \"x\"\n", "reward.functions[1].weight ({path}:6): Input should be a valid number"),
+        ("[sections]\na = 1\n", "sections ({path}:1): unknown key"),
+    ],
+)
+def test_file_errors_name_field_and_line(tmp_path: Path, text: str, expected: str) -> None:
+    config = _write(tmp_path, "run.toml", text)
+    with pytest.raises(SettingsError) as info:
+        load_settings(config, env={})
+    assert expected.format(path=config) in str(info.value)
+
+
+def test_yaml_errors_name_line(tmp_path: Path) -> None:
+    config = _write(tmp_path, "run.yaml", "train:\n  lr: 0.1\n  seed: nope\n")
+    with pytest.raises(SettingsError, match=r"train.seed \(.*run.yaml:3\): Input should be a valid integer"):
+        load_settings(config, env={})
+    broken = _write(tmp_path, "broken.yaml", "train:\n  lr: [1,\n")
+    with pytest.raises(SettingsError, match=r"broken.yaml:\d+: invalid YAML"):
+        load_settings(broken, env={})
+
+
+def test_env_and_set_errors_name_their_source() -> None:
+    with pytest.raises(SettingsError, match=r"rollout.top_p \(env MILES_ROLLOUT__TOP_P\): Input should be less than or equal to 1"):
+        load_settings(env={"MILES_ROLLOUT__TOP_P": "1.5"})
+    with pytest.raises(SettingsError, match=r"rollout.top_k \(--set rollout.top_k=many\): Input should be a valid integer"):
+        load_settings(env={}, overrides=["rollout.top_k=many"])
+    with pytest.raises(SettingsError, match=r"train.nope \(--set train.nope=1\): unknown key"):
+        load_settings(env={}, overrides=["train.nope=1"])
+
+
+def test_bad_files() -> None:
+    with pytest.raises(SettingsError, match="cannot read settings file /nonexistent/run.toml"):
+        load_settings("/nonexistent/run.toml", env={})
+
+
+def test_bad_toml_and_suffix(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="invalid TOML"):
+        load_settings(_write(tmp_path, "bad.toml", "[train\n"), env={})
+    with pytest.raises(SettingsError, match="expected a .toml, .yaml or .yml file"):
+        load_settings(_write(tmp_path, "run.ini", "[train]\n"), env={})
+
+
+def test_parse_override_literals() -> None:
+    assert parse_override("train.lr=1e-5") == (["train", "lr"], 1e-5)
+    assert parse_override("rollout.stop=[\"</s>\", \"\\n\\n\"]") == (["rollout", "stop"], ["</s>", "\n\n"])
+    assert parse_override("algorithm=ppo") == (["algorithm"], "ppo")
+    assert parse_override("cluster.colocate=true") == (["cluster", "colocate"], True)
+    with pytest.raises(SettingsError, match="expected KEY=VALUE"):
+        parse_override("train.lr")
+    with pytest.raises(SettingsError, match="invalid key"):
+        parse_override("train..lr=1")

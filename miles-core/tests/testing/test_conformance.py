@@ -683,3 +683,46 @@ def test_light_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         check_light_import("heavy_plugin")
     with pytest.raises(AssertionError, match=r"plugin module 'no_such_module': import fails"):
         check_light_import("no_such_module")
+
+
+GOOD_PLUGIN = '''
+import miles
+from miles.precision.base import PrecisionRecipe
+
+
+class Half(PrecisionRecipe):
+    """float16 compute."""
+
+    name = "fp16_test"
+    param_dtype = "float16"
+
+
+@miles.hookimpl
+def miles_register_precisions(register):
+    register(Half)
+'''
+
+
+def test_entry_point_of_an_installed_distribution(fake_distribution: Any) -> None:
+    fake_distribution(
+        "miles-fp16-test", {"fp16_test": "miles_fp16_test_plugin"}, {"miles_fp16_test_plugin": GOOD_PLUGIN}
+    )
+    record = check_entry_point("fp16_test", distribution="miles-fp16-test")
+    assert (record.distribution, record.version, record.registers) == (
+        "miles-fp16-test",
+        "0.3.1",
+        [("precision", "fp16_test")],
+    )
+
+
+def test_entry_point_that_fails_to_import(fake_distribution: Any) -> None:
+    fake_distribution(
+        "miles-broken-test",
+        {"broken_test": "miles_broken_test_plugin"},
+        {"miles_broken_test_plugin": "import no_such_dependency\n"},
+    )
+    with pytest.raises(
+        AssertionError,
+        match=r"entry point 'broken_test'.*loads with status failed: ModuleNotFoundError: No module named 'no_such_dependency'",
+    ):
+        check_entry_point("broken_test")

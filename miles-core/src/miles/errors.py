@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 __all__ = [
+    "DataError",
     "DuplicateComponentError",
     "EngineError",
+    "LaunchError",
     "MilesError",
     "PluginLoadError",
     "SettingsError",
@@ -45,3 +47,27 @@ class EngineError(MilesError):
 
 class WeightVerificationError(MilesError):
     """After a weight push, the engines do not serve what the trainer sent (names the tensor)."""
+
+
+class DataError(MilesError):
+    """A bad data row or file: names the file and line (``prompts.jsonl:17: missing key 'prompt'``)."""
+
+    exit_code = 2
+
+
+class LaunchError(MilesError):
+    """A process the launcher started failed to come up or exited with an error.
+
+    The message names the process (``trainer-1``, ``engine-0``), its exit code and the tail of its log.
+    """
+
+    def __init__(
+        self, message: str, *, process: str | None = None, returncode: int | None = None, log_tail: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.process = process
+        """Name of the failed process (``trainer-1``), when one is to blame."""
+        self.returncode = returncode
+        """Its exit code (negative: killed by that signal), when it exited."""
+        self.log_tail = log_tail
+        """The last lines of its log file."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -37,11 +38,26 @@ class DataSource(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]] = ComponentSettings
 
-    def __init__(self, settings: BaseModel, *, path: str, seed: int, shuffle: bool) -> None:
+    def __init__(
+        self,
+        settings: BaseModel,
+        *,
+        path: str,
+        seed: int,
+        shuffle: bool,
+        prompt_key: str = "prompt",
+        label_key: str = "label",
+        pipeline: Callable[[list[Prompt]], list[Prompt]] | None = None,
+    ) -> None:
+        """:param pipeline: applied once to every prompt when the data is loaded (tokenising, filtering);
+        see :class:`miles.data.pipeline.PromptPipeline`."""
         self.settings = settings
         self.path = path
         self.seed = seed
         self.shuffle = shuffle
+        self.prompt_key = prompt_key
+        self.label_key = label_key
+        self.pipeline = pipeline
 
     @abstractmethod
     def next_batch(self, n: int) -> list[Prompt]:

@@ -1,9 +1,10 @@
-"""The launcher interface."""
+"""The launcher interface: start trainer ranks, engine servers and helper processes; own and reap them."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import ClassVar
 
 from pydantic import BaseModel
@@ -11,7 +12,7 @@ from pydantic import BaseModel
 from miles.components import ComponentSettings
 from miles.rollout.engine import EngineLaunch
 
-__all__ = ["Launcher", "ProcessSpec"]
+__all__ = ["Launcher", "ProcessHandle", "ProcessSpec"]
 
 
 @dataclass
@@ -19,37 +20,82 @@ class ProcessSpec:
     """One process to start."""
 
     name: str
-    """Shown in logs and errors (``trainer-0``, ``engine-1``)."""
+    """Shown in logs and errors (``trainer-0``, ``engine-1``); also the name of its log file."""
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables, on top of the launcher's own environment."""
     cwd: str | None = None
+
+
+class ProcessHandle(ABC):
+    """A process a launcher started (on this host or elsewhere)."""
+
+    name: str
+    """The :attr:`ProcessSpec.name` it was started with."""
+
+    @abstractmethod
+    def exit_status(self) -> int | None:
+        """``None`` while it runs; then its exit code (negative: killed by that signal)."""
+
+    @abstractmethod
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of its output (stdout and stderr together)."""
 
 
 class Launcher(ABC):
     """Starts processes on some set of machines. Registered with ``miles_register_launchers``.
 
     A launcher owns every process it starts: :meth:`shutdown` terminates and reaps them all (never by
-    name), and it is called on normal exit, on Ctrl-C and on failure.
+    name), and it is called on normal exit, on Ctrl-C and on failure. Use it as a context manager::
+
+        with manager.create("launcher", settings.cluster.launcher, field="cluster.launcher", run_dir=d) as launcher:
+            urls = launcher.start_engines(launches, timeout=300)
+            launcher.start_trainers(trainer_specs(argv, 2))
+            launcher.wait_trainers()
+
+    :param run_dir: the run's output directory; process logs go to ``<run_dir>/logs/<name>.log``
+        (default: a fresh temporary directory).
     """
 
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]] = ComponentSettings
 
-    def __init__(self, settings: BaseModel) -> None:
+    def __init__(self, settings: BaseModel, *, run_dir: str | None = None) -> None:
         self.settings = settings
+        self.run_dir = run_dir
+
+    @abstractmethod
+    def start_process(self, spec: ProcessSpec) -> ProcessHandle:
+        """Start one process (a router, a reward server ...) that the launcher then owns."""
 
     @abstractmethod
     def start_engines(self, launches: list[EngineLaunch], *, timeout: float) -> list[str]:
-        """Start engine servers, wait until each answers its health path; return their base URLs."""
+        """Start engine servers, wait until each answers its health path; return their base URLs.
+
+        Raises :class:`~miles.errors.LaunchError` (naming the engine, with its log tail) when one exits
+        or does not answer within ``timeout`` seconds; the engines of this call are then terminated.
+        """
 
     @abstractmethod
     def start_trainers(self, specs: list[ProcessSpec]) -> None:
         """Start the trainer ranks (``specs[i]`` is rank ``i``; rendezvous variables already in ``env``)."""
 
     @abstractmethod
-    def wait_trainers(self) -> int:
-        """Block until every trainer rank exits; return the first non-zero exit code, else 0."""
+    def wait_trainers(self, *, timeout: float | None = None) -> int:
+        """Block until every trainer rank exits successfully; return 0.
+
+        When a rank fails (or an engine dies, or ``timeout`` passes), everything is shut down and
+        :class:`~miles.errors.LaunchError` names the process, its exit code and its log tail.
+        """
 
     @abstractmethod
     def shutdown(self) -> None:
         """Terminate and reap everything started (idempotent)."""
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()

@@ -6,5 +6,7 @@ from __future__ import annotations
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("precision", "miles.precision.builtin"),
     ("jsonl", "miles.metrics.jsonl"),
+    ("data", "miles.data.plugin"),
+    ("launch", "miles.launch.plugin"),
 )
 """``(plugin name, module)`` pairs, in registration order."""

@@ -1,0 +1,48 @@
+"""Build the data source a run's ``data`` section selects, with its tokenising pipeline."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles.components import ComponentKind
+from miles.data.base import DataSource
+from miles.data.pipeline import PromptPipeline
+from miles.errors import SettingsError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from miles.plugins.manager import PluginManager
+    from miles.settings.model import DataSettings
+
+__all__ = ["create_data_source"]
+
+
+def create_data_source(
+    manager: PluginManager, settings: DataSettings, *, tokenizer: PreTrainedTokenizerBase | None
+) -> DataSource:
+    """The ``data.source`` component over ``data.path``; with a tokenizer, every prompt gets ``prompt_ids``.
+
+    Without a tokenizer prompts stay text (``max_prompt_tokens`` and ``system_prompt`` then are errors,
+    since neither can be honoured).
+    """
+    if settings.path is None:
+        raise SettingsError("data.path: not set (the prompt file or data set directory)")
+    pipeline = None
+    if tokenizer is not None:
+        pipeline = PromptPipeline.from_settings(settings, tokenizer)
+    elif settings.max_prompt_tokens is not None or settings.system_prompt is not None:
+        field = "data.max_prompt_tokens" if settings.max_prompt_tokens is not None else "data.system_prompt"
+        raise SettingsError(f"{field}: needs a tokenizer (the policy's), none was given")
+    source: DataSource = manager.create(
+        ComponentKind.DATA_SOURCE,
+        settings.source,
+        field="data.source",
+        path=settings.path,
+        seed=settings.seed,
+        shuffle=settings.shuffle,
+        prompt_key=settings.prompt_key,
+        label_key=settings.label_key,
+        pipeline=pipeline,
+    )
+    return source

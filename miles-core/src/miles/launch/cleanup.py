@@ -1,0 +1,86 @@
+"""Process-wide teardown: every live launcher is shut down at exit and on SIGINT / SIGTERM.
+
+Children run in their own sessions, so a Ctrl-C in the terminal reaches only the driver; these handlers
+pass it on. The previous handler runs afterwards (``KeyboardInterrupt`` for SIGINT; for a default
+SIGTERM the signal is re-raised so the process still dies of it). Signal handlers can only be installed
+from the main thread; elsewhere only the ``atexit`` hook is registered.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.launch.base import Launcher
+
+__all__ = ["track", "untrack"]
+
+log = logging.getLogger(__name__)
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_live: list[Launcher] = []
+_previous: dict[int, Any] = {}
+_atexit_registered = False
+_in_teardown = False
+
+
+def track(launcher: Launcher, *, handle_signals: bool = True) -> None:
+    """Shut ``launcher`` down at exit (and on SIGINT / SIGTERM when ``handle_signals``)."""
+    global _atexit_registered
+    if launcher not in _live:
+        _live.append(launcher)
+    if not _atexit_registered:
+        atexit.register(shutdown_all)
+        _atexit_registered = True
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        for sig in _SIGNALS:
+            if sig not in _previous:
+                _previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, _on_signal)
+
+
+def untrack(launcher: Launcher) -> None:
+    """Forget ``launcher`` (it was shut down); restore the signal handlers when none is left."""
+    if launcher in _live:
+        _live.remove(launcher)
+    if not _live and _previous and threading.current_thread() is threading.main_thread():
+        for sig, handler in list(_previous.items()):
+            if signal.getsignal(sig) is _on_signal:
+                signal.signal(sig, handler)
+            del _previous[sig]
+
+
+def shutdown_all() -> None:
+    """Shut every live launcher down (errors are logged, never raised: this runs at exit)."""
+    global _in_teardown
+    if _in_teardown:
+        return
+    _in_teardown = True
+    try:
+        for launcher in list(_live):
+            try:
+                launcher.shutdown()
+            except Exception:
+                log.exception("shutting down launcher %r failed", launcher)
+    finally:
+        _in_teardown = False
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    if _in_teardown:  # a second Ctrl-C while children are being stopped: let the teardown finish
+        log.warning("received %s during shutdown; still stopping child processes", signal.Signals(signum).name)
+        return
+    previous = _previous.get(signum, signal.SIG_DFL)
+    log.warning("received %s: stopping %d launcher(s) and their processes", signal.Signals(signum).name, len(_live))
+    shutdown_all()  # untrack() of the last launcher restores the previous handlers
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

@@ -1,0 +1,209 @@
+"""The ``local`` launcher: trainer ranks and engine servers as child processes of this host.
+
+Every child runs in its own session (so a terminal's Ctrl-C reaches only the driver, which then stops
+them in order), writes to ``<run_dir>/logs/<name>.log`` and is reaped by :meth:`LocalLauncher.shutdown`:
+SIGTERM to each child's process group, a grace period, then SIGKILL. The same code serves GPUs:
+``CUDA_VISIBLE_DEVICES`` comes with each :class:`EngineLaunch` / :class:`ProcessSpec` environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Sequence
+
+from pydantic import BaseModel, Field
+
+from miles.components import ComponentSettings
+from miles.errors import LaunchError
+from miles.launch import cleanup
+from miles.launch.base import Launcher, ProcessSpec
+from miles.launch.process import LocalProcess, describe_exit
+from miles.rollout.engine import EngineLaunch
+
+__all__ = ["LocalLauncher", "LocalLauncherSettings"]
+
+log = logging.getLogger(__name__)
+
+
+class LocalLauncherSettings(ComponentSettings):
+    """Settings of the ``local`` launcher."""
+
+    terminate_timeout: float = Field(10.0, gt=0)
+    """Seconds children get between SIGTERM and SIGKILL at shutdown."""
+    poll_interval: float = Field(0.2, gt=0)
+    """Seconds between checks of the children and of engine health URLs."""
+    log_tail_lines: int = Field(40, ge=1)
+    """Lines of a failed process's log quoted in its error."""
+    handle_signals: bool = True
+    """Stop every child on SIGINT / SIGTERM (installed from the main thread only)."""
+
+
+class LocalLauncher(Launcher):
+    """Runs trainer ranks and engine servers as processes on this host."""
+
+    name = "local"
+    Settings = LocalLauncherSettings
+
+    def __init__(self, settings: BaseModel | None = None, *, run_dir: str | None = None) -> None:
+        settings = settings if settings is not None else LocalLauncherSettings()
+        if not isinstance(settings, LocalLauncherSettings):
+            raise TypeError(f"LocalLauncher needs LocalLauncherSettings, got {type(settings).__name__}")
+        super().__init__(settings, run_dir=run_dir if run_dir is not None else tempfile.mkdtemp(prefix="miles-run-"))
+        self.options: LocalLauncherSettings = settings
+        assert self.run_dir is not None
+        self.log_dir = os.path.join(self.run_dir, "logs")
+        """Where each child's ``<name>.log`` goes."""
+        self.processes: list[LocalProcess] = []
+        """Every process started, in order (reaped ones included)."""
+        self.engines: list[LocalProcess] = []
+        self.trainers: list[LocalProcess] = []
+        self._closed = False
+
+    # -- starting ----------------------------------------------------------------------------------
+    def start_process(self, spec: ProcessSpec) -> LocalProcess:
+        if self._closed:
+            raise LaunchError(f"cannot start {spec.name!r}: the launcher was shut down")
+        if any(p.name == spec.name and not p.reaped for p in self.processes):
+            raise ValueError(f"a process named {spec.name!r} is already running")
+        os.makedirs(self.log_dir, exist_ok=True)
+        cleanup.track(self, handle_signals=self.options.handle_signals)
+        process = LocalProcess(spec, self.log_dir)
+        self.processes.append(process)
+        return process
+
+    def start_engines(self, launches: list[EngineLaunch], *, timeout: float) -> list[str]:
+        import httpx
+
+        first = len(self.engines)
+        started: list[LocalProcess] = []
+        try:
+            for i, launch in enumerate(launches):
+                spec = ProcessSpec(name=f"engine-{first + i}", argv=list(launch.argv), env=dict(launch.env))
+                started.append(self.start_process(spec))
+            self.engines.extend(started)
+            pending = {
+                p.name: (p, launch.url.rstrip("/") + launch.health_path)
+                for p, launch in zip(started, launches, strict=False)
+            }
+            deadline = time.monotonic() + timeout
+            with httpx.Client(timeout=min(5.0, timeout), trust_env=False) as client:
+                while pending:
+                    for name, (process, url) in list(pending.items()):
+                        code = process.exit_status()
+                        if code is not None:
+                            raise self._failure(
+                                process, f"{name} exited ({describe_exit(code)}) before answering {url}", code
+                            )
+                        try:
+                            if client.get(url).status_code == 200:
+                                log.info("%s is up at %s (%.1f s)", name, url, time.monotonic() - process.started_at)
+                                del pending[name]
+                        except httpx.TransportError:
+                            pass
+                    if pending and time.monotonic() >= deadline:
+                        process, url = next(iter(pending.values()))
+                        raise self._failure(
+                            process, f"{process.name} did not answer {url} with 200 within {timeout:g} s", None
+                        )
+                    if pending:
+                        time.sleep(self.options.poll_interval)
+        except BaseException:
+            self._stop(started)
+            raise
+        return [launch.url for launch in launches]
+
+    def start_trainers(self, specs: list[ProcessSpec]) -> None:
+        running = [p.name for p in self.trainers if p.exit_status() is None]
+        if running:
+            raise LaunchError(f"trainer ranks still running: {', '.join(running)}")
+        trainers: list[LocalProcess] = []
+        try:
+            for spec in specs:
+                trainers.append(self.start_process(spec))
+        except BaseException:
+            self._stop(trainers)
+            raise
+        self.trainers = trainers
+
+    # -- waiting -----------------------------------------------------------------------------------
+    def wait_trainers(self, *, timeout: float | None = None) -> int:
+        if not self.trainers:
+            raise LaunchError("wait_trainers: no trainer ranks were started")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for engine in self.engines:
+                code = engine.exit_status()
+                if code is not None and not engine.reaped:
+                    raise self._abort(
+                        engine, f"{engine.name} exited ({describe_exit(code)}) while the trainers ran", code
+                    )
+            done = True
+            for rank, trainer in enumerate(self.trainers):
+                code = trainer.exit_status()
+                if code is None:
+                    done = False
+                elif code != 0:
+                    raise self._abort(
+                        trainer, f"trainer rank {rank} ({trainer.name}) failed: {describe_exit(code)}", code
+                    )
+            if done:
+                for trainer in self.trainers:
+                    trainer.reap()
+                log.info("all %d trainer ranks finished", len(self.trainers))
+                return 0
+            if deadline is not None and time.monotonic() >= deadline:
+                waiting = [t.name for t in self.trainers if t.exit_status() is None]
+                raise self._abort(None, f"trainer ranks {', '.join(waiting)} still running after {timeout:g} s", None)
+            time.sleep(self.options.poll_interval)
+
+    def _failure(self, process: LocalProcess | None, what: str, code: int | None) -> LaunchError:
+        if process is None:
+            return LaunchError(what)
+        tail = process.log_tail(self.options.log_tail_lines)
+        message = (
+            f"{what}; last lines of {process.log_path}:\n{tail}"
+            if tail.strip()
+            else f"{what} (its log {process.log_path} is empty)"
+        )
+        return LaunchError(message, process=process.name, returncode=code, log_tail=tail)
+
+    def _abort(self, process: LocalProcess | None, what: str, code: int | None) -> LaunchError:
+        error = self._failure(process, what + "; all other processes were terminated", code)
+        log.error("%s", error)
+        self.shutdown()
+        return error
+
+    # -- stopping ----------------------------------------------------------------------------------
+    def _stop(self, processes: Sequence[LocalProcess]) -> None:
+        """SIGTERM each group, wait up to ``terminate_timeout`` in all, SIGKILL the rest, reap all."""
+        live = [p for p in processes if not p.reaped]
+        for process in live:
+            if process.exit_status() is None:
+                process.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + self.options.terminate_timeout
+        for process in live:
+            if process.reap(timeout=max(0.0, deadline - time.monotonic())) is None:
+                log.warning(
+                    "%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL",
+                    process.name,
+                    process.pid,
+                    self.options.terminate_timeout,
+                )
+                process.signal_group(signal.SIGKILL)
+        for process in live:
+            process.reap()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            # trainers first (they may still talk to the engines), then engines and helpers
+            self._stop(self.trainers)
+            self._stop(self.processes)
+        finally:
+            cleanup.untrack(self)

@@ -1,0 +1,264 @@
+"""The ``local`` launcher with real child processes: HTTP engines, gloo trainer ranks, failures, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles.components import ComponentKind
+from miles.errors import LaunchError
+from miles.launch.local import LocalLauncher, LocalLauncherSettings
+from miles.launch.rendezvous import free_port, trainer_specs
+from miles.plugins.builtin import BUILTIN_PLUGINS
+from miles.plugins.manager import PluginManager
+from miles.rollout.engine import EngineLaunch
+from miles.settings.model import PluginSpec
+
+Script = Callable[[str, str], list[str]]
+
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as dead: it runs nothing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def wait_dead(pid: int, timeout: float = 15.0) -> bool:
+    """For grandchildren (reaped by init, not by us): wait until ``pid`` is gone."""
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def http_engine(directory: Path) -> EngineLaunch:
+    """A real HTTP server child standing in for an engine: ``python -m http.server`` on a free port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(directory)]
+    return EngineLaunch(argv=argv, url=f"http://127.0.0.1:{port}", env=CHILD_ENV, health_path="/")
+
+
+def gone(pid: int) -> bool:
+    """For the launcher's own children: reaped, so the pid no longer exists at all (not even a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+ALL_REDUCE = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
+dist.all_reduce(t)
+print(f"rank {rank}/{world} local {os.environ['LOCAL_RANK']}: {t.tolist()}", flush=True)
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as fh:
+    json.dump({"rank": rank, "world": world, "sum": t.tolist()}, fh)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+FAIL_RANK_1 = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    print("rank 1: simulated out-of-memory in step 3", flush=True)
+    sys.exit(7)
+time.sleep(120)
+"""
+
+SLEEP = "import time\ntime.sleep(120)\n"
+
+
+def launcher(tmp_path: Path, **options: object) -> LocalLauncher:
+    return LocalLauncher(LocalLauncherSettings(poll_interval=0.05, **options), run_dir=str(tmp_path / "run"))
+
+
+def test_engine_comes_up_logs_to_run_dir_and_is_reaped(tmp_path: Path) -> None:
+    launch = http_engine(tmp_path)
+    with launcher(tmp_path) as lau:
+        (url,) = lau.start_engines([launch], timeout=60)
+        assert url == launch.url
+        assert httpx.get(url + "/", trust_env=False).status_code == 200
+        (engine,) = lau.engines
+        assert engine.name == "engine-0" and alive(engine.pid)
+        assert os.getpgid(engine.pid) == engine.pid  # its own process group (and session)
+    assert gone(engine.pid) and engine.popen.returncode == -signal.SIGTERM
+    assert (tmp_path / "run" / "logs" / "engine-0.log").read_text().count("GET / HTTP") >= 1
+    lau.shutdown()  # idempotent
+    with pytest.raises(LaunchError, match="was shut down"):
+        lau.start_engines([http_engine(tmp_path)], timeout=5)
+
+
+def test_engine_exiting_early_fails_fast_with_its_log_tail(tmp_path: Path) -> None:
+    good = http_engine(tmp_path)
+    bad = EngineLaunch(
+        argv=[sys.executable, "-c", "import sys; print('cannot load model /nope/model', flush=True); sys.exit(3)"],
+        url="http://127.0.0.1:9/",
+    )
+    lau = launcher(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"engine-1 exited \(exit code 3\) before answering") as info:
+        lau.start_engines([good, bad], timeout=120)
+    assert time.monotonic() - start < 60  # did not wait for the timeout
+    assert "cannot load model /nope/model" in str(info.value)
+    assert (info.value.process, info.value.returncode) == ("engine-1", 3)
+    assert all(gone(p.pid) for p in lau.processes)  # the good engine was stopped too
+    lau.shutdown()
+
+
+def test_engine_not_healthy_in_time(tmp_path: Path) -> None:
+    slow = EngineLaunch(
+        argv=[sys.executable, "-c", f"print('loading weights', flush=True)\n{SLEEP}"], url="http://127.0.0.1:9"
+    )
+    with launcher(tmp_path) as lau:
+        with pytest.raises(
+            LaunchError, match=r"engine-0 did not answer http://127.0.0.1:9/health with 200 within 1.5 s"
+        ) as info:
+            lau.start_engines([slow], timeout=1.5)
+        assert "loading weights" in info.value.log_tail
+        assert gone(lau.engines[0].pid)
+
+
+def test_two_gloo_ranks_all_reduce(tmp_path: Path, script: Script) -> None:
+    argv = [*script("all_reduce", ALL_REDUCE), str(tmp_path)]
+    with launcher(tmp_path) as lau:
+        lau.start_trainers(trainer_specs(argv, 2, env=CHILD_ENV))
+        assert lau.wait_trainers(timeout=240) == 0
+        assert [p.popen.returncode for p in lau.trainers] == [0, 0]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, [3.0, 30.0]), (1, 2, [3.0, 30.0])]
+    assert "rank 1/2 local 1: [3.0, 30.0]" in (tmp_path / "run" / "logs" / "trainer-1.log").read_text()
+
+
+def test_failed_rank_terminates_everything_and_is_named(tmp_path: Path, script: Script) -> None:
+    lau = launcher(tmp_path)
+    lau.start_engines([http_engine(tmp_path)], timeout=60)
+    lau.start_trainers(trainer_specs(script("fail", FAIL_RANK_1), 3, env=CHILD_ENV))
+    with pytest.raises(LaunchError, match=r"trainer rank 1 \(trainer-1\) failed: exit code 7") as info:
+        lau.wait_trainers(timeout=120)
+    assert "simulated out-of-memory in step 3" in str(info.value)
+    assert (info.value.process, info.value.returncode) == ("trainer-1", 7)
+    codes = {p.name: p.popen.returncode for p in lau.processes}
+    assert codes == {
+        "engine-0": -signal.SIGTERM,
+        "trainer-0": -signal.SIGTERM,
+        "trainer-1": 7,
+        "trainer-2": -signal.SIGTERM,
+    }
+    assert all(gone(p.pid) for p in lau.processes)
+
+
+def test_engine_dying_while_trainers_run_stops_the_run(tmp_path: Path, script: Script) -> None:
+    with launcher(tmp_path) as lau:
+        lau.start_engines([http_engine(tmp_path)], timeout=60)
+        lau.start_trainers(trainer_specs(script("sleep", SLEEP), 2, env=CHILD_ENV))
+        os.kill(lau.engines[0].pid, signal.SIGKILL)
+        with pytest.raises(LaunchError, match=r"engine-0 exited \(killed by SIGKILL\) while the trainers ran"):
+            lau.wait_trainers(timeout=120)
+        assert all(gone(p.pid) for p in lau.processes)
+
+
+def test_shutdown_kills_sigterm_ignorers_and_their_group(tmp_path: Path, script: Script) -> None:
+    stubborn = script(
+        "stubborn",
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(tmp_path / 'grandchild.pid')!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(120)\n",
+    )
+    lau = launcher(tmp_path, terminate_timeout=1.0)
+    (proc,) = [lau.start_process(spec) for spec in trainer_specs(stubborn, 1, name="helper")]
+    pid_file = tmp_path / "grandchild.pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, proc.log_tail()
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    assert alive(grandchild) and os.getpgid(grandchild) == proc.pid
+    lau.shutdown()
+    assert proc.popen.returncode == -signal.SIGKILL and gone(proc.pid)
+    assert wait_dead(grandchild)
+
+
+DRIVER = """
+import json, logging, sys, time
+from miles.launch.local import LocalLauncher, LocalLauncherSettings
+from miles.launch.rendezvous import free_port, trainer_specs
+from miles.rollout.engine import EngineLaunch
+logging.basicConfig(level=logging.INFO)
+out, engine_argv, url, sleeper = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+with LocalLauncher(LocalLauncherSettings(poll_interval=0.05), run_dir=out) as launcher:
+    launcher.start_engines([EngineLaunch(argv=engine_argv, url=url, health_path="/")], timeout=60)
+    launcher.start_trainers(trainer_specs(sleeper, 2))
+    with open(out + "/pids.json", "w") as fh:
+        json.dump([p.pid for p in launcher.processes], fh)
+    launcher.wait_trainers()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_driver_tears_everything_down(tmp_path: Path, script: Script, sig: signal.Signals) -> None:
+    engine = http_engine(tmp_path)
+    argv = [
+        *script("driver", DRIVER),
+        str(tmp_path),
+        json.dumps(engine.argv),
+        engine.url,
+        json.dumps(script("sleep", SLEEP)),
+    ]
+    driver = subprocess.Popen(argv, env={**os.environ, **CHILD_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        pid_file = tmp_path / "pids.json"
+        deadline = time.monotonic() + 90
+        while not pid_file.exists() or not pid_file.read_text().endswith("]"):
+            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate(timeout=30)[0]
+            time.sleep(0.05)
+        pids = json.loads(pid_file.read_text())
+        assert len(pids) == 3 and all(alive(pid) for pid in pids)
+        driver.send_signal(sig)
+        output = driver.communicate(timeout=60)[0].decode()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    # either way the driver dies of the signal after stopping its children (CPython ends an unhandled
+    # KeyboardInterrupt by re-raising SIGINT; a default SIGTERM is re-raised by the launcher)
+    assert driver.returncode == -sig, output
+    assert ("KeyboardInterrupt" in output) == (sig == signal.SIGINT), output
+    assert f"received {sig.name}: stopping 1 launcher(s)" in output
+    assert all(wait_dead(pid) for pid in pids)
+
+
+def test_builtin_plugin_registers_local(tmp_path: Path) -> None:
+    manager = PluginManager(builtins=[b for b in BUILTIN_PLUGINS if b[0] == "launch"], entry_points=False).load()
+    assert manager.registry(ComponentKind.LAUNCHER).get("local").component is LocalLauncher
+    spec = PluginSpec(name="local", terminate_timeout=2.5)
+    with manager.create(ComponentKind.LAUNCHER, spec, field="cluster.launcher", run_dir=str(tmp_path)) as lau:
+        assert isinstance(lau, LocalLauncher) and lau.options.terminate_timeout == 2.5
+        assert lau.log_dir == str(tmp_path / "logs")

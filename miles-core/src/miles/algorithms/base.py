@@ -43,6 +43,11 @@ class AlgorithmNeeds:
     ref_logprobs: bool = False
     teacher_logprobs: bool = False
     values: bool = False
+    entropy: bool = False
+    """Needs per-token entropy in :class:`LossInputs` (an entropy bonus)."""
+    ref_logprobs_for_advantages: bool = False
+    """:meth:`Algorithm.compute_advantages` needs ``ref_logprobs`` (the KL is part of the reward), so the
+    loop computes reference logprobs before advantages."""
 
 
 @dataclass
@@ -109,9 +114,28 @@ class Algorithm(ABC):
 
     @abstractmethod
     def compute_advantages(
-        self, groups: Sequence[SampleGroup], values: Sequence[Sequence[torch.Tensor]] | None = None
+        self,
+        groups: Sequence[SampleGroup],
+        values: Sequence[Sequence[torch.Tensor]] | None = None,
+        *,
+        ref_logprobs: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> list[list[torch.Tensor]]:
-        """Per-token advantages for each sample of each group (``values`` from the critic when needed)."""
+        """Per-token advantages for each sample of each group.
+
+        :param values: critic values per response token, shaped like ``groups`` (when ``needs.values``).
+        :param ref_logprobs: reference logprobs per response token, shaped like ``groups`` (when
+            ``needs.ref_logprobs_for_advantages``).
+        """
+
+    def compute_returns(
+        self,
+        groups: Sequence[SampleGroup],
+        values: Sequence[Sequence[torch.Tensor]] | None = None,
+        *,
+        ref_logprobs: Sequence[Sequence[torch.Tensor]] | None = None,
+    ) -> list[list[torch.Tensor]] | None:
+        """The critic's per-token targets (``LossInputs.returns``); ``None`` for algorithms without a critic."""
+        return None
 
     @abstractmethod
     def loss(self, inputs: LossInputs) -> LossOutput:

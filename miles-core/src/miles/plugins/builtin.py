@@ -6,6 +6,7 @@ from __future__ import annotations
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("precision", "miles.precision.builtin"),
     ("jsonl", "miles.metrics.jsonl"),
+    ("algorithms", "miles.algorithms.plugin"),
     ("data", "miles.data.plugin"),
     ("launch", "miles.launch.plugin"),
 )

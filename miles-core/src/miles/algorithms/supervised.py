@@ -1,0 +1,95 @@
+"""Supervised objectives: SFT (masked NLL) and on-policy distillation (reverse KL to a teacher).
+
+Both can also be added to any RL loss through ``sft_coef`` / ``distill_coef`` of the policy-gradient
+algorithms (see :mod:`miles.algorithms.policy`).
+
+Distillation here is per sampled token: the interface carries the teacher's logprob of each sampled token
+(``Sample.teacher_logprobs`` / ``LossInputs.teacher_logprobs``, shape ``[T]``), which is all the
+reverse-KL estimate on the policy's own samples needs. A top-k variant (the full KL over the teacher's k
+most likely tokens at each position) needs the student's logprobs of *those* k tokens, i.e. the trainer's
+logits at every position, and the teacher's top-k ids and logprobs; ``LossInputs`` carries neither, so it
+is not offered here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import BaseModel
+
+from miles.algorithms.base import Aggregation, Algorithm, AlgorithmNeeds, LossInputs, LossOutput
+from miles.algorithms.group import GRPO
+from miles.algorithms.settings import DistillSettings, SFTSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles.types import SampleGroup
+
+__all__ = ["SFT", "Distill"]
+
+
+class SFT(Algorithm):
+    """Supervised fine-tuning: per-token negative log-likelihood of the trained tokens."""
+
+    name = "sft"
+    Settings: ClassVar[type[BaseModel]] = SFTSettings
+
+    @property
+    def needs(self) -> AlgorithmNeeds:
+        return AlgorithmNeeds(rollout=False, old_logprobs=False)
+
+    @property
+    def aggregation(self) -> Aggregation:
+        assert isinstance(self.settings, SFTSettings)
+        return self.settings.loss_aggregation
+
+    @property
+    def seq_len_norm(self) -> float:
+        assert isinstance(self.settings, SFTSettings)
+        return float(self.settings.max_response_length) if self.settings.max_response_length > 0 else 1.0
+
+    def compute_advantages(
+        self,
+        groups: Sequence[SampleGroup],
+        values: Sequence[Sequence[torch.Tensor]] | None = None,
+        *,
+        ref_logprobs: Sequence[Sequence[torch.Tensor]] | None = None,
+    ) -> list[list[torch.Tensor]]:
+        """SFT has no advantages: zeros of each response's length."""
+        import torch
+
+        return [[torch.zeros(s.response_length) for s in g.samples] for g in groups]
+
+    def loss(self, inputs: LossInputs) -> LossOutput:
+        from miles.algorithms.losses import nll
+
+        loss = nll(inputs.logprobs)
+        return LossOutput(per_token_loss=loss, metrics={"nll": loss.detach()})
+
+
+class Distill(GRPO):
+    """On-policy distillation: reverse KL to the teacher's logprobs on the policy's own samples
+    (optionally plus a group-normalised PPO term with ``policy_coef``)."""
+
+    name = "distill"
+    Settings: ClassVar[type[BaseModel]] = DistillSettings
+
+    def __init__(self, settings: BaseModel) -> None:
+        super().__init__(settings)
+        assert isinstance(settings, DistillSettings)
+        self.policy_coef = settings.policy_coef
+
+    @property
+    def needs(self) -> AlgorithmNeeds:
+        base = super().needs
+        return AlgorithmNeeds(
+            rollout=True,
+            old_logprobs=base.old_logprobs,
+            ref_logprobs=base.ref_logprobs,
+            teacher_logprobs=True,
+            values=False,
+            entropy=base.entropy,
+            ref_logprobs_for_advantages=False,
+        )

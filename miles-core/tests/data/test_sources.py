@@ -203,3 +203,30 @@ def test_builtin_plugin_registers_the_sources() -> None:
         "hf": HFDataSource,
     }
     assert registry.get("hf").plugin == "data"
+
+
+def test_consumers_mutating_a_batch_do_not_change_later_epochs(tmp_path: Path) -> None:
+    source = jsonl(write_jsonl(tmp_path / "p.jsonl", ROWS[:3]), shuffle=False)
+    for prompt in source.next_batch(3):
+        prompt.metadata["seen"] = True
+        prompt.label = "changed"
+    again = source.next_batch(3)
+    assert [p.label for p in again] == ["0", "2", "4"] and all("seen" not in p.metadata for p in again)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf"])
+def test_builtin_sources_pass_the_conformance_kit(tmp_path: Path, kind: str) -> None:
+    from miles.testing.conformance import check_data_source
+
+    if kind == "jsonl":
+        check_data_source(JsonlDataSource, write_jsonl(tmp_path / "p.jsonl", ROWS[:5]))
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(ROWS[:5]), tmp_path / "p.parquet")
+        check_data_source(ParquetDataSource, tmp_path / "p.parquet")
+    else:
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_list(ROWS[:5]).save_to_disk(str(tmp_path / "ds"))
+        check_data_source(HFDataSource, tmp_path / "ds")

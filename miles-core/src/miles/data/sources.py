@@ -12,6 +12,7 @@ import logging
 import random
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel
@@ -81,6 +82,7 @@ class FileDataSource(DataSource):
         return order
 
     def next_batch(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts (copies, with their own ``metadata`` dict), crossing epochs as needed."""
         if n < 1:
             raise ValueError(f"next_batch needs n >= 1, got {n}")
         batch: list[Prompt] = []
@@ -91,7 +93,11 @@ class FileDataSource(DataSource):
                 self._order = self._epoch_order(self.epoch)
                 log.info("data source %s: epoch %d", self.path, self.epoch)
             take = min(n - len(batch), len(self._order) - self.offset)
-            batch.extend(self.prompts[i] for i in self._order[self.offset : self.offset + take])
+            # copies: a consumer annotating a prompt's metadata must not change the next epoch's
+            batch.extend(
+                replace(self.prompts[i], metadata=dict(self.prompts[i].metadata))
+                for i in self._order[self.offset : self.offset + take]
+            )
             self.offset += take
         return batch
 

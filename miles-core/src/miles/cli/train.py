@@ -1,4 +1,4 @@
-"""``miles train``: resolve settings, check every component, and run (``--dry-run`` stops after printing)."""
+"""``miles train``: resolve settings, check every component, launch and supervise the run."""
 
 from __future__ import annotations
 
@@ -11,12 +11,16 @@ from rich.console import Console
 from miles.cli.app import app
 from miles.plugins.manager import PluginManager
 from miles.settings.loader import load_settings
+from miles.settings.model import MilesSettings
+from miles.settings.render import render_resolved
 
 
-def resolve_run(config: Path | None, overrides: list[str]) -> tuple[object, dict[str, object]]:
+def resolve_run(config: Path | None, overrides: list[str]) -> MilesSettings:
+    """Load settings and check every component they select (errors name field and source)."""
     settings = load_settings(config, overrides=overrides)
     chosen = PluginManager().validate_settings(settings)
-    return settings, chosen
+    render_resolved(Console(), settings, chosen)
+    return settings
 
 
 @app.command()
@@ -24,15 +28,15 @@ def train(
     config: Annotated[Path | None, typer.Argument(help="Settings file (.toml / .yaml).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a setting: --set train.lr=1e-5 (repeatable).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved settings and the plugin serving each component, then exit.")] = False,
+    resume: Annotated[str | None, typer.Option("--resume", help="Continue from a checkpoint, a checkpoint folder or a run directory.")] = None,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
-    from miles.settings.render import render_resolved
-
-    settings, chosen = resolve_run(config, set_ or [])
-    console = Console()
-    render_resolved(console, settings, chosen)  # type: ignore[arg-type]
+    settings = resolve_run(config, set_ or [])
     if dry_run:
         return
-    from miles.errors import MilesError
+    from miles.driver.launch import run_training
 
-    raise MilesError("the training driver is not part of this release yet; use --dry-run to check a configuration")
+    code = run_training(settings, resume=resume, console=Console())
+    if code:
+        raise typer.Exit(code)
+    Console().print(f"[green]done[/]: {settings.log.run_dir}")

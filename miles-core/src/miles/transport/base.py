@@ -33,6 +33,8 @@ class PushReport:
     seconds: float = 0.0
     checksums: dict[str, str] = field(default_factory=dict)
     """Per tensor name, a checksum of what was sent (compared with what the engines report)."""
+    verification: dict[str, float] = field(default_factory=dict)
+    """Metrics of the verification that followed the push (filled by the driver)."""
 
 
 class WeightTransport(ABC):
@@ -41,8 +43,16 @@ class WeightTransport(ABC):
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]] = ComponentSettings
 
-    def __init__(self, settings: BaseModel) -> None:
+    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+        """
+        :param run_dir: the run's output directory (scratch space for disk-based transports).
+        :param model_path: the initial model directory (its config and tokenizer files).
+        :param engine_dtype: dtype the engines serve (``float32`` / ``bfloat16``); checksums use it.
+        """
         self.settings = settings
+        self.run_dir = run_dir
+        self.model_path = model_path
+        self.engine_dtype = engine_dtype
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
         """Set up channels (process groups, directories) once, before the first push.

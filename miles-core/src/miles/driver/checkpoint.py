@@ -1,0 +1,72 @@
+"""Checkpoint layout of a run and the driver's share of it.
+
+``<dir>/step_<N>/trainer/`` holds what the trainer backend saves (sharded model, optimizer, scheduler,
+RNG); ``<dir>/step_<N>/driver.json`` holds the driver's position (data source, rollout manager, weight
+version, metrics step); ``<dir>/latest`` names the newest complete checkpoint. A checkpoint is complete
+only once ``driver.json`` is written, last, so a run killed mid-save resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.errors import SettingsError
+
+__all__ = ["DriverState", "checkpoint_dir", "find_checkpoint", "read_driver_state", "write_driver_state"]
+
+_FORMAT = 1
+
+
+@dataclass
+class DriverState:
+    """Everything besides the trainer that a resumed run needs to continue exactly."""
+
+    step: int
+    """Rollouts (and weight pushes) completed."""
+    weight_version: str
+    data: dict[str, Any] = field(default_factory=dict)
+    rollout: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    format: int = _FORMAT
+
+
+def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def write_driver_state(path: Path, state: DriverState) -> None:
+    """Write ``driver.json`` atomically, then point ``latest`` at this checkpoint."""
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "driver.json.tmp"
+    tmp.write_text(json.dumps(asdict(state), indent=1))
+    tmp.replace(path / "driver.json")
+    latest = path.parent / "latest"
+    latest_tmp = path.parent / "latest.tmp"
+    latest_tmp.write_text(path.name + "\n")
+    latest_tmp.replace(latest)
+
+
+def read_driver_state(path: Path) -> DriverState:
+    data = json.loads((path / "driver.json").read_text())
+    if data.get("format") != _FORMAT:
+        raise SettingsError(f"checkpoint {path}: format {data.get('format')!r} is not supported (expected {_FORMAT})")
+    return DriverState(**data)
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """Resolve ``--resume PATH``: a checkpoint (``step_N``), or a directory of them (its ``latest``), or a
+    run directory (its ``checkpoints/latest``)."""
+    p = Path(path)
+    if (p / "driver.json").exists():
+        return p
+    for root in (p, p / "checkpoints"):
+        latest = root / "latest"
+        if latest.exists():
+            candidate = root / latest.read_text().strip()
+            if (candidate / "driver.json").exists():
+                return candidate
+    raise SettingsError(f"--resume {path}: no complete checkpoint there (expected driver.json or a 'latest' file)")

@@ -1,0 +1,151 @@
+"""What ``miles train`` does on the launching host: start engines and trainer ranks, follow progress,
+tear everything down on exit, Ctrl-C or failure."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.components import ComponentKind
+from miles.driver import components
+from miles.driver.loop import write_resolved_settings
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from miles.launch.base import Launcher
+    from miles.plugins.manager import PluginManager
+    from miles.settings.model import MilesSettings
+
+__all__ = ["launch_engines", "run_training"]
+
+log = logging.getLogger(__name__)
+
+
+def _child_env(settings: MilesSettings) -> dict[str, str]:
+    """Environment of every child: one torch thread pool per process, sized to the host's cores."""
+    cores = os.cpu_count() or 1
+    processes = settings.cluster.trainer_ranks + settings.cluster.num_engines
+    threads = str(max(1, cores // max(processes, 1)))
+    env = {"MILES_DEVICE": settings.cluster.device, "MILES_LOG_LEVEL": settings.log.level, "TOKENIZERS_PARALLELISM": "false"}
+    if settings.cluster.device == "cpu":
+        env.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads), MILES_TORCH_THREADS=os.environ.get("MILES_TORCH_THREADS", threads))
+    return env
+
+
+def make_launcher(pm: PluginManager, settings: MilesSettings) -> Launcher:
+    return pm.create(ComponentKind.LAUNCHER, settings.cluster.launcher, field="cluster.launcher", run_dir=settings.log.run_dir)  # type: ignore[no-any-return]
+
+
+def launch_engines(pm: PluginManager, settings: MilesSettings, launcher: Launcher, *, model_path: str | None = None) -> list[str]:
+    """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs."""
+    from miles.launch.rendezvous import free_port
+
+    if settings.cluster.num_engines == 0:
+        return []
+    engine = components.build_rollout_engine(pm, settings)
+    precision = components.build_precision(pm, settings)
+    path = model_path or settings.train.model_path
+    if path is None:
+        from miles.errors import SettingsError
+
+        raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
+    launches = []
+    for i in range(settings.cluster.num_engines):
+        launch = engine.launch(
+            model_path=path,
+            host=settings.cluster.host,
+            port=free_port(settings.cluster.host),
+            device=settings.cluster.device,
+            dtype=components.engine_dtype(settings, precision),
+            devices=[i] if settings.cluster.device == "cuda" else [],
+        )
+        launch.env = {**_child_env(settings), **launch.env}
+        launches.append(launch)
+    return launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout)
+
+
+@contextmanager
+def _progress(console: Console | None, metrics_path: Path, total: int) -> Iterator[Any]:
+    """A rich progress bar fed by the run's ``metrics.jsonl`` (the ranks write it; we only read)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if console is None:
+        yield lambda: None
+        return
+    progress = Progress(
+        TextColumn("[bold]step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    task = progress.add_task("train", total=total, info="starting engines and ranks ...")
+    offset = 0
+
+    def poll() -> None:
+        nonlocal offset
+        if not metrics_path.exists():
+            return
+        with open(metrics_path, encoding="utf-8") as f:
+            f.seek(offset)
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                offset += len(line.encode())
+                row = json.loads(line)
+                info = (
+                    f"reward {row.get('rollout/reward_mean', float('nan')):.3f}  "
+                    f"{row.get('time/step_seconds', float('nan')):.1f} s/step  "
+                    f"{row.get('rollout/tokens_per_second', float('nan')):.0f} tok/s"
+                )
+                progress.update(task, completed=int(row["step"]), info=info)
+
+    with progress:
+        yield poll
+        poll()
+
+
+def run_training(settings: MilesSettings, *, resume: str | None = None, console: Console | None = None) -> int:
+    """Launch and supervise a training run; returns the exit code (0 on success)."""
+    from miles.launch.rendezvous import trainer_specs
+    from miles.plugins.manager import PluginManager
+
+    pm = PluginManager().load()
+    pm.validate_settings(settings)
+    algorithm = components.build_algorithm(pm, settings)
+    run_dir = Path(settings.log.run_dir).resolve()
+    settings = settings.model_copy(deep=True)
+    settings.log.run_dir = str(run_dir)
+    write_resolved_settings(settings, run_dir / "settings.json")
+    if resume is None and (run_dir / "metrics.jsonl").exists():
+        (run_dir / "metrics.jsonl").unlink()  # a fresh run in an old directory starts a fresh log
+    with make_launcher(pm, settings) as launcher:
+        urls = launch_engines(pm, settings, launcher) if algorithm.needs.rollout else []
+        (run_dir / "launch.json").write_text(json.dumps({"engine_urls": urls, "resume": resume}))
+        env = _child_env(settings)
+        specs = trainer_specs([sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env)
+        launcher.start_trainers(specs)
+        with _progress(console, run_dir / "metrics.jsonl", settings.train.num_rollouts) as poll:
+            stop = threading.Event()
+
+            def follow() -> None:
+                while not stop.wait(1.0):
+                    poll()
+
+            follower = threading.Thread(target=follow, name="miles-progress", daemon=True)
+            follower.start()
+            try:
+                return launcher.wait_trainers()
+            finally:
+                stop.set()
+                follower.join()

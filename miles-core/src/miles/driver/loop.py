@@ -1,0 +1,269 @@
+"""The synchronous RL loop, run SPMD by every trainer rank (rank 0 also drives rollout and logging).
+
+One step: rank 0 generates and scores a rollout through the rollout manager; the groups are broadcast;
+every rank computes the same advantages and trains on its share; all ranks push the new weights through
+the transport; rank 0 verifies what the engines serve, logs metrics and saves checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.driver import components
+from miles.driver.batching import prepare_minibatches
+from miles.driver.checkpoint import DriverState, checkpoint_dir, find_checkpoint, read_driver_state, write_driver_state
+from miles.driver.comm import broadcast_json
+from miles.types import SampleGroup
+
+if TYPE_CHECKING:
+    from miles.data.base import DataSource
+    from miles.metrics.base import MetricsLogger
+    from miles.plugins.manager import PluginManager
+    from miles.rewards.scoring import NamedReward
+    from miles.rollout.client import EngineClient
+    from miles.rollout.manager import RolloutManager
+    from miles.settings.model import MilesSettings
+    from miles.training.trainer import DistContext
+    from miles.transport.base import PushReport
+
+__all__ = ["TrainingLoop"]
+
+log = logging.getLogger(__name__)
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in rows[0] if rows else []:
+        values = [r[key] for r in rows if key in r]
+        out[key] = sum(values) / len(values)
+    return out
+
+
+class TrainingLoop:
+    """Owns the components of one run on one rank.
+
+    :param engine_urls: base URLs of the engines (rank 0 talks to them; empty for SFT).
+    :param resume: a checkpoint to continue from (see :func:`find_checkpoint`).
+    """
+
+    def __init__(
+        self,
+        settings: MilesSettings,
+        pm: PluginManager,
+        dist: DistContext,
+        *,
+        engine_urls: list[str],
+        resume: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pm = pm
+        self.dist = dist
+        self.engine_urls = engine_urls
+        self.resume = resume
+        self.run_dir = Path(settings.log.run_dir)
+        self.ckpt_root = Path(settings.checkpoint.dir or self.run_dir / "checkpoints")
+        self.is_driver = dist.rank == 0
+
+        self.precision = components.build_precision(pm, settings)
+        self.algorithm = components.build_algorithm(pm, settings)
+        self.trainer = components.build_trainer(pm, settings, self.precision, dist)
+        self.transport = components.build_transport(pm, settings, self.precision) if engine_urls else None
+        self.client: EngineClient | None = None
+        self.data: DataSource | None = None
+        self.manager: RolloutManager | None = None
+        self.rewards: list[NamedReward] = []
+        self.loggers: list[MetricsLogger] = []
+        self.step = 0
+        self.weight_version = "0"
+
+    # -- setup / teardown -------------------------------------------------------------------------
+    async def setup(self) -> None:
+        needs = self.algorithm.needs
+        self.trainer.setup(need_ref=needs.ref_logprobs or needs.ref_logprobs_for_advantages, need_values=needs.values)
+        if self.is_driver:
+            await self._setup_driver()
+        if self.transport is not None:
+            await self.transport.connect(self.client, self.dist)
+        if self.resume is not None:
+            await self._load(find_checkpoint(self.resume))
+
+    async def _setup_driver(self) -> None:
+        from transformers import AutoTokenizer
+
+        from miles.rewards.scoring import build_rewards, score_samples
+        from miles.rollout.http_client import HttpEngineClient
+        from miles.rollout.manager import RolloutManager
+
+        settings = self.settings
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer = AutoTokenizer.from_pretrained(settings.train.model_path)
+        self.data = components.build_data_source(self.pm, settings, tokenizer=tokenizer)
+        self.loggers = components.build_loggers(self.pm, settings)
+        if not self.engine_urls:
+            return
+        self.client = HttpEngineClient(self.engine_urls)
+        self.rewards = build_rewards(self.pm, settings.reward)
+        rewards, reward_settings = self.rewards, settings.reward
+
+        async def scorer(samples: Any) -> None:
+            await score_samples(samples, rewards, timeout=reward_settings.timeout, max_concurrency=reward_settings.max_concurrency)
+
+        self.manager = RolloutManager(
+            self.client,
+            settings.rollout,
+            scorer=scorer,
+            algorithm=self.algorithm,
+            rollout_function=components.build_rollout_function(self.pm, settings),
+            seed=settings.train.seed,
+        )
+
+    async def close(self) -> None:
+        if self.transport is not None:
+            await self.transport.close()
+        if self.is_driver:
+            from miles.rewards.scoring import close_rewards
+
+            await close_rewards(self.rewards)
+            if self.client is not None:
+                await self.client.close()
+            for logger in self.loggers:
+                logger.close()
+        self.trainer.close()
+
+    # -- the loop ----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        total = self.settings.train.num_rollouts
+        if self.is_driver:
+            log.info("training from step %d to %d", self.step, total)
+        while self.step < total:
+            await self.train_one_rollout()
+            interval = self.settings.checkpoint.save_interval
+            if interval is not None and self.step % interval == 0 and self.step < total:
+                await self.save()
+        if self.settings.checkpoint.save_final:
+            await self.save()
+        if self.settings.checkpoint.export_hf:
+            self.trainer.export_hf(str(self.run_dir / "hf"))
+
+    async def train_one_rollout(self) -> None:
+        settings = self.settings
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        payload = None
+        if self.is_driver:
+            assert self.manager is not None and self.data is not None
+            result = await self.manager.rollout(self.data)
+            metrics.update(result.metrics)
+            self._dump_samples(result.groups)
+            self.pm.on_rollout_end(step=self.step + 1, groups=result.groups, metrics=result.metrics)
+            payload = [g.to_dict() for g in result.groups]
+        groups = [SampleGroup.from_dict(g) for g in broadcast_json(payload)]
+
+        train_start = time.perf_counter()
+        batches = prepare_minibatches(
+            groups,
+            algorithm=self.algorithm,
+            trainer=self.trainer,
+            dist=self.dist,
+            global_batch_size=settings.train.global_batch_size or len(groups) * settings.rollout.n_samples_per_prompt,
+            temperature=settings.rollout.temperature,
+        )
+        step_metrics = [self.trainer.train_step(batch, self.algorithm) for batch in batches]
+        metrics.update({f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()})
+        metrics["time/train_seconds"] = time.perf_counter() - train_start
+
+        self.step += 1
+        report = await self.push_weights()
+        if self.is_driver:
+            metrics.update(self._sync_metrics(report))
+            metrics["time/step_seconds"] = time.perf_counter() - start
+            self._check_fidelity(metrics)
+            for logger in self.loggers:
+                logger.log(self.step, metrics)
+            self.pm.on_step_end(step=self.step, metrics=metrics)
+
+    async def push_weights(self) -> PushReport | None:
+        """Send the trainer's weights to the engines and verify them (rank 0 verifies)."""
+        if self.transport is None:
+            return None
+        from miles.transport.verify import verify_engines
+
+        version = str(self.step)
+        buckets = self.trainer.iter_weights(self.settings.transport.bucket_bytes)
+        converted = ([*self.precision.rollout_weights(bucket)] for bucket in buckets)
+        report = await self.transport.push(converted, version=version, dist=self.dist)
+        self.weight_version = version
+        if self.is_driver and self.settings.transport.verify:
+            assert self.client is not None
+            report.verification = await verify_engines(
+                self.client, version=version, checksums_by_dtype={self.transport.engine_dtype: report.checksums}
+            )
+        if self.is_driver:
+            self.pm.on_weights_pushed(step=self.step, version=version, report=report)
+        return report
+
+    def _sync_metrics(self, report: PushReport | None) -> dict[str, float]:
+        if report is None:
+            return {}
+        out = {
+            "weight_sync/seconds": report.seconds,
+            "weight_sync/bytes": float(report.num_bytes),
+            "weight_sync/tensors": float(report.num_tensors),
+        }
+        out.update(report.verification)
+        return out
+
+    def _check_fidelity(self, metrics: dict[str, float]) -> None:
+        diff = metrics.get("train/train_rollout_logprob_abs_diff")
+        threshold = self.settings.log.logprob_diff_warn
+        if diff is not None and diff > threshold:
+            log.warning("step %d: |train - rollout| logprob difference %.4f exceeds %.4f", self.step, diff, threshold)
+
+    def _dump_samples(self, groups: list[SampleGroup]) -> None:
+        folder = self.run_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"rollout_{self.step + 1:06d}.jsonl", "w", encoding="utf-8") as f:
+            for group in groups:
+                for sample in group.samples:
+                    f.write(sample.to_json() + "\n")
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    async def save(self) -> None:
+        path = checkpoint_dir(self.ckpt_root, self.step)
+        if (path / "driver.json").exists():  # the final save right after an interval save
+            return
+        self.trainer.save_checkpoint(str(path / "trainer"))
+        if self.is_driver:
+            assert self.data is not None
+            state = DriverState(
+                step=self.step,
+                weight_version=self.weight_version,
+                data=self.data.state_dict(),
+                rollout=self.manager.state_dict() if self.manager is not None else {},
+            )
+            write_driver_state(path, state)
+            self.pm.on_checkpoint_saved(step=self.step, path=str(path))
+            log.info("checkpoint saved: %s", path)
+
+    async def _load(self, path: Path) -> None:
+        state = read_driver_state(path)
+        self.trainer.load_checkpoint(str(path / "trainer"))
+        self.step = state.step
+        if self.is_driver:
+            assert self.data is not None
+            self.data.load_state_dict(state.data)
+            if self.manager is not None and state.rollout:
+                self.manager.load_state_dict(state.rollout)
+            log.info("resumed from %s at step %d", path, state.step)
+        # the engines start from the initial model: give them the checkpoint's weights
+        await self.push_weights()
+
+
+def write_resolved_settings(settings: MilesSettings, path: Path) -> None:
+    """The resolved settings every rank reads (JSON: plugin tables keep their extra keys)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings.model_dump(mode="json"), indent=1))

@@ -1,0 +1,101 @@
+"""The trainer-rank process: ``python -m miles.driver.worker RUN_DIR``.
+
+Started by the launcher once per rank with the ``torch.distributed`` rendezvous variables set. Reads the
+resolved settings and the launch description (engine URLs, resume point) from the run directory, joins
+the process group (gloo on CPU, NCCL on GPU) and runs the :class:`~miles.driver.loop.TrainingLoop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from miles.errors import MilesError
+
+log = logging.getLogger("miles.worker")
+
+
+def _dist_context() -> object:
+    from miles.training.trainer import DistContext
+
+    import torch
+
+    device = os.environ.get("MILES_DEVICE", "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    return DistContext(
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        local_rank=local_rank,
+        device=device,
+    )
+
+
+async def _run(run_dir: Path) -> None:
+    import torch.distributed as dist
+
+    from miles.driver.loop import TrainingLoop
+    from miles.plugins.manager import PluginManager
+    from miles.settings.model import MilesSettings
+
+    settings = MilesSettings.model_validate(json.loads((run_dir / "settings.json").read_text()))
+    launch = json.loads((run_dir / "launch.json").read_text())
+    ctx = _dist_context()
+    backend = "nccl" if ctx.device == "cuda" else "gloo"  # type: ignore[attr-defined]
+    dist.init_process_group(backend=backend)
+    pm = PluginManager().load()
+    loop = TrainingLoop(settings, pm, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
+    status, error = "failed", None
+    if loop.is_driver:
+        pm.on_run_start(settings=settings, run_dir=str(run_dir))
+    try:
+        await loop.setup()
+        await loop.run()
+        status = "completed"
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        raise
+    finally:
+        try:
+            await loop.close()
+        finally:
+            if loop.is_driver:
+                pm.on_run_end(run_dir=str(run_dir), status=status, error=error)
+            if dist.is_initialized():
+                if status == "completed":
+                    dist.barrier()  # gloo teardown aborts now and then without it
+                dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m miles.driver.worker RUN_DIR")
+    logging.basicConfig(
+        level=os.environ.get("MILES_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s",
+    )
+    threads = os.environ.get("MILES_TORCH_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    try:
+        asyncio.run(_run(Path(args[0])))
+    except MilesError as exc:
+        log.error("%s", exc)
+        sys.exit(exc.exit_code)
+    except Exception:
+        log.error("training failed:\n%s", traceback.format_exc())
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""The rollout manager: prompts in, scored and filtered sample groups out.
+
+Each prompt is sampled ``n_samples_per_prompt`` times through the engine client with the group's
+routing key (so the group's prefix is cached once on one engine), every sample gets a seed derived from
+the run seed, its group and its index (so a rollout is reproducible and a resumed run sees the same
+samples), rewards are computed, and the algorithm decides which groups to keep (dynamic sampling); the
+manager keeps generating until the batch is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from miles.rollout.protocol import GenerateOutput, SamplingParams
+from miles.types import Sample, SampleGroup, SampleStatus, WeightSpan
+
+if TYPE_CHECKING:
+    from miles.algorithms.base import Algorithm
+    from miles.data.base import DataSource, Prompt
+    from miles.rollout.client import EngineClient
+    from miles.rollout.function import RolloutFunction
+    from miles.settings.model import RolloutSettings
+
+__all__ = ["RolloutManager", "RolloutResult", "sample_from_output", "single_turn"]
+
+log = logging.getLogger(__name__)
+
+Scorer = Callable[[Sequence[Sample]], Awaitable[None]]
+"""Fills ``reward`` / ``reward_parts`` (or marks samples failed) for a list of samples."""
+
+
+@dataclass
+class RolloutResult:
+    """The groups of one rollout and its metrics."""
+
+    groups: list[SampleGroup]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from integers, stable across processes and Python versions."""
+    digest = hashlib.blake2b(",".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def _status_of(output: GenerateOutput) -> tuple[SampleStatus, str]:
+    reason = output.finish_reason
+    if reason.type == "stop":
+        return SampleStatus.COMPLETED, ""
+    if reason.type == "length":
+        return SampleStatus.TRUNCATED, f"length {reason.length}" if reason.length is not None else "length"
+    return SampleStatus.ABORTED, reason.message or "aborted by the engine"
+
+
+def _version(value: str | None) -> int:
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
+
+
+def sample_from_output(sample: Sample, output: GenerateOutput) -> Sample:
+    """Fill a sample's response from one engine output (single turn: every token trained on)."""
+    n = len(output.output_ids)
+    status, reason = _status_of(output)
+    spans_meta = output.meta_info.get("weight_version_spans")
+    if spans_meta:
+        spans = [WeightSpan(int(s[0]), int(s[1]), _version(str(s[2]))) for s in spans_meta]
+    else:
+        spans = [WeightSpan(0, n, _version(output.weight_version))] if n else []
+    routed_shape = None
+    if output.routed_experts is not None:
+        shape = output.meta_info.get("routed_experts_shape")
+        if shape is not None:
+            routed_shape = (int(shape[0]), int(shape[1]), int(shape[2]))
+    return replace(
+        sample,
+        response_ids=list(output.output_ids),
+        rollout_logprobs=list(output.output_logprobs),
+        loss_mask=[1] * n,
+        response=output.text,
+        status=status,
+        status_reason=reason,
+        weight_versions=spans,
+        routed_experts=output.routed_experts,
+        routed_experts_shape=routed_shape,
+        metadata={**sample.metadata, "cached_tokens": output.cached_tokens, "prompt_tokens": output.prompt_tokens},
+    )
+
+
+async def single_turn(client: EngineClient, sample: Sample, sampling_params: SamplingParams) -> Sample:
+    """The default rollout function: one ``/generate`` call for one sample."""
+    routing_key = str(sample.metadata.get("routing_key", f"group-{sample.group_id}"))
+    outputs = await client.generate(sample.prompt_ids, replace(sampling_params, n=1), routing_key=routing_key)
+    return sample_from_output(sample, outputs[0])
+
+
+class RolloutManager:
+    """Turns prompts into scored sample groups.
+
+    :param client: the engines.
+    :param settings: the ``rollout`` settings section.
+    :param scorer: rewards (see :func:`miles.rewards.scoring.score_samples`).
+    :param algorithm: asked which groups to keep (dynamic sampling).
+    :param rollout_function: replaces :func:`single_turn` (agents, tools, multi-turn).
+    :param seed: run seed; sample seeds are derived from it, the group id and the sample index.
+    :param max_rounds: generation rounds allowed to fill a batch under dynamic sampling.
+    """
+
+    def __init__(
+        self,
+        client: EngineClient,
+        settings: RolloutSettings,
+        *,
+        scorer: Scorer,
+        algorithm: Algorithm | None = None,
+        rollout_function: RolloutFunction | None = None,
+        seed: int = 0,
+        max_rounds: int = 8,
+        return_routed_experts: bool = False,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.scorer = scorer
+        self.algorithm = algorithm
+        self.rollout_function: RolloutFunction = rollout_function or single_turn  # type: ignore[assignment]
+        self.seed = seed
+        self.max_rounds = max_rounds
+        self.return_routed_experts = return_routed_experts
+        self.next_group_id = 0
+
+    # -- state (saved in checkpoints) ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_group_id": self.next_group_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_group_id = int(state["next_group_id"])
+
+    # -- generation --------------------------------------------------------------------------------
+    def sampling_params(self, seed: int | None = None) -> SamplingParams:
+        s = self.settings
+        return SamplingParams(
+            max_new_tokens=s.max_new_tokens,
+            min_new_tokens=s.min_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop=list(s.stop) or None,
+            sampling_seed=seed,
+        )
+
+    def new_group(self, prompt: Prompt) -> list[Sample]:
+        """The pending samples of one prompt's group (assigns the next group id)."""
+        if prompt.prompt_ids is None:
+            raise ValueError(f"prompt from {prompt.source or '?'} was not tokenised (prompt_ids is None)")
+        group_id = self.next_group_id
+        self.next_group_id += 1
+        text = prompt.prompt if isinstance(prompt.prompt, str) else ""
+        return [
+            Sample(
+                prompt_ids=list(prompt.prompt_ids),
+                group_id=group_id,
+                index=i,
+                prompt=text,
+                label=prompt.label,
+                metadata={**prompt.metadata, "source": prompt.source} if prompt.source else dict(prompt.metadata),
+            )
+            for i in range(self.settings.n_samples_per_prompt)
+        ]
+
+    async def generate_sample(self, sample: Sample, *, retries: int = 2) -> Sample:
+        """Run the rollout function for one sample; an aborted sample is retried from scratch."""
+        seed = derive_seed(self.seed, sample.group_id, sample.index)
+        result = sample
+        for attempt in range(retries + 1):
+            try:
+                result = await self.rollout_function(self.client, sample, self.sampling_params(seed))
+            except Exception as exc:  # an engine or tool failure marks the sample, never stops the run
+                log.warning("sample %d/%d failed: %s", sample.group_id, sample.index, exc)
+                return replace(sample, status=SampleStatus.FAILED, status_reason=f"rollout failed: {exc}")
+            if result.status != SampleStatus.ABORTED:
+                return result
+            log.info("sample %d/%d aborted (%s), attempt %d", sample.group_id, sample.index, result.status_reason, attempt + 1)
+        return result
+
+    async def generate_group(self, prompt: Prompt) -> SampleGroup:
+        samples = self.new_group(prompt)
+        done = await asyncio.gather(*(self.generate_sample(s) for s in samples))
+        return SampleGroup(samples[0].group_id, list(done))
+
+    async def rollout(self, data: DataSource) -> RolloutResult:
+        """One rollout: ``rollout_batch_size`` kept groups, scored."""
+        start = time.perf_counter()
+        want = self.settings.rollout_batch_size
+        kept: list[SampleGroup] = []
+        dropped: list[SampleGroup] = []
+        generated = 0
+        rounds = 0
+        while len(kept) < want:
+            if rounds >= self.max_rounds:
+                log.warning(
+                    "dynamic sampling kept %d of %d groups after %d rounds; filling with dropped groups",
+                    len(kept), want, rounds,
+                )
+                kept += dropped[: want - len(kept)]
+                break
+            rounds += 1
+            prompts = data.next_batch(want - len(kept))
+            groups = list(await asyncio.gather(*(self.generate_group(p) for p in prompts)))
+            generated += len(groups)
+            await self.scorer([s for g in groups for s in g.samples])
+            keep = self.algorithm.keep_groups(groups) if self.algorithm is not None else [True] * len(groups)
+            for group, ok in zip(groups, keep, strict=True):
+                (kept if ok else dropped).append(group)
+        kept = kept[:want]
+        return RolloutResult(kept, self._metrics(kept, generated, rounds, time.perf_counter() - start))
+
+    def _metrics(self, groups: list[SampleGroup], generated: int, rounds: int, seconds: float) -> dict[str, float]:
+        samples = [s for g in groups for s in g.samples]
+        n = max(len(samples), 1)
+        rewards = [0.0 if s.reward is None else float(s.reward) for s in samples]
+        mean = sum(rewards) / n
+        lengths = [s.response_length for s in samples]
+        prompt_tokens = sum(len(s.prompt_ids) for s in samples)
+        cached = sum(int(s.metadata.get("cached_tokens", 0)) for s in samples)
+        metrics = {
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+            "rollout/response_length_mean": sum(lengths) / n,
+            "rollout/response_length_max": float(max(lengths, default=0)),
+            "rollout/truncated_fraction": sum(s.status == SampleStatus.TRUNCATED for s in samples) / n,
+            "rollout/failed_fraction": sum(s.status == SampleStatus.FAILED for s in samples) / n,
+            "rollout/prefix_cache_hit_rate": cached / max(prompt_tokens, 1),
+            "rollout/groups_generated": float(generated),
+            "rollout/groups_dropped": float(generated - len(groups)),
+            "rollout/rounds": float(rounds),
+            "rollout/seconds": seconds,
+            "rollout/tokens_per_second": sum(lengths) / max(seconds, 1e-9),
+        }
+        parts: dict[str, list[float]] = {}
+        for s in samples:
+            for name, value in s.reward_parts.items():
+                parts.setdefault(name, []).append(float(value))
+        for name, values in parts.items():
+            metrics[f"rollout/reward_{name}_mean"] = sum(values) / len(values)
+        versions = [v for s in samples if (v := s.oldest_weight_version) is not None]
+        if versions:
+            metrics["rollout/weight_version_min"] = float(min(versions))
+            metrics["rollout/weight_version_max"] = float(max(versions))
+        return metrics

@@ -1,0 +1,182 @@
+"""The ``broadcast`` transport: a ``torch.distributed`` group spanning trainer rank 0 and the engines.
+
+Trainer rank 0 is rank 0 of a separate process group (gloo on CPU, NCCL on GPU) built over its own
+``TCPStore``; engine ``i`` joins as rank ``1 + i`` through SGLang's ``/init_weights_update_group``. For
+each bucket, rank 0 announces names, dtypes and shapes with ``/update_weights_from_distributed`` and
+broadcasts the tensors in that order; the engines receive and load them. The weight version is set
+once every bucket has arrived (``/update_weight_version``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from miles.components import ComponentSettings
+from miles.transport.base import PushReport, WeightTransport
+from miles.transport.verify import tensor_checksum
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles.rollout.client import EngineClient
+    from miles.training.trainer import DistContext, WeightBucket
+
+__all__ = ["BroadcastTransport", "BroadcastTransportSettings", "make_process_group"]
+
+log = logging.getLogger(__name__)
+
+
+class BroadcastTransportSettings(ComponentSettings):
+    """Settings of the ``broadcast`` transport."""
+
+    master_address: str = "127.0.0.1"
+    """Address of the group's store (trainer rank 0's host, reachable by every engine)."""
+    master_port: int = 0
+    """Port of the group's store (0: a free port)."""
+    group_name: str = "miles_weights"
+    """Name of the weight-update group on the engines."""
+    timeout: float = 600.0
+    """Seconds a collective may take before it fails."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def make_process_group(
+    backend: str, *, host: str, port: int, rank: int, world_size: int, timeout: float, is_master: bool
+) -> Any:
+    """A process group independent of the default one (trainer and engine processes each have their own
+    default world): a ``TCPStore`` plus ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built on it."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, world_size, is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    prefixed = dist.PrefixStore("miles_weights/", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout)), store
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout)
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options), store
+    raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")
+
+
+def broadcast_tensors(group: Any, tensors: list[torch.Tensor], *, src: int = 0) -> None:
+    """Broadcast ``tensors`` in order over ``group`` (blocking)."""
+    import torch.distributed as dist
+
+    for tensor in tensors:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        group.broadcast([tensor], opts).wait()
+
+
+class BroadcastTransport(WeightTransport):
+    """Pushes weights over a process group that spans trainer rank 0 and every engine."""
+
+    name = "broadcast"
+    Settings = BroadcastTransportSettings
+
+    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+        super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
+        assert isinstance(settings, BroadcastTransportSettings)
+        self.options = settings
+        self.client: EngineClient | None = None
+        self.group: Any = None
+        self._store: Any = None
+        self.device = "cpu"
+
+    async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
+        if dist.rank != 0:
+            return
+        if client is None:
+            raise RuntimeError("broadcast transport: rank 0 needs the engine client")
+        self.client = client
+        self.device = dist.device
+        backend = "nccl" if dist.device == "cuda" else "gloo"
+        port = self.options.master_port or free_port(self.options.master_address)
+        world_size = 1 + len(client.urls)
+        joins = [
+            asyncio.create_task(
+                client.call(
+                    url,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": self.options.master_address,
+                        "master_port": port,
+                        "rank_offset": 1 + i,
+                        "world_size": world_size,
+                        "group_name": self.options.group_name,
+                        "backend": backend,
+                    },
+                )
+            )
+            for i, url in enumerate(client.urls)
+        ]
+        self.group, self._store = await asyncio.to_thread(
+            make_process_group,
+            backend,
+            host=self.options.master_address,
+            port=port,
+            rank=0,
+            world_size=world_size,
+            timeout=self.options.timeout,
+            is_master=True,
+        )
+        await asyncio.gather(*joins)
+        log.info("broadcast transport: group %r with %d engines on port %d", self.options.group_name, world_size - 1, port)
+
+    async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
+        import torch
+
+        start = time.perf_counter()
+        report = PushReport(version=version)
+        dtype = getattr(torch, self.engine_dtype)
+        for bucket in buckets:
+            if dist.rank != 0 or not bucket:
+                continue
+            if self.client is None or self.group is None:
+                raise RuntimeError("broadcast transport: push before connect()")
+            tensors = [t.detach().to(dtype).to(self.device).contiguous() for _, t in bucket]
+            names = [name for name, _ in bucket]
+            payload = {
+                "names": names,
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors],
+                "group_name": self.options.group_name,
+                "flush_cache": False,
+            }
+            receives = [asyncio.create_task(self.client.call(url, "/update_weights_from_distributed", payload)) for url in self.client.urls]
+            await asyncio.to_thread(broadcast_tensors, self.group, tensors)
+            await asyncio.gather(*receives)
+            for name, t in zip(names, tensors, strict=True):
+                report.checksums[name] = tensor_checksum(t)
+                report.num_bytes += t.numel() * t.element_size()
+            report.num_tensors += len(tensors)
+        if dist.rank == 0:
+            assert self.client is not None
+            await asyncio.gather(
+                *(self.client.call(url, "/update_weight_version", {"new_version": version, "abort_all_requests": False}) for url in self.client.urls)
+            )
+            await self.client.flush_cache()
+            report.seconds = time.perf_counter() - start
+        return report
+
+    async def close(self) -> None:
+        if self.client is not None and self.group is not None:
+            await asyncio.gather(
+                *(self.client.call(url, "/destroy_weights_update_group", {"group_name": self.options.group_name}) for url in self.client.urls),
+                return_exceptions=True,
+            )
+        self.group = None
+        self._store = None

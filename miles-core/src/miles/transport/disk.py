@@ -1,0 +1,106 @@
+"""The ``disk`` transport: trainer rank 0 writes a safetensors checkpoint, engines reload it.
+
+The simplest transport and the most portable (any engine that has ``/update_weights_from_disk``, any
+filesystem both sides see). Buckets are written as shards with an index, the model's config and tokenizer
+files are copied next to them, and the previous version's directory is removed once the engines serve the
+new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+
+from miles.components import ComponentSettings
+from miles.transport.base import PushReport, WeightTransport
+from miles.transport.verify import tensor_checksum
+
+if TYPE_CHECKING:
+    from miles.rollout.client import EngineClient
+    from miles.training.trainer import DistContext, WeightBucket
+
+__all__ = ["DiskTransport", "DiskTransportSettings"]
+
+log = logging.getLogger(__name__)
+
+_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+class DiskTransportSettings(ComponentSettings):
+    """Settings of the ``disk`` transport."""
+
+    dir: str | None = None
+    """Where versions are written (default: ``<run_dir>/weights``); must be visible to every engine."""
+    keep_versions: int = 1
+    """How many pushed versions stay on disk."""
+
+
+class DiskTransport(WeightTransport):
+    """Trainer writes safetensors shards; engines load them with ``/update_weights_from_disk``."""
+
+    name = "disk"
+    Settings = DiskTransportSettings
+
+    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+        super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
+        assert isinstance(settings, DiskTransportSettings)
+        self.root = Path(settings.dir or Path(run_dir) / "weights")
+        self.keep = max(settings.keep_versions, 1)
+        self.client: EngineClient | None = None
+        self.written: list[Path] = []
+
+    async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
+        self.client = client
+        if dist.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
+        import torch
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        report = PushReport(version=version)
+        target = self.root / f"v{version}"
+        dtype = getattr(torch, self.engine_dtype)
+        weight_map: dict[str, str] = {}
+        if dist.rank == 0:
+            if target.exists():
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
+        for index, bucket in enumerate(buckets):
+            if dist.rank != 0 or not bucket:
+                continue  # other ranks only take part in the gathers
+            shard = f"model-{index:05d}.safetensors"
+            tensors = {name: t.detach().to(dtype).contiguous().cpu() for name, t in bucket}
+            save_file(tensors, str(target / shard), metadata={"format": "pt"})
+            for name, t in tensors.items():
+                weight_map[name] = shard
+                report.checksums[name] = tensor_checksum(t)
+                report.num_bytes += t.numel() * t.element_size()
+            report.num_tensors += len(tensors)
+        if dist.rank != 0:
+            return report
+        total = {"metadata": {"total_size": report.num_bytes}, "weight_map": weight_map}
+        (target / "model.safetensors.index.json").write_text(json.dumps(total, indent=1))
+        if self.model_path is not None:
+            for name in _COPIED:
+                source = Path(self.model_path) / name
+                if source.exists():
+                    shutil.copy2(source, target / name)
+        if self.client is None:
+            raise RuntimeError("disk transport: push on rank 0 before connect() gave it the engines")
+        await self.client.update_weights_from_disk(str(target), version)
+        self.written.append(target)
+        while len(self.written) > self.keep:
+            old = self.written.pop(0)
+            shutil.rmtree(old, ignore_errors=True)
+        report.seconds = time.perf_counter() - start
+        log.info("disk transport: version %s, %d tensors, %.1f MB in %.2fs", version, report.num_tensors, report.num_bytes / 1e6, report.seconds)
+        return report

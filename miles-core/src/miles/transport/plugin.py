@@ -1,0 +1,14 @@
+"""Built-in weight transports: ``disk`` and ``broadcast``."""
+
+from __future__ import annotations
+
+from miles.plugins.manager import hookimpl
+from miles.plugins.registry import Register
+from miles.transport.broadcast import BroadcastTransport
+from miles.transport.disk import DiskTransport
+
+
+@hookimpl
+def miles_register_transports(register: Register) -> None:
+    register(DiskTransport)
+    register(BroadcastTransport)

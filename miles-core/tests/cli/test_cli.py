@@ -36,7 +36,7 @@ def test_plugins_list_json_schema_and_hook_filter() -> None:
 def test_plugins_list_shows_blocked(tmp_path: Path) -> None:
     out = miles("plugins", "list", env={"MILES_DISABLE_PLUGINS": "jsonl", "COLUMNS": "200"})
     assert out.returncode == 0
-    line = next(line for line in out.stdout.splitlines() if " jsonl " in line)
+    line = next(line for line in out.stdout.splitlines() if line.startswith("│ jsonl "))
     assert "blocked" in line
 
 

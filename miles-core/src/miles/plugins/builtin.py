@@ -7,6 +7,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("precision", "miles.precision.builtin"),
     ("jsonl", "miles.metrics.jsonl"),
     ("algorithms", "miles.algorithms.plugin"),
+    ("rewards", "miles.rewards.plugin"),
     ("data", "miles.data.plugin"),
     ("launch", "miles.launch.plugin"),
 )

@@ -1,0 +1,15 @@
+"""The built-in rewards plugin: ``math``, ``exact_match``, ``regex``, ``length_penalty`` and ``remote``."""
+
+from __future__ import annotations
+
+from miles.plugins.manager import hookimpl
+from miles.plugins.registry import Register
+
+
+@hookimpl
+def miles_register_rewards(register: Register) -> None:
+    from miles.rewards.remote import RemoteReward
+    from miles.rewards.text import ExactMatchReward, LengthPenaltyReward, MathReward, RegexReward
+
+    for cls in (MathReward, ExactMatchReward, RegexReward, LengthPenaltyReward, RemoteReward):
+        register(cls)

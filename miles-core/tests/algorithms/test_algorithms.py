@@ -155,7 +155,8 @@ def test_distillation_alone_and_added_to_rl() -> None:
     teacher = torch.tensor([-1.5, -1.0])
     base = dict(loss_mask=torch.tensor([1, 1]), response_lengths=[2], teacher_logprobs=teacher)
     distill = Distill(DistillSettings())
-    assert distill.needs.teacher_logprobs and not distill.needs.values
+    assert distill.needs.teacher_logprobs and not distill.needs.values and not distill.needs.old_logprobs
+    assert Distill(DistillSettings(policy_coef=0.5)).needs.old_logprobs
     out = distill.loss(LossInputs(logprobs=logp.clone().requires_grad_(True), **base))
     assert out.per_token_loss.tolist() == pytest.approx([0.5, -1.0])  # log pi - log teacher
     # added to GRPO: pg (ratio 1: -A) + 0.5 * (log pi - log teacher)

@@ -30,7 +30,7 @@ class RewardServer(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     server: RewardServer
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keep test output quiet
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
     def _send(self, code: int, body: str, content_type: str = "application/json") -> None:
@@ -41,7 +41,7 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server naming
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
             count = self.server.hits.get(self.path, 0) + 1

@@ -11,7 +11,14 @@ from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.manager import PluginManager
 from miles.rewards.base import Reward
 from miles.rewards.scoring import build_rewards, close_rewards, score_samples
-from miles.rewards.text import LengthPenaltyReward, LengthPenaltySettings, MathReward, MathSettings, RegexReward, RegexSettings
+from miles.rewards.text import (
+    LengthPenaltyReward,
+    LengthPenaltySettings,
+    MathReward,
+    MathSettings,
+    RegexReward,
+    RegexSettings,
+)
 from miles.settings.model import RewardSettings
 from miles.types import Sample, SampleStatus
 

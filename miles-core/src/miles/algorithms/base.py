@@ -124,7 +124,8 @@ class Algorithm(ABC):
 
         :param values: critic values per response token, shaped like ``groups`` (when ``needs.values``).
         :param ref_logprobs: reference logprobs per response token, shaped like ``groups`` (when
-            ``needs.ref_logprobs_for_advantages``).
+            ``needs.ref_logprobs_for_advantages``; otherwise ``None``). The loop always passes it by keyword,
+            so every implementation accepts it.
         """
 
     def compute_returns(

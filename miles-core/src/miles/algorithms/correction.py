@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CorrectionLevel", "mismatch_log_ratio", "icepop_weights", "tis_weights"]
+__all__ = ["CorrectionLevel", "icepop_weights", "mismatch_log_ratio", "tis_weights"]
 
 CorrectionLevel = Literal["token", "sequence", "geometric"]
 

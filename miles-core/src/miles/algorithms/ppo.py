@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import BaseModel
 
 from miles.algorithms.advantages import gae, global_token_normalize
-from miles.algorithms.base import LossInputs
+from miles.algorithms.base import LossInputs, LossOutput
 from miles.algorithms.policy import PolicyGradientAlgorithm, require
 from miles.algorithms.reinforce import token_rewards_with_kl
 from miles.algorithms.settings import PPOSettings
@@ -16,7 +16,7 @@ from miles.algorithms.settings import PPOSettings
 if TYPE_CHECKING:
     import torch
 
-    from miles.types import SampleGroup
+    from miles.types import Sample, SampleGroup
 
 __all__ = ["PPO"]
 
@@ -45,7 +45,6 @@ class PPO(PolicyGradientAlgorithm):
         for g, group in enumerate(groups):
             for i, (sample, reward) in enumerate(zip(group.samples, self.shaped_rewards(group), strict=True)):
                 ref = ref_logprobs[g][i] if ref_logprobs is not None else None
-                # Token rewards: the reward on the last trained token, minus the KL per token when in the reward.
                 mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
                 token_rewards = _token_rewards(sample, ref, s, reward)
                 adv, ret = gae(token_rewards, values[g][i], mask, gamma=s.gamma, lam=s.lam)
@@ -78,7 +77,7 @@ class PPO(PolicyGradientAlgorithm):
         _, rets, _ = self._gae(groups, values, ref_logprobs)
         return _regroup(groups, rets)
 
-    def loss(self, inputs: LossInputs):  # type: ignore[no-untyped-def]
+    def loss(self, inputs: LossInputs) -> LossOutput:
         from miles.algorithms.losses import value_loss
 
         s = self.settings
@@ -94,7 +93,7 @@ class PPO(PolicyGradientAlgorithm):
         return out
 
 
-def _token_rewards(sample, ref, settings: PPOSettings, reward: float):  # type: ignore[no-untyped-def]
+def _token_rewards(sample: Sample, ref: torch.Tensor | None, settings: PPOSettings, reward: float) -> torch.Tensor:
     """Per-token rewards for GAE: ``reward`` on the last trained token, ``-kl_coef * KL_t`` when in the reward."""
     import torch
 

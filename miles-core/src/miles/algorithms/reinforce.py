@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from miles.algorithms.advantages import broadcast_to_tokens, global_token_normalize, kl_penalized_returns
 from miles.algorithms.losses import kl_estimate
 from miles.algorithms.policy import PolicyGradientAlgorithm
-from miles.algorithms.settings import ReinforcePPSettings
+from miles.algorithms.settings import PolicyLossSettings, ReinforcePPSettings
 
 if TYPE_CHECKING:
     import torch
@@ -26,19 +26,22 @@ __all__ = ["ReinforcePP", "ReinforcePPBaseline", "token_rewards_with_kl"]
 
 
 def token_rewards_with_kl(
-    sample: Sample, ref_logprobs: torch.Tensor | None, settings: ReinforcePPSettings | object, reward: float, gamma: float
+    sample: Sample, ref_logprobs: torch.Tensor | None, settings: PolicyLossSettings, reward: float, gamma: float
 ) -> torch.Tensor:
-    """Per-token returns of ``sample``: ``reward`` broadcast, or KL-penalised returns when the KL is in the reward."""
+    """Per-token returns of ``sample``: ``reward`` broadcast, or KL-penalised returns when the KL is in the reward.
+
+    The KL is estimated between the rollout logprobs (the policy that sampled) and ``ref_logprobs``.
+    """
     import torch
 
     s = settings
-    if getattr(s, "kl_in_reward", False) and getattr(s, "kl_coef", 0.0) > 0.0:
+    if s.kl_in_reward and s.kl_coef > 0.0:
         if ref_logprobs is None:
             raise ValueError("kl_in_reward needs ref_logprobs in compute_advantages (needs.ref_logprobs_for_advantages)")
         rollout = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
-        kl = kl_estimate(rollout, ref_logprobs.to(torch.float32), s.kl_estimator)  # type: ignore[attr-defined]
+        kl = kl_estimate(rollout, ref_logprobs.to(torch.float32), s.kl_estimator)
         mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
-        return kl_penalized_returns(reward, kl, mask, kl_coef=s.kl_coef, gamma=gamma)  # type: ignore[attr-defined]
+        return kl_penalized_returns(reward, kl, mask, kl_coef=s.kl_coef, gamma=gamma)
     return broadcast_to_tokens(reward, sample.loss_mask)
 
 

@@ -20,8 +20,8 @@ __all__ = [
     "GSPOSettings",
     "PPOSettings",
     "PolicyLossSettings",
-    "ReinforcePPSettings",
     "RLOOSettings",
+    "ReinforcePPSettings",
     "SFTSettings",
 ]
 

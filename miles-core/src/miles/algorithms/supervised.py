@@ -84,9 +84,12 @@ class Distill(GRPO):
     @property
     def needs(self) -> AlgorithmNeeds:
         base = super().needs
+        s = self.settings
+        assert isinstance(s, DistillSettings)
         return AlgorithmNeeds(
             rollout=True,
-            old_logprobs=base.old_logprobs,
+            # pure distillation needs no PPO ratio; the ratio and TIS / IcePop need pi_old
+            old_logprobs=s.policy_coef > 0.0 or s.mismatch_correction != "none",
             ref_logprobs=base.ref_logprobs,
             teacher_logprobs=True,
             values=False,

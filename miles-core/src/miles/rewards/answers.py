@@ -54,8 +54,8 @@ def math_equal(prediction: str, reference: str, *, float_rounding: int = 6) -> b
         s = s.strip()
         return s if s.startswith("$") else f"${s}$"
 
-    gold = parse(wrap(reference), parsing_timeout=None)  # type: ignore[arg-type]
-    pred = parse(wrap(prediction), parsing_timeout=None)  # type: ignore[arg-type]
+    gold = parse(wrap(reference), parsing_timeout=None)
+    pred = parse(wrap(prediction), parsing_timeout=None)
     if not gold or not pred:
         logger.debug("math_equal: could not parse %r or %r", prediction, reference)
         return normalize_text(prediction) == normalize_text(reference)

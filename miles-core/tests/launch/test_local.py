@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -116,16 +117,14 @@ def test_engine_comes_up_logs_to_run_dir_and_is_reaped(tmp_path: Path) -> None:
 
 def test_engine_exiting_early_fails_fast_with_its_log_tail(tmp_path: Path) -> None:
     good = http_engine(tmp_path)
-    bad = EngineLaunch(
-        argv=[sys.executable, "-c", "import sys; print('cannot load model /nope/model', flush=True); sys.exit(3)"],
-        url="http://127.0.0.1:9/",
-    )
+    fail = "import os, sys; print('cannot load model /nope/model on', os.environ['CUDA_VISIBLE_DEVICES']); sys.exit(3)"
+    bad = EngineLaunch(argv=[sys.executable, "-c", fail], url="http://127.0.0.1:9/", env={"CUDA_VISIBLE_DEVICES": "3"})
     lau = launcher(tmp_path)
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"engine-1 exited \(exit code 3\) before answering") as info:
         lau.start_engines([good, bad], timeout=120)
     assert time.monotonic() - start < 60  # did not wait for the timeout
-    assert "cannot load model /nope/model" in str(info.value)
+    assert "cannot load model /nope/model on 3" in str(info.value)  # EngineLaunch.env reached the child
     assert (info.value.process, info.value.returncode) == ("engine-1", 3)
     assert all(gone(p.pid) for p in lau.processes)  # the good engine was stopped too
     lau.shutdown()
@@ -222,8 +221,8 @@ with LocalLauncher(LocalLauncherSettings(poll_interval=0.05), run_dir=out) as la
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_the_driver_tears_everything_down(tmp_path: Path, script: Script, sig: signal.Signals) -> None:
+def start_driver(tmp_path: Path, script: Script, **popen: Any) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """Run DRIVER in a subprocess; return it and the pids of its engine and two trainer ranks, all up."""
     engine = http_engine(tmp_path)
     argv = [
         *script("driver", DRIVER),
@@ -232,15 +231,27 @@ def test_signal_to_the_driver_tears_everything_down(tmp_path: Path, script: Scri
         engine.url,
         json.dumps(script("sleep", SLEEP)),
     ]
-    driver = subprocess.Popen(argv, env={**os.environ, **CHILD_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    driver = subprocess.Popen(
+        argv, env={**os.environ, **CHILD_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen
+    )
+    pid_file = tmp_path / "pids.json"
+    deadline = time.monotonic() + 90
+    while not pid_file.exists() or not pid_file.read_text().endswith("]"):
+        if driver.poll() is not None or time.monotonic() > deadline:
+            driver.kill()
+            pytest.fail(driver.communicate(timeout=30)[0].decode())
+        time.sleep(0.05)
+    pids = json.loads(pid_file.read_text())
+    if not (len(pids) == 3 and all(alive(pid) for pid in pids)):
+        driver.send_signal(signal.SIGTERM)  # the driver stops what it started
+        pytest.fail(f"not all of {pids} came up: {driver.communicate(timeout=60)[0].decode()}")
+    return driver, pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_to_the_driver_tears_everything_down(tmp_path: Path, script: Script, sig: signal.Signals) -> None:
+    driver, pids = start_driver(tmp_path, script)
     try:
-        pid_file = tmp_path / "pids.json"
-        deadline = time.monotonic() + 90
-        while not pid_file.exists() or not pid_file.read_text().endswith("]"):
-            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate(timeout=30)[0]
-            time.sleep(0.05)
-        pids = json.loads(pid_file.read_text())
-        assert len(pids) == 3 and all(alive(pid) for pid in pids)
         driver.send_signal(sig)
         output = driver.communicate(timeout=60)[0].decode()
     finally:
@@ -248,7 +259,7 @@ def test_signal_to_the_driver_tears_everything_down(tmp_path: Path, script: Scri
             driver.kill()
             driver.wait()
     # either way the driver dies of the signal after stopping its children (CPython ends an unhandled
-    # KeyboardInterrupt by re-raising SIGINT; a default SIGTERM is re-raised by the launcher)
+    # KeyboardInterrupt by re-raising SIGINT; a default SIGTERM / SIGHUP is re-raised by the launcher)
     assert driver.returncode == -sig, output
     assert ("KeyboardInterrupt" in output) == (sig == signal.SIGINT), output
     assert f"received {sig.name}: stopping 1 launcher(s)" in output
@@ -262,3 +273,21 @@ def test_builtin_plugin_registers_local(tmp_path: Path) -> None:
     with manager.create(ComponentKind.LAUNCHER, spec, field="cluster.launcher", run_dir=str(tmp_path)) as lau:
         assert isinstance(lau, LocalLauncher) and lau.options.terminate_timeout == 2.5
         assert lau.log_dir == str(tmp_path / "logs")
+
+
+def test_an_ignored_sighup_stays_ignored(tmp_path: Path, script: Script) -> None:
+    """Under ``nohup`` (SIGHUP ignored) a closed terminal must not stop the run."""
+    driver, pids = start_driver(tmp_path, script, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        driver.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            driver.wait(timeout=1.0)
+        assert all(alive(pid) for pid in pids)
+        driver.send_signal(signal.SIGTERM)
+        output = driver.communicate(timeout=60)[0].decode()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == -signal.SIGTERM and "received SIGHUP" not in output, output
+    assert all(wait_dead(pid) for pid in pids)

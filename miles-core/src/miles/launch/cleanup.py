@@ -1,9 +1,10 @@
-"""Process-wide teardown: every live launcher is shut down at exit and on SIGINT / SIGTERM.
+"""Process-wide teardown: every live launcher is shut down at exit and on SIGINT / SIGTERM / SIGHUP.
 
 Children run in their own sessions, so a Ctrl-C in the terminal reaches only the driver; these handlers
 pass it on. The previous handler runs afterwards (``KeyboardInterrupt`` for SIGINT; for a default
-SIGTERM the signal is re-raised so the process still dies of it). Signal handlers can only be installed
-from the main thread; elsewhere only the ``atexit`` hook is registered.
+SIGTERM or SIGHUP the signal is re-raised so the process still dies of it); a signal the process ignores
+stays ignored. Signal handlers can only be installed from the main thread; elsewhere only the ``atexit``
+hook is registered.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = ["track", "untrack"]
 
 log = logging.getLogger(__name__)
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _live: list[Launcher] = []
 _previous: dict[int, Any] = {}
 _atexit_registered = False
@@ -31,7 +32,7 @@ _in_teardown = False
 
 
 def track(launcher: Launcher, *, handle_signals: bool = True) -> None:
-    """Shut ``launcher`` down at exit (and on SIGINT / SIGTERM when ``handle_signals``)."""
+    """Shut ``launcher`` down at exit (and on SIGINT / SIGTERM / SIGHUP when ``handle_signals``)."""
     global _atexit_registered
     if launcher not in _live:
         _live.append(launcher)
@@ -40,8 +41,10 @@ def track(launcher: Launcher, *, handle_signals: bool = True) -> None:
         _atexit_registered = True
     if handle_signals and threading.current_thread() is threading.main_thread():
         for sig in _SIGNALS:
-            if sig not in _previous:
-                _previous[sig] = signal.getsignal(sig)
+            current = signal.getsignal(sig)
+            # an ignored signal stays ignored (``nohup`` ignores SIGHUP, ``cmd &`` SIGINT)
+            if sig not in _previous and current != signal.SIG_IGN:
+                _previous[sig] = signal.SIG_DFL if current is None else current  # None: set outside Python
                 signal.signal(sig, _on_signal)
 
 

@@ -39,7 +39,7 @@ class LocalLauncherSettings(ComponentSettings):
     log_tail_lines: int = Field(40, ge=1)
     """Lines of a failed process's log quoted in its error."""
     handle_signals: bool = True
-    """Stop every child on SIGINT / SIGTERM (installed from the main thread only)."""
+    """Stop every child on SIGINT / SIGTERM / SIGHUP (installed from the main thread only)."""
 
 
 class LocalLauncher(Launcher):

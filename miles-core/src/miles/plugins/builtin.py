@@ -6,6 +6,7 @@ from __future__ import annotations
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("precision", "miles.precision.builtin"),
     ("jsonl", "miles.metrics.jsonl"),
+    ("local_engine", "miles.engine.plugin"),
     ("algorithms", "miles.algorithms.plugin"),
     ("rewards", "miles.rewards.plugin"),
     ("data", "miles.data.plugin"),

@@ -1,0 +1,98 @@
+"""Build and run a local engine: load the model and tokenizer, start the scheduler, serve HTTP."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_engine", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(model_path: Path, config: Any, tokenizer: Any) -> list[int]:
+    ids: set[int] = set()
+    candidates: list[Any] = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
+    try:
+        from transformers import GenerationConfig
+
+        candidates.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except OSError:
+        pass
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def build_engine(
+    model_path: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_cache_tokens: int = 1 << 20,
+    max_running_requests: int = 64,
+    context_length: int | None = None,
+    weight_version: str = "0",
+    api_key: str | None = None,
+    return_raw_logprob: bool = False,
+    server_args: dict[str, Any] | None = None,
+) -> Any:
+    """Load everything and start the scheduler thread; returns the :class:`EngineState`."""
+    from transformers import AutoTokenizer
+
+    from miles.engine.model_runner import ModelRunner
+    from miles.engine.scheduler import Scheduler, SchedulerConfig
+    from miles.engine.server import EngineState
+
+    path = Path(model_path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
+    runner = ModelRunner(path, device=device, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def text_of(ids: list[int], skip_special: bool) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=skip_special))
+
+    scheduler = Scheduler(
+        runner,
+        _eos_ids(path, runner.config, tokenizer),
+        SchedulerConfig(
+            max_running_requests=max_running_requests,
+            max_cache_tokens=max_cache_tokens,
+            context_length=context_length,
+            weight_version=weight_version,
+        ),
+        text_of,
+    )
+    scheduler.start()
+    return EngineState(
+        scheduler=scheduler,
+        tokenizer=tokenizer,
+        model_path=str(path),
+        api_key=api_key,
+        server_args=dict(server_args or {}),
+        return_raw_logprob=return_raw_logprob,
+    )
+
+
+def serve(model_path: str | Path, *, host: str = "127.0.0.1", port: int = 30000, threads: int | None = None, **kwargs: Any) -> None:
+    """Serve ``model_path`` until interrupted (what ``miles serve`` runs)."""
+    import torch
+    import uvicorn
+
+    from miles.engine.server import create_app
+
+    if threads:
+        torch.set_num_threads(threads)
+    args = {"model_path": str(model_path), "host": host, "port": port, **{k: v for k, v in kwargs.items() if k != "api_key"}}
+    state = build_engine(model_path, server_args=args, **kwargs)
+    app = create_app(state)
+    log.info("serving %s on http://%s:%d", model_path, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        state.scheduler.stop()

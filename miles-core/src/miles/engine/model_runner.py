@@ -1,0 +1,267 @@
+"""The model side of the engine: a HF causal LM run layer by layer over preallocated KV buffers.
+
+The weights and the sub-modules (norms, projections, MLP / MoE blocks, rotary embedding) are the HF
+model's own, so every supported architecture computes exactly what ``transformers`` computes; only the
+attention is driven here, against a KV buffer of shape ``[layers, slots, kv_heads, capacity, head_dim]``
+in which running request ``i`` owns slot ``i``. Supported: Llama, Qwen2, Qwen3 (q/k norms), and the
+MoE variants Qwen2-MoE / Qwen3-MoE, whose routers are observed to report routed experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ModelRunner", "SUPPORTED_MODEL_TYPES"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral")
+
+
+class ModelRunner:
+    """Loads a HF checkpoint and runs prefill / batched decode over slot-indexed KV buffers."""
+
+    def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32") -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_path = Path(model_path)
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(self.model_path)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{self.model_path}/config.json: model_type {config.model_type!r} is not supported by the "
+                f"local engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError(f"{self.model_path}/config.json: sliding-window attention is not supported")
+        torch_dtype = getattr(torch, dtype) if dtype != "auto" else None
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch_dtype or "auto", attn_implementation="sdpa"
+        ).to(self.device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.config = config
+        self.dtype = next(self.model.parameters()).dtype
+        base = self.model.model
+        self.layers = list(base.layers)
+        attn0 = self.layers[0].self_attn
+        self.head_dim: int = attn0.head_dim
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.group = self.num_heads // self.num_kv_heads
+        self.scaling: float = attn0.scaling
+        self.vocab_size: int = config.vocab_size
+        self.context_length: int = int(getattr(config, "max_position_embeddings", 4096))
+        self._rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sys.modules[
+            type(attn0).__module__
+        ].apply_rotary_pos_emb
+        # MoE routers: record top-k expert indices of every forward
+        self._routed: list[torch.Tensor | None] = []
+        self.moe_layers: list[int] = []
+        self.topk = 0
+        for i, layer in enumerate(self.layers):
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "top_k"):
+                slot = len(self.moe_layers)
+                self.moe_layers.append(i)
+                self.topk = int(gate.top_k)
+                self._routed.append(None)
+                gate.register_forward_hook(self._router_hook(slot))
+        # KV buffers, grown on demand
+        self.k = torch.zeros(0)
+        self.v = torch.zeros(0)
+        self.slots = 0
+        self.capacity = 0
+        self.ensure(8, 256)
+        log.info(
+            "loaded %s (%s, %d layers, %.1fM params, %s on %s)",
+            self.model_path,
+            config.model_type,
+            len(self.layers),
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            self.dtype,
+            self.device,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    def _router_hook(self, slot: int) -> Callable[..., None]:
+        def hook(module: Any, inputs: Any, output: Any) -> None:
+            self._routed[slot] = output[2].to(torch.int32)
+
+        return hook
+
+    def _take_routed(self) -> torch.Tensor | None:
+        """``[tokens, moe_layers, topk]`` int32 of the last forward (``None`` for dense models)."""
+        if not self.moe_layers:
+            return None
+        return torch.stack([r for r in self._routed if r is not None], dim=1).cpu()
+
+    def ensure(self, slots: int, length: int) -> None:
+        """Grow the KV buffers to hold ``slots`` requests of ``length`` tokens (doubling)."""
+        if slots <= self.slots and length <= self.capacity:
+            return
+        new_slots = max(self.slots, 1)
+        while new_slots < slots:
+            new_slots *= 2
+        new_cap = max(self.capacity, 1)
+        while new_cap < length:
+            new_cap *= 2
+        new_cap = min(new_cap, max(length, self.context_length))
+        shape = (len(self.layers), new_slots, self.num_kv_heads, new_cap, self.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.slots:
+            k[:, : self.slots, :, : self.capacity] = self.k
+            v[:, : self.slots, :, : self.capacity] = self.v
+        self.k, self.v, self.slots, self.capacity = k, v, new_slots, new_cap
+
+    # ---------------------------------------------------------------- KV moves
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cached positions of slot ``src`` into slot ``dst``."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def load_prefix(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write cached KV (``[layers, kv_heads, n, head_dim]``) at positions ``0..n-1`` of ``slot``."""
+        n = k.shape[2]
+        self.ensure(slot + 1, n + 1)
+        self.k[:, slot, :, :n] = k
+        self.v[:, slot, :, :n] = v
+
+    def read_kv(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first ``length`` cached positions of ``slot``."""
+        return self.k[:, slot, :, :length], self.v[:, slot, :, :length]
+
+    # ----------------------------------------------------------------- forward
+    def _layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Run the decoder on ``x`` ``[B, T, hidden]``; ``attend(layer, q, k, v)`` stores k/v and attends."""
+        base = self.model.model
+        cos, sin = base.rotary_emb(x, positions)
+        b, t = x.shape[:2]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, t, -1, self.head_dim)
+            k = attn.k_proj(h).view(b, t, -1, self.head_dim)
+            v = attn.v_proj(h).view(b, t, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = self._rope(q, k, cos, sin)
+            out = attend(i, q, k, v)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return base.norm(x)
+
+    @torch.inference_mode()
+    def prefill(
+        self, slot: int, tokens: list[int], start: int, want_logits: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Feed ``tokens`` at positions ``start..`` of ``slot`` (positions ``< start`` already cached).
+
+        Returns fp32 logits ``[n, vocab]`` (when ``want_logits``) and routed experts ``[n, layers, topk]``.
+        """
+        n = len(tokens)
+        end = start + n
+        self.ensure(slot + 1, end + 1)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, end, device=self.device)[None]
+        mask = None
+        if start:
+            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.k[i, slot, :, start:end] = k[0]
+            self.v[i, slot, :, start:end] = v[0]
+            keys = self.k[i, slot, :, :end][None]
+            values = self.v[i, slot, :, :end][None]
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True
+            )
+
+        x = self.model.model.embed_tokens(ids)
+        hidden = self._layers(x, positions, attend)
+        logits = self.model.lm_head(hidden[0]).float() if want_logits else None
+        return logits, self._take_routed()
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token for each of the running requests (request ``i`` in slot ``i``, at ``positions[i]``).
+
+        Returns fp32 logits ``[B, vocab]`` and routed experts ``[B, layers, topk]``.
+        """
+        b = len(tokens)
+        longest = max(positions) + 1
+        self.ensure(b, longest + 1)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        rows = torch.arange(b, device=self.device)
+        valid = torch.arange(longest, device=self.device)[None, :] <= pos[:, None]
+        mask = valid[:, None, None, :]  # [B, 1, 1, L]
+        g = self.group
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.k[i, rows, :, pos] = k[:, :, 0]
+            self.v[i, rows, :, pos] = v[:, :, 0]
+            keys = self.k[i, :b, :, :longest]
+            values = self.v[i, :b, :, :longest]
+            # grouped-query attention without repeating K/V: a head group is a query block
+            qg = q.reshape(b, self.num_kv_heads, g, self.head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
+            return out.reshape(b, self.num_heads, 1, self.head_dim)
+
+        x = self.model.model.embed_tokens(ids)
+        hidden = self._layers(x, pos[:, None], attend)
+        logits = self.model.lm_head(hidden[:, 0]).float()
+        return logits, self._take_routed()
+
+    # ----------------------------------------------------------------- weights
+    @torch.inference_mode()
+    def load_weights(self, model_path: str | Path) -> int:
+        """Copy every tensor of the safetensors files in ``model_path`` into the model (by HF name).
+
+        Raises ``ValueError`` naming the file and tensor on an unknown name or a shape mismatch, before
+        any weight is changed. Returns the number of tensors loaded.
+        """
+        from safetensors import safe_open
+
+        path = Path(model_path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.exists() for f in files):
+            raise ValueError(f"{path}: no .safetensors files found")
+        params = dict(self.model.state_dict(keep_vars=True))  # includes tied aliases (lm_head.weight)
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    target = params.get(name)
+                    if target is None:
+                        raise ValueError(f"{file}: tensor {name!r} is not a parameter of the served model")
+                    tensor = handle.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise ValueError(
+                            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                            f"the model expects {tuple(target.shape)}"
+                        )
+                    staged.append((target, tensor))
+        for target, tensor in staged:
+            target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.model.tie_weights()
+        return len(staged)

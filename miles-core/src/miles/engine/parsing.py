@@ -1,0 +1,157 @@
+"""Parsing and validating ``/generate`` bodies (SGLang's ``GenerateReqInput``) into engine requests.
+
+Bad input raises :class:`RequestError`, which the server turns into HTTP 400 with SGLang's error shape
+``{"error": {"message": ...}}``. Unknown ``sampling_params`` keys are errors (as in SGLang); unknown
+top-level keys are ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from miles.engine.request import Request
+from miles.engine.sampling import SamplingConfig
+
+__all__ = ["GenerateBatch", "RequestError", "parse_generate"]
+
+_SAMPLING_KEYS = {f.name for f in fields(SamplingConfig)}
+# keys SGLang accepts that this engine takes but does not act on (they do not change the distribution)
+_ACCEPTED_NOOP = {"spaces_between_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+
+
+class RequestError(ValueError):
+    """A malformed request (HTTP 400)."""
+
+
+@dataclass
+class GenerateBatch:
+    """The parsed requests of one ``/generate`` call and how to shape the answer."""
+
+    requests: list[Request]
+    batched: bool
+    stream: bool
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise RequestError(f"{what} must be a list of integers")
+    return value
+
+
+def _sampling(raw: Any) -> SamplingConfig:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RequestError("sampling_params must be an object")
+    unknown = sorted(set(raw) - _SAMPLING_KEYS - _ACCEPTED_NOOP)
+    if unknown:
+        raise RequestError(f"sampling_params: unknown key(s) {', '.join(unknown)}")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if raw.get(key) not in (None, 0, 0.0):
+            raise RequestError(f"sampling_params.{key} is not supported by the local engine (only 0)")
+    if raw.get("repetition_penalty") not in (None, 1, 1.0):
+        raise RequestError("sampling_params.repetition_penalty is not supported by the local engine (only 1)")
+    values = {k: v for k, v in raw.items() if k in _SAMPLING_KEYS and v is not None}
+    stop = values.get("stop")
+    if isinstance(stop, str):
+        values["stop"] = [stop]
+    try:
+        cfg = SamplingConfig(**values)
+    except TypeError as exc:
+        raise RequestError(f"sampling_params: {exc}") from None
+    checks: list[tuple[bool, str]] = [
+        (isinstance(cfg.max_new_tokens, int) and cfg.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0"),
+        (isinstance(cfg.min_new_tokens, int) and cfg.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0"),
+        (isinstance(cfg.temperature, (int, float)) and cfg.temperature >= 0, "temperature must be >= 0"),
+        (isinstance(cfg.top_p, (int, float)) and 0 < cfg.top_p <= 1, "top_p must be in (0, 1]"),
+        (isinstance(cfg.top_k, int) and (cfg.top_k == -1 or cfg.top_k >= 1), "top_k must be -1 or >= 1"),
+        (isinstance(cfg.min_p, (int, float)) and 0 <= cfg.min_p <= 1, "min_p must be in [0, 1]"),
+        (isinstance(cfg.n, int) and cfg.n >= 1, "n must be an integer >= 1"),
+        (cfg.sampling_seed is None or isinstance(cfg.sampling_seed, int), "sampling_seed must be an integer"),
+        (isinstance(cfg.stop, list) and all(isinstance(s, str) and s for s in cfg.stop), "stop must be a list of strings"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise RequestError(f"sampling_params.{message}")
+    cfg.stop_token_ids = _int_list(cfg.stop_token_ids, "sampling_params.stop_token_ids")
+    cfg.min_new_tokens = min(cfg.min_new_tokens, cfg.max_new_tokens)
+    return cfg
+
+
+def parse_generate(
+    body: Any,
+    *,
+    encode: Callable[[str], list[int]],
+    vocab_size: int,
+    context_length: int,
+    sink_factory: Callable[[int], Callable[[Request, bool], None]],
+    return_raw_logprob_default: bool = False,
+) -> GenerateBatch:
+    """Turn a ``/generate`` body into :class:`Request` objects (``n`` per prompt, in order).
+
+    :param sink_factory: ``sink_factory(i)`` is the sink of the ``i``-th request of the answer.
+    """
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise RequestError("exactly one of input_ids or text must be given")
+    if ids is not None:
+        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = [_int_list(p, "input_ids[%d]" % i) for i, p in enumerate(ids)] if batched else [_int_list(ids, "input_ids")]
+    else:
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise RequestError("text must be a string or a list of strings")
+        prompts = [encode(t) for t in texts]
+    if not prompts:
+        raise RequestError("empty batch")
+    raw_params = body.get("sampling_params")
+    params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
+    if len(params_list) != len(prompts):
+        raise RequestError("sampling_params: a list must have one entry per prompt")
+    configs = [_sampling(p) for p in params_list]
+    for i, prompt in enumerate(prompts):
+        where = f"input_ids[{i}]" if batched else "input_ids"
+        if not prompt:
+            raise RequestError(f"{where}: the prompt is empty")
+        bad = [t for t in prompt if t < 0 or t >= vocab_size]
+        if bad:
+            raise RequestError(f"{where}: token id {bad[0]} is out of the vocabulary (size {vocab_size})")
+        if len(prompt) >= context_length:
+            raise RequestError(
+                f"{where}: the prompt has {len(prompt)} tokens; the context length is {context_length}"
+            )
+    return_logprob = bool(body.get("return_logprob", False))
+    start = body.get("logprob_start_len", -1)
+    if not isinstance(start, int):
+        raise RequestError("logprob_start_len must be an integer")
+    rid = body.get("rid")
+    rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+    if len(rids) != len(prompts):
+        raise RequestError("rid: a list must have one entry per prompt")
+    requests: list[Request] = []
+    for i, (prompt, cfg, parent) in enumerate(zip(prompts, configs, rids, strict=True)):
+        parent = str(parent) if parent is not None else uuid.uuid4().hex
+        for j in range(cfg.n):
+            requests.append(
+                Request(
+                    rid=parent if cfg.n == 1 else f"{parent}-{j}",
+                    parent_rid=parent,
+                    index=j,
+                    prompt_ids=list(prompt),
+                    config=cfg,
+                    sink=sink_factory(len(requests)),
+                    return_logprob=return_logprob,
+                    logprob_start_len=start if return_logprob else -1,
+                    return_routed_experts=bool(body.get("return_routed_experts", False)),
+                    return_raw_logprob=bool(body.get("return_original_logprob", return_raw_logprob_default)),
+                    stream=bool(body.get("stream", False)),
+                )
+            )
+    batched = batched or (len(requests) > 1)
+    return GenerateBatch(requests, batched, bool(body.get("stream", False)))

@@ -1,0 +1,76 @@
+"""The ``local`` rollout-engine backend: starts ``miles serve`` (built-in plugin ``local_engine``).
+
+Imports cheaply: nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import ClassVar
+
+from pydantic import BaseModel, Field
+
+from miles.components import ComponentSettings
+from miles.plugins.manager import hookimpl
+from miles.plugins.registry import Register
+from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
+
+__all__ = ["LocalEngine", "LocalEngineSettings"]
+
+
+class LocalEngineSettings(ComponentSettings):
+    """Settings of the local engine (``rollout.engine = {name = "local", ...}``)."""
+
+    max_cache_tokens: int = Field(1 << 20, ge=0)
+    """Prefix-cache capacity in tokens (LRU eviction beyond it; 0 disables the cache)."""
+    max_running_requests: int = Field(64, ge=1)
+    """Requests decoded together at most; more wait in the queue."""
+    context_length: int | None = Field(None, ge=2)
+    """Longest prompt + output (default: the model's ``max_position_embeddings``)."""
+    threads: int | None = Field(None, ge=1)
+    """torch intra-op threads of the engine process (default: torch's choice)."""
+    api_key: str | None = None
+    """Require ``Authorization: Bearer <key>`` on every route."""
+    return_original_logprob: bool = False
+    """Report logprobs of the raw logits (before temperature) by default, as ``SGLANG_RETURN_ORIGINAL_LOGPROB``."""
+
+
+class LocalEngine(RolloutEngine):
+    """Miles' own torch engine, ``miles serve``: CPU or GPU, continuous batching, radix cache."""
+
+    name = "local"
+    Settings: ClassVar[type[BaseModel]] = LocalEngineSettings
+    capabilities = EngineCapabilities(update_weights_from_disk=True, routed_experts=True)
+
+    def launch(
+        self, *, model_path: str, host: str, port: int, device: str, dtype: str, devices: list[int]
+    ) -> EngineLaunch:
+        s = self.settings
+        argv = [
+            sys.executable, "-m", "miles.engine",
+            "--model", model_path, "--host", host, "--port", str(port), "--device", device,
+            "--dtype", "auto" if dtype in ("", "auto") else dtype,
+        ]  # fmt: skip
+        cache = getattr(s, "max_cache_tokens", None)
+        if cache is not None:
+            argv += ["--max-cache-tokens", str(cache)]
+        for flag, attr in (
+            ("--max-running-requests", "max_running_requests"),
+            ("--context-length", "context_length"),
+            ("--threads", "threads"),
+            ("--api-key", "api_key"),
+        ):
+            value = getattr(s, attr, None)
+            if value is not None:
+                argv += [flag, str(value)]
+        if getattr(s, "return_original_logprob", False):
+            argv.append("--return-original-logprob")
+        env = {}
+        if device == "cuda" and devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        return EngineLaunch(argv=argv, url=f"http://{host}:{port}", env=env)
+
+
+@hookimpl
+def miles_register_rollout_engines(register: Register) -> None:
+    register(LocalEngine)

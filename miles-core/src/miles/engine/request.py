@@ -1,0 +1,99 @@
+"""One generation request inside the engine: its tokens, sampling state, logprobs and weight spans."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from miles.engine.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Request"]
+
+
+@dataclass
+class Request:
+    """A single completion (one of the ``n`` of a ``/generate`` prompt), owned by the scheduler thread.
+
+    The sequence is ``prompt_ids + output_ids``; positions ``< kv_len`` are in the KV buffer and the last
+    token is fed by the next decode step.
+    """
+
+    rid: str
+    parent_rid: str
+    index: int
+    prompt_ids: list[int]
+    config: SamplingConfig
+    sink: Callable[[Request, bool], None]
+    """Called on the scheduler thread after each new token (streaming) and once when done."""
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    return_raw_logprob: bool = False
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    cached_tokens: int = 0
+    admitted: bool = False
+    kv_len: int = 0
+    routed: list[torch.Tensor] = field(default_factory=list)
+    spans: list[list[Any]] = field(default_factory=list)
+    """``[start, end, weight_version]`` of response tokens sampled under each weight version."""
+    finish_reason: dict[str, Any] | None = None
+    text: str = ""
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def record_token(self, token: int, logprob: float, raw: float, version: str) -> None:
+        position = len(self.output_ids)
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        self.raw_logprobs.append(raw)
+        if self.spans and self.spans[-1][2] == version and self.spans[-1][1] == position:
+            self.spans[-1][1] = position + 1
+        else:
+            self.spans.append([position, position + 1, version])
+
+    def to_response(self, decode_each: Callable[[list[int]], list[str]], weight_version: str) -> dict[str, Any]:
+        """The ``/generate`` response entry (SGLang's shape); ``decode_each`` gives each token's text."""
+        logprobs = self.raw_logprobs if self.return_raw_logprob else self.output_logprobs
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "weight_version": weight_version,
+            "weight_version_spans": [list(span) for span in self.spans],
+        }
+        if self.return_logprob:
+            texts = decode_each(self.output_ids)
+            meta["output_token_logprobs"] = [
+                [lp, tok, txt] for lp, tok, txt in zip(logprobs, self.output_ids, texts, strict=True)
+            ]
+            if self.input_logprobs is not None:
+                start = max(self.logprob_start_len, 0)
+                prompt = self.prompt_ids[start:]
+                meta["input_token_logprobs"] = [
+                    [lp, tok, txt] for lp, tok, txt in zip(self.input_logprobs, prompt, decode_each(prompt), strict=True)
+                ]
+        if self.return_routed_experts and self.routed:
+            import torch
+
+            array = torch.cat(self.routed, dim=0).to(torch.int32).contiguous().numpy()
+            meta["routed_experts"] = base64.b64encode(array.tobytes()).decode("ascii")
+            meta["routed_experts_shape"] = list(array.shape)
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

@@ -1,0 +1,93 @@
+"""Token sampling with exact fp32 logprobs, one seeded generator per request.
+
+Convention (SGLang's default): the logprob reported for a sampled token is its log-probability under
+``softmax(logits / temperature)`` in fp32, after the ``min_new_tokens`` mask and before top-k / top-p /
+min-p truncation; that is the distribution a trainer recomputes from its own logits and the temperature.
+Greedy decoding (``temperature == 0``) reports ``log_softmax(logits)``. The *raw* logprob
+(``log_softmax(logits)`` without temperature, SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``) is offered too.
+
+Sampling draws from a per-request ``torch.Generator`` seeded by ``sampling_seed``, row by row, so a
+seeded request gets the same tokens whatever else is in the batch (given the same logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["SamplingConfig", "sample_rows"]
+
+
+@dataclass
+class SamplingConfig:
+    """Validated sampling parameters of one request (SGLang's ``sampling_params``)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-6 or self.top_k == 1
+
+
+def _truncate(probs: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Zero the probabilities outside top-k / top-p / min-p (not renormalised; multinomial needs not)."""
+    if cfg.top_k > 0 and cfg.top_k < probs.numel():
+        kth = torch.topk(probs, cfg.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if cfg.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=0)
+        drop_sorted = (cumulative - sorted_probs) > cfg.top_p * cumulative[-1]
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if cfg.min_p > 0.0:
+        probs = probs.masked_fill(probs < cfg.min_p * probs.max(), 0.0)
+    return probs
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    configs: list[SamplingConfig],
+    generators: list[torch.Generator],
+    banned: list[list[int]],
+) -> tuple[list[int], list[float], list[float]]:
+    """Sample one token per row of fp32 ``logits`` ``[B, vocab]``.
+
+    :param banned: per row, token ids masked out (EOS / stop tokens before ``min_new_tokens``).
+    :returns: token ids, their logprobs under the sampled distribution, and their raw logprobs.
+    """
+    logits = logits.float()
+    for row, ids in enumerate(banned):
+        if ids:
+            logits[row, ids] = float("-inf")
+    temps = torch.tensor(
+        [1.0 if cfg.greedy else cfg.temperature for cfg in configs], dtype=torch.float32, device=logits.device
+    )
+    raw = torch.log_softmax(logits, dim=-1)
+    scaled = raw if bool((temps == 1.0).all()) else torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens: list[int] = []
+    greedy_rows = [i for i, cfg in enumerate(configs) if cfg.greedy]
+    argmax = scaled.argmax(dim=-1).tolist() if greedy_rows else []
+    for row, cfg in enumerate(configs):
+        if cfg.greedy:
+            tokens.append(int(argmax[row]))
+            continue
+        probs = _truncate(scaled[row].exp(), cfg)
+        tokens.append(int(torch.multinomial(probs, 1, generator=generators[row]).item()))
+    index = torch.tensor(tokens, device=logits.device)[:, None]
+    logprobs = scaled.gather(1, index)[:, 0].tolist()
+    raw_logprobs = raw.gather(1, index)[:, 0].tolist()
+    return tokens, logprobs, raw_logprobs

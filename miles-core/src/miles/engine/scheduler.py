@@ -1,0 +1,344 @@
+"""The continuous-batching scheduler: one thread that owns the model, the KV buffers and the cache.
+
+Every iteration it (1) runs commands sent from the HTTP side (add / abort requests, pause, continue,
+flush, weight updates), (2) admits waiting requests into free slots — copying their longest cached
+prefix from the radix cache and prefilling the rest — and (3) runs one batched decode step for every
+running request. Requests therefore join and leave the batch at token granularity: a short request never
+waits for a long one. Running request ``i`` always sits in KV slot ``i``; when one leaves, the last one is
+moved into its slot.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from miles.engine.model_runner import ModelRunner
+from miles.engine.radix_cache import RadixCache
+from miles.engine.request import Request
+from miles.engine.sampling import sample_rows
+
+__all__ = ["Scheduler", "SchedulerConfig"]
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+_Command = tuple[Callable[..., Any], tuple[Any, ...], "concurrent.futures.Future[Any] | None"]
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of the scheduler."""
+
+    max_running_requests: int = 64
+    max_cache_tokens: int = 1 << 20
+    context_length: int | None = None
+    """Longest sequence (prompt + output); ``None``: the model's ``max_position_embeddings``."""
+    weight_version: str = "0"
+
+
+class Scheduler:
+    """Owns a :class:`ModelRunner`; all state changes happen on its own thread."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        eos_token_ids: list[int],
+        config: SchedulerConfig,
+        text_of: Callable[[list[int], bool], str],
+    ) -> None:
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.config = config
+        self.text_of = text_of
+        self.context_length = min(config.context_length or runner.context_length, runner.context_length)
+        self.cache = RadixCache(config.max_cache_tokens)
+        self.weight_version = config.weight_version
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.paused: PauseMode | None = None
+        self._inbox: queue.Queue[_Command] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="miles-engine", daemon=True)
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------- public API
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put((lambda: None, (), None))
+        self._thread.join(timeout=30)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args)`` on the scheduler thread between steps; the future holds its result."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._inbox.put((fn, args, future))
+        return future
+
+    def add(self, requests: list[Request]) -> None:
+        """Queue requests (thread-safe)."""
+        self._inbox.put((self._add, (requests,), None))
+
+    def abort(self, rid: str | None) -> None:
+        """Abort a request by id (or parent id); ``None`` aborts all (thread-safe)."""
+        self._inbox.put((self._abort, (rid, "aborted by /abort_request"), None))
+
+    # ---------------------------------------------------------- commands (thread)
+    def _add(self, requests: list[Request]) -> None:
+        for req in requests:
+            if req.generator is None:
+                req.generator = torch.Generator(device=self.runner.device)
+                seed = req.config.sampling_seed
+                req.generator.manual_seed(
+                    int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed + req.index
+                )
+            self.waiting.append(req)  # while paused, new requests wait for /continue_generation
+
+    def _abort(self, rid: str | None, message: str) -> int:
+        count = 0
+        for req in list(self.running) + list(self.waiting):
+            if rid is None or req.rid == rid or req.parent_rid == rid:
+                count += 1
+                self._finish(req, {"type": "abort", "message": message})
+        return count
+
+    def pause(self, mode: PauseMode) -> None:
+        """Stop scheduling; ``abort`` aborts every request, ``retract`` frees the running ones' KV (they are
+        recomputed on resume), ``in_place`` keeps them as they are."""
+        self.paused = mode
+        if mode == "abort":
+            self._abort(None, "aborted by /pause_generation (mode abort)")
+        elif mode == "retract":
+            for req in reversed(list(self.running)):
+                self._release(req)
+                self.waiting.appendleft(req)
+        log.info("generation paused (mode %s)", mode)
+
+    def resume(self) -> None:
+        self.paused = None
+        log.info("generation continued")
+
+    def flush_cache(self) -> None:
+        self.cache.flush()
+
+    def update_weights(self, model_path: str, weight_version: str | None, flush_cache: bool, abort_all: bool) -> str:
+        """Pause (unless already paused), load the weights, bump the version, flush, resume."""
+        was_paused = self.paused is not None
+        if not was_paused:
+            self.pause("abort" if abort_all else "retract")
+        try:
+            count = self.runner.load_weights(model_path)
+        finally:
+            if not was_paused:
+                self.resume()
+        if weight_version is None:
+            current = self.weight_version
+            weight_version = str(int(current) + 1) if current.isdigit() else current + "+1"
+        self.weight_version = weight_version
+        if flush_cache:
+            self.cache.flush()
+        log.info("loaded %d tensors from %s; weight version %s", count, model_path, weight_version)
+        return weight_version
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = version
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "cache_tokens": self.cache.num_tokens,
+            "cache_hit_rate": self.cache.hit_rate,
+            "paused": self.paused,
+            "decode_steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+        }
+
+    # ------------------------------------------------------------------ loop
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, args, future = item
+            try:
+                result = fn(*args)
+            except Exception as exc:  # reported to the caller, never kills the engine
+                if future is None:
+                    log.exception("engine command %s failed", getattr(fn, "__name__", fn))
+                else:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(result)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                idle = self.paused is not None or (not self.running and not self.waiting)
+                self._drain(block=idle)
+                if self.paused is not None:
+                    continue
+                try:
+                    self._admit()
+                    if self.running:
+                        self._decode_step()
+                except Exception as exc:  # a model error fails the batch, not the server
+                    log.exception("engine step failed")
+                    for req in list(self.running) + list(self.waiting):
+                        self._finish(req, {"type": "abort", "message": f"engine error: {exc}"}, cache=False)
+
+    # ------------------------------------------------------------- admission
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            req = self.waiting.popleft()
+            self._prefill(req)
+
+    def _prefill(self, req: Request) -> None:
+        seq = req.tokens
+        need = len(seq) - 1  # the last token is fed by the decode step
+        fresh = not req.admitted
+        want_input = fresh and req.return_logprob and 0 <= req.logprob_start_len < len(req.prompt_ids)
+        limit = need
+        if want_input:
+            limit = min(need, max(req.logprob_start_len - 1, 0))
+        match = self.cache.match(seq[:need], limit=limit)
+        slot = len(self.running)
+        self.runner.ensure(slot + 1, len(seq) + 1)
+        if match.length:
+            self.runner.load_prefix(slot, match.k, match.v)  # type: ignore[arg-type]
+        routed = [match.experts] if match.experts is not None else []
+        todo = seq[match.length : need]
+        if todo:
+            logits, experts = self.runner.prefill(slot, todo, match.length, want_logits=want_input)
+            if experts is not None:
+                routed.append(experts)
+            if want_input:
+                self._input_logprobs(req, logits, match.length)  # type: ignore[arg-type]
+            k, v = self.runner.read_kv(slot, need)
+            self.cache.insert(seq[:need], k, v, torch.cat(routed) if self.runner.is_moe and routed else None)
+        elif want_input:
+            req.input_logprobs = [None] if req.logprob_start_len == 0 else []
+        if fresh:
+            req.cached_tokens = match.length
+            req.admitted = True
+        req.routed = routed
+        req.kv_len = need
+        self.running.append(req)
+
+    def _input_logprobs(self, req: Request, logits: torch.Tensor, offset: int) -> None:
+        """Logprobs of prompt tokens ``logprob_start_len..`` from prefill logits (row ``p - 1 - offset``)."""
+        start = req.logprob_start_len
+        temperature = 1.0 if req.config.greedy or req.return_raw_logprob else req.config.temperature
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        prompt = req.prompt_ids
+        out: list[float | None] = []
+        for p in range(start, len(prompt)):
+            if p == 0:
+                out.append(None)
+            else:
+                out.append(float(logp[p - 1 - offset, prompt[p]]))
+        req.input_logprobs = out
+
+    # ----------------------------------------------------------------- decode
+    def _decode_step(self) -> None:
+        running = self.running
+        tokens = [req.tokens[-1] for req in running]
+        positions = [req.kv_len for req in running]
+        logits, routed = self.runner.decode(tokens, positions)
+        self.steps += 1
+        banned: list[list[int]] = []
+        for i, req in enumerate(running):
+            req.kv_len += 1
+            if routed is not None:
+                req.routed.append(routed[i : i + 1])
+            if len(req.output_ids) < req.config.min_new_tokens:
+                banned.append(self.eos_token_ids + req.config.stop_token_ids)
+            else:
+                banned.append([])
+        ids, logprobs, raws = sample_rows(
+            logits, [r.config for r in running], [r.generator for r in running], banned  # type: ignore[misc]
+        )
+        self.generated_tokens += len(ids)
+        done: list[Request] = []
+        for req, token, lp, raw in zip(running, ids, logprobs, raws, strict=True):
+            req.record_token(token, lp, raw, self.weight_version)
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                req.finish_reason = reason
+                done.append(req)
+            elif req.stream:
+                req.text = self.text_of(req.output_ids, req.config.skip_special_tokens)
+                req.sink(req, False)
+        for req in done:
+            self._finish(req, req.finish_reason)  # type: ignore[arg-type]
+
+    def _check_stop(self, req: Request, token: int) -> dict[str, Any] | None:
+        cfg = req.config
+        n = len(req.output_ids)
+        if n >= cfg.min_new_tokens:
+            if token in cfg.stop_token_ids:
+                return {"type": "stop", "matched": token}
+            if not cfg.ignore_eos and token in self.eos_token_ids:
+                return {"type": "stop", "matched": token}
+            if cfg.stop:
+                text = self.text_of(req.output_ids, cfg.skip_special_tokens)
+                for stop in cfg.stop:
+                    if stop in text:
+                        return {"type": "stop", "matched": stop}
+        if n >= cfg.max_new_tokens:
+            return {"type": "length", "length": n}
+        if len(req.prompt_ids) + n >= self.context_length:
+            return {"type": "length", "length": n}
+        return None
+
+    # ---------------------------------------------------------------- finish
+    def _release(self, req: Request) -> None:
+        """Take ``req`` out of the running batch (its slot gets the last running request)."""
+        slot = self.running.index(req)
+        last = len(self.running) - 1
+        if slot != last:
+            moved = self.running[last]
+            self.runner.move_slot(last, slot, moved.kv_len)
+            self.running[slot] = moved
+        self.running.pop()
+
+    def _finish(self, req: Request, reason: dict[str, Any], cache: bool = True) -> None:
+        req.finish_reason = reason
+        if req in self.running:
+            seq = req.tokens[: req.kv_len]
+            if cache and reason["type"] != "abort" and req.kv_len:
+                k, v = self.runner.read_kv(self.running.index(req), req.kv_len)
+                experts = torch.cat(req.routed) if self.runner.is_moe and req.routed else None
+                self.cache.insert(seq, k, v, experts)
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        text = self.text_of(req.output_ids, req.config.skip_special_tokens)
+        if reason.get("type") == "stop" and isinstance(reason.get("matched"), str) and not req.config.no_stop_trim:
+            text = text[: text.find(reason["matched"])]
+        req.text = text
+        req.sink(req, True)
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Block until nothing runs or waits (for tests and benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while (self.running or self.waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)

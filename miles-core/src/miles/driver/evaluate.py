@@ -1,0 +1,92 @@
+"""Rollout-only jobs: ``miles generate`` (samples to JSONL) and ``miles eval`` (pass@k, mean reward)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.driver import components
+from miles.types import SampleGroup, SampleStatus
+
+if TYPE_CHECKING:
+    from miles.plugins.manager import PluginManager
+    from miles.rollout.client import EngineClient
+    from miles.settings.model import MilesSettings
+
+__all__ = ["eval_metrics", "generate_rollouts", "pass_at_k"]
+
+log = logging.getLogger(__name__)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def eval_metrics(groups: Sequence[SampleGroup], *, ks: Sequence[int], threshold: float = 1.0) -> dict[str, float]:
+    """Mean reward and pass@k over groups (a sample passes when its reward reaches ``threshold``)."""
+    samples = [s for g in groups for s in g.samples]
+    out = {"eval/reward_mean": sum(s.reward or 0.0 for s in samples) / max(len(samples), 1)}
+    for k in ks:
+        scores = []
+        for g in groups:
+            n = len(g.samples)
+            if k > n:
+                continue
+            c = sum(1 for s in g.samples if s.status != SampleStatus.FAILED and (s.reward or 0.0) >= threshold)
+            scores.append(pass_at_k(n, c, k))
+        if scores:
+            out[f"eval/pass@{k}"] = sum(scores) / len(scores)
+    return out
+
+
+async def generate_rollouts(
+    pm: PluginManager,
+    settings: MilesSettings,
+    client: EngineClient,
+    *,
+    num_rollouts: int,
+    data_path: str | None = None,
+    out: Path | None = None,
+) -> list[SampleGroup]:
+    """Run ``num_rollouts`` rollouts against running engines, scored; optionally write samples JSONL."""
+    from transformers import AutoTokenizer
+
+    from miles.rewards.scoring import build_rewards, close_rewards, score_samples
+    from miles.rollout.manager import RolloutManager
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.train.model_path)
+    data = components.build_data_source(pm, settings, tokenizer=tokenizer, path=data_path)
+    rewards = build_rewards(pm, settings.reward)
+
+    async def scorer(samples: Any) -> None:
+        await score_samples(samples, rewards, timeout=settings.reward.timeout, max_concurrency=settings.reward.max_concurrency)
+
+    manager = RolloutManager(
+        client,
+        settings.rollout,
+        scorer=scorer,
+        rollout_function=components.build_rollout_function(pm, settings),
+        seed=settings.train.seed,
+    )
+    groups: list[SampleGroup] = []
+    try:
+        for i in range(num_rollouts):
+            result = await manager.rollout(data)
+            groups.extend(result.groups)
+            log.info("rollout %d/%d: %s", i + 1, num_rollouts, json.dumps({k: round(v, 4) for k, v in result.metrics.items()}))
+    finally:
+        await close_rewards(rewards)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            for group in groups:
+                for sample in group.samples:
+                    f.write(sample.to_json() + "\n")
+    return groups

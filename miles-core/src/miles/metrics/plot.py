@@ -1,0 +1,65 @@
+"""PNG curves of a run's ``metrics.jsonl`` (``miles plot RUN_DIR``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["DEFAULT_PANELS", "plot_run", "read_metrics"]
+
+DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("rollout/reward_mean",)),
+    ("KL / entropy", ("train/kl", "train/entropy")),
+    ("train vs rollout |logprob diff|", ("train/train_rollout_logprob_abs_diff",)),
+    ("step time (s)", ("time/step_seconds", "rollout/seconds", "time/train_seconds", "weight_sync/seconds")),
+)
+"""(title, metric keys) per panel; keys a run does not have are skipped."""
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+    return rows
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None, panels: Sequence[tuple[str, Sequence[str]]] = DEFAULT_PANELS) -> Path:
+    """Draw one panel per metric group that the run logged; returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    def logged(key: str) -> bool:
+        return any(isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) for r in rows)
+
+    present = [(title, [k for k in keys if logged(k)]) for title, keys in panels]
+    present = [(title, keys) for title, keys in present if keys]
+    if not present:
+        raise ValueError(f"{run_dir}: none of the plotted metrics were logged")
+    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), sharex=True, squeeze=False)
+    for ax, (title, keys) in zip(axes[:, 0], present, strict=True):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=key)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    target = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target

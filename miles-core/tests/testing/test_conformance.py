@@ -3,6 +3,7 @@ written here) pass; each way of not conforming fails with a message that names i
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import math
@@ -14,16 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import miles
 import miles.metrics.jsonl
 import miles.precision.builtin
 from miles.algorithms.base import Algorithm, LossInputs, LossOutput
-from miles.components import ComponentSettings
+from miles.components import ComponentKind, ComponentSettings
 from miles.data.base import DataSource, Prompt
 from miles.metrics.base import MetricsLogger
 from miles.metrics.jsonl import JsonlLogger
+from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.precision.base import PrecisionRecipe
 from miles.precision.builtin import BF16, FP32
 from miles.rewards.base import Reward, RewardOutput
@@ -726,3 +728,34 @@ def test_entry_point_that_fails_to_import(fake_distribution: Any) -> None:
         match=r"entry point 'broken_test'.*loads with status failed: ModuleNotFoundError: No module named 'no_such_dependency'",
     ):
         check_entry_point("broken_test")
+
+
+# -- every built-in plugin passes the kit ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("plugin_name", "module"), BUILTIN_PLUGINS, ids=[n for n, _ in BUILTIN_PLUGINS])
+def test_builtin_plugin_conforms(plugin_name: str, module: str, tmp_path: Path) -> None:
+    """The same checks third parties run, applied to each of Miles' own built-in plugins: the plugin as a
+    whole, then each component whose settings have usable defaults against its kind's interface."""
+    check_light_import(module)
+    entries = check_plugin(importlib.import_module(module), name=plugin_name)
+    assert entries, f"built-in plugin {plugin_name!r} registers nothing"
+    for entry in entries:
+        try:
+            entry.settings_model.model_validate({})
+        except ValidationError:
+            continue  # needs settings (a URL, a pattern ...): covered by the component's own tests
+        if entry.kind is ComponentKind.REWARD:
+            assert len(check_reward(entry.component)) == len(example_samples())
+        elif entry.kind is ComponentKind.ALGORITHM:
+            check_algorithm(entry.component)
+        elif entry.kind is ComponentKind.PRECISION:
+            check_precision(entry.component)
+        elif entry.kind is ComponentKind.TRANSPORT:
+            check_transport(entry.component, tmp_path / entry.name)
+        elif entry.kind is ComponentKind.LOGGER:
+            check_logger(entry.component, tmp_path / entry.name)
+        elif entry.kind is ComponentKind.DATA_SOURCE and entry.name == "jsonl":
+            path = tmp_path / "prompts.jsonl"
+            path.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(5)))
+            check_data_source(entry.component, path)

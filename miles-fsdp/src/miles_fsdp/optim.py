@@ -1,0 +1,72 @@
+"""AdamW, the learning-rate schedule (linear warm-up, then constant / cosine / linear decay) and
+gradient-norm clipping over sharded (DTensor) gradients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from miles.settings.model import TrainSettings
+
+__all__ = ["build_optimizer", "build_scheduler", "clip_grad_norm", "lr_factor"]
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, lr: float, min_lr: float) -> float:
+    """Multiplier of the peak ``lr`` for optimizer step ``step`` (0-based).
+
+    Warm-up rises linearly to 1 over ``warmup_steps`` (step 0 already trains at ``lr / warmup_steps``);
+    afterwards ``constant`` stays at 1, ``cosine`` / ``linear`` decay to ``min_lr / lr`` at ``total_steps``.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    floor = min_lr / lr
+    span = max(total_steps - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / span, 1.0)
+    if schedule == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    raise ValueError(f"train.lr_schedule: unknown schedule {schedule!r} (expected constant, cosine or linear)")
+
+
+def build_optimizer(params: Iterable[nn.Parameter], train: TrainSettings) -> torch.optim.AdamW:
+    """AdamW over the trainable (sharded) parameters with the ``train`` section's hyper-parameters."""
+    trainable = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(
+        trainable,
+        lr=train.lr,
+        betas=tuple(train.adam_betas),  # type: ignore[arg-type]
+        eps=train.adam_eps,
+        weight_decay=train.weight_decay,
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSettings) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` applying :func:`lr_factor`; its total length is ``num_rollouts x steps_per_rollout``."""
+    total = train.num_rollouts * train.steps_per_rollout
+
+    def factor(step: int) -> float:
+        return lr_factor(
+            step, warmup_steps=train.warmup_steps, total_steps=total, schedule=train.lr_schedule, lr=train.lr, min_lr=train.min_lr
+        )
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
+    """Total L2 norm of the gradients over all ranks; scales them down to ``max_norm`` when ``max_norm > 0``."""
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], norm_type=2.0, foreach=False)
+    full_tensor = getattr(norm, "full_tensor", None)
+    if full_tensor is not None:  # a DTensor: partial norms of the shards, reduced over the mesh
+        norm = full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm, foreach=False)
+    return float(norm.item())

@@ -1,0 +1,35 @@
+"""Settings of the ``fsdp`` trainer backend: the keys of ``[train.backend]`` besides ``name``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from miles.components import ComponentSettings
+
+__all__ = ["FSDPSettings"]
+
+
+class FSDPSettings(ComponentSettings):
+    """Options of the FSDP2 trainer (``[train.backend] name = "fsdp"``)."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30% more compute)."""
+    cpu_offload_optimizer: bool = False
+    """GPU only: keep sharded parameters, gradients and AdamW state on the CPU (FSDP2 ``CPUOffloadPolicy``);
+    the optimizer step runs on the CPU. Ignored (with a warning) when the trainer runs on the CPU."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters of each layer after its forward (ZeRO-3); ``False`` keeps them until the
+    backward (ZeRO-2 like: more memory, fewer all-gathers)."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel of the Hugging Face model. Packed micro-batches rely on ``position_ids`` restarting
+    at 0 for each sequence, which all three support."""
+    value_head_init_std: float = Field(0.0, ge=0.0)
+    """PPO critic: standard deviation of the value head's initial weights (0: start from zero values)."""
+    ref_reshard_after_forward: bool = True
+    """Free the frozen reference model's gathered parameters after each layer's forward."""
+    empty_cache_between_steps: bool = False
+    """Release cached GPU memory after each optimizer step (helps colocated engines; no effect on CPU)."""
+    critic_lr: float | None = Field(None, gt=0.0)
+    """PPO critic: peak learning rate of the value model's own AdamW (``None``: ``train.lr``)."""

@@ -1,0 +1,137 @@
+"""One optimizer step of the FSDP trainer: micro-batches, the algorithm's loss, exact aggregation,
+gradient clipping, the optimizer and the metrics.
+
+Exactness across micro-batches and ranks: the trained-token and sequence counts of the whole step are
+all-reduced first (:class:`~miles.algorithms.aggregation.StepDenominators`); each micro-batch adds its
+share (:func:`~miles.algorithms.aggregation.aggregate_loss`) and back-propagates it; FSDP then *sums*
+the gradients over ranks (its averaging is switched off in :func:`miles_fsdp.model.shard_model`). The
+gradient equals that of the loss over the whole batch in one process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from miles.algorithms.aggregation import StepDenominators, aggregate_loss
+from miles.algorithms.base import LossInputs
+from miles_fsdp.microbatch import per_token_field, token_logprobs
+from miles_fsdp.optim import clip_grad_norm
+
+if TYPE_CHECKING:
+    from miles.algorithms.base import Algorithm
+    from miles.training.batch import TrainBatch
+    from miles_fsdp.trainer import FSDPTrainer
+
+__all__ = ["run_train_step"]
+
+_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "teacher_logprobs", "returns", "old_values")
+
+
+def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def _agreed_metric_names(local: set[str]) -> list[str]:
+    """Metric names over all ranks (a rank with only empty micro-batches saw none)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return sorted(local)
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(local))
+    return sorted({name for names in gathered for name in (names or [])})
+
+
+def run_train_step(trainer: FSDPTrainer, batch: TrainBatch, algorithm: Algorithm, *, temperature: float) -> dict[str, float]:
+    """Run one step on ``trainer``; returns metrics reduced over ranks."""
+    batch.validate()
+    if batch.advantages is None and algorithm.needs.rollout:
+        raise ValueError(f"algorithm {algorithm.name!r}: TrainBatch.advantages is None; compute advantages first")
+    device = trainer.device
+    needs_values = algorithm.needs.values
+    if needs_values and trainer.critic is None:
+        raise RuntimeError(f"algorithm {algorithm.name!r} needs values: call setup(need_values=True)")
+
+    counts = torch.tensor(
+        [float(sum(sum(m) for m in batch.loss_mask)), float(len(batch)), float(batch.num_tokens)],
+        dtype=torch.float64,
+        device=device,
+    )
+    _all_reduce_sum(counts)
+    denominators = StepDenominators(
+        num_tokens=int(counts[0].item()), num_sequences=int(counts[1].item()), seq_len_norm=algorithm.seq_len_norm
+    )
+
+    actor, critic = trainer.actor, trainer.critic
+    actor.train()
+    if critic is not None:
+        critic.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    masked_sums: dict[str, torch.Tensor] = {}
+
+    def add(name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
+        value = (per_token.detach().double() * mask.double()).sum()
+        masked_sums[name] = masked_sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) + value
+
+    for mb in trainer._micro_batches(batch):  # noqa: SLF001 - the step is the trainer's own helper
+        logits = trainer._logits(actor, mb)  # noqa: SLF001
+        values = trainer._values(mb) if needs_values else None  # noqa: SLF001
+        if mb.is_empty:  # keeps this rank's collectives in step with the others; contributes nothing
+            dummy = logits.sum() * 0.0
+            if values is not None:
+                dummy = dummy + values.sum() * 0.0
+            dummy.backward()
+            continue
+        logprobs, entropy = token_logprobs(
+            logits, mb.targets, temperature, with_entropy=True, entropy_grad=getattr(algorithm.needs, "entropy", False)
+        )
+        mask = per_token_field(batch, "loss_mask", mb.indices, device)
+        assert mask is not None
+        fields = {name: per_token_field(batch, name, mb.indices, device) for name in _FIELDS}
+        inputs = LossInputs(
+            logprobs=logprobs,
+            loss_mask=mask,
+            response_lengths=mb.response_lengths,
+            entropy=entropy,
+            values=values,
+            **fields,  # type: ignore[arg-type]
+        )
+        output = algorithm.loss(inputs)
+        loss = aggregate_loss(output.per_token_loss, mask, mb.response_lengths, algorithm.aggregation, denominators)
+        loss.backward()
+        loss_sum += loss.detach().double()
+        for name, per_token in output.metrics.items():
+            add(name, per_token, mask)
+        assert entropy is not None
+        add("entropy", entropy, mask)
+        if fields["rollout_logprobs"] is not None:
+            add("train_rollout_logprob_abs_diff", (logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
+
+    train = trainer.train_settings
+    parts = trainer._parts  # noqa: SLF001
+    metrics: dict[str, float] = {}
+    for key, (model, optimizer, scheduler) in parts.items():
+        if key == "critic" and not needs_values:
+            continue
+        norm = clip_grad_norm(model.parameters(), train.grad_clip)
+        metrics["grad_norm" if key == "actor" else f"{key}_grad_norm"] = norm
+        metrics["lr" if key == "actor" else f"{key}_lr"] = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    if trainer.options.empty_cache_between_steps and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    names = _agreed_metric_names(set(masked_sums))
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    reduced = _all_reduce_sum(torch.stack([loss_sum, *[masked_sums.get(n, zero) for n in names]]))
+    metrics["loss"] = float(reduced[0].item())
+    for i, name in enumerate(names):
+        metrics[name] = float(reduced[i + 1].item()) / max(denominators.num_tokens, 1)
+    metrics["tokens"] = float(counts[2].item())
+    metrics["trained_tokens"] = float(denominators.num_tokens)
+    metrics["sequences"] = float(denominators.num_sequences)
+    return metrics

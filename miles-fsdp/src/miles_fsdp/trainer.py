@@ -1,0 +1,257 @@
+"""The ``fsdp`` trainer: FSDP2 (``fully_shard``) data parallelism over a Hugging Face causal LM.
+
+One instance per rank; every rank calls the same methods in the same order with its share of the batch.
+The same code runs on CPU ranks (gloo) and GPU ranks (NCCL), switched by ``DistContext.device``.
+
+This module imports only the core interfaces at module level; torch and transformers are imported by the
+methods (and the sibling modules they use), so registering the plugin stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from miles.training.trainer import DistContext, LogprobOutput, Trainer, WeightBucket
+from miles_fsdp.settings import FSDPSettings
+
+if TYPE_CHECKING:
+    import torch
+    from pydantic import BaseModel
+    from torch import nn
+
+    from miles.algorithms.base import Algorithm
+    from miles.precision.base import PrecisionRecipe
+    from miles.settings.model import TrainSettings
+    from miles.training.batch import TrainBatch
+    from miles_fsdp.microbatch import PackedMicroBatch
+
+__all__ = ["FSDPTrainer"]
+
+log = logging.getLogger(__name__)
+
+
+
+class FSDPTrainer(Trainer):
+    """PyTorch FSDP2 over Hugging Face causal LMs: CPU with gloo, GPUs with NCCL; no weight conversion."""
+
+    name: ClassVar[str] = "fsdp"
+    Settings: ClassVar[type[BaseModel]] = FSDPSettings
+
+    def __init__(self, train: TrainSettings, options: BaseModel, precision: PrecisionRecipe, dist: DistContext) -> None:
+        if not isinstance(options, FSDPSettings):
+            options = FSDPSettings.model_validate(options.model_dump() if options is not None else {})
+        super().__init__(train, options, precision, dist)
+        self.options: FSDPSettings = options
+        self.step = 0
+        """Optimizer steps taken (restored by :meth:`load_checkpoint`)."""
+        self.actor: Any = None
+        self.ref: Any = None
+        self.critic: Any = None
+        self._parts: dict[str, tuple[Any, Any, Any]] = {}
+        self._config: Any = None
+
+    # -- setup -------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device("cuda", self.dist.local_rank) if self.dist.device == "cuda" else torch.device("cpu")
+
+    def setup(self, *, need_ref: bool = False, need_values: bool = False) -> None:
+        """Load and shard the actor (and a frozen reference / a critic when asked); build optimizers."""
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from miles_fsdp.model import load_causal_lm, load_value_model, shard_model, torch_dtype
+        from miles_fsdp.optim import build_optimizer, build_scheduler
+
+        train, opts = self.train_settings, self.options
+        if not train.model_path:
+            raise ValueError("train.model_path: the fsdp trainer needs a Hugging Face model directory or .gguf file")
+        if self.dist.device == "cuda":
+            torch.cuda.set_device(self.device)
+        mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
+        offload = opts.cpu_offload_optimizer and self.dist.device == "cuda"
+        if opts.cpu_offload_optimizer and not offload:
+            log.warning("[train.backend] cpu_offload_optimizer has no effect on CPU ranks; ignored")
+        shard = dict(
+            mesh=mesh,
+            param_dtype=torch_dtype(self.precision.param_dtype),
+            reduce_dtype=torch_dtype(self.precision.reduce_dtype),
+        )
+        attn = opts.attn_implementation
+
+        actor = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
+        actor.config.use_cache = False
+        self._config = actor.config
+        self.actor = shard_model(
+            actor,
+            reshard_after_forward=opts.reshard_after_forward,
+            cpu_offload=offload,
+            activation_checkpointing=opts.activation_checkpointing,
+            **shard,  # type: ignore[arg-type]
+        )
+        optimizer = build_optimizer(self.actor.parameters(), train)
+        self._parts = {"actor": (self.actor, optimizer, build_scheduler(optimizer, train))}
+        if need_ref:
+            ref = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
+            ref.requires_grad_(False)
+            ref.eval()
+            self.ref = shard_model(
+                ref, reshard_after_forward=opts.ref_reshard_after_forward, cpu_offload=offload, activation_checkpointing=False, **shard  # type: ignore[arg-type]
+            )
+        if need_values:
+            critic = load_value_model(train.model_path, seed=train.seed, attn_implementation=attn, init_std=opts.value_head_init_std)
+            self.critic = shard_model(
+                critic,
+                reshard_after_forward=opts.reshard_after_forward,
+                cpu_offload=offload,
+                activation_checkpointing=opts.activation_checkpointing,
+                **shard,  # type: ignore[arg-type]
+            )
+            critic_train = train.model_copy(update={"lr": opts.critic_lr or train.lr})
+            critic_opt = build_optimizer(self.critic.parameters(), critic_train)
+            self._parts["critic"] = (self.critic, critic_opt, build_scheduler(critic_opt, critic_train))
+        pad = self._config.pad_token_id if self._config.pad_token_id is not None else self._config.eos_token_id
+        self._pad_token_id = int(pad if isinstance(pad, int) else 0)
+        log.info(
+            "fsdp trainer ready on %s x%d (params %s, reduce %s, ref=%s, critic=%s)",
+            self.dist.device, self.dist.world_size, self.precision.param_dtype, self.precision.reduce_dtype, need_ref, need_values,
+        )
+
+    def _require_setup(self) -> None:
+        if self.actor is None:
+            raise RuntimeError("FSDPTrainer.setup() must be called first")
+
+    # -- forward helpers ---------------------------------------------------------------------------
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[PackedMicroBatch]:
+        from miles_fsdp.microbatch import agree_num_micro_batches, pack, plan_micro_batches
+
+        budget = self.train_settings.max_tokens_per_micro_batch
+        lengths = [len(t) for t in batch.tokens]
+        count = agree_num_micro_batches(lengths, budget, self.device)
+        for indices in plan_micro_batches(lengths, budget, count):
+            yield pack(batch, indices, self.device, self._pad_token_id)
+
+    def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
+        out = module(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False)
+        return out.logits[0]
+
+    def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
+        return self.critic(mb.input_ids, mb.position_ids)[0].index_select(0, mb.keep_index)
+
+    # -- trainer interface -------------------------------------------------------------------------
+    def compute_logprobs(
+        self,
+        batch: TrainBatch,
+        *,
+        model: Literal["actor", "ref"] = "actor",
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> LogprobOutput:
+        """Per-response-token logprobs (and entropy) of this rank's sequences, packed by the token budget."""
+        import torch
+
+        from miles_fsdp.microbatch import token_logprobs
+
+        self._require_setup()
+        module = self.actor if model == "actor" else self.ref
+        if module is None:
+            raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
+        batch.validate()
+        logprobs: list[torch.Tensor | None] = [None] * len(batch)
+        entropy: list[torch.Tensor | None] = [None] * len(batch)
+        was_training = module.training
+        module.eval()
+        with torch.no_grad():
+            for mb in self._micro_batches(batch):
+                logits = self._logits(module, mb)
+                if mb.is_empty:
+                    continue
+                lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy)
+                for i, part in zip(mb.indices, lp.split(mb.response_lengths), strict=True):
+                    logprobs[i] = part.float().cpu()
+                if ent is not None:
+                    for i, part in zip(mb.indices, ent.split(mb.response_lengths), strict=True):
+                        entropy[i] = part.float().cpu()
+        module.train(was_training)
+        return LogprobOutput(logprobs=logprobs, entropy=entropy if with_entropy else None)  # type: ignore[arg-type]
+
+    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Critic values at the positions that predict each response token (needs ``need_values``)."""
+        import torch
+
+        if self.critic is None:
+            raise RuntimeError("compute_values needs setup(need_values=True)")
+        batch.validate()
+        values: list[torch.Tensor | None] = [None] * len(batch)
+        self.critic.eval()
+        with torch.no_grad():
+            for mb in self._micro_batches(batch):
+                v = self._values(mb)
+                for i, part in zip(mb.indices, v.split(mb.response_lengths), strict=True):
+                    values[i] = part.float().cpu()
+        return values  # type: ignore[return-value]
+
+    def train_step(self, batch: TrainBatch, algorithm: Algorithm, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over this rank's share of the step's sequences.
+
+        The loss is aggregated with step-wide denominators (token / sequence counts all-reduced first)
+        and gradients are summed over ranks, so the result equals one process training on the whole
+        batch. ``temperature`` is the rollout's sampling temperature (logits are divided by it).
+        """
+        from miles_fsdp.step import run_train_step
+
+        self._require_setup()
+        metrics = run_train_step(self, batch, algorithm, temperature=temperature)
+        self.step += 1
+        return metrics
+
+    def iter_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """The actor's full weights in HF naming, gathered one parameter at a time into buckets on rank 0."""
+        from miles_fsdp.weights import iter_full_weights
+
+        self._require_setup()
+        yield from iter_full_weights(self.actor, bucket_bytes, rank=self.dist.rank)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded DCP checkpoint of actor (+ critic) and optimizers, scheduler, RNG states and step."""
+        from miles_fsdp.checkpoint import save_sharded
+
+        self._require_setup()
+        save_sharded(path, self._parts, step=self.step, rank=self.dist.rank)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from a :meth:`save_checkpoint` directory (exactly) or from a HF directory (weights only)."""
+        from miles_fsdp.checkpoint import is_dcp_checkpoint, load_hf_weights, load_sharded
+
+        self._require_setup()
+        if is_dcp_checkpoint(path):
+            self.step = load_sharded(path, self._parts, rank=self.dist.rank)
+        else:
+            log.info("%s is a Hugging Face directory: loading the actor's weights (optimizer state starts fresh)", path)
+            load_hf_weights(self.actor, path)
+
+    def export_hf(self, path: str, *, bucket_bytes: int = 1 << 30) -> None:
+        """Write the actor as a HF safetensors directory (config, shards, tokenizer files of the source)."""
+        from miles_fsdp.weights import export_hf_dir
+
+        self._require_setup()
+        export_hf_dir(
+            self.actor, self._config, path, rank=self.dist.rank, bucket_bytes=bucket_bytes, source_dir=self.train_settings.model_path
+        )
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+
+    def close(self) -> None:
+        """Drop the models and optimizers and wait for every rank (a barrier before the group goes away)."""
+        import torch.distributed as dist
+
+        self.actor = self.ref = self.critic = None
+        self._parts = {}
+        if dist.is_initialized():
+            dist.barrier()

@@ -36,8 +36,22 @@ def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> s
     return digest.hexdigest()[:16]
 
 
-def compare_checksums(sent: Mapping[str, str], served: Mapping[str, str], *, engine: str) -> None:
-    """Raise :class:`WeightVerificationError` naming the first tensors that differ."""
+def compare_checksums(
+    sent: Mapping[str, str], served: Mapping[str, str], *, engine: str, aliases: Mapping[str, str] | None = None
+) -> None:
+    """Raise :class:`WeightVerificationError` naming the first tensors that differ.
+
+    :param aliases: ``{alias: canonical}`` names the engine serves through another parameter (tied
+        embeddings): a tensor sent under the alias counts for the canonical parameter.
+    """
+    aliases = aliases or {}
+    resolved: dict[str, str] = {}
+    for name, checksum in sent.items():
+        target = aliases.get(name, name)
+        if target in resolved and resolved[target] != checksum and name in aliases:
+            continue  # both names of a tied pair sent; the canonical one decides
+        resolved[target] = checksum
+    sent = resolved
     never_sent = sorted(set(served) - set(sent))
     if never_sent:
         raise WeightVerificationError(
@@ -70,6 +84,6 @@ async def verify_engines(client: EngineClient, *, version: str, checksums_by_dty
         dtype = str(report["dtype"])
         if dtype not in checksums_by_dtype:
             raise WeightVerificationError(f"engine {url} serves dtype {dtype}; no trainer checksums for it")
-        compare_checksums(checksums_by_dtype[dtype], report["checksums"], engine=url)
+        compare_checksums(checksums_by_dtype[dtype], report["checksums"], engine=url, aliases=report.get("aliases"))
         verified += len(report["checksums"])
     return {"weight_sync/verified_tensors": float(verified), "weight_sync/verified": 1.0}

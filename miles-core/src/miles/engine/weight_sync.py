@@ -1,0 +1,132 @@
+"""Engine side of distributed weight updates and of weight verification.
+
+- SGLang's ``/init_weights_update_group``, ``/update_weights_from_distributed`` and
+  ``/destroy_weights_update_group``: the engine joins a process group with the trainer (rank
+  ``rank_offset``) and receives broadcast tensors into its parameters, by Hugging Face name.
+- ``/weights_checksum`` (a Miles endpoint): a SHA-256 per parameter of what the engine serves, plus the
+  names that alias another parameter (tied embeddings), so the driver can prove every tensor was updated.
+- ``/debug/randomize_weights`` (only with ``--enable-debug-endpoints``): overwrite every parameter with
+  random values, so a test can show a push really overwrote all of them.
+
+All functions run on the engine's scheduler thread, between forward passes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles.transport.broadcast import make_process_group
+from miles.transport.verify import tensor_checksum
+
+__all__ = ["WeightGroups", "load_named_tensors", "parameter_aliases", "weights_checksum"]
+
+log = logging.getLogger(__name__)
+
+
+def parameter_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for state-dict names that share storage with an earlier parameter (tied)."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        owner = canonical.get(id(tensor))
+        if owner is not None and owner != name:
+            aliases[name] = owner
+    return aliases
+
+
+def _parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    params = dict(model.named_parameters())
+    for alias, owner in parameter_aliases(model).items():
+        params[alias] = params[owner]
+    return params
+
+
+def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy ``tensors`` into the model's parameters by HF name; unknown names or shapes are errors."""
+    params = _parameters(model)
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise ValueError(f"the model has no parameter {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            target = params[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"parameter {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+    return len(tensors)
+
+
+def weights_checksum(model: torch.nn.Module) -> dict[str, Any]:
+    """What ``/weights_checksum`` returns (besides the weight version)."""
+    checksums = {name: tensor_checksum(p) for name, p in model.named_parameters()}
+    dtype = next(model.parameters()).dtype
+    return {"checksums": checksums, "aliases": parameter_aliases(model), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def randomize_weights(model: torch.nn.Module, seed: int) -> int:
+    """Overwrite every parameter with random values (debug endpoint); returns how many."""
+    generator = torch.Generator().manual_seed(seed)
+    count = 0
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.dtype))
+            count += 1
+    return count
+
+
+@dataclass
+class _Group:
+    group: Any
+    store: Any
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+class WeightGroups:
+    """The process groups an engine joined for weight updates, by name."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, _Group] = {}
+
+    def init(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str, device: torch.device, timeout: float = 600.0) -> None:
+        if group_name in self.groups:
+            raise ValueError(f"weight update group {group_name!r} already exists")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: {backend!r} is not supported (gloo or nccl)")
+        group, store = make_process_group(
+            backend, host=master_address, port=int(master_port), rank=int(rank_offset), world_size=int(world_size), timeout=timeout, is_master=False
+        )
+        self.groups[group_name] = _Group(group, store, int(rank_offset), int(world_size), device)
+        log.info("joined weight update group %r as rank %d of %d (%s)", group_name, rank_offset, world_size, backend)
+
+    def receive(self, model: torch.nn.Module, *, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
+        """Receive one bucket (broadcast from rank 0, in ``names`` order) and load it."""
+        import torch.distributed as dist
+
+        entry = self.groups.get(group_name)
+        if entry is None:
+            raise ValueError(f"no weight update group {group_name!r} (call /init_weights_update_group first)")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        params = _parameters(model)
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise ValueError(f"the model has no parameter {missing[0]!r}")
+        received = {}
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=entry.device)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            entry.group.broadcast([buffer], opts).wait()
+            received[name] = buffer
+        return load_named_tensors(model, received)
+
+    def destroy(self, group_name: str) -> None:
+        entry = self.groups.pop(group_name, None)
+        if entry is None:
+            raise ValueError(f"no weight update group {group_name!r}")

@@ -13,7 +13,11 @@ from typing import Any
 from griffe import Extension
 
 _DIRECTIVE = re.compile(r"^\s*\.\. (versionadded|versionchanged|deprecated):: *(\S+)[ \t]*\n?", re.MULTILINE)
-_WORDS = {"versionadded": "Added in version", "versionchanged": "Changed in version", "deprecated": "Deprecated since version"}
+_WORDS = {
+    "versionadded": "Added in version",
+    "versionchanged": "Changed in version",
+    "deprecated": "Deprecated since version",
+}
 
 
 class VersionDirectives(Extension):
@@ -21,7 +25,7 @@ class VersionDirectives(Extension):
 
     def on_instance(self, *, obj: Any, **kwargs: Any) -> None:
         docstring = getattr(obj, "docstring", None)
-        if docstring is None or ".. version" not in docstring.value and ".. deprecated" not in docstring.value:
+        if docstring is None or (".. version" not in docstring.value and ".. deprecated" not in docstring.value):
             return
         notes = [f"*{_WORDS[kind]} {version}.*" for kind, version in _DIRECTIVE.findall(docstring.value)]
         text = _DIRECTIVE.sub("", docstring.value).rstrip()

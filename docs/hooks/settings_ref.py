@@ -28,7 +28,7 @@ CLI_MARKER = "<!-- miles:cli -->"
 def _import_miles() -> None:
     """Make ``miles`` importable from the checkout when it is not installed (the docs environment)."""
     try:
-        import miles  # noqa: F401
+        import miles
     except ImportError:
         sys.path.insert(0, str(ROOT / "miles-core" / "src"))
         try:
@@ -80,9 +80,11 @@ def _default(info: Any) -> str:
         return "*required*"
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
-        if isinstance(value, dict) and set(value) == {"name"}:
-            value = value["name"]
-        elif isinstance(value, dict) and "name" in value and all(k == "name" or v in (None, 1.0) for k, v in value.items()):
+        if (isinstance(value, dict) and set(value) == {"name"}) or (
+            isinstance(value, dict)
+            and "name" in value
+            and all(k == "name" or v in (None, 1.0) for k, v in value.items())
+        ):
             value = value["name"]
     elif isinstance(value, list):
         value = [v.model_dump(mode="json") if isinstance(v, BaseModel) else v for v in value]
@@ -143,7 +145,7 @@ def render_settings() -> str:
         out += [f"### `{section}`", "", _prose(info.description), ""]
         if issubclass(model, PluginSpec):
             out += [
-                f"A component chosen by name: `{section} = \"{_default(info).strip('`').strip(chr(34))}\"`, or a table "
+                f'A component chosen by name: `{section} = "{_default(info).strip("`").strip(chr(34))}"`, or a table '
                 f"`[{section}]` whose `name` picks the component and whose other keys are that component's settings "
                 f"(see [component settings](#component-settings)).",
                 "",

@@ -291,3 +291,12 @@ def test_an_ignored_sighup_stays_ignored(tmp_path: Path, script: Script) -> None
             driver.wait()
     assert driver.returncode == -signal.SIGTERM and "received SIGHUP" not in output, output
     assert all(wait_dead(pid) for pid in pids)
+
+
+def test_children_die_with_a_killed_driver(tmp_path: Path, script: Script) -> None:
+    """``kill -9`` of the driver runs no handler; the kernel's parent-death signal stops its children."""
+    driver, pids = start_driver(tmp_path, script)
+    driver.kill()
+    driver.communicate(timeout=60)
+    assert driver.returncode == -signal.SIGKILL
+    assert all(wait_dead(pid) for pid in pids)

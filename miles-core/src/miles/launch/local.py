@@ -38,6 +38,9 @@ class LocalLauncherSettings(ComponentSettings):
     """Seconds between checks of the children and of engine health URLs."""
     log_tail_lines: int = Field(40, ge=1)
     """Lines of a failed process's log quoted in its error."""
+    die_with_parent: bool = True
+    """Linux: children get SIGKILL from the kernel if this process dies without shutting them down
+    (``kill -9``, a segfault). It is tied to the thread that starts them: start them from the main thread."""
     handle_signals: bool = True
     """Stop every child on SIGINT / SIGTERM / SIGHUP (installed from the main thread only)."""
 
@@ -71,7 +74,7 @@ class LocalLauncher(Launcher):
             raise ValueError(f"a process named {spec.name!r} is already running")
         os.makedirs(self.log_dir, exist_ok=True)
         cleanup.track(self, handle_signals=self.options.handle_signals)
-        process = LocalProcess(spec, self.log_dir)
+        process = LocalProcess(spec, self.log_dir, die_with_parent=self.options.die_with_parent)
         self.processes.append(process)
         return process
 

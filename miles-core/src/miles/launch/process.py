@@ -12,7 +12,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 from miles.launch.base import ProcessHandle, ProcessSpec
 
@@ -20,6 +22,7 @@ __all__ = ["LocalProcess", "describe_exit"]
 
 log = logging.getLogger(__name__)
 
+_PR_SET_PDEATHSIG = 1
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -33,10 +36,33 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that sets ``PR_SET_PDEATHSIG`` to SIGKILL (Linux); ``None`` elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
 class LocalProcess(ProcessHandle):
     """A started child: ``Popen`` with ``start_new_session=True``, stdout and stderr to ``log_path``."""
 
-    def __init__(self, spec: ProcessSpec, log_dir: str) -> None:
+    def __init__(self, spec: ProcessSpec, log_dir: str, *, die_with_parent: bool = True) -> None:
+        """:param die_with_parent: on Linux, the kernel sends the child SIGKILL when this process dies
+        without a shutdown (``kill -9``, a crash): ``PR_SET_PDEATHSIG``. It fires when the *thread*
+        that started the child ends, so start children from a long-lived thread (the main one)."""
         if not _SAFE_NAME.match(spec.name):
             raise ValueError(
                 f"process name {spec.name!r} must be letters, digits, '_', '-' or '.' (it names a log file)"
@@ -56,6 +82,7 @@ class LocalProcess(ProcessHandle):
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent_hook() if die_with_parent else None,
             )
         self.pid = self.popen.pid
         """Process id; also the id of its process group and session."""

@@ -195,7 +195,7 @@ def check_plugin(
     try:
         manager.register(plugin, name)
     except MilesError as exc:
-        raise _fail(where, f"does not load: {exc}") from exc
+        raise _fail(where, f"does not load: {str(exc).removeprefix(f'{where}: ')}") from exc
     record = next(r for r in manager.records() if r.name == name)
     if record.status != "ok":
         detail = f"\n{record.traceback}" if record.traceback else ""

@@ -16,6 +16,7 @@ from miles.algorithms.advantages import (
     overlong_penalty,
     rloo,
 )
+from miles.algorithms.base import LossInputs
 from miles.algorithms.group import GRPO, RLOO, DrGRPO
 from miles.algorithms.reinforce import ReinforcePP, ReinforcePPBaseline
 from miles.algorithms.settings import DrGRPOSettings, GRPOSettings, ReinforcePPSettings, RLOOSettings
@@ -165,3 +166,23 @@ def test_broadcast_to_tokens() -> None:
     assert broadcast_to_tokens(2.5, [1, 0, 1]).tolist() == [2.5, 0.0, 2.5]
     assert broadcast_to_tokens(2.5, []).shape == (0,)
     assert not math.isnan(broadcast_to_tokens(0.0, [1]).item())
+
+
+def test_group_algorithms_with_kl_in_reward() -> None:
+    # rollout logprob -1 on every token, ref -1.5 -> k1 = 0.5 per token; kl_coef 0.2
+    # sample 0: 2 trained tokens (a third is a tool token) -> 1 - 0.2 * 1.0 = 0.8; sample 1: 1 token -> 0 - 0.1
+    # Dr.GRPO: mean 0.35 -> 0.45, -0.45
+    groups = [make_group(0, [1.0, 0.0], [[1, 0, 1], [1]])]
+    algo = DrGRPO(DrGRPOSettings(kl_coef=0.2, kl_in_reward=True, kl_estimator="k1", max_response_length=4))
+    assert algo.needs.ref_logprobs_for_advantages
+    ref = [[torch.tensor([-1.5, -9.0, -1.5]), torch.tensor([-1.5])]]
+    adv = algo.compute_advantages(groups, ref_logprobs=ref)
+    assert adv[0][0].tolist() == pytest.approx([0.45, 0.0, 0.45])
+    assert adv[0][1].tolist() == pytest.approx([-0.45])
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        algo.compute_advantages(groups)
+    # in the reward, the KL is not also added to the loss
+    out = algo.loss(LossInputs(logprobs=torch.tensor([-1.0]), loss_mask=torch.ones(1), response_lengths=[1],
+                               advantages=torch.tensor([1.0]), old_logprobs=torch.tensor([-1.0]), ref_logprobs=torch.tensor([-1.5])))
+    assert out.per_token_loss.tolist() == [-1.0]
+    assert out.metrics["kl"].tolist() == [0.5]

@@ -211,8 +211,6 @@ def test_settings_errors_name_the_field() -> None:
         GRPOSettings(icepop_low=2.0, icepop_high=1.5)
     with pytest.raises(ValidationError, match="clip_eps_hgh"):
         GRPOSettings(clip_eps_hgh=0.3)  # type: ignore[call-arg]
-    with pytest.raises(ValueError, match="kl_in_reward"):
-        GRPO(GRPOSettings(kl_coef=0.1, kl_in_reward=True))
     with pytest.raises(ValueError, match="LossInputs.ref_logprobs"):
         GRPO(GRPOSettings(kl_coef=0.1)).loss(
             LossInputs(logprobs=torch.zeros(1), loss_mask=torch.ones(1), response_lengths=[1], advantages=torch.zeros(1))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import BaseModel
 
 from miles.algorithms.advantages import broadcast_to_tokens, group_normalized, rloo
+from miles.algorithms.losses import KLEstimator, kl_estimate
 from miles.algorithms.policy import PolicyGradientAlgorithm
 from miles.algorithms.settings import (
     DAPOSettings,
@@ -24,13 +25,19 @@ from miles.algorithms.settings import (
 if TYPE_CHECKING:
     import torch
 
-    from miles.types import SampleGroup
+    from miles.types import Sample, SampleGroup
 
 __all__ = ["DAPO", "GRPO", "GSPO", "RLOO", "DrGRPO", "GroupAlgorithm"]
 
 
 class GroupAlgorithm(PolicyGradientAlgorithm):
-    """A policy-gradient algorithm whose advantages are a function of each group's rewards."""
+    """A policy-gradient algorithm whose advantages are a function of each group's rewards.
+
+    With ``kl_in_reward`` each sample's reward is lowered by ``kl_coef`` times its summed per-token KL
+    (rollout policy vs reference, over trained tokens) before the group estimator runs.
+    """
+
+    supports_kl_in_reward = True
 
     def group_advantages(self, rewards: list[float]) -> list[float]:
         raise NotImplementedError
@@ -43,10 +50,29 @@ class GroupAlgorithm(PolicyGradientAlgorithm):
         ref_logprobs: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> list[list[torch.Tensor]]:
         out = []
-        for group in groups:
-            scalars = self.group_advantages(self.shaped_rewards(group))
+        kl_in_reward = self.s.kl_in_reward and self.s.kl_coef > 0.0
+        if kl_in_reward and ref_logprobs is None:
+            raise ValueError(f"algorithm {self.name!r}: kl_in_reward needs ref_logprobs in compute_advantages")
+        for g, group in enumerate(groups):
+            rewards = self.shaped_rewards(group)
+            if kl_in_reward:
+                assert ref_logprobs is not None
+                rewards = [
+                    r - self.s.kl_coef * _sequence_kl(sample, ref_logprobs[g][i], self.s.kl_estimator)
+                    for i, (r, sample) in enumerate(zip(rewards, group.samples, strict=True))
+                ]
+            scalars = self.group_advantages(rewards)
             out.append([broadcast_to_tokens(a, s.loss_mask) for a, s in zip(scalars, group.samples, strict=True)])
         return out
+
+
+def _sequence_kl(sample: Sample, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> float:
+    """Summed per-token KL estimate of ``sample`` between its rollout logprobs and ``ref_logprobs``."""
+    import torch
+
+    rollout = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+    mask = torch.tensor(sample.loss_mask, dtype=torch.float32)
+    return float((kl_estimate(rollout, ref_logprobs.to(torch.float32), estimator) * mask).sum())
 
 
 class GRPO(GroupAlgorithm):

@@ -59,8 +59,8 @@ class PolicyGradientAlgorithm(Algorithm):
         self.s: PolicyLossSettings = settings
         if settings.kl_in_reward and not self.supports_kl_in_reward:
             raise ValueError(
-                f"algorithm {self.name!r}: kl_in_reward is supported by reinforce_pp, reinforce_pp_baseline "
-                "and ppo only; use kl_coef with kl_in_reward = false to add the KL to the loss"
+                f"algorithm {self.name!r} does not support kl_in_reward; "
+                "use kl_coef with kl_in_reward = false to add the KL to the loss"
             )
 
     # -- what the loop must provide -----------------------------------------------------------------

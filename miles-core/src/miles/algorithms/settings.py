@@ -41,7 +41,8 @@ class PolicyLossSettings(ComponentSettings):
     kl_estimator: KLEstimator = "k3"
     """One-sample KL estimator: ``k1`` (log ratio), ``k2`` (half squared log ratio), ``k3`` (low variance)."""
     kl_in_reward: bool = False
-    """Put the KL penalty into the per-token reward (REINFORCE++, PPO) instead of the loss."""
+    """Put the KL penalty into the reward instead of the loss: per token for REINFORCE++ and PPO, summed
+    over the response before the group estimator for GRPO-style algorithms."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus: ``entropy_coef * H(pi_t)`` is subtracted from each token's loss."""
     mismatch_correction: Literal["none", "tis", "icepop"] = "none"

@@ -41,6 +41,16 @@ def normalize_text(text: str, *, case_sensitive: bool = False) -> str:
     return out if case_sensitive else out.lower()
 
 
+class _DropTimeoutNotice(logging.Filter):
+    """math-verify warns once that its signal timeouts are off; here the reward timeout bounds the time."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+_QUIET = _DropTimeoutNotice()
+
+
 def math_equal(prediction: str, reference: str, *, float_rounding: int = 6) -> bool:
     """Whether ``prediction`` and ``reference`` (LaTeX or plain expressions, no ``\\boxed``) denote the
     same mathematical object. CPU-bound (sympy): call from a worker thread. Parse failures are ``False``.
@@ -49,6 +59,11 @@ def math_equal(prediction: str, reference: str, *, float_rounding: int = 6) -> b
     bounds the time with the reward timeout.
     """
     from math_verify import parse, verify
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        target = logging.getLogger(name)
+        if _QUIET not in target.filters:
+            target.addFilter(_QUIET)
 
     def wrap(s: str) -> str:
         s = s.strip()

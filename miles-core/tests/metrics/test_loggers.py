@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from miles.components import ComponentKind
+from miles.plugins import PluginManager
+from miles.settings import PluginSpec
+
+
+def test_jsonl_logger_appends_steps(tmp_path: Path) -> None:
+    pm = PluginManager(entry_points=False).load()
+    logger = pm.create(ComponentKind.LOGGER, PluginSpec(name="jsonl"), field="log.loggers[0]", run_dir=str(tmp_path))
+    logger.log(1, {"rollout/reward_mean": 0.25, "train/loss": float("nan")})
+    logger.log(2, {"rollout/reward_mean": 0.5})
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "rollout/reward_mean": 0.25, "train/loss": None}, {"step": 2, "rollout/reward_mean": 0.5}]
+
+
+def test_tensorboard_logger_writes_readable_events(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pm = PluginManager(entry_points=False).load()
+    logger = pm.create(ComponentKind.LOGGER, PluginSpec(name="tensorboard"), field="log.loggers[0]", run_dir=str(tmp_path))
+    for step in range(1, 4):
+        logger.log(step, {"rollout/reward_mean": step / 10})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("rollout/reward_mean")
+    assert [(e.step, round(e.value, 6)) for e in scalars] == [(1, 0.1), (2, 0.2), (3, 0.3)]

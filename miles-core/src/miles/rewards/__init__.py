@@ -1,1 +1,13 @@
-"""Reward functions (built-in plugins) and the scoring helper that runs them with timeouts."""
+"""Reward functions (built-in plugins) and the scoring helper that runs them with timeouts.
+
+Registered names (``[[reward.functions]] name = "<name>"  weight = 1.0``):
+
+- ``math``: the last ``\\boxed{}`` of the response against the label, equivalence by math-verify (sympy);
+- ``exact_match``: the (extracted) answer equals the label after normalisation;
+- ``regex``: a format reward, the response matches a regular expression;
+- ``length_penalty``: DAPO's soft overlong punishment or a linear length cost;
+- ``remote``: a reward model / verifier over HTTP (async httpx, timeout, retries).
+
+:func:`miles.rewards.scoring.score_samples` combines them with their weights, fills ``Sample.reward``
+and ``Sample.reward_parts``, and marks a sample failed when a function raises or times out.
+"""

@@ -38,6 +38,7 @@ from miles.testing import (
     check_plugin,
     check_precision,
     check_reward,
+    check_rollout_function,
     check_settings_model,
     check_transport,
     example_groups,
@@ -759,3 +760,49 @@ def test_builtin_plugin_conforms(plugin_name: str, module: str, tmp_path: Path) 
             path = tmp_path / "prompts.jsonl"
             path.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(5)))
             check_data_source(entry.component, path)
+
+
+# -- rollout functions ----------------------------------------------------------------------------------
+
+
+async def echo_episode(client: Any, sample: Sample, sampling_params: Any) -> Sample:
+    """Generates once and returns the sample."""
+    (out,) = await client.generate(sample.prompt_ids, sampling_params)
+    sample.response_ids = list(out.output_ids)
+    return sample
+
+
+def test_rollout_functions() -> None:
+    check_plugin(registering_named("miles_register_rollout_functions", echo_episode, "echo"), name="echo_plugin")
+    check_rollout_function(echo_episode)
+
+    class Agent:
+        """A callable object holding tools."""
+
+        async def __call__(self, client: Any, sample: Sample, sampling_params: Any) -> Sample:
+            return sample
+
+    check_rollout_function(Agent())
+
+    def sync_episode(client: Any, sample: Sample, sampling_params: Any) -> Sample:
+        return sample
+
+    with pytest.raises(
+        AssertionError, match="rollout function 'test_rollout_functions.<locals>.sync_episode': must be a coroutine"
+    ):
+        check_rollout_function(sync_episode)
+
+    async def two_args(client: Any, sample: Sample) -> Sample:
+        return sample
+
+    with pytest.raises(
+        AssertionError, match=r"rollout function 'agent': must accept \(client, sample, sampling_params\)"
+    ):
+        check_rollout_function(two_args, name="agent")
+
+
+def registering_named(kind_hook: str, component: Any, name: str) -> types.SimpleNamespace:
+    def hook(register: Any) -> None:
+        register(component, name=name)
+
+    return plugin_of(**{kind_hook: miles.hookimpl(hook)})

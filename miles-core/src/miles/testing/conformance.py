@@ -55,6 +55,7 @@ __all__ = [
     "check_plugin",
     "check_precision",
     "check_reward",
+    "check_rollout_function",
     "check_settings_model",
     "check_transport",
     "example_groups",
@@ -750,3 +751,20 @@ def check_precision(cls: Any, *, settings: BaseModel | Mapping[str, Any] | None 
             )
         if not torch.isfinite(produced[name].float()).all():
             raise _fail(where, f"rollout_weights produced non-finite values for {name!r}")
+
+
+def check_rollout_function(fn: Any, *, name: str | None = None) -> None:
+    """Check a custom rollout function (:class:`~miles.rollout.function.RolloutFunction`): an ``async``
+    callable accepting ``(client, sample, sampling_params)``. (Running it needs an engine: test episodes
+    against a real local engine in the function's own tests.)"""
+    label = name or getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    where = f"rollout function {label!r}"
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", None)  # noqa: B004
+    if target is None or not callable(fn):
+        raise _fail(where, f"must be callable, got {fn!r}")
+    if not inspect.iscoroutinefunction(target):
+        raise _fail(where, "must be a coroutine function (async def ...(client, sample, sampling_params))")
+    try:
+        inspect.signature(target).bind(object(), object(), object())
+    except TypeError as exc:
+        raise _fail(where, f"must accept (client, sample, sampling_params): {exc}") from None

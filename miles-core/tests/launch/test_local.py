@@ -300,3 +300,23 @@ def test_children_die_with_a_killed_driver(tmp_path: Path, script: Script) -> No
     driver.communicate(timeout=60)
     assert driver.returncode == -signal.SIGKILL
     assert all(wait_dead(pid) for pid in pids)
+
+
+def test_atexit_reaps_children_of_a_driver_that_forgot_shutdown(tmp_path: Path, script: Script) -> None:
+    driver = script(
+        "forgetful",
+        "import sys\n"
+        "from miles.launch.local import LocalLauncher, LocalLauncherSettings\n"
+        "from miles.launch.rendezvous import trainer_specs\n"
+        # no parent-death signal: only the atexit hook can stop the ranks
+        "launcher = LocalLauncher(LocalLauncherSettings(die_with_parent=False), run_dir=sys.argv[1])\n"
+        "launcher.start_trainers(trainer_specs([sys.executable, '-c', 'import time; time.sleep(120)'], 2))\n"
+        "print(*[p.pid for p in launcher.processes], flush=True)\n"
+        "raise RuntimeError('driver bug after starting the ranks')\n",
+    )
+    done = subprocess.run(
+        [*driver, str(tmp_path)], capture_output=True, text=True, timeout=120, env={**os.environ, **CHILD_ENV}
+    )
+    assert done.returncode == 1 and "driver bug after starting the ranks" in done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and all(wait_dead(pid) for pid in pids)

@@ -83,6 +83,8 @@ def prepare_minibatches(
     for start in range(0, len(samples), global_batch_size):
         stop = start + global_batch_size
         step = TrainBatch.from_samples(samples[start:stop], advantages=flat_adv[start:stop])
+        if not needs.rollout:
+            step.rollout_logprobs = None  # SFT targets were not sampled by any engine
         if flat_ret is not None:
             step.returns = flat_ret[start:stop]
         if flat_values is not None:

@@ -76,6 +76,7 @@ class TrainingLoop:
         self.data: DataSource | None = None
         self.manager: RolloutManager | None = None
         self.rewards: list[NamedReward] = []
+        self.tokenizer: Any = None
         self.loggers: list[MetricsLogger] = []
         self.step = 0
         self.weight_version = "0"
@@ -100,7 +101,7 @@ class TrainingLoop:
 
         settings = self.settings
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        tokenizer = AutoTokenizer.from_pretrained(settings.train.model_path)
+        self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(settings.train.model_path)
         self.data = components.build_data_source(self.pm, settings, tokenizer=tokenizer)
         self.loggers = components.build_loggers(self.pm, settings)
         if not self.engine_urls:
@@ -154,7 +155,16 @@ class TrainingLoop:
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         payload = None
-        if self.is_driver:
+        if self.is_driver and not self.algorithm.needs.rollout:
+            from miles.driver.sft import sft_groups
+
+            assert self.data is not None
+            batch_size = settings.rollout.rollout_batch_size
+            prompts = self.data.next_batch(batch_size)
+            sft = sft_groups(prompts, self.tokenizer, first_group_id=self.step * batch_size, weight_version=self.step)
+            metrics["sft/response_tokens"] = float(sum(s.response_length for g in sft for s in g.samples))
+            payload = [g.to_dict() for g in sft]
+        elif self.is_driver:
             assert self.manager is not None and self.data is not None
             result = await self.manager.rollout(self.data)
             metrics.update(result.metrics)
@@ -193,6 +203,10 @@ class TrainingLoop:
         from miles.transport.verify import verify_engines
 
         version = str(self.step)
+        if self.is_driver and self.settings.transport.randomize_engines_first:
+            assert self.client is not None
+            for url in self.client.urls:
+                await self.client.call(url, "/debug/randomize_weights", {"seed": self.step})
         buckets = self.trainer.iter_weights(self.settings.transport.bucket_bytes)
         converted = ([*self.precision.rollout_weights(bucket)] for bucket in buckets)
         report = await self.transport.push(converted, version=version, dist=self.dist)

@@ -62,6 +62,9 @@ class TransportSpec(PluginSpec):
     """Size of the weight buckets the trainer gathers and the transport sends one at a time."""
     verify: bool = True
     """After every push, check that the engines serve exactly what was sent (checksums per tensor)."""
+    randomize_engines_first: bool = False
+    """Test mode: overwrite the engines' weights with random values before every push, so verification
+    proves every tensor was really sent (needs ``rollout.engine.enable_debug_endpoints``)."""
 
 
 class RewardFunctionSpec(PluginSpec):

@@ -1,23 +1,24 @@
 """Test kit for Miles and its plugins: real tiny models (:mod:`miles.testing.models`, imported on
 demand because it needs torch and transformers), and the conformance checks a plugin runs against
-itself (:mod:`miles.testing.conformance`)."""
+itself (:mod:`miles.testing.conformance`, :mod:`miles.testing.component_checks`)."""
 
-from miles.testing.conformance import (
+from miles.testing.component_checks import (
     check_algorithm,
-    check_component,
     check_data_source,
-    check_entry_point,
-    check_light_import,
     check_logger,
-    check_plugin,
     check_precision,
     check_reward,
     check_rollout_function,
-    check_settings_model,
     check_transport,
-    example_groups,
-    example_samples,
 )
+from miles.testing.conformance import (
+    check_component,
+    check_entry_point,
+    check_light_import,
+    check_plugin,
+    check_settings_model,
+)
+from miles.testing.samples import example_groups, example_samples
 
 __all__ = [
     "check_algorithm",

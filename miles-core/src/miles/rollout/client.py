@@ -74,6 +74,26 @@ class EngineClient(ABC):
         transports for the weight-update endpoints (``/init_weights_update_group`` ...).
         """
 
+    async def update_weight_version(self, weight_version: str) -> None:
+        """Make every engine report ``weight_version`` (SGLang's ``/update_weight_version``).
+
+        .. versionadded:: 0.1 (not abstract: the default posts through :meth:`call`)
+        """
+        for url in self.urls:
+            await self.call(url, "/update_weight_version", {"new_version": weight_version})
+
+    async def health(self) -> list[bool]:
+        """Whether each engine answers ``/health`` (in :attr:`urls` order).
+
+        .. versionadded:: 0.1 (not abstract: the default reports every engine healthy if
+           :meth:`model_info` answers)
+        """
+        try:
+            await self.model_info()
+        except Exception:
+            return [False] * len(self.urls)
+        return [True] * len(self.urls)
+
     @abstractmethod
     async def close(self) -> None:
         """Close connections (engines keep running; the launcher owns their processes)."""

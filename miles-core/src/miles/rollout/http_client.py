@@ -1,0 +1,255 @@
+"""The HTTP :class:`EngineClient`: one async client (httpx) for local engines and SGLang servers.
+
+Routing across several engines:
+
+- with a ``routing_key`` (a sample group, a multi-turn session), consistent hashing on a ring of
+  virtual nodes sends every request of the key to the same engine, so they share its prefix cache, and
+  adding or removing an engine moves only the keys that engine owned;
+- without one, the engine with the fewest requests outstanding from this client gets the request.
+
+Failures: transport errors (refused connection, reset, timeout) and HTTP 502/503/504 are retried with
+exponential backoff; unkeyed requests retry on another engine. HTTP 4xx is not retried: it raises
+:class:`~miles.errors.EngineError` with the engine's message (SGLang's ``{"error": {"message"}}`` or
+``{"success": false, "message"}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from miles.errors import EngineError
+from miles.rollout.client import EngineClient
+from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
+
+__all__ = ["EngineHTTPError", "HttpEngineClient"]
+
+log = logging.getLogger(__name__)
+
+_RETRY_STATUS = {502, 503, 504}
+
+
+class EngineHTTPError(EngineError):
+    """An engine answered HTTP >= 400 (``status``); the message holds the engine's own message."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _hash(value: str) -> int:
+    """A hash stable across processes (Python's ``hash`` is salted)."""
+    return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "big")
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return str(body)[:500]
+
+
+class HttpEngineClient(EngineClient):
+    """Talks SGLang's native protocol to one or more engines.
+
+    :param urls: base URLs (``http://127.0.0.1:30000``).
+    :param api_key: sent as ``Authorization: Bearer``.
+    :param timeout: seconds a request may take (a long generation included).
+    :param connect_timeout: seconds to establish a connection.
+    :param max_retries: retries after the first attempt for retryable failures.
+    :param backoff: first retry delay in seconds (doubles each time, capped at ``max_backoff``).
+    :param virtual_nodes: points per engine on the consistent-hash ring.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        api_key: str | None = None,
+        timeout: float = 3600.0,
+        connect_timeout: float = 10.0,
+        max_retries: int = 3,
+        backoff: float = 0.25,
+        max_backoff: float = 4.0,
+        virtual_nodes: int = 64,
+    ) -> None:
+        if not urls:
+            raise ValueError("HttpEngineClient needs at least one engine URL")
+        self._urls = [u.rstrip("/") for u in urls]
+        if len(set(self._urls)) != len(self._urls):
+            raise ValueError(f"duplicate engine URLs: {self._urls}")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._ring = sorted((_hash(f"{url}#{i}"), url) for url in self._urls for i in range(virtual_nodes))
+        self._ring_keys = [h for h, _ in self._ring]
+        self.outstanding: dict[str, int] = {url: 0 for url in self._urls}
+        """Requests in flight per engine (from this client)."""
+        self._rid_url: dict[str, str] = {}
+
+    @property
+    def urls(self) -> Sequence[str]:
+        return tuple(self._urls)
+
+    # ----------------------------------------------------------------- routing
+    def route(self, routing_key: str | None, exclude: Sequence[str] = ()) -> str:
+        """The engine a request goes to (see the module docstring)."""
+        candidates = [u for u in self._urls if u not in exclude] or self._urls
+        if routing_key is not None:
+            i = bisect.bisect(self._ring_keys, _hash(routing_key)) % len(self._ring)
+            for step in range(len(self._ring)):
+                url = self._ring[(i + step) % len(self._ring)][1]
+                if url in candidates:
+                    return url
+        return min(candidates, key=lambda u: self.outstanding[u])
+
+    # -------------------------------------------------------------------- HTTP
+    async def _request(
+        self, method: str, url: str, endpoint: str, payload: dict[str, Any] | None = None
+    ) -> Any:
+        delay = self.backoff
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            try:
+                resp = await self._http.request(method, url + endpoint, json=payload)
+            except httpx.TransportError as exc:
+                if last:
+                    raise EngineError(
+                        f"{url}{endpoint}: {type(exc).__name__}: {exc or 'no answer'} (after {attempt + 1} attempts)"
+                    ) from exc
+                log.debug("%s%s: %s, retrying in %.2fs", url, endpoint, exc, delay)
+            else:
+                if resp.status_code < 400:
+                    return resp.json() if resp.content else {}
+                if resp.status_code not in _RETRY_STATUS or last:
+                    raise EngineHTTPError(f"{url}{endpoint}: HTTP {resp.status_code}: {_message(resp)}", resp.status_code)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.max_backoff)
+        raise AssertionError("unreachable")
+
+    async def call(self, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+        result = await self._request("POST", url.rstrip("/"), endpoint, payload or {})
+        return result if isinstance(result, dict) else {"result": result}
+
+    async def _all(self, method: str, endpoint: str, payload: dict[str, Any] | None = None) -> list[Any]:
+        return list(await asyncio.gather(*(self._request(method, url, endpoint, payload) for url in self._urls)))
+
+    # ---------------------------------------------------------------- generate
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routing_key: str | None = None,
+        rid: str | None = None,
+    ) -> list[GenerateOutput]:
+        """See :meth:`EngineClient.generate`. Each output's ``meta_info["engine_url"]`` names the engine."""
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params.to_json(),
+            "return_logprob": return_logprob,
+        }
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
+        if rid is not None:
+            payload["rid"] = rid
+        tried: list[str] = []
+        delay = self.backoff
+        while True:
+            url = self.route(routing_key, exclude=tried if routing_key is None else ())
+            self.outstanding[url] += 1
+            if rid is not None:
+                self._rid_url[rid] = url
+            try:
+                body = await self._request("POST", url, "/generate", payload)
+                break
+            except EngineError as exc:
+                # an unreachable engine: an unkeyed request may still be served by another one
+                client_error = isinstance(exc, EngineHTTPError) and exc.status < 500
+                if routing_key is not None or client_error or len(tried) + 1 >= len(self._urls):
+                    raise
+                tried.append(url)
+                log.warning("engine %s failed (%s); trying another", url, exc)
+                await asyncio.sleep(delay)
+            finally:
+                self.outstanding[url] -= 1
+                if rid is not None:
+                    self._rid_url.pop(rid, None)
+        entries = body if isinstance(body, list) else [body]
+        outputs = []
+        for entry in entries:
+            out = GenerateOutput.from_json(entry)
+            out.meta_info["engine_url"] = url
+            outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------- admin
+    async def abort(self, rid: str | None = None) -> None:
+        if rid is None:
+            await self._all("POST", "/abort_request", {"abort_all": True})
+            return
+        url = self._rid_url.get(rid)
+        targets = [url] if url else self._urls
+        await asyncio.gather(*(self._request("POST", u, "/abort_request", {"rid": rid}) for u in targets))
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        await self._all("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._all("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache", {})
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        return await self._all("GET", "/model_info")
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        await self._all(
+            "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version}
+        )
+
+    async def update_weight_version(self, weight_version: str) -> None:
+        await self._all("POST", "/update_weight_version", {"new_version": weight_version})
+
+    async def health(self) -> list[bool]:
+        async def one(url: str) -> bool:
+            try:
+                resp = await self._http.get(url + "/health", timeout=10)
+            except httpx.HTTPError:
+                return False
+            return resp.status_code == 200
+
+        return list(await asyncio.gather(*(one(u) for u in self._urls)))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> HttpEngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,157 @@
+"""The HTTP engine client against two real local engines: session-affine routing (consistent hashing),
+least-outstanding routing, fleet-wide admin calls, retries while an engine starts, errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.engine.process import EngineProcess, free_port
+from miles.errors import EngineError
+from miles.rollout.http_client import EngineHTTPError, HttpEngineClient
+from miles.rollout.protocol import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.models import build_tiny_model
+
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.mktemp("client-model") / "qwen2", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
+    logs = tmp_path_factory.mktemp("client-logs")
+    procs = [EngineProcess(model, log_path=logs / f"engine{i}.log") for i in range(2)]
+    try:
+        for p in procs:
+            p.start(wait=False)
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_session_affinity_and_prefix_reuse(engines: list[EngineProcess]) -> None:
+    async def run() -> None:
+        async with HttpEngineClient([e.url for e in engines]) as client:
+            await client.flush_cache()
+            owner: dict[str, str] = {}
+            for turn in range(3):
+                for s in range(12):
+                    key = f"session-{s}"
+                    prompt = [10 + s] * 8 + list(range(1, 2 + turn))
+                    (out,) = await client.generate(prompt, SamplingParams(max_new_tokens=2), routing_key=key)
+                    url = out.meta_info["engine_url"]
+                    assert owner.setdefault(key, url) == url
+                    if turn:  # the previous turn's prompt is a cached prefix on the same engine
+                        assert out.cached_tokens >= 8
+            assert set(owner.values()) == {e.url for e in engines}  # keys spread over both engines
+            # a group: n samples of one prompt on one engine, all but the first hit the prompt
+            outs = await client.generate([7] * 20, SamplingParams(max_new_tokens=3, n=4), routing_key="group-1")
+            assert len(outs) == 4 and [o.cached_tokens for o in outs] == [0, 19, 19, 19]
+            assert all(o.meta_info["engine_url"] == outs[0].meta_info["engine_url"] for o in outs)
+            assert all(len(o.output_logprobs) == len(o.output_ids) for o in outs)
+
+    asyncio.run(run())
+
+
+def test_ring_moves_only_the_keys_of_a_removed_engine() -> None:
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    full, reduced = HttpEngineClient(urls), HttpEngineClient(urls[:3])
+    keys = [f"k{i}" for i in range(400)]
+    moved = [k for k in keys if full.route(k) != reduced.route(k)]
+    assert all(full.route(k) == urls[3] for k in moved)
+    assert 40 < len(moved) < 200
+    assert set(Counter(full.route(k) for k in keys)) == set(urls)
+    asyncio.run(full.close())
+    asyncio.run(reduced.close())
+
+
+def test_least_outstanding_spreads_unkeyed_requests(engines: list[EngineProcess]) -> None:
+    async def run() -> Counter[str]:
+        async with HttpEngineClient([e.url for e in engines]) as client:
+            params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+            outs = await asyncio.gather(*(client.generate([1, 2, 3 + i], params) for i in range(8)))
+            assert all(o[0].completion_tokens == 40 for o in outs)
+            assert client.outstanding == {e.url: 0 for e in engines}
+            return Counter(o[0].meta_info["engine_url"] for o in outs)
+
+    assert sorted(asyncio.run(run()).values()) == [4, 4]
+
+
+def test_admin_calls_reach_every_engine(engines: list[EngineProcess], model: Path) -> None:
+    async def run() -> None:
+        async with HttpEngineClient([e.url for e in engines]) as client:
+            assert await client.health() == [True, True]
+            await client.update_weights_from_disk(str(model), "v5")
+            assert [i["weight_version"] for i in await client.model_info()] == ["v5", "v5"]
+            await client.update_weight_version("v6")
+            assert [i["weight_version"] for i in await client.model_info()] == ["v6", "v6"]
+            await client.pause_generation("retract")
+            task = asyncio.create_task(client.generate([1, 2], SamplingParams(max_new_tokens=2)))
+            await asyncio.sleep(0.2)
+            assert not task.done()  # held while paused
+            await client.continue_generation()
+            (out,) = await task
+            assert out.finish_reason.type in ("length", "stop") and out.weight_version == "v6"
+            # abort by rid goes to the engine that holds it
+            long = asyncio.create_task(
+                client.generate([5, 6], SamplingParams(max_new_tokens=900, ignore_eos=True), rid="r-long")
+            )
+            while client.outstanding[engines[0].url] + client.outstanding[engines[1].url] == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            await client.abort("r-long")
+            (aborted,) = await long
+            assert aborted.finish_reason.type == "abort"
+
+    asyncio.run(run())
+
+
+def test_http_errors_are_not_retried_and_carry_the_message(engines: list[EngineProcess]) -> None:
+    async def run() -> None:
+        async with HttpEngineClient([engines[0].url], max_retries=5) as client:
+            with pytest.raises(EngineHTTPError, match="out of the vocabulary") as info:
+                await client.generate([10**7], SamplingParams(max_new_tokens=2))
+            assert info.value.status == 400
+            with pytest.raises(EngineError, match="success|model_path"):
+                await client.call(engines[0].url, "/update_weights_from_disk", {})
+
+    asyncio.run(run())
+
+
+def test_retries_until_a_starting_engine_answers(model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    engine = EngineProcess(model, port=port, log_path=tmp_path / "late.log")
+
+    async def run() -> None:
+        async with HttpEngineClient([engine.url], max_retries=200, backoff=0.1, max_backoff=0.5) as client:
+            engine.start(wait=False)  # the client's first attempts are refused
+            (out,) = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
+            assert out.completion_tokens == 3
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.stop()
+
+
+def test_unreachable_engine_fails_with_its_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def run() -> None:
+        async with HttpEngineClient([url], max_retries=2, backoff=0.01) as client:
+            with pytest.raises(EngineError, match=url.replace(".", r"\.")):
+                await client.generate([1], SamplingParams(max_new_tokens=1))
+            assert await client.health() == [False]
+
+    asyncio.run(run())

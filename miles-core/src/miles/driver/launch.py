@@ -103,11 +103,16 @@ def _progress(console: Console | None, metrics_path: Path, total: int) -> Iterat
                     break
                 offset += len(line.encode())
                 row = json.loads(line)
-                info = (
-                    f"reward {row.get('rollout/reward_mean', float('nan')):.3f}  "
-                    f"{row.get('time/step_seconds', float('nan')):.1f} s/step  "
-                    f"{row.get('rollout/tokens_per_second', float('nan')):.0f} tok/s"
-                )
+                parts = []
+                if "rollout/reward_mean" in row:
+                    parts.append(f"reward {row['rollout/reward_mean']:.3f}")
+                elif row.get("train/loss") is not None:
+                    parts.append(f"loss {row['train/loss']:.4f}")
+                if "time/step_seconds" in row:
+                    parts.append(f"{row['time/step_seconds']:.1f} s/step")
+                if "rollout/tokens_per_second" in row:
+                    parts.append(f"{row['rollout/tokens_per_second']:.0f} tok/s")
+                info = "  ".join(parts)
                 progress.update(task, completed=int(row["step"]), info=info)
 
     with progress:

@@ -151,11 +151,23 @@ class TrainingLoop:
             self.trainer.export_hf(str(self.run_dir / "hf"))
 
     async def train_one_rollout(self) -> None:
-        settings = self.settings
+        """One step: obtain groups (rank 0), broadcast, train, push weights, log."""
         start = time.perf_counter()
         metrics: dict[str, float] = {}
-        payload = None
-        if self.is_driver and not self.algorithm.needs.rollout:
+        payload = await self.obtain_groups(metrics) if self.is_driver else None
+        groups = [SampleGroup.from_dict(g) for g in broadcast_json(payload)]
+        metrics.update(await self.train_on(groups))
+        self.step += 1
+        report = await self.push_weights()
+        if self.is_driver:
+            metrics.update(self._sync_metrics(report))
+            metrics["time/step_seconds"] = time.perf_counter() - start
+            self.log_step(metrics)
+
+    async def obtain_groups(self, metrics: dict[str, float]) -> list[dict[str, Any]]:
+        """Rank 0: the groups of the next step, as JSON (rollout, or data rows for SFT); adds metrics."""
+        settings = self.settings
+        if not self.algorithm.needs.rollout:
             from miles.driver.sft import sft_groups
 
             assert self.data is not None
@@ -163,16 +175,21 @@ class TrainingLoop:
             prompts = self.data.next_batch(batch_size)
             sft = sft_groups(prompts, self.tokenizer, first_group_id=self.step * batch_size, weight_version=self.step)
             metrics["sft/response_tokens"] = float(sum(s.response_length for g in sft for s in g.samples))
-            payload = [g.to_dict() for g in sft]
-        elif self.is_driver:
-            assert self.manager is not None and self.data is not None
-            result = await self.manager.rollout(self.data)
-            metrics.update(result.metrics)
-            self._dump_samples(result.groups)
-            self.pm.on_rollout_end(step=self.step + 1, groups=result.groups, metrics=result.metrics)
-            payload = [g.to_dict() for g in result.groups]
-        groups = [SampleGroup.from_dict(g) for g in broadcast_json(payload)]
+            return [g.to_dict() for g in sft]
+        assert self.manager is not None and self.data is not None
+        result = await self.manager.rollout(self.data)
+        metrics.update(result.metrics)
+        self.record_rollout(result.groups, result.metrics)
+        return [g.to_dict() for g in result.groups]
 
+    def record_rollout(self, groups: list[SampleGroup], metrics: dict[str, float]) -> None:
+        """Rank 0: keep the samples of the step on disk and tell the plugins."""
+        self._dump_samples(groups)
+        self.pm.on_rollout_end(step=self.step + 1, groups=groups, metrics=metrics)
+
+    async def train_on(self, groups: list[SampleGroup]) -> dict[str, float]:
+        """Every rank: advantages, this rank's share of each optimizer step, the steps; returns metrics."""
+        settings = self.settings
         train_start = time.perf_counter()
         batches = prepare_minibatches(
             groups,
@@ -183,18 +200,16 @@ class TrainingLoop:
             temperature=settings.rollout.temperature,
         )
         step_metrics = [self.trainer.train_step(batch, self.algorithm) for batch in batches]
-        metrics.update({f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()})
+        metrics = {f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()}
         metrics["time/train_seconds"] = time.perf_counter() - train_start
+        return metrics
 
-        self.step += 1
-        report = await self.push_weights()
-        if self.is_driver:
-            metrics.update(self._sync_metrics(report))
-            metrics["time/step_seconds"] = time.perf_counter() - start
-            self._check_fidelity(metrics)
-            for logger in self.loggers:
-                logger.log(self.step, metrics)
-            self.pm.on_step_end(step=self.step, metrics=metrics)
+    def log_step(self, metrics: dict[str, float]) -> None:
+        """Rank 0: fidelity warnings, loggers, lifecycle hooks."""
+        self._check_fidelity(metrics)
+        for logger in self.loggers:
+            logger.log(self.step, metrics)
+        self.pm.on_step_end(step=self.step, metrics=metrics)
 
     async def push_weights(self) -> PushReport | None:
         """Send the trainer's weights to the engines and verify them (rank 0 verifies)."""

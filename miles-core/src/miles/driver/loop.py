@@ -273,10 +273,18 @@ class TrainingLoop:
                 weight_version=self.weight_version,
                 data=self.data.state_dict(),
                 rollout=self.manager.state_dict() if self.manager is not None else {},
+                extra=self.extra_state(),
             )
             write_driver_state(path, state)
             self.pm.on_checkpoint_saved(step=self.step, path=str(path))
             log.info("checkpoint saved: %s", path)
+
+    def extra_state(self) -> dict[str, Any]:
+        """Rank 0: more driver state to checkpoint (async modes: the buffer's contents)."""
+        return {}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Rank 0: restore :meth:`extra_state`."""
 
     async def _load(self, path: Path) -> None:
         state = read_driver_state(path)
@@ -287,6 +295,7 @@ class TrainingLoop:
             self.data.load_state_dict(state.data)
             if self.manager is not None and state.rollout:
                 self.manager.load_state_dict(state.rollout)
+            self.load_extra_state(state.extra)
             log.info("resumed from %s at step %d", path, state.step)
         # the engines start from the initial model: give them the checkpoint's weights
         await self.push_weights()

@@ -72,7 +72,17 @@ def test_qwen3_moe_runner_matches_hf(engine_models: dict[str, Path]) -> None:
 
     runner = ModelRunner(engine_models["qwen3_moe"])
     seq = PROMPT + [100, 200, 300]
-    _, experts = runner.prefill(0, seq[:-1], 0, want_logits=False)
-    ref = hf_topk(engine_models["qwen3_moe"], seq[:-1])
-    assert experts is not None
-    np.testing.assert_array_equal(np.sort(experts.numpy(), -1), np.sort(ref, -1))
+    # two sequences of different lengths in one padded prefill, the second after a 3-token prefix
+    other = [9, 8, 7, 6, 5]
+    runner.prefill(1, [other[:3]], [0], [False])
+    logits, experts = runner.prefill(0, [seq[:-1], other[3:]], [0, 3], [True, True])
+    for got, tokens, rows in ((experts[0], seq[:-1], slice(None)), (experts[1], other, slice(3, None))):
+        ref = hf_topk(engine_models["qwen3_moe"], tokens)[rows]
+        assert got is not None and got.shape == ref.shape
+        np.testing.assert_array_equal(np.sort(got.numpy(), -1), np.sort(ref, -1))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(engine_models["qwen3_moe"])
+    with torch.no_grad():
+        ref_logits = hf(torch.tensor([other])).logits[0, 3:]
+    assert torch.allclose(logits[1], ref_logits, atol=1e-5)

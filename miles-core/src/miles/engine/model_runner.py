@@ -74,6 +74,9 @@ class ModelRunner:
                 self.topk = int(gate.top_k)
                 self._routed.append(None)
                 gate.register_forward_hook(self._router_hook(slot))
+        self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]] = []
+        self._fused_mlp: list[torch.Tensor | None] = []
+        self._fuse_projections()
         # KV buffers, grown on demand
         self.k = torch.zeros(0)
         self.v = torch.zeros(0)
@@ -94,6 +97,36 @@ class ModelRunner:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @torch.no_grad()
+    def _fuse_projections(self) -> None:
+        """Concatenate q/k/v (and dense gate/up) weights into one matrix per layer, and re-point the HF
+        parameters at views of it: one matmul instead of three, and weight loads (which copy into the
+        parameters) update the fused matrices too."""
+
+        def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+            weight = torch.cat([lin.weight for lin in linears])
+            sizes = [lin.weight.shape[0] for lin in linears]
+            bias = None
+            if all(lin.bias is not None for lin in linears):
+                bias = torch.cat([lin.bias for lin in linears])  # type: ignore[misc]
+            offset = 0
+            for lin, size in zip(linears, sizes, strict=True):
+                lin.weight.data = weight[offset : offset + size]
+                if bias is not None:
+                    lin.bias.data = bias[offset : offset + size]  # type: ignore[union-attr]
+                offset += size
+            return weight, bias, sizes
+
+        for layer in self.layers:
+            attn = layer.self_attn
+            self._fused_qkv.append(fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+            mlp = layer.mlp
+            dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            if dense and mlp.gate_proj.bias is None and mlp.up_proj.bias is None:
+                self._fused_mlp.append(fuse([mlp.gate_proj, mlp.up_proj])[0])
+            else:
+                self._fused_mlp.append(None)
 
     def _router_hook(self, slot: int) -> Callable[..., None]:
         def hook(module: Any, inputs: Any, output: Any) -> None:
@@ -157,48 +190,76 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, t, -1, self.head_dim)
-            k = attn.k_proj(h).view(b, t, -1, self.head_dim)
-            v = attn.v_proj(h).view(b, t, -1, self.head_dim)
+            weight, bias, sizes = self._fused_qkv[i]
+            q, k, v = F.linear(h, weight, bias).split(sizes, dim=-1)
+            q = q.view(b, t, -1, self.head_dim)
+            k = k.view(b, t, -1, self.head_dim)
+            v = v.view(b, t, -1, self.head_dim)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = self._rope(q, k, cos, sin)
             out = attend(i, q, k, v)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            gate_up = self._fused_mlp[i]
+            if gate_up is None:
+                x = x + layer.mlp(h)
+            else:
+                mlp = layer.mlp
+                g, u = F.linear(h, gate_up).chunk(2, dim=-1)
+                x = x + mlp.down_proj(mlp.act_fn(g) * u)
         return base.norm(x)
 
     @torch.inference_mode()
     def prefill(
-        self, slot: int, tokens: list[int], start: int, want_logits: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Feed ``tokens`` at positions ``start..`` of ``slot`` (positions ``< start`` already cached).
+        self, first_slot: int, chunks: list[list[int]], starts: list[int], want_logits: list[bool]
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Feed ``chunks[b]`` at positions ``starts[b]..`` of slot ``first_slot + b`` (earlier positions of
+        each slot already hold its cached prefix), all in one padded forward.
 
-        Returns fp32 logits ``[n, vocab]`` (when ``want_logits``) and routed experts ``[n, layers, topk]``.
+        Returns, per chunk, fp32 logits ``[n, vocab]`` (where ``want_logits``) and routed experts
+        ``[n, layers, topk]`` (MoE models).
         """
-        n = len(tokens)
-        end = start + n
-        self.ensure(slot + 1, end + 1)
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, end, device=self.device)[None]
+        bsz = len(chunks)
+        lengths = [len(c) for c in chunks]
+        longest = max(lengths)
+        self.ensure(first_slot + bsz, max(starts) + longest + 1)
+        ids = torch.zeros(bsz, longest, dtype=torch.long, device=self.device)
+        for b, chunk in enumerate(chunks):
+            ids[b, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        start_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+        positions = start_t[:, None] + torch.arange(longest, device=self.device)[None, :]
+        span = int(positions.max()) + 1
+        slots = slice(first_slot, first_slot + bsz)
+        rows = torch.arange(first_slot, first_slot + bsz, device=self.device)[:, None]
+        simple = bsz == 1 and starts[0] == 0
         mask = None
-        if start:
-            mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        if not simple:
+            keys_at = torch.arange(span, device=self.device)
+            mask = (keys_at[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k[i, slot, :, start:end] = k[0]
-            self.v[i, slot, :, start:end] = v[0]
-            keys = self.k[i, slot, :, :end][None]
-            values = self.v[i, slot, :, :end][None]
+            # padded query positions write junk beyond a chunk's end; decode overwrites it before use
+            self.k[i][rows, :, positions] = k.transpose(1, 2)
+            self.v[i][rows, :, positions] = v.transpose(1, 2)
+            keys = self.k[i, slots, :, :span]
+            values = self.v[i, slots, :, :span]
             return F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scaling, enable_gqa=True
+                q, keys, values, attn_mask=mask, is_causal=simple, scale=self.scaling, enable_gqa=True
             )
 
         x = self.model.model.embed_tokens(ids)
         hidden = self._layers(x, positions, attend)
-        logits = self.model.lm_head(hidden[0]).float() if want_logits else None
-        return logits, self._take_routed()
+        logits: list[torch.Tensor | None] = []
+        for b, n in enumerate(lengths):
+            logits.append(self.model.lm_head(hidden[b, :n]).float() if want_logits[b] else None)
+        routed = self._take_routed()
+        experts: list[torch.Tensor | None] = [None] * bsz
+        if routed is not None:
+            routed = routed.view(bsz, longest, *routed.shape[1:])
+            experts = [routed[b, :n] for b, n in enumerate(lengths)]
+        return logits, experts
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,13 +17,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.radix_cache import RadixCache
+from miles.engine.radix_cache import PrefixMatch, RadixCache
 from miles.engine.request import Request
 from miles.engine.sampling import sample_rows
 
@@ -33,6 +33,24 @@ log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 _Command = tuple[Callable[..., Any], tuple[Any, ...], "concurrent.futures.Future[Any] | None"]
+_CHUNK = 1024
+"""Longest piece of one prompt prefilled in one forward (chunked prefill beyond)."""
+_BATCH_TOKENS = 8192
+"""Most (padded) tokens in one batched prefill forward."""
+
+
+@dataclass
+class _Plan:
+    """Admission of one request: its cache hit and the prefill work left."""
+
+    req: Request
+    seq: list[int]
+    need: int
+    want_input: bool
+    match: PrefixMatch
+    done: int = 0
+    routed: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -207,41 +225,87 @@ class Scheduler:
 
     # ------------------------------------------------------------- admission
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_running_requests:
-            req = self.waiting.popleft()
-            self._prefill(req)
+        """Move waiting requests into free slots, prefilling them in padded batches.
 
-    def _prefill(self, req: Request) -> None:
-        seq = req.tokens
-        need = len(seq) - 1  # the last token is fed by the decode step
-        fresh = not req.admitted
-        want_input = fresh and req.return_logprob and 0 <= req.logprob_start_len < len(req.prompt_ids)
-        limit = need
-        if want_input:
-            limit = min(need, max(req.logprob_start_len - 1, 0))
-        match = self.cache.match(seq[:need], limit=limit)
-        slot = len(self.running)
-        self.runner.ensure(slot + 1, len(seq) + 1)
-        if match.length:
-            self.runner.load_prefix(slot, match.k, match.v)  # type: ignore[arg-type]
-        routed = [match.experts] if match.experts is not None else []
-        todo = seq[match.length : need]
-        if todo:
-            logits, experts = self.runner.prefill(slot, todo, match.length, want_logits=want_input)
-            if experts is not None:
-                routed.append(experts)
-            if want_input:
-                self._input_logprobs(req, logits, match.length)  # type: ignore[arg-type]
-            k, v = self.runner.read_kv(slot, need)
-            self.cache.insert(seq[:need], k, v, torch.cat(routed) if self.runner.is_moe and routed else None)
-        elif want_input:
-            req.input_logprobs = [None] if req.logprob_start_len == 0 else []
-        if fresh:
-            req.cached_tokens = match.length
-            req.admitted = True
-        req.routed = routed
-        req.kv_len = need
-        self.running.append(req)
+        Requests with the same sequence as an earlier one of this round (the ``n`` samples of a prompt)
+        are admitted after it, so they find its KV in the prefix cache instead of recomputing it.
+        """
+        free = self.config.max_running_requests - len(self.running)
+        if free <= 0 or not self.waiting:
+            return
+        batch = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        first: list[Request] = []
+        later: list[Request] = []
+        seen: set[tuple[int, ...]] = set()
+        for req in batch:
+            key = tuple(req.tokens[:-1])
+            if self.cache.max_tokens > 0 and key and key in seen:
+                later.append(req)
+            else:
+                seen.add(key)
+                first.append(req)
+        for group in (first, later):
+            if group:
+                self._prefill(group)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        plans = []
+        for req in reqs:
+            seq = req.tokens
+            need = len(seq) - 1  # the last token is fed by the decode step
+            want_input = not req.admitted and req.return_logprob and 0 <= req.logprob_start_len < len(req.prompt_ids)
+            limit = min(need, max(req.logprob_start_len - 1, 0)) if want_input else need
+            match = self.cache.match(seq[:need], limit=limit)
+            plans.append(_Plan(req, seq, need, want_input, match))
+        plans.sort(key=lambda plan: plan.need - plan.match.length)
+        first_slot = len(self.running)
+        for offset, plan in enumerate(plans):
+            slot = first_slot + offset
+            self.runner.ensure(slot + 1, len(plan.seq) + 1)
+            if plan.match.length:
+                self.runner.load_prefix(slot, plan.match.k, plan.match.v)  # type: ignore[arg-type]
+            plan.routed = [plan.match.experts] if plan.match.experts is not None else []
+            self.running.append(plan.req)
+        # one padded forward per group of similar lengths; long prompts go in chunks
+        work = [(first_slot + i, p) for i, p in enumerate(plans) if p.need > p.match.length]
+        for slot, plan in work:
+            plan.done = plan.match.length
+        while work:
+            group = [work[0]]
+            for item in work[1:]:
+                sizes = [min(p.need - p.done, _CHUNK) for _, p in [*group, item]]
+                padded = max(sizes) * len(sizes)
+                if item[0] != group[-1][0] + 1 or padded > 1.25 * sum(sizes) or padded > _BATCH_TOKENS:
+                    break
+                group.append(item)
+            chunks = [p.seq[p.done : min(p.need, p.done + _CHUNK)] for _, p in group]
+            logits, experts = self.runner.prefill(
+                group[0][0], chunks, [p.done for _, p in group], [p.want_input for _, p in group]
+            )
+            for (_, plan), chunk, lg, ex in zip(group, chunks, logits, experts, strict=True):
+                plan.done += len(chunk)
+                if ex is not None:
+                    plan.routed.append(ex)
+                if lg is not None:
+                    plan.logits.append(lg)
+            work = [item for item in work if item[1].done < item[1].need]
+            work.sort(key=lambda item: item[0])
+        for offset, plan in enumerate(plans):
+            req = plan.req
+            if plan.need > plan.match.length:
+                k, v = self.runner.read_kv(first_slot + offset, plan.need)
+                experts = torch.cat(plan.routed) if self.runner.is_moe and plan.routed else None
+                self.cache.insert(plan.seq[: plan.need], k, v, experts)
+            if plan.want_input:
+                if plan.logits:
+                    self._input_logprobs(req, torch.cat(plan.logits), plan.match.length)
+                else:
+                    req.input_logprobs = [None] if req.logprob_start_len == 0 else []
+            if not req.admitted:
+                req.cached_tokens = plan.match.length
+                req.admitted = True
+            req.routed = plan.routed
+            req.kv_len = plan.need
 
     def _input_logprobs(self, req: Request, logits: torch.Tensor, offset: int) -> None:
         """Logprobs of prompt tokens ``logprob_start_len..`` from prefill logits (row ``p - 1 - offset``)."""

@@ -265,4 +265,7 @@ def create_app(state: EngineState) -> FastAPI:
 
         return await _admin(request, run)
 
+    from miles.engine.weight_routes import add_weight_routes
+
+    add_weight_routes(app, state, _admin)
     return app

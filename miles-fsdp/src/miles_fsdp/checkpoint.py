@@ -80,7 +80,8 @@ def save_sharded(
     save_file(rng, str(out / "rng" / f"rank{rank}.safetensors"))
     if rank == 0:
         schedulers = {
-            key: {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"} for key, (_, _, sched) in parts.items()
+            key: {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+            for key, (_, _, sched) in parts.items()
         }
         (out / STATE_FILE).write_text(json.dumps({"step": step, "schedulers": schedulers}, indent=2))
     _barrier()

@@ -44,7 +44,7 @@ def init_distributed(
     if device == "cuda":
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **kwargs)  # type: ignore[arg-type]
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), **kwargs)
     log.debug("rank %d/%d joined the %s process group", rank, world_size, backend)
     return DistContext(rank=rank, world_size=world_size, local_rank=local, device=device)
 

@@ -101,7 +101,9 @@ def pack(batch: TrainBatch, indices: Sequence[int], device: torch.device, pad_to
     if not indices:
         one = torch.full((1, 1), pad_token_id, dtype=torch.long, device=device)
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        return PackedMicroBatch(one, torch.zeros_like(one), torch.zeros(1, dtype=torch.long, device=device), empty, [], [])
+        return PackedMicroBatch(
+            one, torch.zeros_like(one), torch.zeros(1, dtype=torch.long, device=device), empty, [], []
+        )
     ids: list[int] = []
     positions: list[int] = []
     keep: list[int] = []

@@ -23,7 +23,12 @@ __all__ = ["ValueModel", "decoder_layers", "load_causal_lm", "load_value_model",
 
 log = logging.getLogger(__name__)
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -46,7 +51,9 @@ def load_config(model_path: str) -> PretrainedConfig:
     if path.suffix == ".gguf":
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"train.model_path: {model_path!r} is neither a .gguf file nor a directory with config.json")
+        raise FileNotFoundError(
+            f"train.model_path: {model_path!r} is neither a .gguf file nor a directory with config.json"
+        )
     return AutoConfig.from_pretrained(path)
 
 
@@ -68,7 +75,7 @@ def load_causal_lm(model_path: str, *, seed: int, attn_implementation: str) -> P
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     log.info("%s holds no weights: building the model from its config with seed %d", path, seed)
     torch.manual_seed(seed)
-    config._attn_implementation = attn_implementation  # noqa: SLF001 - the documented way for from_config
+    config._attn_implementation = attn_implementation
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
@@ -136,8 +143,8 @@ def shard_model(
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)  # type: ignore[arg-type]
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)  # type: ignore[arg-type]
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

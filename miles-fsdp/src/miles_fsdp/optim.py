@@ -40,7 +40,7 @@ def build_optimizer(params: Iterable[nn.Parameter], train: TrainSettings) -> tor
     return torch.optim.AdamW(
         trainable,
         lr=train.lr,
-        betas=tuple(train.adam_betas),  # type: ignore[arg-type]
+        betas=tuple(train.adam_betas),
         eps=train.adam_eps,
         weight_decay=train.weight_decay,
     )
@@ -52,21 +52,32 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSettings) -> t
 
     def factor(step: int) -> float:
         return lr_factor(
-            step, warmup_steps=train.warmup_steps, total_steps=total, schedule=train.lr_schedule, lr=train.lr, min_lr=train.min_lr
+            step,
+            warmup_steps=train.warmup_steps,
+            total_steps=total,
+            schedule=train.lr_schedule,
+            lr=train.lr,
+            min_lr=train.min_lr,
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
-    """Total L2 norm of the gradients over all ranks; scales them down to ``max_norm`` when ``max_norm > 0``."""
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, device: torch.device | None = None) -> float:
+    """Total L2 norm of the gradients over all ranks; scales them down to ``max_norm`` when ``max_norm > 0``.
+
+    ``device`` is where the reduction runs (the mesh's device): with CPU-offloaded gradients the partial
+    norm is moved there first, since NCCL reduces only GPU tensors.
+    """
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return 0.0
-    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], norm_type=2.0, foreach=False)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], norm_type=2.0)
     full_tensor = getattr(norm, "full_tensor", None)
     if full_tensor is not None:  # a DTensor: partial norms of the shards, reduced over the mesh
-        norm = full_tensor()
+        if device is not None and norm.device != device:
+            norm = norm.to(device)
+        norm = norm.full_tensor()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm, foreach=False)
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
     return float(norm.item())

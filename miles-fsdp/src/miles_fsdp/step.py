@@ -27,7 +27,15 @@ if TYPE_CHECKING:
 
 __all__ = ["run_train_step"]
 
-_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "teacher_logprobs", "returns", "old_values")
+_FIELDS = (
+    "advantages",
+    "old_logprobs",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "teacher_logprobs",
+    "returns",
+    "old_values",
+)
 
 
 def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
@@ -45,7 +53,9 @@ def _agreed_metric_names(local: set[str]) -> list[str]:
     return sorted({name for names in gathered for name in (names or [])})
 
 
-def run_train_step(trainer: FSDPTrainer, batch: TrainBatch, algorithm: Algorithm, *, temperature: float) -> dict[str, float]:
+def run_train_step(
+    trainer: FSDPTrainer, batch: TrainBatch, algorithm: Algorithm, *, temperature: float
+) -> dict[str, float]:
     """Run one step on ``trainer``; returns metrics reduced over ranks."""
     batch.validate()
     if batch.advantages is None and algorithm.needs.rollout:
@@ -76,9 +86,9 @@ def run_train_step(trainer: FSDPTrainer, batch: TrainBatch, algorithm: Algorithm
         value = (per_token.detach().double() * mask.double()).sum()
         masked_sums[name] = masked_sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) + value
 
-    for mb in trainer._micro_batches(batch):  # noqa: SLF001 - the step is the trainer's own helper
-        logits = trainer._logits(actor, mb)  # noqa: SLF001
-        values = trainer._values(mb) if needs_values else None  # noqa: SLF001
+    for mb in trainer._micro_batches(batch):
+        logits = trainer._logits(actor, mb)
+        values = trainer._values(mb) if needs_values else None
         if mb.is_empty:  # keeps this rank's collectives in step with the others; contributes nothing
             dummy = logits.sum() * 0.0
             if values is not None:
@@ -97,7 +107,7 @@ def run_train_step(trainer: FSDPTrainer, batch: TrainBatch, algorithm: Algorithm
             response_lengths=mb.response_lengths,
             entropy=entropy,
             values=values,
-            **fields,  # type: ignore[arg-type]
+            **fields,
         )
         output = algorithm.loss(inputs)
         loss = aggregate_loss(output.per_token_loss, mask, mb.response_lengths, algorithm.aggregation, denominators)
@@ -111,12 +121,12 @@ def run_train_step(trainer: FSDPTrainer, batch: TrainBatch, algorithm: Algorithm
             add("train_rollout_logprob_abs_diff", (logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
 
     train = trainer.train_settings
-    parts = trainer._parts  # noqa: SLF001
+    parts = trainer._parts
     metrics: dict[str, float] = {}
     for key, (model, optimizer, scheduler) in parts.items():
         if key == "critic" and not needs_values:
             continue
-        norm = clip_grad_norm(model.parameters(), train.grad_clip)
+        norm = clip_grad_norm(model.parameters(), train.grad_clip, device)
         metrics["grad_norm" if key == "actor" else f"{key}_grad_norm"] = norm
         metrics["lr" if key == "actor" else f"{key}_lr"] = float(optimizer.param_groups[0]["lr"])
         optimizer.step()

@@ -32,7 +32,6 @@ __all__ = ["FSDPTrainer"]
 log = logging.getLogger(__name__)
 
 
-
 class FSDPTrainer(Trainer):
     """PyTorch FSDP2 over Hugging Face causal LMs: CPU with gloo, GPUs with NCCL; no weight conversion."""
 
@@ -91,7 +90,7 @@ class FSDPTrainer(Trainer):
             reshard_after_forward=opts.reshard_after_forward,
             cpu_offload=offload,
             activation_checkpointing=opts.activation_checkpointing,
-            **shard,  # type: ignore[arg-type]
+            **shard,
         )
         optimizer = build_optimizer(self.actor.parameters(), train)
         self._parts = {"actor": (self.actor, optimizer, build_scheduler(optimizer, train))}
@@ -100,16 +99,22 @@ class FSDPTrainer(Trainer):
             ref.requires_grad_(False)
             ref.eval()
             self.ref = shard_model(
-                ref, reshard_after_forward=opts.ref_reshard_after_forward, cpu_offload=offload, activation_checkpointing=False, **shard  # type: ignore[arg-type]
+                ref,
+                reshard_after_forward=opts.ref_reshard_after_forward,
+                cpu_offload=offload,
+                activation_checkpointing=False,
+                **shard,
             )
         if need_values:
-            critic = load_value_model(train.model_path, seed=train.seed, attn_implementation=attn, init_std=opts.value_head_init_std)
+            critic = load_value_model(
+                train.model_path, seed=train.seed, attn_implementation=attn, init_std=opts.value_head_init_std
+            )
             self.critic = shard_model(
                 critic,
                 reshard_after_forward=opts.reshard_after_forward,
                 cpu_offload=offload,
                 activation_checkpointing=opts.activation_checkpointing,
-                **shard,  # type: ignore[arg-type]
+                **shard,
             )
             critic_train = train.model_copy(update={"lr": opts.critic_lr or train.lr})
             critic_opt = build_optimizer(self.critic.parameters(), critic_train)
@@ -118,7 +123,12 @@ class FSDPTrainer(Trainer):
         self._pad_token_id = int(pad if isinstance(pad, int) else 0)
         log.info(
             "fsdp trainer ready on %s x%d (params %s, reduce %s, ref=%s, critic=%s)",
-            self.dist.device, self.dist.world_size, self.precision.param_dtype, self.precision.reduce_dtype, need_ref, need_values,
+            self.dist.device,
+            self.dist.world_size,
+            self.precision.param_dtype,
+            self.precision.reduce_dtype,
+            need_ref,
+            need_values,
         )
 
     def _require_setup(self) -> None:
@@ -136,7 +146,9 @@ class FSDPTrainer(Trainer):
             yield pack(batch, indices, self.device, self._pad_token_id)
 
     def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
-        out = module(input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False)
+        out = module(
+            input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
+        )
         return out.logits[0]
 
     def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
@@ -177,7 +189,7 @@ class FSDPTrainer(Trainer):
                     for i, part in zip(mb.indices, ent.split(mb.response_lengths), strict=True):
                         entropy[i] = part.float().cpu()
         module.train(was_training)
-        return LogprobOutput(logprobs=logprobs, entropy=entropy if with_entropy else None)  # type: ignore[arg-type]
+        return LogprobOutput(logprobs=logprobs, entropy=entropy if with_entropy else None)
 
     def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Critic values at the positions that predict each response token (needs ``need_values``)."""
@@ -193,7 +205,7 @@ class FSDPTrainer(Trainer):
                 v = self._values(mb)
                 for i, part in zip(mb.indices, v.split(mb.response_lengths), strict=True):
                     values[i] = part.float().cpu()
-        return values  # type: ignore[return-value]
+        return values
 
     def train_step(self, batch: TrainBatch, algorithm: Algorithm, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over this rank's share of the step's sequences.
@@ -240,7 +252,12 @@ class FSDPTrainer(Trainer):
 
         self._require_setup()
         export_hf_dir(
-            self.actor, self._config, path, rank=self.dist.rank, bucket_bytes=bucket_bytes, source_dir=self.train_settings.model_path
+            self.actor,
+            self._config,
+            path,
+            rank=self.dist.rank,
+            bucket_bytes=bucket_bytes,
+            source_dir=self.train_settings.model_path,
         )
         import torch.distributed as dist
 

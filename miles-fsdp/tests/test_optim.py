@@ -1,0 +1,51 @@
+"""Learning-rate schedule and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from miles.settings.model import TrainSettings
+from miles_fsdp.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_factor
+
+
+def test_warmup_then_cosine_to_min_lr() -> None:
+    kw = dict(warmup_steps=4, total_steps=14, schedule="cosine", lr=1e-5, min_lr=1e-6)
+    assert [lr_factor(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # type: ignore[arg-type]
+    assert lr_factor(4, **kw) == 1.0  # type: ignore[arg-type]
+    assert lr_factor(9, **kw) == pytest.approx(0.1 + 0.9 * 0.5)  # type: ignore[arg-type]
+    assert lr_factor(14, **kw) == pytest.approx(0.1)  # type: ignore[arg-type]
+    assert lr_factor(99, **kw) == pytest.approx(0.1)  # type: ignore[arg-type]
+
+
+def test_linear_and_constant_schedules() -> None:
+    assert lr_factor(5, warmup_steps=0, total_steps=10, schedule="linear", lr=1.0, min_lr=0.0) == pytest.approx(0.5)
+    assert lr_factor(7, warmup_steps=2, total_steps=10, schedule="constant", lr=1.0, min_lr=0.0) == 1.0
+    with pytest.raises(ValueError, match="train.lr_schedule"):
+        lr_factor(3, warmup_steps=0, total_steps=10, schedule="step", lr=1.0, min_lr=0.0)
+
+
+def test_scheduler_drives_the_optimizer_lr() -> None:
+    train = TrainSettings(lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr=0.0, num_rollouts=4)
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = build_optimizer([param], train)
+    sched = build_scheduler(opt, train)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3 * 0.5 * (1 + math.cos(math.pi / 2))])
+
+
+def test_clip_grad_norm_matches_torch() -> None:
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    a.grad, b.grad = torch.tensor([3.0, 0.0, 4.0]), torch.tensor([0.0, 12.0])
+    norm = clip_grad_norm([a, b], 6.5)
+    assert norm == pytest.approx(13.0)
+    torch.testing.assert_close(
+        torch.cat([a.grad, b.grad]), torch.tensor([1.5, 0.0, 2.0, 0.0, 6.0]), rtol=1e-6, atol=1e-6
+    )
+    assert clip_grad_norm([torch.nn.Parameter(torch.zeros(1))], 1.0) == 0.0

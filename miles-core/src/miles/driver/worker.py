@@ -50,7 +50,12 @@ async def _run(run_dir: Path) -> None:
     backend = "nccl" if ctx.device == "cuda" else "gloo"  # type: ignore[attr-defined]
     dist.init_process_group(backend=backend)
     pm = PluginManager().load()
-    loop = TrainingLoop(settings, pm, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
+    loop_class = TrainingLoop
+    if settings.rollout.mode != "sync":  # one_step_off / fully_async
+        from miles.driver.async_loop import AsyncTrainingLoop
+
+        loop_class = AsyncTrainingLoop
+    loop = loop_class(settings, pm, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
     status, error = "failed", None
     if loop.is_driver:
         pm.on_run_start(settings=settings, run_dir=str(run_dir))

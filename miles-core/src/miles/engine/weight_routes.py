@@ -18,11 +18,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from fastapi import FastAPI, Request as HTTPRequest
+
 from miles.engine.weight_sync import WeightGroups, randomize_weights, weights_checksum
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI, Request as HTTPRequest
-
     from miles.engine.server import EngineState
 
 __all__ = ["add_weight_routes"]

@@ -3,8 +3,8 @@
 Trainer rank 0 is rank 0 of a separate process group (gloo on CPU, NCCL on GPU) built over its own
 ``TCPStore``; engine ``i`` joins as rank ``1 + i`` through SGLang's ``/init_weights_update_group``. For
 each bucket, rank 0 announces names, dtypes and shapes with ``/update_weights_from_distributed`` and
-broadcasts the tensors in that order; the engines receive and load them. The weight version is set
-once every bucket has arrived (``/update_weight_version``).
+broadcasts the tensors in that order; the engines receive and load them. A last, empty call carries the
+new ``weight_version`` (and flushes the prefix cache) once every bucket has arrived.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,23 @@ def make_process_group(
     raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")
 
 
+def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    """Run ``fn`` in a daemon thread; the returned future resolves on the running loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+    threading.Thread(target=target, name="miles-weights-rendezvous", daemon=True).start()
+    return future
+
+
 def broadcast_tensors(group: Any, tensors: list[torch.Tensor], *, src: int = 0) -> None:
     """Broadcast ``tensors`` in order over ``group`` (blocking)."""
     import torch.distributed as dist
@@ -123,17 +141,28 @@ class BroadcastTransport(WeightTransport):
             )
             for i, url in enumerate(client.urls)
         ]
-        self.group, self._store = await asyncio.to_thread(
-            make_process_group,
-            backend,
-            host=self.options.master_address,
-            port=port,
-            rank=0,
-            world_size=world_size,
-            timeout=self.options.timeout,
-            is_master=True,
+        # the rendezvous blocks until every engine joins; if an engine refuses, fail now, not at the timeout
+        # (a daemon thread: a rendezvous left waiting must not keep the process alive)
+        rendezvous = run_in_daemon_thread(
+            lambda: make_process_group(
+                backend,
+                host=self.options.master_address,
+                port=port,
+                rank=0,
+                world_size=world_size,
+                timeout=self.options.timeout,
+                is_master=True,
+            )
         )
-        await asyncio.gather(*joins)
+        pending: set[asyncio.Future[Any]] = {rendezvous, *joins}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise task.exception()  # type: ignore[misc]
+        self.group, self._store = rendezvous.result()
         log.info("broadcast transport: group %r with %d engines on port %d", self.options.group_name, world_size - 1, port)
 
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
@@ -165,10 +194,8 @@ class BroadcastTransport(WeightTransport):
             report.num_tensors += len(tensors)
         if dist.rank == 0:
             assert self.client is not None
-            await asyncio.gather(
-                *(self.client.call(url, "/update_weight_version", {"new_version": version, "abort_all_requests": False}) for url in self.client.urls)
-            )
-            await self.client.flush_cache()
+            closing = {"names": [], "dtypes": [], "shapes": [], "group_name": self.options.group_name, "flush_cache": True, "weight_version": version}
+            await asyncio.gather(*(self.client.call(url, "/update_weights_from_distributed", closing) for url in self.client.urls))
             report.seconds = time.perf_counter() - start
         return report
 

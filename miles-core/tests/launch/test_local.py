@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -320,3 +322,64 @@ def test_atexit_reaps_children_of_a_driver_that_forgot_shutdown(tmp_path: Path, 
     assert done.returncode == 1 and "driver bug after starting the ranks" in done.stderr
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2 and all(wait_dead(pid) for pid in pids)
+
+
+STUBBORN_DRIVER = """
+import logging, sys
+from miles.launch.local import LocalLauncher, LocalLauncherSettings
+from miles.launch.rendezvous import trainer_specs
+logging.basicConfig(level=logging.INFO)
+rank = sys.argv[2:]
+with LocalLauncher(LocalLauncherSettings(poll_interval=0.05, terminate_timeout=4.0), run_dir=sys.argv[1]) as launcher:
+    launcher.start_trainers(trainer_specs(rank, 1))
+    launcher.wait_trainers()
+"""
+
+
+def test_second_ctrl_c_does_not_interrupt_the_teardown(tmp_path: Path, script: Script) -> None:
+    ready = tmp_path / "ready"
+    rank = script(
+        "stubborn_rank",
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(ready)!r}, 'w').write('ok')\n"
+        "time.sleep(120)\n",
+    )
+    argv = [*script("stubborn_driver", STUBBORN_DRIVER), str(tmp_path), *rank]
+    driver = subprocess.Popen(argv, env={**os.environ, **CHILD_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line.decode()) for line in driver.stdout or ()], daemon=True)
+    reader.start()
+
+    seen: list[str] = []
+
+    def wait_for(text: str) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                seen.append(lines.get(timeout=1))
+                if text in seen[-1]:
+                    return
+            except queue.Empty:
+                pass
+        pytest.fail(f"driver never logged {text!r}; it logged:\n{''.join(seen)}")
+
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and driver.poll() is None
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGINT)
+        wait_for("received SIGINT: stopping 1 launcher(s)")  # teardown has begun; the rank ignores SIGTERM
+        driver.send_signal(signal.SIGINT)
+        wait_for("received SIGINT during shutdown; still stopping child processes")
+        wait_for("ignored SIGTERM for 4 s: SIGKILL")
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        reader.join(timeout=30)
+        if driver.stdout is not None:
+            driver.stdout.close()
+    assert driver.returncode == -signal.SIGINT

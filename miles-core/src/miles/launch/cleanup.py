@@ -66,22 +66,36 @@ def shutdown_all() -> None:
         return
     _in_teardown = True
     try:
-        for launcher in list(_live):
-            try:
-                launcher.shutdown()
-            except Exception:
-                log.exception("shutting down launcher %r failed", launcher)
+        _shutdown_live()
     finally:
         _in_teardown = False
 
 
+def _shutdown_live() -> None:
+    for launcher in list(_live):
+        try:
+            launcher.shutdown()
+        except Exception:
+            log.exception("shutting down launcher %r failed", launcher)
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    if _in_teardown:  # a second Ctrl-C while children are being stopped: let the teardown finish
+    global _in_teardown
+    # test-and-set first, with no call in between: a second signal may arrive at any call
+    if _in_teardown:
         log.warning("received %s during shutdown; still stopping child processes", signal.Signals(signum).name)
         return
-    previous = _previous.get(signum, signal.SIG_DFL)
-    log.warning("received %s: stopping %d launcher(s) and their processes", signal.Signals(signum).name, len(_live))
-    shutdown_all()  # untrack() of the last launcher restores the previous handlers
+    _in_teardown = True
+    try:
+        name = signal.Signals(signum).name
+        if any(getattr(launcher, "stopping", False) for launcher in _live):
+            log.warning("received %s during shutdown; still stopping child processes", name)
+            return
+        previous = _previous.get(signum, signal.SIG_DFL)
+        log.warning("received %s: stopping %d launcher(s) and their processes", name, len(_live))
+        _shutdown_live()  # untrack() of the last launcher restores the previous handlers
+    finally:
+        _in_teardown = False
     if callable(previous):
         previous(signum, frame)
     elif previous == signal.SIG_DFL:

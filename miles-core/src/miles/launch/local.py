@@ -65,6 +65,8 @@ class LocalLauncher(Launcher):
         self.engines: list[LocalProcess] = []
         self.trainers: list[LocalProcess] = []
         self._closed = False
+        self._stopping = False
+        self._stopped = False
 
     # -- starting ----------------------------------------------------------------------------------
     def start_process(self, spec: ProcessSpec) -> LocalProcess:
@@ -90,7 +92,7 @@ class LocalLauncher(Launcher):
             self.engines.extend(started)
             pending = {
                 p.name: (p, launch.url.rstrip("/") + launch.health_path)
-                for p, launch in zip(started, launches, strict=False)
+                for p, launch in zip(started, launches, strict=True)
             }
             deadline = time.monotonic() + timeout
             with httpx.Client(timeout=min(5.0, timeout), trust_env=False) as client:
@@ -200,13 +202,22 @@ class LocalLauncher(Launcher):
         for process in live:
             process.reap()
 
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`shutdown` is running (a signal arriving now must not interrupt it)."""
+        return self._stopping
+
     def shutdown(self) -> None:
-        if self._closed:
+        if self._stopped or self._stopping:
             return
         self._closed = True
+        self._stopping = True
         try:
             # trainers first (they may still talk to the engines), then engines and helpers
             self._stop(self.trainers)
             self._stop(self.processes)
+            self._stopped = True
         finally:
-            cleanup.untrack(self)
+            self._stopping = False
+            if self._stopped:  # an interrupted shutdown stays tracked: the atexit hook finishes it
+                cleanup.untrack(self)

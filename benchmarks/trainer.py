@@ -123,18 +123,16 @@ def _worker(
         if i >= args.warmup:
             fwd_times.append(t1 - t0)
             step_times.append(t2 - t1)
-    n_params = sum(p.numel() for p in trainer.actor.parameters())  # sharded numel sums to the full count
-    totals = torch.tensor([float(n_params)])
-    torch.distributed.all_reduce(totals)
+    n_params = sum(p.numel() for p in trainer.actor.parameters())  # a DTensor's numel is the full one
     if rank == 0:
         tokens = args.seqs * length
         result = {
-            "params": int(totals.item()),
+            "params": n_params,
             "tokens": tokens,
             "step_s": statistics.median(step_times),
             "fwd_s": statistics.median(fwd_times),
-            "flops_train_tok": _flops_per_token(trainer._config, int(totals.item()), length, True),
-            "flops_fwd_tok": _flops_per_token(trainer._config, int(totals.item()), length, False),
+            "flops_train_tok": _flops_per_token(trainer._config, n_params, length, True),
+            "flops_fwd_tok": _flops_per_token(trainer._config, n_params, length, False),
             "peak": _peak_flops(args.device),
         }
         Path(out).write_text(json.dumps(result))
@@ -174,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=96)
     parser.add_argument("--micro-batch-tokens", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--activation-checkpointing", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))

@@ -216,7 +216,7 @@ def test_consumers_mutating_a_batch_do_not_change_later_epochs(tmp_path: Path) -
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf"])
 def test_builtin_sources_pass_the_conformance_kit(tmp_path: Path, kind: str) -> None:
-    from miles.testing.conformance import check_data_source
+    from miles.testing import check_data_source
 
     if kind == "jsonl":
         check_data_source(JsonlDataSource, write_jsonl(tmp_path / "p.jsonl", ROWS[:5]))

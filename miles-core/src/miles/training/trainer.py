@@ -93,8 +93,12 @@ class Trainer(ABC):
         raise TypeError(f"trainer {self.name!r} has no value head; pick an algorithm that needs no critic")
 
     @abstractmethod
-    def train_step(self, batch: TrainBatch, algorithm: Algorithm) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, algorithm: Algorithm, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over ``batch`` (this rank's share) with ``algorithm``'s loss.
+
+        ``temperature`` is the rollout's sampling temperature: the trainer divides its logits by it, as
+        :meth:`compute_logprobs` does, so the ratio against ``old_logprobs`` / ``rollout_logprobs`` is
+        taken between the same distributions.
 
         Returns metrics reduced over ranks: loss parts, ``grad_norm``, ``lr``, ``tokens``, and
         ``train_rollout_logprob_abs_diff`` when the batch carries rollout logprobs.

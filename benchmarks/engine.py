@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 
-def matmul_peak(n: int = 1024, repeats: int = 10) -> float:
-    """GFLOP/s of an fp32 ``torch.mm`` of two ``n x n`` matrices (median)."""
+def matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 20) -> float:
+    """GFLOP/s of ``torch.mm`` of two ``n x n`` matrices: the best of ``repeats`` (a peak, so the
+    fastest run, which other load on the machine disturbs least)."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a = torch.randn(n, n, dtype=getattr(torch, dtype))
+    b = torch.randn(n, n, dtype=getattr(torch, dtype))
     for _ in range(3):
         torch.mm(a, b)
     times = []
@@ -40,7 +42,7 @@ def matmul_peak(n: int = 1024, repeats: int = 10) -> float:
         t0 = time.perf_counter()
         torch.mm(a, b)
         times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
+    return 2 * n**3 / min(times) / 1e9
 
 
 def flops_per_token(config: Any, n_linear: int, context: float) -> float:
@@ -97,39 +99,47 @@ def run_engine(state: Any, prompts: list[list[int]], new: int, n: int = 1) -> tu
     return elapsed, done
 
 
-def bench_model(name: str, path: Path, batches: list[int], prompt_len: int, new: int, repeats: int, peak: float, dtype: str) -> list[dict[str, Any]]:
+def bench_model(
+    name: str, path: Path, batches: list[int], prompt_len: int, new: int, repeats: int, dtypes: list[str]
+) -> list[dict[str, Any]]:
+    """One row per batch size: HF ``generate`` and the engine in each dtype, same prompts."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from miles.engine.launch import build_engine
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    hf.eval()
-    state = build_engine(path, max_cache_tokens=0, max_running_requests=max(batches), dtype=dtype)
-    config = state.scheduler.runner.config
-    n_linear = linear_params(hf)
     g = torch.Generator().manual_seed(0)
-    rows = []
-    try:
-        for batch in batches:
-            prompts = torch.randint(10, config.vocab_size - 10, (batch, prompt_len), generator=g).tolist()
-            run_hf(hf, prompts, 4)  # warm-up
-            run_engine(state, prompts, 4)
-            hf_times = [run_hf(hf, prompts, new) for _ in range(repeats)]
-            eng_times = [run_engine(state, prompts, new)[0] for _ in range(repeats)]
-            hf_t, eng_t = statistics.median(hf_times), statistics.median(eng_times)
-            forwarded = batch * (prompt_len + new - 1)
-            flops = forwarded * flops_per_token(config, n_linear, prompt_len + new / 2)
-            rows.append(
-                {
-                    "model": name, "batch": batch, "hf": batch * new / hf_t, "engine": batch * new / eng_t,
-                    "gflops": flops / eng_t / 1e9, "peak": peak,
-                }
-            )  # fmt: skip
-            print(f"  {name} batch {batch}: HF {rows[-1]['hf']:.1f} tok/s, engine {rows[-1]['engine']:.1f} tok/s", flush=True)
-    finally:
-        state.scheduler.stop()
-    return rows
+    vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
+    all_prompts = {b: torch.randint(10, vocab - 10, (b, prompt_len), generator=g).tolist() for b in batches}
+    rows = {b: {"model": name, "batch": b} for b in batches}
+    for dtype in dtypes:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        hf.eval()
+        state = build_engine(path, max_cache_tokens=0, max_running_requests=max(batches), dtype=dtype)
+        config = state.scheduler.runner.config
+        n_linear = linear_params(hf)
+        try:
+            for batch in batches:
+                prompts = all_prompts[batch]
+                run_hf(hf, prompts, 4)  # warm-up
+                run_engine(state, prompts, 4)
+                hf_t = statistics.median(run_hf(hf, prompts, new) for _ in range(repeats))
+                runs = [run_engine(state, prompts, new) for _ in range(repeats)]
+                eng_t = statistics.median(t for t, _ in runs)
+                forwarded = batch * (prompt_len + new - 1)
+                flops = forwarded * flops_per_token(config, n_linear, prompt_len + new / 2)
+                row = rows[batch]
+                row[f"hf_{dtype}"] = batch * new / hf_t
+                row[f"engine_{dtype}"] = batch * new / eng_t
+                row[f"gflops_{dtype}"] = flops / eng_t / 1e9
+                print(
+                    f"  {name} {dtype} batch {batch}: HF {row[f'hf_{dtype}']:.1f} tok/s, "
+                    f"engine {row[f'engine_{dtype}']:.1f} tok/s",
+                    flush=True,
+                )
+        finally:
+            state.scheduler.stop()
+    return list(rows.values())
 
 
 def grpo_hit_rate(path: Path, groups: int = 64, samples: int = 8, prompt_len: int = 48, new: int = 8) -> dict[str, float]:
@@ -164,7 +174,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="float32", help="engine compute dtype (HF stays float32)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="compute dtypes (HF and engine alike)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
@@ -173,33 +183,53 @@ def main() -> None:
     from miles.testing.models import build_tiny_model, smollm2_checkpoint
 
     batches = [int(b) for b in args.batches.split(",")]
-    peak = matmul_peak()
-    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({args.threads} threads)", flush=True)
+    dtypes = args.dtypes.split(",")
+    peaks = {d: matmul_peak(d) for d in dtypes}
+    print("matmul peaks: " + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items()), flush=True)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_model(Path(tmp) / "tiny", "qwen2")
         for name in args.models.split(","):
             path = smollm2_checkpoint() if name == "smollm2" else tiny
             label = "SmolLM2-135M" if name == "smollm2" else "tiny Qwen2 (0.1M)"
-            rows += bench_model(label, path, batches, args.prompt_len, args.new_tokens, args.repeats, peak, args.dtype)
+            rows += bench_model(label, path, batches, args.prompt_len, args.new_tokens, args.repeats, dtypes)
         hits = grpo_hit_rate(tiny)
-    print()
-    print(f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{args.threads} threads; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (fixed), greedy, "
-          f"engine dtype {args.dtype}; medians of {args.repeats}; {time.strftime('%Y-%m-%d')}")
-    print()
-    print("| model | batch | HF generate tok/s | engine tok/s | speed-up | engine GFLOP/s | of matmul peak |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['model']} | {r['batch']} | {r['hf']:.1f} | {r['engine']:.1f} | {r['engine'] / r['hf']:.2f}x | "
-            f"{r['gflops']:.1f} | {r['gflops'] / r['peak']:.0%} |"
-        )
-    print()
-    print(f"fp32 `torch.mm` 1024x1024 peak: {peak:.1f} GFLOP/s")
+    for d in dtypes:  # measured again after the run; the best of both is the peak
+        peaks[d] = max(peaks[d], matmul_peak(d))
+    base = dtypes[0]
     print()
     print(
-        f"GRPO-shaped workload (64 prompts x 8 samples, 48-token prompts): prefix-cache hit rate "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (fixed), greedy; medians of "
+        f"{args.repeats}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    print()
+    head = "| model | batch |"
+    rule = "|---|---:|"
+    for d in dtypes:
+        head += f" HF {d} tok/s | engine {d} tok/s | speed-up | engine GFLOP/s ({d}) | of {d} peak |"
+        rule += "---:|---:|---:|---:|---:|"
+    if len(dtypes) > 1:
+        head += f" best engine vs HF {base} |"
+        rule += "---:|"
+    print(head)
+    print(rule)
+    for r in rows:
+        line = f"| {r['model']} | {r['batch']} |"
+        for d in dtypes:
+            line += (
+                f" {r[f'hf_{d}']:.1f} | {r[f'engine_{d}']:.1f} | {r[f'engine_{d}'] / r[f'hf_{d}']:.2f}x |"
+                f" {r[f'gflops_{d}']:.1f} | {r[f'gflops_{d}'] / peaks[d]:.0%} |"
+            )
+        if len(dtypes) > 1:
+            best = max(r[f"engine_{d}"] for d in dtypes)
+            line += f" {best / r[f'hf_{base}']:.2f}x |"
+        print(line)
+    print()
+    print("`torch.mm` 1024x1024 peaks (best of 20, same run): " + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items()))
+    print()
+    print(
+        f"GRPO-shaped workload (64 prompts x 8 samples, 48-token prompts, tiny model): prefix-cache hit rate "
         f"{hits['hit_rate']:.1%} of cacheable prompt tokens (ideal {hits['ideal']:.1%}); "
         f"{hits['full_hits']} of {hits['expected_full_hits']} non-first samples hit their whole prompt."
     )

@@ -120,3 +120,21 @@ def test_abort_mode_aborts_requests_in_flight(engine: EngineProcess, engine_mode
     out = _update_during_generation(engine, "abort", engine_models["qwen2"], "abort-v")
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "pause" in out["meta_info"]["finish_reason"]["message"]
+
+
+def test_update_without_pause_retracts_and_resumes(engine: EngineProcess, engine_models: dict[str, Path]) -> None:
+    async def run() -> dict:
+        async with httpx.AsyncClient(base_url=engine.url, headers=H, timeout=300) as client:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+            task = asyncio.create_task(client.post("/generate", json=body))
+            while (await client.get("/server_info")).json()["num_running_reqs"] == 0:
+                await asyncio.sleep(0.005)
+            resp = await client.post("/update_weights_from_disk", json={"model_path": str(engine_models["qwen2"]), "weight_version": "auto-v"})
+            assert resp.json()["success"]
+            assert (await client.get("/server_info")).json()["paused"] is None  # resumed by itself
+            return (await task).json()
+
+    meta = asyncio.run(run())["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "auto-v"
+    versions = [span[2] for span in meta["weight_version_spans"]]
+    assert versions[-1] == "auto-v" and sum(e - s for s, e, _ in meta["weight_version_spans"]) == 400

@@ -85,6 +85,9 @@ class GenerateOutput:
     routed_experts: bytes | None = None
     """int32 array (tokens x layers x topk) when ``return_routed_experts`` was asked."""
     rid: str | None = None
+    weight_version_spans: list[tuple[int, int, str]] | None = None
+    """``(start, end, version)``: output tokens ``[start, end)`` were sampled under weight ``version``
+    (the local engine's ``meta_info.weight_version_spans``; ``None`` from engines that do not report it)."""
     meta_info: dict[str, Any] = field(default_factory=dict)
     """The raw ``meta_info`` for fields not mapped above."""
 
@@ -97,6 +100,7 @@ class GenerateOutput:
             ids = [int(t[1]) for t in triples]
         input_lp = meta.get("input_token_logprobs")
         routed = meta.get("routed_experts")
+        spans = meta.get("weight_version_spans")
         return cls(
             text=data.get("text", ""),
             output_ids=[int(t) for t in ids],
@@ -109,5 +113,6 @@ class GenerateOutput:
             input_logprobs=None if input_lp is None else [None if t[0] is None else float(t[0]) for t in input_lp],
             routed_experts=None if routed is None else base64.b64decode(routed),
             rid=meta.get("id"),
+            weight_version_spans=None if spans is None else [(int(a), int(b), str(v)) for a, b, v in spans],
             meta_info=meta,
         )

@@ -134,7 +134,7 @@ def test_grpo_broadcast_checkpoint_and_exact_resume(tmp_path: Path, tiny_model: 
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert row["weight_sync/verified"] == 1.0 and row["weight_sync/verified_tensors"] > 0
-        assert 0.0 <= row["train/train_rollout_logprob_abs_diff"] < 1e-3
+        assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
         assert row["rollout/prefix_cache_hit_rate"] > 0.5  # 3 of 4 samples per group reuse the prompt
     assert (full_dir / "checkpoints" / "step_000002" / "driver.json").exists()
     model = AutoModelForCausalLM.from_pretrained(full_dir / "hf")  # strict keys: transformers raises on mismatch
@@ -152,8 +152,14 @@ def test_grpo_broadcast_checkpoint_and_exact_resume(tmp_path: Path, tiny_model: 
     assert resumed[-1]["step"] == 3
     skip = ("time/", "seconds", "per_second", "weight_sync/seconds")
     for key, value in rows[-1].items():
-        if not any(s in key for s in skip):
-            assert resumed[-1][key] == value, key
+        if any(s in key for s in skip):
+            continue
+        if key.startswith("fidelity/") or "rollout_logprob" in key:
+            # the engine's logprobs depend on how requests happened to be batched together (not
+            # batch-invariant): equal to float32 rounding, not bit for bit
+            assert resumed[-1][key] == pytest.approx(value, abs=1e-6), key
+        else:
+            assert resumed[-1][key] == value, key  # samples, rewards, losses, grad norms: bit for bit
     full_w, part_w = hf_weights(full_dir / "hf"), hf_weights(part_dir / "hf")
     assert full_w.keys() == part_w.keys()
     for name in full_w:
@@ -209,7 +215,7 @@ def test_skipped_tensor_is_caught_by_name(tmp_path: Path, tiny_model: Path, prom
     out = miles("train", str(config), env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
     assert out.returncode != 0
     log = (run_dir / "logs" / "trainer-0.log").read_text()
-    assert "model.norm.weight" in log and "differs from what the trainer sent" in log
+    assert "1 tensor(s) were not updated by the push, e.g. 'model.norm.weight'" in log
     assert children_of_run(run_dir) == []
 
 

@@ -19,13 +19,17 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto (the checkpoint's).")] = "float32",
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on every route.")] = None,
-    max_cache_tokens: Annotated[int, typer.Option(help="Prefix-cache capacity in tokens (LRU beyond; 0 = off).")] = 1 << 20,
+    max_cache_tokens: Annotated[int, typer.Option(help="Prefix-cache capacity in tokens (LRU beyond; 0 = off).")] = 1
+    << 20,
     max_running_requests: Annotated[int, typer.Option(help="Requests decoded together at most.")] = 64,
     context_length: Annotated[int | None, typer.Option(help="Longest prompt + output (default: the model's).")] = None,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
     weight_version: Annotated[str, typer.Option(help="Initial weight version reported by /model_info.")] = "0",
     return_original_logprob: Annotated[
         bool, typer.Option(help="Report raw-logit logprobs (before temperature) by default.")
+    ] = False,
+    enable_debug_endpoints: Annotated[
+        bool, typer.Option(help="Serve /debug/* routes (e.g. randomize the weights, for weight-sync tests).")
     ] = False,
 ) -> None:
     """Serve a model with the local engine (continuous batching, radix prefix cache, exact logprobs)."""
@@ -50,4 +54,5 @@ def serve(
         context_length=context_length,
         weight_version=weight_version,
         return_raw_logprob=return_original_logprob,
+        enable_debug_endpoints=enable_debug_endpoints,
     )

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from miles.driver import components
 from miles.driver.batching import prepare_minibatches
 from miles.driver.checkpoint import DriverState, checkpoint_dir, find_checkpoint, read_driver_state, write_driver_state
-from miles.driver.comm import broadcast_json
+from miles.driver.comm import all_gather_json, broadcast_json
+from miles.training.batch import TrainBatch
 from miles.types import SampleGroup
 
 if TYPE_CHECKING:
@@ -41,6 +42,30 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
         values = [r[key] for r in rows if key in r]
         out[key] = sum(values) / len(values)
     return out
+
+
+def mismatch_metrics(batches: list[TrainBatch]) -> dict[str, float]:
+    """|trainer - rollout| logprob difference over trained tokens, before the step's updates, all ranks."""
+    total = count = 0.0
+    largest = 0.0
+    for batch in batches:
+        if batch.old_logprobs is None or batch.rollout_logprobs is None:
+            return {}
+        for old, rollout, mask in zip(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, strict=True):
+            for a, b, m in zip(old, rollout, mask, strict=True):
+                if m:
+                    diff = abs(a - b)
+                    total += diff
+                    count += 1
+                    largest = max(largest, diff)
+    parts = all_gather_json([total, count, largest])
+    tokens = sum(p[1] for p in parts)
+    if not tokens:
+        return {}
+    return {
+        "fidelity/train_rollout_logprob_abs_diff": sum(p[0] for p in parts) / tokens,
+        "fidelity/train_rollout_logprob_abs_diff_max": max(p[2] for p in parts),
+    }
 
 
 class TrainingLoop:
@@ -199,8 +224,9 @@ class TrainingLoop:
             global_batch_size=settings.train.global_batch_size or len(groups) * settings.rollout.n_samples_per_prompt,
             temperature=settings.rollout.temperature,
         )
+        metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
         step_metrics = [self.trainer.train_step(batch, self.algorithm) for batch in batches]
-        metrics = {f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()}
+        metrics.update({f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()})
         metrics["time/train_seconds"] = time.perf_counter() - train_start
         return metrics
 
@@ -247,7 +273,7 @@ class TrainingLoop:
         return out
 
     def _check_fidelity(self, metrics: dict[str, float]) -> None:
-        diff = metrics.get("train/train_rollout_logprob_abs_diff")
+        diff = metrics.get("fidelity/train_rollout_logprob_abs_diff")
         threshold = self.settings.log.logprob_diff_warn
         if diff is not None and diff > threshold:
             log.warning("step %d: |train - rollout| logprob difference %.4f exceeds %.4f", self.step, diff, threshold)

@@ -12,7 +12,7 @@ __all__ = ["DEFAULT_PANELS", "plot_run", "read_metrics"]
 DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("rollout/reward_mean",)),
     ("KL / entropy", ("train/kl", "train/entropy")),
-    ("train vs rollout |logprob diff|", ("train/train_rollout_logprob_abs_diff",)),
+    ("train vs rollout |logprob diff|", ("fidelity/train_rollout_logprob_abs_diff",)),
     ("step time (s)", ("time/step_seconds", "rollout/seconds", "time/train_seconds", "weight_sync/seconds")),
 )
 """(title, metric keys) per panel; keys a run does not have are skipped."""

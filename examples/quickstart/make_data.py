@@ -1,6 +1,6 @@
 """Write the quickstart's arithmetic prompts: ``python examples/quickstart/make_data.py``.
 
-Two-digit additions and subtractions, answered in one number. SmolLM2-135M-Instruct gets a fair share
+Small additions and subtractions, answered in one number. SmolLM2-135M-Instruct gets a fair share
 right when sampling (neither 0 % nor 100 %), so GRPO has a signal to climb on.
 """
 
@@ -17,8 +17,8 @@ def make(n: int, seed: int) -> list[dict[str, object]]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b = rng.randint(10, 60), rng.randint(2, 39)
-        op = rng.choice("+-")
+        a, b = rng.randint(2, 30), rng.randint(2, 9)
+        op = "+" if rng.random() < 0.75 else "-"
         answer = a + b if op == "+" else a - b
         rows.append(
             {

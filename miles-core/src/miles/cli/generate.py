@@ -46,7 +46,8 @@ def evaluate(
     if model is not None:
         overrides.append(f"train.model_path={json.dumps(model)}")
     settings = resolve_run(config, overrides)
-    rows = sum(1 for line in open(data, encoding="utf-8") if line.strip())
+    with open(data, encoding="utf-8") as f:
+        rows = sum(1 for line in f if line.strip())
     batch = settings.rollout.rollout_batch_size
     rollouts = max(1, -(-rows // batch))
     groups = _run_against_engines(settings, lambda pm, client: generate_rollouts(pm, settings, client, num_rollouts=rollouts, data_path=data))

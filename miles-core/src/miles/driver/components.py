@@ -34,7 +34,7 @@ __all__ = [
 
 
 def build_precision(pm: PluginManager, settings: MilesSettings) -> PrecisionRecipe:
-    return pm.create(ComponentKind.PRECISION, settings.precision, field="precision")  # type: ignore[no-any-return]
+    return pm.create(ComponentKind.PRECISION, settings.precision, field="precision")
 
 
 def engine_dtype(settings: MilesSettings, precision: PrecisionRecipe) -> str:
@@ -44,15 +44,15 @@ def engine_dtype(settings: MilesSettings, precision: PrecisionRecipe) -> str:
 
 def build_trainer(pm: PluginManager, settings: MilesSettings, precision: PrecisionRecipe, dist: DistContext) -> Trainer:
     entry, options = pm.resolve(ComponentKind.TRAINER, settings.train.backend, field="train.backend")
-    return entry.component(settings.train, options, precision, dist)  # type: ignore[no-any-return]
+    return entry.component(settings.train, options, precision, dist)
 
 
 def build_algorithm(pm: PluginManager, settings: MilesSettings) -> Algorithm:
-    return pm.create(ComponentKind.ALGORITHM, settings.algorithm, field="algorithm")  # type: ignore[no-any-return]
+    return pm.create(ComponentKind.ALGORITHM, settings.algorithm, field="algorithm")
 
 
 def build_transport(pm: PluginManager, settings: MilesSettings, precision: PrecisionRecipe) -> WeightTransport:
-    return pm.create(  # type: ignore[no-any-return]
+    return pm.create(
         ComponentKind.TRANSPORT,
         settings.transport,
         field="transport",
@@ -63,7 +63,7 @@ def build_transport(pm: PluginManager, settings: MilesSettings, precision: Preci
 
 
 def build_rollout_engine(pm: PluginManager, settings: MilesSettings) -> RolloutEngine:
-    return pm.create(ComponentKind.ROLLOUT_ENGINE, settings.rollout.engine, field="rollout.engine")  # type: ignore[no-any-return]
+    return pm.create(ComponentKind.ROLLOUT_ENGINE, settings.rollout.engine, field="rollout.engine")
 
 
 def build_loggers(pm: PluginManager, settings: MilesSettings) -> list[MetricsLogger]:
@@ -98,5 +98,5 @@ def build_rollout_function(pm: PluginManager, settings: MilesSettings) -> Rollou
             raise SettingsError(f"rollout.function: cannot load {ref!r}: {type(exc).__name__}: {exc}") from None
         if not callable(function):
             raise SettingsError(f"rollout.function: {ref!r} is not callable")
-        return function  # type: ignore[no-any-return]
-    return pm.get(ComponentKind.ROLLOUT_FUNCTION, ref, field="rollout.function").component  # type: ignore[no-any-return]
+        return function
+    return pm.get(ComponentKind.ROLLOUT_FUNCTION, ref, field="rollout.function").component

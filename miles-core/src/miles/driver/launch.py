@@ -41,7 +41,7 @@ def _child_env(settings: MilesSettings) -> dict[str, str]:
 
 
 def make_launcher(pm: PluginManager, settings: MilesSettings) -> Launcher:
-    return pm.create(ComponentKind.LAUNCHER, settings.cluster.launcher, field="cluster.launcher", run_dir=settings.log.run_dir)  # type: ignore[no-any-return]
+    return pm.create(ComponentKind.LAUNCHER, settings.cluster.launcher, field="cluster.launcher", run_dir=settings.log.run_dir)
 
 
 def launch_engines(pm: PluginManager, settings: MilesSettings, launcher: Launcher, *, model_path: str | None = None) -> list[str]:

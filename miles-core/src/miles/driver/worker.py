@@ -21,9 +21,9 @@ log = logging.getLogger("miles.worker")
 
 
 def _dist_context() -> object:
-    from miles.training.trainer import DistContext
-
     import torch
+
+    from miles.training.trainer import DistContext
 
     device = os.environ.get("MILES_DEVICE", "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -39,7 +39,7 @@ class JsonlLogger(MetricsLogger):
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._file is None:
             raise RuntimeError(f"jsonl logger for {self.path} is closed")
-        row = {"step": step}
+        row: dict[str, float | int | None] = {"step": step}
         row.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()})
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()

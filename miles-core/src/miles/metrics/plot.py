@@ -57,7 +57,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, panels: Sequenc
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].set_xlabel("step")  # type: ignore[attr-defined]
     fig.tight_layout()
     target = Path(out) if out is not None else Path(run_dir) / "curves.png"
     fig.savefig(target, dpi=110)

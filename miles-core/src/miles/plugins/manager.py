@@ -217,8 +217,8 @@ class PluginManager:
             return self._registries
         registries = {kind: Registry[Any](kind) for kind in ComponentKind}
         self._conflicts = {}
-        for record in self._records.values():
-            record.registers = []
+        for existing in self._records.values():
+            existing.registers = []
         for hook_name, kind_value in hookspecs.REGISTRATION_HOOKS.items():
             kind = ComponentKind(kind_value)
             caller = getattr(self._pm.hook, hook_name)
@@ -226,13 +226,13 @@ class PluginManager:
             # in registration order (built-ins first): the later plugin is the one that collides
             for impl in caller.get_hookimpls():
                 plugin_name = impl.plugin_name
-                record = self._records.get(plugin_name)
+                record: PluginRecord | None = self._records.get(plugin_name)
 
                 def register(component: Any, *, name: str | None = None, _p: str = plugin_name, _r: Any = record, _k: ComponentKind = kind) -> None:
                     try:
                         entry = registries[_k].add(component, plugin=_p, name=name)
                     except DuplicateComponentError as exc:
-                        resolved = name or getattr(component, "name", "?")
+                        resolved = str(name or getattr(component, "name", "?"))
                         self._conflicts[(_k, resolved)] = exc
                         if _r is not None:
                             _r.status = "failed"

@@ -41,5 +41,5 @@ class Reward(ABC):
     async def score(self, sample: Sample) -> float | RewardOutput:
         """Score one completed sample (``sample.response``, ``sample.label``, ``sample.metadata``)."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+    async def close(self) -> None:
         """Release connections (HTTP clients ...)."""

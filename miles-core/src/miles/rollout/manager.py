@@ -133,7 +133,7 @@ class RolloutManager:
         self.settings = settings
         self.scorer = scorer
         self.algorithm = algorithm
-        self.rollout_function: RolloutFunction = rollout_function or single_turn  # type: ignore[assignment]
+        self.rollout_function: RolloutFunction = rollout_function or single_turn
         self.seed = seed
         self.max_rounds = max_rounds
         self.return_routed_experts = return_routed_experts

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import yaml
 from pydantic import ValidationError
 from pydantic_settings import EnvSettingsSource
@@ -245,7 +245,7 @@ def load_settings(
         settings = MilesSettings.model_validate(data)
     except ValidationError as exc:
         raise SettingsError(format_validation_error(exc, source_of=sources.of)) from None
-    settings._sources = sources  # type: ignore[attr-defined]
+    settings._sources = sources
     return settings
 
 

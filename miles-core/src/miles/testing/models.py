@@ -10,7 +10,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -41,14 +41,7 @@ _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _corpus() -> list[str]:
-    words = (
-        "the a an of to in is it you that he was for on are with as his they be at one have this from "
-        "or had by word but what some we can out other were all there when up use your how said each she "
-        "which do their time if will way about many then them write would like so these her long make "
-        "thing see him two has look more day could go come did number sound no most people my over know "
-        "water than call first who may down side been now find any new work part take get place made "
-        "answer question add sum plus minus equals boxed final result think step user assistant system"
-    ).split()
+    words = ["the", "a", "an", "of", "to", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as", "his", "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "word", "but", "what", "some", "we", "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place", "made", "answer", "question", "add", "sum", "plus", "minus", "equals", "boxed", "final", "result", "think", "step", "user", "assistant", "system"]
     lines = []
     for i in range(400):
         a, b = (i * 7919) % 97, (i * 104729) % 89
@@ -104,7 +97,7 @@ def tiny_config(
     tie_word_embeddings: bool = False,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
-):  # -> PretrainedConfig
+) -> Any:
     """A small config of one of the supported architectures (dense or MoE)."""
     from transformers import AutoConfig
 

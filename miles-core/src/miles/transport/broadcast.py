@@ -77,13 +77,21 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
 
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
     def target() -> None:
         try:
             result = fn()
         except BaseException as exc:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            loop.call_soon_threadsafe(settle, None, exc)
         else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            loop.call_soon_threadsafe(settle, result, None)
 
     threading.Thread(target=target, name="miles-weights-rendezvous", daemon=True).start()
     return future

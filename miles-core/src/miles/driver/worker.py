@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("MILES_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise at RL rates
     threads = os.environ.get("MILES_TORCH_THREADS")
     if threads:
         import torch

@@ -30,3 +30,18 @@ def test_tensorboard_logger_writes_readable_events(tmp_path: Path) -> None:
     events.Reload()
     scalars = events.Scalars("rollout/reward_mean")
     assert [(e.step, round(e.value, 6)) for e in scalars] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+def test_wandb_logger_writes_an_offline_run(tmp_path: Path) -> None:
+    pm = PluginManager(entry_points=False).load()
+    logger = pm.create(ComponentKind.LOGGER, PluginSpec(name="wandb", project="miles-test"), field="log.loggers[0]", run_dir=str(tmp_path))
+    for step in range(1, 4):
+        logger.log(step, {"rollout/reward_mean": step / 10 + 0.01})
+    logger.close()
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    data = files[0].read_bytes()
+    # history records are protobuf messages with the key and the JSON value as plain strings
+    assert data.count(b"rollout/reward_mean") >= 3
+    for value in (b"0.11", b"0.21", b"0.31"):
+        assert value in data

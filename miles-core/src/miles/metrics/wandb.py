@@ -1,0 +1,70 @@
+"""The ``wandb`` metrics logger (Weights & Biases; ``pip install wandb``). ``mode = "offline"`` by
+default: runs are written under the run directory and can be synced later with ``wandb sync``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from miles.components import ComponentSettings
+from miles.errors import SettingsError
+from miles.metrics.base import MetricsLogger
+from miles.plugins.manager import hookimpl
+from miles.plugins.registry import Register
+
+
+class WandbSettings(ComponentSettings):
+    """Settings of the ``wandb`` logger."""
+
+    project: str = "miles"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+    name: str | None = None
+    """Run name (default: W&B's)."""
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """``offline`` writes locally (sync later with ``wandb sync``); ``online`` needs network access."""
+    tags: list[str] = []
+    """Run tags."""
+
+
+class WandbLogger(MetricsLogger):
+    """Logs scalars to a W&B run stored in ``<run_dir>/wandb``."""
+
+    name = "wandb"
+    Settings = WandbSettings
+
+    def __init__(self, settings: BaseModel, *, run_dir: str) -> None:
+        super().__init__(settings, run_dir=run_dir)
+        assert isinstance(settings, WandbSettings)
+        try:
+            import wandb
+        except ImportError as exc:
+            raise SettingsError(f"log.loggers: 'wandb' needs the wandb package (pip install wandb): {exc}") from None
+        os.makedirs(run_dir, exist_ok=True)
+        self._run: Any = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            name=settings.name,
+            mode=settings.mode,
+            tags=list(settings.tags),
+            dir=run_dir,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        self.path: str = str(self._run.dir)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+@hookimpl
+def miles_register_loggers(register: Register) -> None:
+    register(WandbLogger)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from miles.components import ComponentSettings
 from miles.errors import SettingsError
@@ -27,7 +27,7 @@ class WandbSettings(ComponentSettings):
     """Run name (default: W&B's)."""
     mode: Literal["offline", "online", "disabled"] = "offline"
     """``offline`` writes locally (sync later with ``wandb sync``); ``online`` needs network access."""
-    tags: list[str] = []
+    tags: list[str] = Field(default_factory=list)
     """Run tags."""
 
 

@@ -167,13 +167,16 @@ def test_grpo_broadcast_checkpoint_and_exact_resume(tmp_path: Path, tiny_model: 
     assert children_of_run(part_dir) == []
 
 
-def test_disk_transport_single_rank(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
+def test_disk_transport_single_rank_with_periodic_eval(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
     run_dir = tmp_path / "disk"
     config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2)
-    out = miles("train", str(config))
+    out = miles("train", str(config), "--set", f"data.eval_path={json.dumps(str(prompts))}", "--set", "train.eval_interval=1", "--set", "train.eval_pass_k=[1, 2]")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["weight_sync/verified"] for r in rows] == [1.0, 1.0]
+    for row in rows:
+        assert 0.0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1.0
+        assert "eval/reward_mean" in row
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v2"]  # older versions removed
 
 
@@ -249,3 +252,8 @@ def test_generate_writes_token_exact_samples(tmp_path: Path, tiny_model: Path, p
         assert s.response_length > 0 and len(s.rollout_logprobs) == s.response_length
         assert s.reward is not None and s.weight_versions
     assert children_of_run(run_dir) == []
+
+    out = miles("eval", str(config), "--data", str(prompts), "--k", "1", "--k", "4")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert 0.0 <= result["eval/pass@1"] <= result["eval/pass@4"] <= 1.0

@@ -25,7 +25,7 @@ def generate(
     """Generate and score rollouts with the policy, write every sample (token-exact) to JSONL."""
     from miles.driver.evaluate import generate_rollouts
 
-    settings = resolve_run(config, set_ or [])
+    settings = resolve_run(config, set_ or [], to_stderr=True)
     groups = _run_against_engines(settings, lambda pm, client: generate_rollouts(pm, settings, client, num_rollouts=num_rollouts, data_path=data, out=out))
     Console().print(f"wrote {sum(len(g) for g in groups)} samples to {out}")
 
@@ -45,7 +45,7 @@ def evaluate(
     overrides = [*(set_ or []), f"rollout.n_samples_per_prompt={max(ks)}", "data.shuffle=false"]
     if model is not None:
         overrides.append(f"train.model_path={json.dumps(model)}")
-    settings = resolve_run(config, overrides)
+    settings = resolve_run(config, overrides, to_stderr=True)
     with open(data, encoding="utf-8") as f:
         rows = sum(1 for line in f if line.strip())
     batch = settings.rollout.rollout_batch_size

@@ -15,11 +15,11 @@ from miles.settings.model import MilesSettings
 from miles.settings.render import render_resolved
 
 
-def resolve_run(config: Path | None, overrides: list[str]) -> MilesSettings:
-    """Load settings and check every component they select (errors name field and source)."""
+def resolve_run(config: Path | None, overrides: list[str], *, to_stderr: bool = False) -> MilesSettings:
+    """Load settings, check every component they select (errors name field and source), print them."""
     settings = load_settings(config, overrides=overrides)
     chosen = PluginManager().validate_settings(settings)
-    render_resolved(Console(), settings, chosen)
+    render_resolved(Console(stderr=to_stderr), settings, chosen)
     return settings
 
 

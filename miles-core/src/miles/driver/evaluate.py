@@ -46,6 +46,36 @@ def eval_metrics(groups: Sequence[SampleGroup], *, ks: Sequence[int], threshold:
     return out
 
 
+async def evaluate_once(
+    pm: PluginManager,
+    settings: MilesSettings,
+    client: EngineClient,
+    *,
+    tokenizer: Any,
+    rewards: Any,
+    rollout_function: Any = None,
+) -> dict[str, float]:
+    """One pass over ``data.eval_path``: each prompt sampled ``max(train.eval_pass_k)`` times, scored;
+    returns mean reward and pass@k (``eval/*``)."""
+    from miles.rewards.scoring import score_samples
+    from miles.rollout.manager import RolloutManager
+
+    assert settings.data.eval_path is not None
+    ks = sorted(set(settings.train.eval_pass_k))
+    data_settings = settings.data.model_copy(update={"path": settings.data.eval_path, "shuffle": False})
+    eval_settings = settings.model_copy(update={"data": data_settings})
+    source = components.build_data_source(pm, eval_settings, tokenizer=tokenizer)
+    rows = len(source)  # type: ignore[arg-type]
+    rollout = settings.rollout.model_copy(update={"n_samples_per_prompt": max(ks), "rollout_batch_size": rows})
+
+    async def scorer(samples: Any) -> None:
+        await score_samples(samples, rewards, timeout=settings.reward.timeout, max_concurrency=settings.reward.max_concurrency)
+
+    manager = RolloutManager(client, rollout, scorer=scorer, rollout_function=rollout_function, seed=settings.train.seed + 1_000_003)
+    result = await manager.rollout(source)
+    return eval_metrics(result.groups, ks=ks)
+
+
 async def generate_rollouts(
     pm: PluginManager,
     settings: MilesSettings,

@@ -187,7 +187,29 @@ class TrainingLoop:
         if self.is_driver:
             metrics.update(self._sync_metrics(report))
             metrics["time/step_seconds"] = time.perf_counter() - start
+            metrics.update(await self.maybe_evaluate())
             self.log_step(metrics)
+
+    async def maybe_evaluate(self) -> dict[str, float]:
+        """Rank 0: evaluation metrics when this step is an eval step (every ``train.eval_interval`` and the last)."""
+        interval = self.settings.train.eval_interval
+        if interval is None or self.client is None:
+            return {}
+        if self.step % interval and self.step != self.settings.train.num_rollouts:
+            return {}
+        from miles.driver.evaluate import evaluate_once
+
+        start = time.perf_counter()
+        metrics = await evaluate_once(
+            self.pm,
+            self.settings,
+            self.client,
+            tokenizer=self.tokenizer,
+            rewards=self.rewards,
+            rollout_function=components.build_rollout_function(self.pm, self.settings),
+        )
+        metrics["time/eval_seconds"] = time.perf_counter() - start
+        return metrics
 
     async def obtain_groups(self, metrics: dict[str, float]) -> list[dict[str, Any]]:
         """Rank 0: the groups of the next step, as JSON (rollout, or data rows for SFT); adds metrics."""

@@ -114,6 +114,8 @@ class DataSettings(_Section):
     """Seed of the shuffle."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Drop prompts longer than this many tokens (``None``: keep all)."""
+    eval_path: str | None = None
+    """Eval prompt file (same format as ``path``), used every ``train.eval_interval`` steps."""
 
 
 class RolloutSettings(_Section):
@@ -186,6 +188,10 @@ class TrainSettings(_Section):
     """Gradient-norm clip (0: off)."""
     seed: int = 1234
     """Seed of model init (when built from a config), dropout and sampling in the driver."""
+    eval_interval: int | None = Field(None, ge=1)
+    """Evaluate on ``data.eval_path`` every this many steps (and after the last one)."""
+    eval_pass_k: list[int] = Field(default_factory=lambda: [1])
+    """pass@k values reported by evaluation; each eval prompt is sampled ``max(eval_pass_k)`` times."""
 
     steps_per_rollout: int = Field(1, ge=1, exclude=True)
     """Derived: optimizer steps per rollout (``rollout_batch_size x n_samples / global_batch_size``)."""
@@ -274,6 +280,8 @@ class MilesSettings(BaseSettings):
                 f"rollout.n_samples_per_prompt = {rollout.rollout_batch_size} x {rollout.n_samples_per_prompt} "
                 f"= {samples} (rollout_batch_size x n_samples_per_prompt = global_batch_size x steps_per_rollout)"
             )
+        if train.eval_interval is not None and self.data.eval_path is None:
+            raise ValueError("train.eval_interval: needs data.eval_path (the eval prompt file)")
         if gbs % self.cluster.trainer_ranks:
             raise ValueError(
                 f"train.global_batch_size: {gbs} is not divisible by cluster.trainer_ranks = "

@@ -167,10 +167,12 @@ def test_grpo_broadcast_checkpoint_and_exact_resume(tmp_path: Path, tiny_model: 
     assert children_of_run(part_dir) == []
 
 
-def test_disk_transport_single_rank_with_periodic_eval(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
+def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
+    """Engines free their KV cache and weights while the trainer trains; the push restores every tensor."""
     run_dir = tmp_path / "disk"
     config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2)
-    out = miles("train", str(config), "--set", f"data.eval_path={json.dumps(str(prompts))}", "--set", "train.eval_interval=1", "--set", "train.eval_pass_k=[1, 2]")
+    evaluation = ["--set", f"data.eval_path={json.dumps(str(prompts))}", "--set", "train.eval_interval=1", "--set", "train.eval_pass_k=[1, 2]"]
+    out = miles("train", str(config), "--set", "cluster.colocate=true", *evaluation)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["weight_sync/verified"] for r in rows] == [1.0, 1.0]
@@ -178,6 +180,10 @@ def test_disk_transport_single_rank_with_periodic_eval(tmp_path: Path, tiny_mode
         assert 0.0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1.0
         assert "eval/reward_mean" in row
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v2"]  # older versions removed
+    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
+    assert engine_log.count("released kv_cache, weights") == 2 and engine_log.count("resumed kv_cache, weights") == 2
+    for row in rows:
+        assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # the engine generated on restored weights
 
 
 FAULTY = """

@@ -180,10 +180,14 @@ class TrainingLoop:
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         payload = await self.obtain_groups(metrics) if self.is_driver else None
+        await self.engines_memory("release")
         groups = [SampleGroup.from_dict(g) for g in broadcast_json(payload)]
         metrics.update(await self.train_on(groups))
         self.step += 1
+        await self.engines_memory("resume")
         report = await self.push_weights()
+        if self.is_driver and self.settings.cluster.colocate and self.client is not None:
+            await self.client.continue_generation()
         if self.is_driver:
             metrics.update(self._sync_metrics(report))
             metrics["time/step_seconds"] = time.perf_counter() - start
@@ -210,6 +214,13 @@ class TrainingLoop:
         )
         metrics["time/eval_seconds"] = time.perf_counter() - start
         return metrics
+
+    async def engines_memory(self, action: str) -> None:
+        """Colocated runs: engines free their KV cache and weights while the trainer trains (rank 0)."""
+        if not (self.is_driver and self.settings.cluster.colocate and self.client is not None):
+            return
+        for url in self.client.urls:
+            await self.client.call(url, f"/{action}_memory_occupation", {"tags": ["kv_cache", "weights"]})
 
     async def obtain_groups(self, metrics: dict[str, float]) -> list[dict[str, Any]]:
         """Rank 0: the groups of the next step, as JSON (rollout, or data rows for SFT); adds metrics."""

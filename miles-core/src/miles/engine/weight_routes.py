@@ -3,7 +3,8 @@
 SGLang's names and fields: ``/init_weights_update_group {master_address, master_port, rank_offset,
 world_size, group_name, backend}``, ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
 flush_cache, weight_version}``, ``/destroy_weights_update_group {group_name}``. Miles adds
-``/weights_checksum`` and, with ``--enable-debug-endpoints``, ``/debug/randomize_weights {seed}``.
+``/weights_checksum`` and, with ``--enable-debug-endpoints``, ``/debug/randomize_weights {seed}``; and
+SGLang's ``/release_memory_occupation {tags}`` / ``/resume_memory_occupation {tags}`` for colocation.
 
 A distributed update arrives in several buckets; the first one pauses generation (``retract``: running
 requests give back their KV and are recomputed on the new weights), and the version bump that closes
@@ -18,9 +19,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 
-from miles.engine.weight_sync import WeightGroups, randomize_weights, weights_checksum
+from miles.engine.weight_sync import MemoryOccupation, WeightGroups, randomize_weights, weights_checksum
 
 if TYPE_CHECKING:
     from miles.engine.server import EngineState
@@ -34,7 +36,7 @@ Admin = Callable[["HTTPRequest", Callable[[dict[str, Any]], Awaitable[Any]]], Aw
 
 def _require(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
     value = body.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(f"{key} is required ({getattr(kind, '__name__', kind)})")
     return value
 
@@ -91,7 +93,9 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
             def receive() -> int:
                 begin_update()
-                count = groups.receive(sched.runner.model, group_name=group_name, names=names, dtypes=dtypes, shapes=shapes)
+                count = groups.receive(
+                    sched.runner.model, group_name=group_name, names=names, dtypes=dtypes, shapes=shapes
+                )
                 finish_update(None if version is None else str(version), bool(body.get("flush_cache", True)))
                 return count
 
@@ -106,6 +110,24 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             name = str(body.get("group_name", "weight_update_group"))
             await run_on_scheduler(groups.destroy, name)
             return {"success": True, "message": f"destroyed weight update group {name!r}"}
+
+        return await admin(request, run)
+
+    memory = MemoryOccupation()
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            report = await run_on_scheduler(memory.release, sched, body.get("tags"))
+            return {"success": True, "message": "memory released", **report}
+
+        return await admin(request, run)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            await run_on_scheduler(memory.resume, sched, body.get("tags"))
+            return {"success": True, "message": "memory resumed"}
 
         return await admin(request, run)
 

@@ -50,7 +50,10 @@ def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
     params = _parameters(model)
     unknown = sorted(set(tensors) - set(params))
     if unknown:
-        raise ValueError(f"the model has no parameter {unknown[0]!r}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+        raise ValueError(
+            f"the model has no parameter {unknown[0]!r}"
+            + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+        )
     with torch.no_grad():
         for name, tensor in tensors.items():
             target = params[name]
@@ -93,18 +96,37 @@ class WeightGroups:
     def __init__(self) -> None:
         self.groups: dict[str, _Group] = {}
 
-    def init(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str, device: torch.device, timeout: float = 600.0) -> None:
+    def init(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        device: torch.device,
+        timeout: float = 600.0,
+    ) -> None:
         if group_name in self.groups:
             raise ValueError(f"weight update group {group_name!r} already exists")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend: {backend!r} is not supported (gloo or nccl)")
         group, store = make_process_group(
-            backend, host=master_address, port=int(master_port), rank=int(rank_offset), world_size=int(world_size), timeout=timeout, is_master=False
+            backend,
+            host=master_address,
+            port=int(master_port),
+            rank=int(rank_offset),
+            world_size=int(world_size),
+            timeout=timeout,
+            is_master=False,
         )
         self.groups[group_name] = _Group(group, store, int(rank_offset), int(world_size), device)
         log.info("joined weight update group %r as rank %d of %d (%s)", group_name, rank_offset, world_size, backend)
 
-    def receive(self, model: torch.nn.Module, *, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
+    def receive(
+        self, model: torch.nn.Module, *, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> int:
         """Receive one bucket (broadcast from rank 0, in ``names`` order) and load it."""
         import torch.distributed as dist
 
@@ -130,3 +152,66 @@ class WeightGroups:
         entry = self.groups.pop(group_name, None)
         if entry is None:
             raise ValueError(f"no weight update group {group_name!r}")
+
+
+class MemoryOccupation:
+    """SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation`` for colocated training.
+
+    ``kv_cache``: running requests are retracted (recomputed after resume), the prefix cache is flushed
+    and the KV buffers are freed. ``weights``: every parameter storage is shrunk to zero bytes (the
+    tensors and the fused views over them stay valid objects); resume re-allocates them zero-filled, and
+    the next weight push fills them (weight verification then proves every tensor arrived).
+    Generation stays paused from release until ``/continue_generation``.
+    """
+
+    TAGS = ("kv_cache", "weights")
+
+    def __init__(self) -> None:
+        self.released_weights: list[tuple[torch.UntypedStorage, int]] = []
+        self.kv_released = False
+
+    def _tags(self, tags: list[str] | None) -> list[str]:
+        tags = list(self.TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in self.TAGS]
+        if unknown:
+            raise ValueError(f"tags: unknown tag {unknown[0]!r} (expected {', '.join(self.TAGS)})")
+        return tags
+
+    def release(self, scheduler: Any, tags: list[str] | None) -> dict[str, float]:
+        tags = self._tags(tags)
+        runner = scheduler.runner
+        if scheduler.paused is None:
+            scheduler.pause("retract")
+        freed = 0
+        if "kv_cache" in tags and not self.kv_released:
+            scheduler.flush_cache()
+            freed += runner.k.numel() * runner.k.element_size() * 2
+            runner.k = torch.zeros(0, dtype=runner.dtype, device=runner.device)
+            runner.v = torch.zeros(0, dtype=runner.dtype, device=runner.device)
+            runner.slots = runner.capacity = 0
+            self.kv_released = True
+        if "weights" in tags and not self.released_weights:
+            seen: set[int] = set()
+            for p in runner.model.parameters():
+                if not p.untyped_storage().resizable():  # e.g. memory-mapped from safetensors
+                    p.data = p.data.clone()
+                storage = p.untyped_storage()
+                if id(storage) in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(id(storage))
+                self.released_weights.append((storage, storage.nbytes()))
+                freed += storage.nbytes()
+                storage.resize_(0)
+        log.info("released %s (%.1f MB)", ", ".join(tags), freed / 1e6)
+        return {"freed_bytes": float(freed)}
+
+    def resume(self, scheduler: Any, tags: list[str] | None) -> None:
+        tags = self._tags(tags)
+        if "weights" in tags:
+            for storage, nbytes in self.released_weights:
+                storage.resize_(nbytes)
+                torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
+            self.released_weights = []
+        if "kv_cache" in tags:
+            self.kv_released = False  # the runner grows its KV buffers again on demand
+        log.info("resumed %s (generation stays paused until /continue_generation)", ", ".join(tags))

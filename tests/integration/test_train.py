@@ -263,3 +263,54 @@ def test_generate_writes_token_exact_samples(tmp_path: Path, tiny_model: Path, p
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert 0.0 <= result["eval/pass@1"] <= result["eval/pass@4"] <= 1.0
+
+
+TWO_TURNS = """
+from dataclasses import replace
+
+from miles.types import SampleStatus, WeightSpan
+
+TOOL = [13, 14, 15]  # token ids of a pretend tool result, appended exactly (never re-tokenised)
+
+
+async def two_turns(client, sample, params):
+    key = f"group-{sample.group_id}"
+    first = (await client.generate(sample.prompt_ids, replace(params, n=1), routing_key=key))[0]
+    context = sample.prompt_ids + first.output_ids + TOOL
+    second = (await client.generate(context, replace(params, n=1), routing_key=key))[0]
+    response = first.output_ids + TOOL + second.output_ids
+    return replace(
+        sample,
+        response_ids=response,
+        rollout_logprobs=first.output_logprobs + [0.0] * len(TOOL) + second.output_logprobs,
+        loss_mask=[1] * len(first.output_ids) + [0] * len(TOOL) + [1] * len(second.output_ids),
+        response=first.text + second.text,
+        status=SampleStatus.COMPLETED,
+        weight_versions=[WeightSpan(0, len(response), int(second.weight_version or 0))],
+        metadata={**sample.metadata, "turns": 2, "second_turn_cached_tokens": second.cached_tokens},
+    )
+"""
+
+
+def test_custom_multi_turn_rollout_function_trains(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "my_agent.py").write_text(TWO_TURNS)
+    run_dir = tmp_path / "agent"
+    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=1)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    out = miles("train", str(config), "--set", 'rollout.function="my_agent:two_turns"', env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    from miles.types import Sample
+
+    samples = [Sample.from_json(line) for line in (run_dir / "samples" / "rollout_000001.jsonl").read_text().splitlines()]
+    assert len(samples) == 16
+    for s in samples:
+        s.validate()
+        assert s.metadata["turns"] == 2
+        first = s.loss_mask.index(0)
+        assert s.response_ids[first : first + 3] == [13, 14, 15] and s.loss_mask[first : first + 3] == [0, 0, 0]
+        assert s.metadata["second_turn_cached_tokens"] >= len(s.prompt_ids)  # the first turn's context was cached
+    row = metrics(run_dir)[0]
+    assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # tool tokens excluded from the comparison
+

@@ -181,55 +181,50 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.multiprocessing as mp
 
-    rows = []
+    device = (
+        torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()} CPU"
+    )
+    print(
+        f"fsdp trainer, {device}, {args.world_size} rank(s) x {args.threads} thread(s), torch {torch.__version__}, "
+        f"{args.seqs} seqs x {args.prompt_len}+{args.response_len} tokens per step, micro-batch budget "
+        f"{args.micro_batch_tokens}, median of {args.steps} steps after {args.warmup} warm-up\n"
+    )
+    print(
+        "| model | params | precision | ranks | tokens/step | train step s | train tok/s | train MFU | logprob tok/s | logprob MFU |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             model = _model_path(name, Path(tmp))
             for precision in args.precisions.split(","):
                 out = Path(tmp) / f"{name}-{precision}.json"
+                port = _free_port()
                 mp.spawn(
                     _worker,
-                    args=(args.world_size, _free_port(), args, model, precision, str(out)),
+                    args=(args.world_size, port, args, model, precision, str(out)),
                     nprocs=args.world_size,
                     join=True,
                 )
                 r = json.loads(out.read_text())
                 train_tps, fwd_tps = r["tokens"] / r["step_s"], r["tokens"] / r["fwd_s"]
                 if r["peak"]:
-                    gpus = args.world_size
-                    mfu = f"{100 * train_tps * r['flops_train_tok'] / (r['peak'] * gpus):.1f}%"
-                    fwd_mfu = f"{100 * fwd_tps * r['flops_fwd_tok'] / (r['peak'] * gpus):.1f}%"
+                    mfu = f"{100 * train_tps * r['flops_train_tok'] / (r['peak'] * args.world_size):.1f}%"
+                    fwd_mfu = f"{100 * fwd_tps * r['flops_fwd_tok'] / (r['peak'] * args.world_size):.1f}%"
                 else:
                     mfu = fwd_mfu = "n/a (CPU)"
-                rows.append(
-                    (
-                        name,
-                        f"{r['params'] / 1e6:.1f}M",
-                        precision,
-                        args.world_size,
-                        r["tokens"],
-                        f"{r['step_s']:.3f}",
-                        f"{train_tps:,.0f}",
-                        mfu,
-                        f"{fwd_tps:,.0f}",
-                        fwd_mfu,
-                    )
+                row = (
+                    name,
+                    f"{r['params'] / 1e6:.1f}M",
+                    precision,
+                    args.world_size,
+                    r["tokens"],
+                    f"{r['step_s']:.3f}",
+                    f"{train_tps:,.0f}",
+                    mfu,
+                    f"{fwd_tps:,.0f}",
+                    fwd_mfu,
                 )
-
-    device = (
-        torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()} CPU"
-    )
-    print(
-        f"fsdp trainer, {device}, {args.world_size} rank(s) x {args.threads} thread(s), torch {torch.__version__}, "
-        f"{args.seqs} seqs x {args.prompt_len}+{args.response_len} tokens per step, micro-batch budget {args.micro_batch_tokens}, "
-        f"median of {args.steps} steps after {args.warmup} warm-up\n"
-    )
-    print(
-        "| model | params | precision | ranks | tokens/step | train step s | train tok/s | train MFU | logprob tok/s | logprob MFU |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(str(c) for c in row) + " |")
+                print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
     sys.stdout.flush()
 
 

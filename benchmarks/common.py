@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "BENCH_DIR",
+    "DEFAULT_THREADS",
     "REPO_ROOT",
     "RESULTS_DIR",
     "add_common_args",
@@ -45,12 +46,20 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 
+DEFAULT_THREADS = 1
+"""Threads per process. One, not the host's two cores: on a shared 2-core host, two OpenMP threads that
+spin-wait for each other lose most of their time whenever another process holds a core (measured here:
+a tiny-model train step 0.44 s with 1 thread, 4.9 s with 2 under a load average of 7.5). Every side of
+a comparison gets the same count; pass ``--threads 2`` on a quiet machine."""
+
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MILES_TORCH_THREADS")
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """``--threads``, ``--device``, ``--quick``, ``--results-dir`` (every benchmark takes them)."""
-    parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads per process (pinned)")
+    parser.add_argument(
+        "--threads", type=int, default=DEFAULT_THREADS, help="torch / OpenMP threads per process (pinned; default 1)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu, or cuda when a GPU is at hand")
     parser.add_argument("--quick", action="store_true", help="reduced sizes (a smoke run of the benchmark)")
     parser.add_argument(
@@ -173,8 +182,27 @@ def model_dir(name: str, workdir: Path) -> Path:
             build_tiny_model(out, "qwen2", seed=0, vocab_size=512, **TINY_CONFIG)  # type: ignore[arg-type]
         return out
     if name == "smollm2":
-        return smollm2_checkpoint()
+        return _plain_copy(smollm2_checkpoint(), workdir / "smollm2")
     raise SystemExit(f"unknown model {name!r} (expected tiny or smollm2)")
+
+
+def _plain_copy(source: Path, out: Path) -> Path:
+    """``source`` linked file by file into ``out``, with ``quantization_config`` dropped from its config.
+
+    The SmolLM2 checkpoint converted from GGUF holds dequantised fp32 weights but keeps the GGUF
+    ``quantization_config`` in ``config.json``, and ``transformers.Trainer`` (so TRL) refuses to train a
+    model whose config says it is quantised. Every side of a comparison loads this same copy.
+    """
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (out / item.name).symlink_to(item.resolve())
+    config = json.loads((source / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def _cpu_model() -> str:

@@ -308,14 +308,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="Miles rollout modes to run (sync, one_step_off, fully_async; empty: TRL only)",
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="timed steps per run, after one warm-up step (default 5; --quick 3)"
+        "--steps", type=int, default=None, help="timed steps per run, after one warm-up step (default 4; --quick 3)"
     )
     parser.add_argument("--prompts-per-step", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--completion-tokens", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--transport", default="disk", help="Miles weight transport (disk, broadcast)")
+    parser.add_argument("--transport", default="broadcast", help="Miles weight transport (disk, broadcast)")
     parser.add_argument(
         "--trl-python", default=None, help="interpreter with trl installed (default: this one, else .venv-bench)"
     )
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _trl_worker(*args.trl_worker)
         return {}
     models = (args.models or ("tiny" if args.quick else "tiny,smollm2")).split(",")
-    steps = args.steps or (3 if args.quick else 5)
+    steps = args.steps or (3 if args.quick else 4)
     python = trl_python(args.trl_python)
     modes = []
     notes = []
@@ -360,10 +360,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "timeout": args.timeout,
             }
             entry: dict[str, Any] = {}
-            (workdir / name).mkdir()
-            entry["trl"] = run_trl(spec, workdir / name, python, args.threads)
+            runs = workdir / f"runs-{name}"
+            runs.mkdir()
+            entry["trl"] = run_trl(spec, runs, python, args.threads)
             for mode in modes:
-                entry[f"miles-{mode}"] = run_miles(spec, workdir / name, mode, args.threads)
+                entry[f"miles-{mode}"] = run_miles(spec, runs, mode, args.threads)
             trl_s = entry["trl"]["step_s"]
             for side, r in entry.items():
                 r["samples_per_s"] = samples_per_step / r["step_s"]

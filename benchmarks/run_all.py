@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, RESULTS_DIR, child_env, machine_info, write_result
+from common import BENCH_DIR, DEFAULT_THREADS, RESULTS_DIR, child_env, machine_info, write_result
 
 SUITE: dict[str, dict[str, list[str]]] = {
     "grpo_vs_trl": {"full": [], "quick": ["--quick"]},
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="reduced sizes")
     parser.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(SUITE)}")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="threads per process (pinned)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)

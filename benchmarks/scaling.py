@@ -8,7 +8,7 @@ budget; warm-up steps are excluded and the median of the timed steps is reported
 of step seconds on tokens gives the per-token cost (the slope), the fixed cost per step (the intercept)
 and R^2::
 
-    python benchmarks/scaling.py                  # both models, 2 threads
+    python benchmarks/scaling.py                  # both models, 1 thread
     python benchmarks/scaling.py --quick          # tiny model, fewer sizes
     python benchmarks/scaling.py --device cuda
 
@@ -40,7 +40,7 @@ from common import (
 
 DEFAULT_SEQS = {
     "tiny": {False: [4, 8, 16, 32, 64], True: [4, 8, 16, 32]},
-    "smollm2": {False: [2, 4, 8, 16], True: [2, 4, 8]},
+    "smollm2": {False: [1, 2, 4], True: [1, 2]},
 }
 """Sequences per step by model (full run, ``--quick``): the tiny model needs more tokens before the
 per-token cost outweighs the fixed cost of a step."""
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="miles-bench-scaling-") as tmp:
         for name in args.models:
             measured = _measure(name, str(model_dir(name, Path(tmp))), args, free_port())
-            fit = linear_fit([r["tokens"] for r in measured["rows"]], [r["step_s"] for r in measured["rows"]])
+            tokens = [r["tokens"] for r in measured["rows"]]
+            fit = linear_fit(tokens, [r["step_s"] for r in measured["rows"]]) if len(set(tokens)) >= 2 else None
             results[name] = {**measured, "fit": fit}
             table = markdown_table(
                 ["model", "params", "seqs x tokens", "tokens/step", "step s (median)", "tokens/s"],
@@ -145,10 +146,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for r in measured["rows"]
                 ],
             )
-            tables.append(
-                f"{table}\n\n{name}: step_s = {fit['slope'] * 1e3:.3f} ms/token x tokens + {fit['intercept']:.3f} s, "
-                f"R^2 = {fit['r2']:.4f}"
-            )
+            if fit is None:
+                tables.append(f"{table}\n\n{name}: one batch size, no fit")
+            else:
+                tables.append(
+                    f"{table}\n\n{name}: step_s = {fit['slope'] * 1e3:.3f} ms/token x tokens + {fit['intercept']:.3f} s, "
+                    f"R^2 = {fit['r2']:.4f}"
+                )
     header = (
         f"## Trainer scaling\n\nfsdp trainer (1 rank, {args.device}, {args.threads} threads, fp32, GRPO loss, AdamW), "
         f"micro-batch budget {args.micro_batch_tokens} tokens, median of {args.repeats} steps after {args.warmup} warm-up\n"

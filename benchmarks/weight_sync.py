@@ -215,7 +215,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             with engine:
                 for name in transports:
-                    entry[name] = asyncio.run(_measure_transport(name, engine.url, model, workdir, state, args))
+                    try:
+                        entry[name] = asyncio.run(_measure_transport(name, engine.url, model, workdir, state, args))
+                    except Exception as exc:  # one transport failing must not hide the others' figures
+                        entry[name] = {"failed": f"{type(exc).__name__}: {exc}"}
+                        print(f"{name} at {size}: FAILED: {exc}", file=sys.stderr, flush=True)
             del state
             results[size] = entry
 
@@ -250,9 +254,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"R^2 = {fit['r2']:.4f} (marginal rate {1 / per_gb:.2f} GB/s)"
         )
     for name in transports:
-        missing = {size: r[name]["unavailable"] for size, r in results.items() if "unavailable" in r[name]}
-        if missing:
-            print(f"\n- {name}: not measured: {next(iter(missing.values()))}")
+        for key, what in (("unavailable", "not measured"), ("failed", "FAILED")):
+            missing = {size: r[name][key] for size, r in results.items() if key in r[name]}
+            if missing:
+                print(f"\n- {name}: {what} at {', '.join(missing)}: {next(iter(missing.values()))}")
     payload = {
         "machine": machine_info(args.device),
         "versions": versions(("safetensors", "httpx")),

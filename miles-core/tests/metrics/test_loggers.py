@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from miles.components import ComponentKind
@@ -40,7 +41,10 @@ def test_wandb_logger_writes_an_offline_run(tmp_path: Path) -> None:
     logger.close()
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
-    data = files[0].read_bytes()
+    # wandb's service process finishes writing the run file after finish() returns
+    deadline = time.monotonic() + 60
+    while (data := files[0].read_bytes()).count(b"rollout/reward_mean") < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
     # history records are protobuf messages with the key and the JSON value as plain strings
     assert data.count(b"rollout/reward_mean") >= 3
     for value in (b"0.11", b"0.21", b"0.31"):

@@ -60,22 +60,11 @@ def _register_commands() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point."""
+    """Console entry point. Usage errors are typer's (exit 2); a :class:`MilesError` prints its message,
+    no traceback, and exits with its code."""
     _register_commands()
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv)
     except MilesError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
         sys.exit(exc.exit_code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        err_console.print("aborted")
-        sys.exit(130)
-    except Exception as exc:  # click usage errors come through here with standalone_mode=False
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise

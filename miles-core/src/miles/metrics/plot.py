@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["DEFAULT_PANELS", "plot_run", "read_metrics"]
 
@@ -48,6 +49,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, panels: Sequenc
     present = [(title, keys) for title, keys in present if keys]
     if not present:
         raise ValueError(f"{run_dir}: none of the plotted metrics were logged")
+    axes: Any
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), sharex=True, squeeze=False)
     for ax, (title, keys) in zip(axes[:, 0], present, strict=True):
         for key in keys:
@@ -57,7 +59,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, panels: Sequenc
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[-1, 0].set_xlabel("step")  # type: ignore[attr-defined]
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     target = Path(out) if out is not None else Path(run_dir) / "curves.png"
     fig.savefig(target, dpi=110)

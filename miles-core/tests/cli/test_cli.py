@@ -55,3 +55,9 @@ def test_train_config_errors_exit_2_without_traceback(tmp_path: Path, config: st
     assert out.returncode == 2, out.stdout + out.stderr
     assert message.format(path=path) in " ".join(out.stderr.split())
     assert "Traceback" not in out.stderr
+
+
+def test_usage_errors_exit_2_without_traceback() -> None:
+    out = miles("train", "--bogus")
+    assert out.returncode == 2
+    assert "No such option: --bogus" in out.stderr and "Traceback" not in out.stderr

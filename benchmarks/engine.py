@@ -88,7 +88,14 @@ def run_engine(state: Any, prompts: list[list[int]], new: int, n: int = 1) -> tu
 
     reqs = []
     for i, p in enumerate(prompts):
-        cfg = SamplingConfig(max_new_tokens=new, min_new_tokens=new, temperature=0.0 if n == 1 else 1.0, ignore_eos=True, n=n, sampling_seed=i)
+        cfg = SamplingConfig(
+            max_new_tokens=new,
+            min_new_tokens=new,
+            temperature=0.0 if n == 1 else 1.0,
+            ignore_eos=True,
+            n=n,
+            sampling_seed=i,
+        )
         for j in range(n):
             reqs.append(Request(rid=f"{i}-{j}", parent_rid=str(i), index=j, prompt_ids=list(p), config=cfg, sink=sink))
     t0 = time.perf_counter()
@@ -142,7 +149,9 @@ def bench_model(
     return list(rows.values())
 
 
-def grpo_hit_rate(path: Path, groups: int = 64, samples: int = 8, prompt_len: int = 48, new: int = 8) -> dict[str, float]:
+def grpo_hit_rate(
+    path: Path, groups: int = 64, samples: int = 8, prompt_len: int = 48, new: int = 8
+) -> dict[str, float]:
     import torch
 
     from miles.engine.launch import build_engine
@@ -199,7 +208,7 @@ def main() -> None:
     base = dtypes[0]
     print()
     print(
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} threads; "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s); "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (fixed), greedy; medians of "
         f"{args.repeats}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
@@ -226,7 +235,10 @@ def main() -> None:
             line += f" {best / r[f'hf_{base}']:.2f}x |"
         print(line)
     print()
-    print("`torch.mm` 1024x1024 peaks (best of 20, same run): " + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items()))
+    print(
+        "`torch.mm` 1024x1024 peaks (best of 20, same run): "
+        + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items())
+    )
     print()
     print(
         f"GRPO-shaped workload (64 prompts x 8 samples, 48-token prompts, tiny model): prefix-cache hit rate "

@@ -71,7 +71,7 @@ def test_qwen3_moe_runner_matches_hf(engine_models: dict[str, Path]) -> None:
     from miles.engine.model_runner import ModelRunner
 
     runner = ModelRunner(engine_models["qwen3_moe"])
-    seq = PROMPT + [100, 200, 300]
+    seq = [*PROMPT, 100, 200, 300]
     # two sequences of different lengths in one padded prefill, the second after a 3-token prefix
     other = [9, 8, 7, 6, 5]
     runner.prefill(1, [other[:3]], [0], [False])

@@ -37,11 +37,15 @@ def test_launch_command_serves(engine_models: dict[str, Path], tmp_path: Path) -
     reg = pm.get(ComponentKind.ROLLOUT_ENGINE, "local")
     engine = reg.component(reg.settings_model(max_cache_tokens=128, threads=1))
     port = free_port()
-    launch = engine.launch(model_path=str(engine_models["llama"]), host="127.0.0.1", port=port, device="cpu", dtype="float32", devices=[])
+    launch = engine.launch(
+        model_path=str(engine_models["llama"]), host="127.0.0.1", port=port, device="cpu", dtype="float32", devices=[]
+    )
     assert launch.url == f"http://127.0.0.1:{port}"
     assert launch.argv[:3] == [sys.executable, "-m", "miles.engine"] and "--max-cache-tokens" in launch.argv
     log = open(tmp_path / "launch.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(launch.argv, env={**os.environ, **launch.env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        launch.argv, env={**os.environ, **launch.env, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -55,7 +59,11 @@ def test_launch_command_serves(engine_models: dict[str, Path], tmp_path: Path) -
             time.sleep(0.2)
         info = httpx.get(launch.url + "/server_info", timeout=10).json()
         assert info["max_cache_tokens"] == 128 and info["model_path"] == str(engine_models["llama"])
-        out = httpx.post(launch.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        out = httpx.post(
+            launch.url + "/generate",
+            json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+            timeout=60,
+        )
         assert out.json()["meta_info"]["completion_tokens"] >= 1
     finally:
         proc.terminate()

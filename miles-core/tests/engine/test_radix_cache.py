@@ -27,7 +27,7 @@ def test_match_returns_longest_prefix_with_its_kv() -> None:
     assert torch.equal(hit.k, kv_of(seq)[0][:, :, :3]) and torch.equal(hit.v, kv_of(seq)[1][:, :, :3])
     assert cache.match([7, 1, 2]).length == 0
     assert cache.match(seq, limit=2).length == 2
-    assert cache.match(seq + [6]).length == 5
+    assert cache.match([*seq, 6]).length == 5
 
 
 def test_insert_splits_nodes_and_stores_only_new_tokens() -> None:
@@ -48,7 +48,7 @@ def test_routed_experts_travel_with_the_prefix() -> None:
     seq = [4, 5, 6, 7]
     experts = torch.arange(len(seq) * 2 * 2, dtype=torch.int32).reshape(len(seq), 2, 2)
     cache.insert(seq, *kv_of(seq), experts)
-    cache.insert(seq[:2] + [9], *kv_of(seq[:2] + [9]), experts[:3])
+    cache.insert([*seq[:2], 9], *kv_of([*seq[:2], 9]), experts[:3])
     hit = cache.match(seq)
     assert torch.equal(hit.experts, experts)
 

@@ -47,9 +47,9 @@ def test_mixed_batch_equals_solo_greedy(engine_models: dict[str, Path], arch: st
         lengths = [3, 17, 6, 25, 1, 9]
         prompts = [[(7 * i + j) % 500 + 1 for j in range(2 + i // 2)] for i in range(len(lengths))]
         col.expected = len(lengths)
-        sched.add([make(f"r{i}", p, n, col) for i, (p, n) in enumerate(zip(prompts, lengths))])
+        sched.add([make(f"r{i}", p, n, col) for i, (p, n) in enumerate(zip(prompts, lengths, strict=False))])
         assert col.event.wait(120)
-        for i, (p, n) in enumerate(zip(prompts, lengths)):
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=False)):
             assert col.done[f"r{i}"].output_ids == hf_greedy(engine_models[arch], p, n), i
         assert col.order.index("r0") < col.order.index("r1")  # the short one left the batch first
         assert sched.steps < sum(lengths)  # decode steps were shared
@@ -67,6 +67,7 @@ def test_retract_recomputes_kv(engine_models: dict[str, Path]) -> None:
         prompt = [5, 6, 7, 8, 9]
         sched.submit(sched.pause, "in_place").result()
         sched.add([make("a", prompt, 30, col)])
+
         # admit and decode a few tokens by hand on the scheduler thread, then retract and resume
         def few_steps() -> int:
             sched._admit()

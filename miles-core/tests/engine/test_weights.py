@@ -42,7 +42,9 @@ def test_api_key_is_checked_on_every_route(engine: EngineProcess) -> None:
     assert httpx.get(engine.url + "/health", headers=H, timeout=30).status_code == 200
 
 
-def test_update_weights_from_disk_switches_models_and_versions(engine: EngineProcess, engine_models: dict[str, Path]) -> None:
+def test_update_weights_from_disk_switches_models_and_versions(
+    engine: EngineProcess, engine_models: dict[str, Path]
+) -> None:
     a, b = engine_models["qwen2"], engine_models["qwen2_b"]
     before = greedy(engine)
     assert before["output_ids"] == hf_greedy(a, PROMPT, 12)
@@ -62,7 +64,9 @@ def test_update_weights_from_disk_switches_models_and_versions(engine: EnginePro
     assert greedy(engine)["meta_info"]["weight_version"] == "42"
 
 
-def test_bad_weights_are_rejected_and_nothing_changes(engine: EngineProcess, engine_models: dict[str, Path], tmp_path: Path) -> None:
+def test_bad_weights_are_rejected_and_nothing_changes(
+    engine: EngineProcess, engine_models: dict[str, Path], tmp_path: Path
+) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -81,14 +85,19 @@ def test_bad_weights_are_rejected_and_nothing_changes(engine: EngineProcess, eng
 def _update_during_generation(engine: EngineProcess, mode: str, model: Path, version: str) -> dict:
     async def run() -> dict:
         async with httpx.AsyncClient(base_url=engine.url, headers=H, timeout=300) as client:
-            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+            body = {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0},
+            }
             task = asyncio.create_task(client.post("/generate", json=body))
             while (await client.get("/server_info")).json()["generated_tokens"] == 0 or (
                 await client.get("/server_info")
             ).json()["num_running_reqs"] == 0:
                 await asyncio.sleep(0.005)
             assert (await client.post("/pause_generation", json={"mode": mode})).json()["success"]
-            resp = await client.post("/update_weights_from_disk", json={"model_path": str(model), "weight_version": version})
+            resp = await client.post(
+                "/update_weights_from_disk", json={"model_path": str(model), "weight_version": version}
+            )
             assert resp.json()["success"], resp.text
             await client.post("/continue_generation", json={})
             return (await task).json()
@@ -97,7 +106,9 @@ def _update_during_generation(engine: EngineProcess, mode: str, model: Path, ver
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_requests_in_flight_finish_on_new_weights_with_spans(engine: EngineProcess, engine_models: dict[str, Path], mode: str) -> None:
+def test_requests_in_flight_finish_on_new_weights_with_spans(
+    engine: EngineProcess, engine_models: dict[str, Path], mode: str
+) -> None:
     old = httpx.get(engine.url + "/model_info", headers=H, timeout=30).json()["weight_version"]
     target = engine_models["qwen2_b"] if mode == "retract" else engine_models["qwen2"]
     new = f"{mode}-v"
@@ -125,11 +136,17 @@ def test_abort_mode_aborts_requests_in_flight(engine: EngineProcess, engine_mode
 def test_update_without_pause_retracts_and_resumes(engine: EngineProcess, engine_models: dict[str, Path]) -> None:
     async def run() -> dict:
         async with httpx.AsyncClient(base_url=engine.url, headers=H, timeout=300) as client:
-            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+            body = {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0},
+            }
             task = asyncio.create_task(client.post("/generate", json=body))
             while (await client.get("/server_info")).json()["num_running_reqs"] == 0:
                 await asyncio.sleep(0.005)
-            resp = await client.post("/update_weights_from_disk", json={"model_path": str(engine_models["qwen2"]), "weight_version": "auto-v"})
+            resp = await client.post(
+                "/update_weights_from_disk",
+                json={"model_path": str(engine_models["qwen2"]), "weight_version": "auto-v"},
+            )
             assert resp.json()["success"]
             assert (await client.get("/server_info")).json()["paused"] is None  # resumed by itself
             return (await task).json()

@@ -79,7 +79,9 @@ def build_engine(
     )
 
 
-def serve(model_path: str | Path, *, host: str = "127.0.0.1", port: int = 30000, threads: int | None = None, **kwargs: Any) -> None:
+def serve(
+    model_path: str | Path, *, host: str = "127.0.0.1", port: int = 30000, threads: int | None = None, **kwargs: Any
+) -> None:
     """Serve ``model_path`` until interrupted (what ``miles serve`` runs)."""
     import torch
     import uvicorn
@@ -88,7 +90,14 @@ def serve(model_path: str | Path, *, host: str = "127.0.0.1", port: int = 30000,
 
     if threads:
         torch.set_num_threads(threads)
-    args = {"model_path": str(model_path), "host": host, "port": port, **{k: v for k, v in kwargs.items() if k != "api_key"}}
+    debug = bool(kwargs.pop("enable_debug_endpoints", False))
+    args = {
+        "model_path": str(model_path),
+        "host": host,
+        "port": port,
+        **{k: v for k, v in kwargs.items() if k != "api_key"},
+    }
+    args["enable_debug_endpoints"] = debug
     state = build_engine(model_path, server_args=args, **kwargs)
     app = create_app(state)
     log.info("serving %s on http://%s:%d", model_path, host, port)

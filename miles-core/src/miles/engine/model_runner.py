@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ModelRunner", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +109,12 @@ class ModelRunner:
             sizes = [lin.weight.shape[0] for lin in linears]
             bias = None
             if all(lin.bias is not None for lin in linears):
-                bias = torch.cat([lin.bias for lin in linears])  # type: ignore[misc]
+                bias = torch.cat([lin.bias for lin in linears])
             offset = 0
             for lin, size in zip(linears, sizes, strict=True):
                 lin.weight.data = weight[offset : offset + size]
                 if bias is not None:
-                    lin.bias.data = bias[offset : offset + size]  # type: ignore[union-attr]
+                    lin.bias.data = bias[offset : offset + size]
                 offset += size
             return weight, bias, sizes
 
@@ -310,7 +310,7 @@ class ModelRunner:
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                     target = params.get(name)
                     if target is None:
                         raise ValueError(f"{file}: tensor {name!r} is not a parameter of the served model")

@@ -71,7 +71,10 @@ def _sampling(raw: Any) -> SamplingConfig:
         (isinstance(cfg.min_p, (int, float)) and 0 <= cfg.min_p <= 1, "min_p must be in [0, 1]"),
         (isinstance(cfg.n, int) and cfg.n >= 1, "n must be an integer >= 1"),
         (cfg.sampling_seed is None or isinstance(cfg.sampling_seed, int), "sampling_seed must be an integer"),
-        (isinstance(cfg.stop, list) and all(isinstance(s, str) and s for s in cfg.stop), "stop must be a list of strings"),
+        (
+            isinstance(cfg.stop, list) and all(isinstance(s, str) and s for s in cfg.stop),
+            "stop must be a list of strings",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -101,10 +104,12 @@ def parse_generate(
         raise RequestError("exactly one of input_ids or text must be given")
     if ids is not None:
         batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = [_int_list(p, "input_ids[%d]" % i) for i, p in enumerate(ids)] if batched else [_int_list(ids, "input_ids")]
+        prompts = (
+            [_int_list(p, f"input_ids[{i}]") for i, p in enumerate(ids)] if batched else [_int_list(ids, "input_ids")]
+        )
     else:
         batched = isinstance(text, list)
-        texts = text if batched else [text]
+        texts: list[Any] = text if isinstance(text, list) else [text]
         if not all(isinstance(t, str) for t in texts):
             raise RequestError("text must be a string or a list of strings")
         prompts = [encode(t) for t in texts]
@@ -123,9 +128,7 @@ def parse_generate(
         if bad:
             raise RequestError(f"{where}: token id {bad[0]} is out of the vocabulary (size {vocab_size})")
         if len(prompt) >= context_length:
-            raise RequestError(
-                f"{where}: the prompt has {len(prompt)} tokens; the context length is {context_length}"
-            )
+            raise RequestError(f"{where}: the prompt has {len(prompt)} tokens; the context length is {context_length}")
     return_logprob = bool(body.get("return_logprob", False))
     start = body.get("logprob_start_len", -1)
     if not isinstance(start, int):
@@ -135,7 +138,7 @@ def parse_generate(
     if len(rids) != len(prompts):
         raise RequestError("rid: a list must have one entry per prompt")
     requests: list[Request] = []
-    for i, (prompt, cfg, parent) in enumerate(zip(prompts, configs, rids, strict=True)):
+    for prompt, cfg, parent in zip(prompts, configs, rids, strict=True):
         parent = str(parent) if parent is not None else uuid.uuid4().hex
         for j in range(cfg.n):
             requests.append(

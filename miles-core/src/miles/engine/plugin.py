@@ -33,6 +33,8 @@ class LocalEngineSettings(ComponentSettings):
     """Require ``Authorization: Bearer <key>`` on every route."""
     return_original_logprob: bool = False
     """Report logprobs of the raw logits (before temperature) by default, as ``SGLANG_RETURN_ORIGINAL_LOGPROB``."""
+    enable_debug_endpoints: bool = False
+    """Serve ``/debug/*`` routes (``/debug/randomize_weights`` for ``transport.randomize_engines_first``)."""
 
 
 class LocalEngine(RolloutEngine):
@@ -65,6 +67,8 @@ class LocalEngine(RolloutEngine):
                 argv += [flag, str(value)]
         if getattr(s, "return_original_logprob", False):
             argv.append("--return-original-logprob")
+        if getattr(s, "enable_debug_endpoints", False):
+            argv.append("--enable-debug-endpoints")
         env = {}
         if device == "cuda" and devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import httpx
 
@@ -51,7 +52,7 @@ class EngineProcess:
         self.log_path = log_path
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
 
     def start(self, wait: bool = True) -> EngineProcess:
         argv = [
@@ -74,7 +75,9 @@ class EngineProcess:
             headers["Authorization"] = "Bearer " + self.extra_args[self.extra_args.index("--api-key") + 1]
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine for {self.model_path} exited with code {self.proc.returncode} (log: {self.log_path})")
+                raise RuntimeError(
+                    f"engine for {self.model_path} exited with code {self.proc.returncode} (log: {self.log_path})"
+                )
             try:
                 if httpx.get(self.url + "/health", headers=headers, timeout=2).status_code == 200:
                     return
@@ -98,5 +101,7 @@ class EngineProcess:
     def __enter__(self) -> EngineProcess:
         return self.start() if self.proc is None else self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

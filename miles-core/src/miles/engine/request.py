@@ -54,6 +54,11 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        """The token the next decode step feeds."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -88,7 +93,8 @@ class Request:
                 start = max(self.logprob_start_len, 0)
                 prompt = self.prompt_ids[start:]
                 meta["input_token_logprobs"] = [
-                    [lp, tok, txt] for lp, tok, txt in zip(self.input_logprobs, prompt, decode_each(prompt), strict=True)
+                    [lp, tok, txt]
+                    for lp, tok, txt in zip(self.input_logprobs, prompt, decode_each(prompt), strict=True)
                 ]
         if self.return_routed_experts and self.routed:
             import torch

@@ -263,12 +263,12 @@ class Scheduler:
             slot = first_slot + offset
             self.runner.ensure(slot + 1, len(plan.seq) + 1)
             if plan.match.length:
-                self.runner.load_prefix(slot, plan.match.k, plan.match.v)  # type: ignore[arg-type]
+                self.runner.load_prefix(slot, plan.match.k, plan.match.v)
             plan.routed = [plan.match.experts] if plan.match.experts is not None else []
             self.running.append(plan.req)
         # one padded forward per group of similar lengths; long prompts go in chunks
         work = [(first_slot + i, p) for i, p in enumerate(plans) if p.need > p.match.length]
-        for slot, plan in work:
+        for _, plan in work:
             plan.done = plan.match.length
         while work:
             group = [work[0]]
@@ -324,7 +324,7 @@ class Scheduler:
     # ----------------------------------------------------------------- decode
     def _decode_step(self) -> None:
         running = self.running
-        tokens = [req.tokens[-1] for req in running]
+        tokens = [req.last_token for req in running]
         positions = [req.kv_len for req in running]
         logits, routed = self.runner.decode(tokens, positions)
         self.steps += 1
@@ -338,7 +338,10 @@ class Scheduler:
             else:
                 banned.append([])
         ids, logprobs, raws = sample_rows(
-            logits, [r.config for r in running], [r.generator for r in running], banned  # type: ignore[misc]
+            logits,
+            [r.config for r in running],
+            [r.generator for r in running],
+            banned,
         )
         self.generated_tokens += len(ids)
         done: list[Request] = []

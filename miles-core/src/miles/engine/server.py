@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles.engine.parsing import RequestError, parse_generate
@@ -71,9 +72,8 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: HTTPRequest, call_next: Callable[[HTTPRequest], Any]) -> Any:
-        if state.api_key is not None:
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                return _gen_error("missing or wrong API key (Authorization: Bearer <key>)", 401)
+        if state.api_key is not None and request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+            return _gen_error("missing or wrong API key (Authorization: Bearer <key>)", 401)
         return await call_next(request)
 
     async def _run(body: Any) -> tuple[Any, bool, list[asyncio.Queue[tuple[dict[str, Any], bool]]], list[Request]]:
@@ -148,6 +148,8 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Any:
+        if sched.paused is not None:  # alive, but generation waits for /continue_generation
+            return Response(status_code=200)
         body = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         _, _, queues, _ = await _run(body)
         payload, _ = await asyncio.wait_for(queues[0].get(), timeout=120)
@@ -193,7 +195,7 @@ def create_app(state: EngineState) -> FastAPI:
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
             return await handler(body)
-        except (RequestError, ValueError, TypeError, OSError) as exc:
+        except (RequestError, ValueError, TypeError, OSError, RuntimeError) as exc:
             return _admin_error(str(exc))
 
     @app.post("/abort_request")

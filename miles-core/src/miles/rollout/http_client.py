@@ -125,9 +125,7 @@ class HttpEngineClient(EngineClient):
         return min(candidates, key=lambda u: self.outstanding[u])
 
     # -------------------------------------------------------------------- HTTP
-    async def _request(
-        self, method: str, url: str, endpoint: str, payload: dict[str, Any] | None = None
-    ) -> Any:
+    async def _request(self, method: str, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> Any:
         delay = self.backoff
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
@@ -143,7 +141,9 @@ class HttpEngineClient(EngineClient):
                 if resp.status_code < 400:
                     return resp.json() if resp.content else {}
                 if resp.status_code not in _RETRY_STATUS or last:
-                    raise EngineHTTPError(f"{url}{endpoint}: HTTP {resp.status_code}: {_message(resp)}", resp.status_code)
+                    raise EngineHTTPError(
+                        f"{url}{endpoint}: HTTP {resp.status_code}: {_message(resp)}", resp.status_code
+                    )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff)
         raise AssertionError("unreachable")

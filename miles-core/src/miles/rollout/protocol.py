@@ -12,7 +12,7 @@ import base64
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FinishReason", "GenerateOutput", "SamplingParams", "PauseMode"]
+__all__ = ["FinishReason", "GenerateOutput", "PauseMode", "SamplingParams"]
 
 PauseMode = Literal["abort", "retract", "in_place"]
 """How ``/pause_generation`` treats requests in flight (SGLang's modes)."""
@@ -52,9 +52,7 @@ class FinishReason:
     def from_json(cls, data: dict[str, Any] | None) -> FinishReason:
         if data is None:
             return cls("abort", message="no finish_reason in the response")
-        return cls(
-            data["type"], matched=data.get("matched"), length=data.get("length"), message=data.get("message")
-        )
+        return cls(data["type"], matched=data.get("matched"), length=data.get("length"), message=data.get("message"))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}

@@ -51,9 +51,19 @@ async def length_scorer(samples: Any) -> None:
         s.reward = s.response_length / 10
 
 
-async def generated_tokens(url: str) -> int:
+async def server_info(url: str) -> dict[str, Any]:
     async with httpx.AsyncClient() as http:
-        return int((await http.get(url + "/server_info", timeout=10)).json()["generated_tokens"])
+        info: dict[str, Any] = (await http.get(url + "/server_info", timeout=10)).json()
+        return info
+
+
+async def until_all_decoding(url: str, n: int) -> None:
+    """Wait until ``n`` requests are running and each has sampled at least one token."""
+    while (await server_info(url))["num_running_reqs"] < n:
+        await asyncio.sleep(0.002)
+    start = (await server_info(url))["generated_tokens"]
+    while (await server_info(url))["generated_tokens"] < start + 2 * n:  # two batched decode steps
+        await asyncio.sleep(0.002)
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
@@ -66,10 +76,8 @@ def test_weight_update_under_each_pause_mode(engine: EngineProcess, model: Path,
             from miles.data.base import Prompt
 
             pending = manager.new_group(Prompt("count", prompt_ids=[5, 6, 7, 8, 9]))
-            before = await generated_tokens(engine.url)
             task = asyncio.gather(*(manager.generate_sample(s) for s in pending))
-            while await generated_tokens(engine.url) < before + 8:  # both requests are decoding
-                await asyncio.sleep(0.005)
+            await until_all_decoding(engine.url, len(pending))
             await client.pause_generation(mode)  # type: ignore[arg-type]
             # the new version (loading the weights themselves is the engine tests' and the transports' job)
             await client.update_weight_version("1")

@@ -1,0 +1,51 @@
+"""Sampling in-process: the reported logprob is that of softmax(logits / T) (raw: of softmax(logits)),
+top-k / top-p / min-p never pick outside their set, seeds reproduce, banned tokens are never drawn."""
+
+from __future__ import annotations
+
+import torch
+
+from miles.engine.sampling import SamplingConfig, sample_rows
+
+
+def draw(
+    logits: torch.Tensor, cfg: SamplingConfig, seed: int, banned: list[int] | None = None
+) -> tuple[int, float, float]:
+    gen = torch.Generator().manual_seed(seed)
+    ids, lps, raws = sample_rows(logits[None].clone(), [cfg], [gen], [banned or []])
+    return ids[0], lps[0], raws[0]
+
+
+def test_logprob_conventions() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 3
+    tok, lp, raw = draw(logits, SamplingConfig(temperature=0.6), seed=1)
+    assert abs(lp - float(torch.log_softmax(logits / 0.6, -1)[tok])) < 1e-6
+    assert abs(raw - float(torch.log_softmax(logits, -1)[tok])) < 1e-6
+    tok, lp, _ = draw(logits, SamplingConfig(temperature=0.0), seed=1)
+    assert tok == int(logits.argmax()) and abs(lp - float(torch.log_softmax(logits, -1)[tok])) < 1e-6
+
+
+def test_truncation_keeps_draws_inside_the_allowed_set() -> None:
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(2)) * 2
+    probs = torch.softmax(logits, -1)
+    top5 = set(torch.topk(logits, 5).indices.tolist())
+    order = torch.argsort(probs, descending=True)
+    nucleus = set(order[: int((torch.cumsum(probs[order], 0) < 0.5).sum()) + 1].tolist())
+    allowed_min_p = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    for seed in range(200):
+        assert draw(logits, SamplingConfig(top_k=5), seed)[0] in top5
+        assert draw(logits, SamplingConfig(top_p=0.5), seed)[0] in nucleus
+        assert draw(logits, SamplingConfig(min_p=0.2), seed)[0] in allowed_min_p
+    assert draw(logits, SamplingConfig(top_k=1, temperature=1.0), 0)[0] == int(logits.argmax())
+
+
+def test_seeds_reproduce_and_banned_tokens_are_never_drawn() -> None:
+    logits = torch.zeros(20)
+    cfg = SamplingConfig(temperature=1.0)
+    first = [draw(logits, cfg, seed=s)[0] for s in range(30)]
+    assert first == [draw(logits, cfg, seed=s)[0] for s in range(30)]
+    assert len(set(first)) > 5
+    banned = list(range(10))
+    for s in range(100):
+        tok, lp, _ = draw(logits, cfg, seed=s, banned=banned)
+        assert tok >= 10 and abs(lp - float(torch.log(torch.tensor(0.1)))) < 1e-6  # renormalised over 10

@@ -6,6 +6,9 @@ from __future__ import annotations
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("precision", "miles.precision.builtin"),
     ("jsonl", "miles.metrics.jsonl"),
+    ("tensorboard", "miles.metrics.tensorboard"),
+    ("wandb", "miles.metrics.wandb"),
+    ("transports", "miles.transport.plugin"),
     ("local_engine", "miles.engine.plugin"),
     ("algorithms", "miles.algorithms.plugin"),
     ("rewards", "miles.rewards.plugin"),

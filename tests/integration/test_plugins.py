@@ -8,7 +8,13 @@ import sys
 
 
 def _plugins() -> dict[str, dict[str, object]]:
-    out = subprocess.run([sys.executable, "-m", "miles", "plugins", "list", "--json"], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "miles", "plugins", "list", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     data = json.loads(out.stdout)
     assert data["schema_version"] == 1
     return {p["name"]: p for p in data["plugins"]}
@@ -27,7 +33,16 @@ def test_backends_come_from_their_distributions() -> None:
     assert plugins["reward_example"]["distribution"] == "miles-reward-example"
     assert {"kind": "reward", "name": "keyword"} in plugins["reward_example"]["registers"]  # type: ignore[operator]
     builtin_kinds = {r["kind"] for p in plugins.values() if p["builtin"] for r in p["registers"]}  # type: ignore[attr-defined]
-    assert {"rollout_engine", "transport", "precision", "algorithm", "reward", "data_source", "launcher", "logger"} <= builtin_kinds
+    assert {
+        "rollout_engine",
+        "transport",
+        "precision",
+        "algorithm",
+        "reward",
+        "data_source",
+        "launcher",
+        "logger",
+    } <= builtin_kinds
 
 
 def test_version_lists_every_package() -> None:

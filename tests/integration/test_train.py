@@ -27,7 +27,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "label": str(a + b)} for a in range(3, 9) for b in range(2, 6)]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "label": str(a + b)}
+        for a in range(3, 9)
+        for b in range(2, 6)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -91,7 +95,9 @@ def write_config(
 
 def miles(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "miles", *args], capture_output=True, text=True, env=full, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "miles", *args], capture_output=True, text=True, env=full, timeout=timeout, cwd=ROOT
+    )
 
 
 def metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -171,7 +177,14 @@ def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model:
     """Engines free their KV cache and weights while the trainer trains; the push restores every tensor."""
     run_dir = tmp_path / "disk"
     config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2)
-    evaluation = ["--set", f"data.eval_path={json.dumps(str(prompts))}", "--set", "train.eval_interval=1", "--set", "train.eval_pass_k=[1, 2]"]
+    evaluation = [
+        "--set",
+        f"data.eval_path={json.dumps(str(prompts))}",
+        "--set",
+        "train.eval_interval=1",
+        "--set",
+        "train.eval_pass_k=[1, 2]",
+    ]
     out = miles("train", str(config), "--set", "cluster.colocate=true", *evaluation)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(run_dir)
@@ -218,10 +231,19 @@ def test_skipped_tensor_is_caught_by_name(tmp_path: Path, tiny_model: Path, prom
     (info / "entry_points.txt").write_text("[miles.plugins]\nfaulty = miles_faulty\n")
     run_dir = tmp_path / "faulty"
     config = write_config(
-        tmp_path, tiny_model, prompts, run_dir, '\n[rollout.engine]\nname = "local"\nenable_debug_endpoints = true\n',
-        ranks=1, transport="skipping_disk", transport_options="randomize_engines_first = true", rollouts=1,
+        tmp_path,
+        tiny_model,
+        prompts,
+        run_dir,
+        '\n[rollout.engine]\nname = "local"\nenable_debug_endpoints = true\n',
+        ranks=1,
+        transport="skipping_disk",
+        transport_options="randomize_engines_first = true",
+        rollouts=1,
     )
-    out = miles("train", str(config), env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+    out = miles(
+        "train", str(config), env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    )
     assert out.returncode != 0
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "1 tensor(s) were not updated by the push, e.g. 'model.norm.weight'" in log
@@ -235,9 +257,20 @@ def test_sft_without_engines(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "sft"
     config = write_config(tmp_path, tiny_model, data, run_dir, rollouts=4)
     text = config.read_text().replace("num_engines = 1", "num_engines = 0").replace('name = "grpo"', 'name = "sft"')
-    text = text.replace("n_samples_per_prompt = 4", "n_samples_per_prompt = 2").replace("global_batch_size = 8", "global_batch_size = 8")
+    text = text.replace("n_samples_per_prompt = 4", "n_samples_per_prompt = 2").replace(
+        "global_batch_size = 8", "global_batch_size = 8"
+    )
     config.write_text(text)
-    out = miles("train", str(config), "--set", "rollout.rollout_batch_size=8", "--set", "rollout.n_samples_per_prompt=1", "--set", "train.lr=3e-3")
+    out = miles(
+        "train",
+        str(config),
+        "--set",
+        "rollout.rollout_batch_size=8",
+        "--set",
+        "rollout.n_samples_per_prompt=1",
+        "--set",
+        "train.lr=3e-3",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     losses = [r["train/loss"] for r in metrics(run_dir)]
     assert len(losses) == 4 and losses[-1] < losses[0]
@@ -303,7 +336,9 @@ def test_custom_multi_turn_rollout_function_trains(tmp_path: Path, tiny_model: P
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     from miles.types import Sample
 
-    samples = [Sample.from_json(line) for line in (run_dir / "samples" / "rollout_000001.jsonl").read_text().splitlines()]
+    samples = [
+        Sample.from_json(line) for line in (run_dir / "samples" / "rollout_000001.jsonl").read_text().splitlines()
+    ]
     assert len(samples) == 16
     for s in samples:
         s.validate()
@@ -313,4 +348,3 @@ def test_custom_multi_turn_rollout_function_trains(tmp_path: Path, tiny_model: P
         assert s.metadata["second_turn_cached_tokens"] >= len(s.prompt_ids)  # the first turn's context was cached
     row = metrics(run_dir)[0]
     assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # tool tokens excluded from the comparison
-

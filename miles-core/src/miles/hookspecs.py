@@ -286,4 +286,3 @@ REGISTRATION_HOOKS: dict[str, str] = {
 """Registration hook name -> registry (:class:`miles.components.ComponentKind` value)."""
 
 __all__ = ["REGISTRATION_HOOKS", "hookspec"] + [name for name in dir() if name.startswith("miles_")]
-

@@ -125,9 +125,7 @@ class Sample:
             if len(value) != n:
                 raise ValueError(f"Sample.{name} has {len(value)} entries, response_ids has {n}")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
-            raise ValueError(
-                f"Sample.teacher_logprobs has {len(self.teacher_logprobs)} entries, response_ids has {n}"
-            )
+            raise ValueError(f"Sample.teacher_logprobs has {len(self.teacher_logprobs)} entries, response_ids has {n}")
         if self.routed_experts is not None:
             if self.routed_experts_shape is None:
                 raise ValueError("Sample.routed_experts is set but routed_experts_shape is not")

@@ -12,7 +12,9 @@ def miles(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     import os
 
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "miles", *args], capture_output=True, text=True, env=full_env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "miles", *args], capture_output=True, text=True, env=full_env, timeout=120
+    )
 
 
 def test_version_lists_installed_packages() -> None:
@@ -43,12 +45,18 @@ def test_plugins_list_shows_blocked(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("config", "args", "message"),
     [
-        ("[train]\nlr = \"fast\"\n", [], "train.lr ({path}:2): Input should be a valid number"),
-        ("[precision]\nname = \"fp7\"\n", [], "precision.name ({path}:2): unknown precision 'fp7' (available: bf16, fp32)"),
+        ('[train]\nlr = "fast"\n', [], "train.lr ({path}:2): Input should be a valid number"),
+        (
+            '[precision]\nname = "fp7"\n',
+            [],
+            "precision.name ({path}:2): unknown precision 'fp7' (available: bf16, fp32)",
+        ),
         ("", ["--set", "precision=fp7"], "precision (--set precision=fp7): unknown precision 'fp7'"),
     ],
 )
-def test_train_config_errors_exit_2_without_traceback(tmp_path: Path, config: str, args: list[str], message: str) -> None:
+def test_train_config_errors_exit_2_without_traceback(
+    tmp_path: Path, config: str, args: list[str], message: str
+) -> None:
     path = tmp_path / "run.toml"
     path.write_text(config)
     out = miles("train", "--dry-run", str(path), *args, env={"COLUMNS": "300"})

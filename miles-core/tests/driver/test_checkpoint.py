@@ -11,7 +11,9 @@ from miles.errors import SettingsError
 def test_driver_state_round_trip_and_latest(tmp_path: Path) -> None:
     root = tmp_path / "run" / "checkpoints"
     first = checkpoint_dir(root, 2)
-    write_driver_state(first, DriverState(step=2, weight_version="2", data={"epoch": 0, "offset": 8}, rollout={"next_group_id": 8}))
+    write_driver_state(
+        first, DriverState(step=2, weight_version="2", data={"epoch": 0, "offset": 8}, rollout={"next_group_id": 8})
+    )
     second = checkpoint_dir(root, 4)
     (second / "trainer").mkdir(parents=True)  # trainer files written, driver.json not yet: incomplete
     assert find_checkpoint(root) == first

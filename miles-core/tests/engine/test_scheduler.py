@@ -83,3 +83,24 @@ def test_retract_recomputes_kv(engine_models: dict[str, Path]) -> None:
         assert col.done["a"].output_ids == hf_greedy(engine_models["qwen2"], prompt, 30)
     finally:
         sched.stop()
+
+
+def test_kv_budget_bounds_the_batch_and_rejects_what_can_never_fit(engine_models: dict[str, Path]) -> None:
+    torch.set_num_threads(1)
+    # 8 slots x 512 positions: requests of span 5 + 300 + 1 fit 8 at a time
+    state = build_engine(engine_models["qwen2"], max_cache_tokens=0, max_kv_tokens=8 * 512)
+    sched = state.scheduler
+    try:
+        col = Collector()
+        col.expected = 13
+        reqs = [make(f"r{i}", [i + 1, 2, 3, 4, 5], 300, col) for i in range(12)]
+        reqs.append(make("huge", [1, 2, 3], 5000, col))  # capped at the context (1024): 8 x 1024 > budget
+        sched.add(reqs)
+        assert col.event.wait(300)
+        assert all(col.done[f"r{i}"].finish_reason == {"type": "length", "length": 300} for i in range(12))
+        assert sched.peak_running == 8
+        huge = col.done["huge"].finish_reason
+        assert huge is not None and huge["type"] == "abort" and "budget" in huge["message"]
+        assert sched.runner.slots * sched.runner.capacity <= 8 * 512
+    finally:
+        sched.stop()

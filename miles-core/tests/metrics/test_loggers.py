@@ -16,14 +16,19 @@ def test_jsonl_logger_appends_steps(tmp_path: Path) -> None:
     logger.log(2, {"rollout/reward_mean": 0.5})
     logger.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 1, "rollout/reward_mean": 0.25, "train/loss": None}, {"step": 2, "rollout/reward_mean": 0.5}]
+    assert rows == [
+        {"step": 1, "rollout/reward_mean": 0.25, "train/loss": None},
+        {"step": 2, "rollout/reward_mean": 0.5},
+    ]
 
 
 def test_tensorboard_logger_writes_readable_events(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     pm = PluginManager(entry_points=False).load()
-    logger = pm.create(ComponentKind.LOGGER, PluginSpec(name="tensorboard"), field="log.loggers[0]", run_dir=str(tmp_path))
+    logger = pm.create(
+        ComponentKind.LOGGER, PluginSpec(name="tensorboard"), field="log.loggers[0]", run_dir=str(tmp_path)
+    )
     for step in range(1, 4):
         logger.log(step, {"rollout/reward_mean": step / 10})
     logger.close()
@@ -35,7 +40,12 @@ def test_tensorboard_logger_writes_readable_events(tmp_path: Path) -> None:
 
 def test_wandb_logger_writes_an_offline_run(tmp_path: Path) -> None:
     pm = PluginManager(entry_points=False).load()
-    logger = pm.create(ComponentKind.LOGGER, PluginSpec(name="wandb", project="miles-test"), field="log.loggers[0]", run_dir=str(tmp_path))
+    logger = pm.create(
+        ComponentKind.LOGGER,
+        PluginSpec(name="wandb", project="miles-test"),
+        field="log.loggers[0]",
+        run_dir=str(tmp_path),
+    )
     for step in range(1, 4):
         logger.log(step, {"rollout/reward_mean": step / 10 + 0.01})
     logger.close()

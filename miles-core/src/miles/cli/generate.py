@@ -26,7 +26,10 @@ def generate(
     from miles.driver.evaluate import generate_rollouts
 
     settings = resolve_run(config, set_ or [], to_stderr=True)
-    groups = _run_against_engines(settings, lambda pm, client: generate_rollouts(pm, settings, client, num_rollouts=num_rollouts, data_path=data, out=out))
+    groups = _run_against_engines(
+        settings,
+        lambda pm, client: generate_rollouts(pm, settings, client, num_rollouts=num_rollouts, data_path=data, out=out),
+    )
     Console().print(f"wrote {sum(len(g) for g in groups)} samples to {out}")
 
 
@@ -34,8 +37,12 @@ def generate(
 def evaluate(
     config: Annotated[Path, typer.Argument(help="Settings file (.toml / .yaml).")],
     data: Annotated[str, typer.Option("--data", help="Eval prompt file.")],
-    k: Annotated[list[int] | None, typer.Option("--k", help="pass@k to report (repeatable); samples per prompt = max k.")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="Evaluate this model directory instead of train.model_path.")] = None,
+    k: Annotated[
+        list[int] | None, typer.Option("--k", help="pass@k to report (repeatable); samples per prompt = max k.")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Evaluate this model directory instead of train.model_path.")
+    ] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a setting (repeatable).")] = None,
 ) -> None:
     """pass@k and mean reward of a model on an eval set (one pass over it)."""
@@ -50,7 +57,9 @@ def evaluate(
         rows = sum(1 for line in f if line.strip())
     batch = settings.rollout.rollout_batch_size
     rollouts = max(1, -(-rows // batch))
-    groups = _run_against_engines(settings, lambda pm, client: generate_rollouts(pm, settings, client, num_rollouts=rollouts, data_path=data))
+    groups = _run_against_engines(
+        settings, lambda pm, client: generate_rollouts(pm, settings, client, num_rollouts=rollouts, data_path=data)
+    )
     metrics = eval_metrics(groups[:rows], ks=ks)
     typer.echo(json.dumps(metrics, indent=1))
 

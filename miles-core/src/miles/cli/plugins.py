@@ -20,8 +20,12 @@ JSON_SCHEMA_VERSION = 1
 
 @plugins_app.command("list")
 def list_plugins(
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (schema in docs/reference/cli.md).")] = False,
-    hook: Annotated[str | None, typer.Option("--hook", help="Only plugins implementing this hook (e.g. miles_register_rewards).")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Machine-readable output (schema in docs/reference/cli.md).")
+    ] = False,
+    hook: Annotated[
+        str | None, typer.Option("--hook", help="Only plugins implementing this hook (e.g. miles_register_rewards).")
+    ] = None,
     traceback: Annotated[bool, typer.Option("--traceback", help="Show the traceback of failed plugins.")] = False,
 ) -> None:
     """List built-in and installed plugins: name, distribution, version, registrations, status."""
@@ -29,7 +33,9 @@ def list_plugins(
     if hook is not None:
         records = [r for r in records if hook in r.hooks]
     if as_json:
-        typer.echo(json.dumps({"schema_version": JSON_SCHEMA_VERSION, "plugins": [r.to_json() for r in records]}, indent=2))
+        typer.echo(
+            json.dumps({"schema_version": JSON_SCHEMA_VERSION, "plugins": [r.to_json() for r in records]}, indent=2)
+        )
         return
     table = Table(title="Miles plugins", show_lines=False)
     for column in ("plugin", "distribution", "version", "registers", "status"):

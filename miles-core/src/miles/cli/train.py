@@ -26,9 +26,16 @@ def resolve_run(config: Path | None, overrides: list[str], *, to_stderr: bool = 
 @app.command()
 def train(
     config: Annotated[Path | None, typer.Argument(help="Settings file (.toml / .yaml).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a setting: --set train.lr=1e-5 (repeatable).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved settings and the plugin serving each component, then exit.")] = False,
-    resume: Annotated[str | None, typer.Option("--resume", help="Continue from a checkpoint, a checkpoint folder or a run directory.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a setting: --set train.lr=1e-5 (repeatable).")
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print the resolved settings and the plugin serving each component, then exit."),
+    ] = False,
+    resume: Annotated[
+        str | None, typer.Option("--resume", help="Continue from a checkpoint, a checkpoint folder or a run directory.")
+    ] = None,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
     settings = resolve_run(config, set_ or [])

@@ -73,7 +73,9 @@ def build_loggers(pm: PluginManager, settings: MilesSettings) -> list[MetricsLog
     ]
 
 
-def build_data_source(pm: PluginManager, settings: MilesSettings, *, tokenizer: Any, path: str | None = None) -> DataSource:
+def build_data_source(
+    pm: PluginManager, settings: MilesSettings, *, tokenizer: Any, path: str | None = None
+) -> DataSource:
     """The prompt source with the tokenising pipeline (chat template applied once).
 
     :param path: read this file instead of ``data.path`` (an eval set).

@@ -69,9 +69,13 @@ async def evaluate_once(
     rollout = settings.rollout.model_copy(update={"n_samples_per_prompt": max(ks), "rollout_batch_size": rows})
 
     async def scorer(samples: Any) -> None:
-        await score_samples(samples, rewards, timeout=settings.reward.timeout, max_concurrency=settings.reward.max_concurrency)
+        await score_samples(
+            samples, rewards, timeout=settings.reward.timeout, max_concurrency=settings.reward.max_concurrency
+        )
 
-    manager = RolloutManager(client, rollout, scorer=scorer, rollout_function=rollout_function, seed=settings.train.seed + 1_000_003)
+    manager = RolloutManager(
+        client, rollout, scorer=scorer, rollout_function=rollout_function, seed=settings.train.seed + 1_000_003
+    )
     result = await manager.rollout(source)
     return eval_metrics(result.groups, ks=ks)
 
@@ -96,7 +100,9 @@ async def generate_rollouts(
     rewards = build_rewards(pm, settings.reward)
 
     async def scorer(samples: Any) -> None:
-        await score_samples(samples, rewards, timeout=settings.reward.timeout, max_concurrency=settings.reward.max_concurrency)
+        await score_samples(
+            samples, rewards, timeout=settings.reward.timeout, max_concurrency=settings.reward.max_concurrency
+        )
 
     manager = RolloutManager(
         client,
@@ -110,7 +116,12 @@ async def generate_rollouts(
         for i in range(num_rollouts):
             result = await manager.rollout(data)
             groups.extend(result.groups)
-            log.info("rollout %d/%d: %s", i + 1, num_rollouts, json.dumps({k: round(v, 4) for k, v in result.metrics.items()}))
+            log.info(
+                "rollout %d/%d: %s",
+                i + 1,
+                num_rollouts,
+                json.dumps({k: round(v, 4) for k, v in result.metrics.items()}),
+            )
     finally:
         await close_rewards(rewards)
     if out is not None:

@@ -34,17 +34,28 @@ def _child_env(settings: MilesSettings) -> dict[str, str]:
     cores = os.cpu_count() or 1
     processes = settings.cluster.trainer_ranks + settings.cluster.num_engines
     threads = str(max(1, cores // max(processes, 1)))
-    env = {"MILES_DEVICE": settings.cluster.device, "MILES_LOG_LEVEL": settings.log.level, "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        "MILES_DEVICE": settings.cluster.device,
+        "MILES_LOG_LEVEL": settings.log.level,
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if settings.cluster.device == "cpu":
-        env.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads), MILES_TORCH_THREADS=os.environ.get("MILES_TORCH_THREADS", threads))
+        env.update(
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
+            MILES_TORCH_THREADS=os.environ.get("MILES_TORCH_THREADS", threads),
+        )
     return env
 
 
 def make_launcher(pm: PluginManager, settings: MilesSettings) -> Launcher:
-    return pm.create(ComponentKind.LAUNCHER, settings.cluster.launcher, field="cluster.launcher", run_dir=settings.log.run_dir)
+    return pm.create(
+        ComponentKind.LAUNCHER, settings.cluster.launcher, field="cluster.launcher", run_dir=settings.log.run_dir
+    )
 
 
-def launch_engines(pm: PluginManager, settings: MilesSettings, launcher: Launcher, *, model_path: str | None = None) -> list[str]:
+def launch_engines(
+    pm: PluginManager, settings: MilesSettings, launcher: Launcher, *, model_path: str | None = None
+) -> list[str]:
     """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs."""
     from miles.launch.rendezvous import free_port
 
@@ -138,7 +149,9 @@ def run_training(settings: MilesSettings, *, resume: str | None = None, console:
         urls = launch_engines(pm, settings, launcher) if algorithm.needs.rollout else []
         (run_dir / "launch.json").write_text(json.dumps({"engine_urls": urls, "resume": resume}))
         env = _child_env(settings)
-        specs = trainer_specs([sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env)
+        specs = trainer_specs(
+            [sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env
+        )
         launcher.start_trainers(specs)
         with _progress(console, run_dir / "metrics.jsonl", settings.train.num_rollouts) as poll:
             stop = threading.Event()

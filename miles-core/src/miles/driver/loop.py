@@ -136,7 +136,9 @@ class TrainingLoop:
         rewards, reward_settings = self.rewards, settings.reward
 
         async def scorer(samples: Any) -> None:
-            await score_samples(samples, rewards, timeout=reward_settings.timeout, max_concurrency=reward_settings.max_concurrency)
+            await score_samples(
+                samples, rewards, timeout=reward_settings.timeout, max_concurrency=reward_settings.max_concurrency
+            )
 
         self.manager = RolloutManager(
             self.client,

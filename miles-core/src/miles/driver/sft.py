@@ -31,7 +31,9 @@ def _target_text(prompt: Prompt) -> str:
     return label
 
 
-def sft_groups(prompts: Sequence[Prompt], tokenizer: Any, *, first_group_id: int, weight_version: int) -> list[SampleGroup]:
+def sft_groups(
+    prompts: Sequence[Prompt], tokenizer: Any, *, first_group_id: int, weight_version: int
+) -> list[SampleGroup]:
     """One single-sample group per row."""
     eos = tokenizer.eos_token_id
     groups = []

@@ -34,7 +34,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     return rows
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None, panels: Sequence[tuple[str, Sequence[str]]] = DEFAULT_PANELS) -> Path:
+def plot_run(
+    run_dir: str | Path, out: str | Path | None = None, panels: Sequence[tuple[str, Sequence[str]]] = DEFAULT_PANELS
+) -> Path:
     """Draw one panel per metric group that the run logged; returns the PNG's path."""
     import matplotlib
 
@@ -42,6 +44,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, panels: Sequenc
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
+
     def logged(key: str) -> bool:
         return any(isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) for r in rows)
 

@@ -36,7 +36,9 @@ class TensorBoardLogger(MetricsLogger):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise SettingsError(f"log.loggers: 'tensorboard' needs the tensorboard package (pip install tensorboard): {exc}") from None
+            raise SettingsError(
+                f"log.loggers: 'tensorboard' needs the tensorboard package (pip install tensorboard): {exc}"
+            ) from None
         self.log_dir = os.path.join(run_dir, settings.subdir)
         self._writer: Any = SummaryWriter(log_dir=self.log_dir, flush_secs=settings.flush_secs)
 

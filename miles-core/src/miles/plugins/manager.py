@@ -105,7 +105,11 @@ class PluginManager:
         self._use_entry_points = entry_points
         env_disabled = _split_env(os.environ.get(DISABLE_ENV))
         self._disabled = set(disabled if disabled is not None else env_disabled or [])
-        self._only = set(only) if only is not None else (set(o) if (o := _split_env(os.environ.get(LOAD_ENV))) is not None else None)
+        self._only = (
+            set(only)
+            if only is not None
+            else (set(o) if (o := _split_env(os.environ.get(LOAD_ENV))) is not None else None)
+        )
         self._records: dict[str, PluginRecord] = {}
         self._registries: dict[ComponentKind, Registry[Any]] | None = None
         self._conflicts: dict[tuple[ComponentKind, str], DuplicateComponentError] = {}
@@ -149,9 +153,7 @@ class PluginManager:
                 if existing.distribution == record.distribution:
                     continue  # the same distribution seen twice on sys.path
                 record.status = "failed"
-                record.error = (
-                    f"plugin name {ep.name!r} is already taken by distribution {existing.distribution!r}"
-                )
+                record.error = f"plugin name {ep.name!r} is already taken by distribution {existing.distribution!r}"
                 self._records[f"{ep.name} ({record.distribution})"] = record
                 continue
             if self._only is not None and ep.name not in self._only:
@@ -228,7 +230,14 @@ class PluginManager:
                 plugin_name = impl.plugin_name
                 record: PluginRecord | None = self._records.get(plugin_name)
 
-                def register(component: Any, *, name: str | None = None, _p: str = plugin_name, _r: Any = record, _k: ComponentKind = kind) -> None:
+                def register(
+                    component: Any,
+                    *,
+                    name: str | None = None,
+                    _p: str = plugin_name,
+                    _r: Any = record,
+                    _k: ComponentKind = kind,
+                ) -> None:
                     try:
                         entry = registries[_k].add(component, plugin=_p, name=name)
                     except DuplicateComponentError as exc:
@@ -304,7 +313,9 @@ class PluginManager:
             options = entry.settings_model.model_validate(spec.options)
         except ValidationError as exc:
             context = f"settings of {entry.kind.label} {entry.name!r} (plugin {entry.plugin!r})"
-            raise SettingsError(format_validation_error(exc, prefix=field, context=context, source_of=source_of)) from None
+            raise SettingsError(
+                format_validation_error(exc, prefix=field, context=context, source_of=source_of)
+            ) from None
         return entry, options
 
     def create(self, kind: ComponentKind | str, spec: PluginSpec, *, field: str, **kwargs: Any) -> Any:
@@ -343,7 +354,9 @@ class PluginManager:
             source = source_of("rollout.function")
             try:
                 chosen["rollout.function"] = self.get(
-                    ComponentKind.ROLLOUT_FUNCTION, function, field=f"rollout.function ({source})" if source else "rollout.function"
+                    ComponentKind.ROLLOUT_FUNCTION,
+                    function,
+                    field=f"rollout.function ({source})" if source else "rollout.function",
                 )
             except MilesError as exc:
                 problems.append(exc)

@@ -190,7 +190,13 @@ class RolloutManager:
                 return replace(sample, status=SampleStatus.FAILED, status_reason=f"rollout failed: {exc}")
             if result.status != SampleStatus.ABORTED:
                 return result
-            log.info("sample %d/%d aborted (%s), attempt %d", sample.group_id, sample.index, result.status_reason, attempt + 1)
+            log.info(
+                "sample %d/%d aborted (%s), attempt %d",
+                sample.group_id,
+                sample.index,
+                result.status_reason,
+                attempt + 1,
+            )
         return result
 
     async def generate_group(self, prompt: Prompt) -> SampleGroup:
@@ -210,7 +216,9 @@ class RolloutManager:
             if rounds >= self.max_rounds:
                 log.warning(
                     "dynamic sampling kept %d of %d groups after %d rounds; filling with dropped groups",
-                    len(kept), want, rounds,
+                    len(kept),
+                    want,
+                    rounds,
                 )
                 kept += dropped[: want - len(kept)]
                 break

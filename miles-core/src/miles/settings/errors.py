@@ -54,7 +54,11 @@ def format_validation_error(
         source = source_of(path) if source_of else None
         where = f" ({source})" if source else ""
         got = ""
-        if kind not in ("extra_forbidden", "missing", "value_error") and "input" in err and not isinstance(err["input"], dict):
+        if (
+            kind not in ("extra_forbidden", "missing", "value_error")
+            and "input" in err
+            and not isinstance(err["input"], dict)
+        ):
             got = f" (got {err['input']!r})"
         lines.append(f"{path}{where}: {msg}{got}")
     head = f"invalid {context}:" if context else "invalid settings:"

@@ -281,7 +281,9 @@ class MilesSettings(BaseSettings):
                 f"= {samples} (rollout_batch_size x n_samples_per_prompt = global_batch_size x steps_per_rollout)"
             )
         if self.cluster.colocate and rollout.mode != "sync":
-            raise ValueError(f"cluster.colocate: engines and trainer cannot share devices in rollout.mode = {rollout.mode!r} (use sync)")
+            raise ValueError(
+                f"cluster.colocate: engines and trainer cannot share devices in rollout.mode = {rollout.mode!r} (use sync)"
+            )
         if train.eval_interval is not None and self.data.eval_path is None:
             raise ValueError("train.eval_interval: needs data.eval_path (the eval prompt file)")
         if gbs % self.cluster.trainer_ranks:

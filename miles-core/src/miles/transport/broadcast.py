@@ -171,7 +171,9 @@ class BroadcastTransport(WeightTransport):
                         other.cancel()
                     raise task.exception()  # type: ignore[misc]
         self.group, self._store = rendezvous.result()
-        log.info("broadcast transport: group %r with %d engines on port %d", self.options.group_name, world_size - 1, port)
+        log.info(
+            "broadcast transport: group %r with %d engines on port %d", self.options.group_name, world_size - 1, port
+        )
 
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
         import torch
@@ -193,7 +195,10 @@ class BroadcastTransport(WeightTransport):
                 "group_name": self.options.group_name,
                 "flush_cache": False,
             }
-            receives = [asyncio.create_task(self.client.call(url, "/update_weights_from_distributed", payload)) for url in self.client.urls]
+            receives = [
+                asyncio.create_task(self.client.call(url, "/update_weights_from_distributed", payload))
+                for url in self.client.urls
+            ]
             await asyncio.to_thread(broadcast_tensors, self.group, tensors)
             await asyncio.gather(*receives)
             for name, t in zip(names, tensors, strict=True):
@@ -202,15 +207,27 @@ class BroadcastTransport(WeightTransport):
             report.num_tensors += len(tensors)
         if dist.rank == 0:
             assert self.client is not None
-            closing = {"names": [], "dtypes": [], "shapes": [], "group_name": self.options.group_name, "flush_cache": True, "weight_version": version}
-            await asyncio.gather(*(self.client.call(url, "/update_weights_from_distributed", closing) for url in self.client.urls))
+            closing = {
+                "names": [],
+                "dtypes": [],
+                "shapes": [],
+                "group_name": self.options.group_name,
+                "flush_cache": True,
+                "weight_version": version,
+            }
+            await asyncio.gather(
+                *(self.client.call(url, "/update_weights_from_distributed", closing) for url in self.client.urls)
+            )
             report.seconds = time.perf_counter() - start
         return report
 
     async def close(self) -> None:
         if self.client is not None and self.group is not None:
             await asyncio.gather(
-                *(self.client.call(url, "/destroy_weights_update_group", {"group_name": self.options.group_name}) for url in self.client.urls),
+                *(
+                    self.client.call(url, "/destroy_weights_update_group", {"group_name": self.options.group_name})
+                    for url in self.client.urls
+                ),
                 return_exceptions=True,
             )
         self.group = None

@@ -30,7 +30,14 @@ __all__ = ["DiskTransport", "DiskTransportSettings"]
 
 log = logging.getLogger(__name__)
 
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+_COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 class DiskTransportSettings(ComponentSettings):
@@ -102,5 +109,11 @@ class DiskTransport(WeightTransport):
             old = self.written.pop(0)
             shutil.rmtree(old, ignore_errors=True)
         report.seconds = time.perf_counter() - start
-        log.info("disk transport: version %s, %d tensors, %.1f MB in %.2fs", version, report.num_tensors, report.num_bytes / 1e6, report.seconds)
+        log.info(
+            "disk transport: version %s, %d tensors, %.1f MB in %.2fs",
+            version,
+            report.num_tensors,
+            report.num_bytes / 1e6,
+            report.seconds,
+        )
         return report

@@ -69,7 +69,9 @@ def compare_checksums(
         )
 
 
-async def verify_engines(client: EngineClient, *, version: str, checksums_by_dtype: Mapping[str, Mapping[str, str]]) -> dict[str, float]:
+async def verify_engines(
+    client: EngineClient, *, version: str, checksums_by_dtype: Mapping[str, Mapping[str, str]]
+) -> dict[str, float]:
     """Ask every engine for its weight version and checksums and compare with what was sent.
 
     :param checksums_by_dtype: the trainer's checksums per engine dtype name (``"float32"`` ...).
@@ -80,7 +82,9 @@ async def verify_engines(client: EngineClient, *, version: str, checksums_by_dty
         report = await client.call(url, "/weights_checksum", {})
         served_version = str(report.get("weight_version"))
         if served_version != version:
-            raise WeightVerificationError(f"engine {url} serves weight version {served_version!r}, expected {version!r}")
+            raise WeightVerificationError(
+                f"engine {url} serves weight version {served_version!r}, expected {version!r}"
+            )
         dtype = str(report["dtype"])
         if dtype not in checksums_by_dtype:
             raise WeightVerificationError(f"engine {url} serves dtype {dtype}; no trainer checksums for it")

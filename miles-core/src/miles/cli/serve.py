@@ -20,7 +20,10 @@ def serve(
     dtype: Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto (the checkpoint's).")] = "float32",
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on every route.")] = None,
     max_cache_tokens: Annotated[int, typer.Option(help="Prefix-cache capacity in tokens (LRU beyond; 0 = off).")] = 1
-    << 20,
+    << 16,
+    max_kv_tokens: Annotated[
+        int | None, typer.Option(help="KV positions of the running batch (default: 4 GiB worth); requests wait beyond.")
+    ] = None,
     max_running_requests: Annotated[int, typer.Option(help="Requests decoded together at most.")] = 64,
     context_length: Annotated[int | None, typer.Option(help="Longest prompt + output (default: the model's).")] = None,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
@@ -50,6 +53,7 @@ def serve(
         dtype=dtype,
         api_key=api_key,
         max_cache_tokens=max_cache_tokens,
+        max_kv_tokens=max_kv_tokens,
         max_running_requests=max_running_requests,
         context_length=context_length,
         weight_version=weight_version,

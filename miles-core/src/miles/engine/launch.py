@@ -33,7 +33,8 @@ def build_engine(
     *,
     device: str = "cpu",
     dtype: str = "float32",
-    max_cache_tokens: int = 1 << 20,
+    max_cache_tokens: int = 1 << 16,
+    max_kv_tokens: int | None = None,
     max_running_requests: int = 64,
     context_length: int | None = None,
     weight_version: str = "0",
@@ -63,6 +64,7 @@ def build_engine(
         SchedulerConfig(
             max_running_requests=max_running_requests,
             max_cache_tokens=max_cache_tokens,
+            max_kv_tokens=max_kv_tokens,
             context_length=context_length,
             weight_version=weight_version,
         ),

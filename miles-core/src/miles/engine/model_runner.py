@@ -140,6 +140,18 @@ class ModelRunner:
             return None
         return torch.stack([r for r in self._routed if r is not None], dim=1).cpu()
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V of one token position over all layers."""
+        return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def reset_buffers(self) -> None:
+        """Shrink the KV buffers back to their initial size (when nothing runs)."""
+        if self.slots > 8 or self.capacity > 256:
+            self.k = self.v = torch.zeros(0)
+            self.slots = self.capacity = 0
+            self.ensure(8, 256)
+
     def ensure(self, slots: int, length: int) -> None:
         """Grow the KV buffers to hold ``slots`` requests of ``length`` tokens (doubling)."""
         if slots <= self.slots and length <= self.capacity:

@@ -21,8 +21,10 @@ __all__ = ["LocalEngine", "LocalEngineSettings"]
 class LocalEngineSettings(ComponentSettings):
     """Settings of the local engine (``rollout.engine = {name = "local", ...}``)."""
 
-    max_cache_tokens: int = Field(1 << 20, ge=0)
+    max_cache_tokens: int = Field(1 << 16, ge=0)
     """Prefix-cache capacity in tokens (LRU eviction beyond it; 0 disables the cache)."""
+    max_kv_tokens: int | None = Field(None, ge=1)
+    """KV positions the running batch may hold (default: what fits in 4 GiB); requests wait beyond it."""
     max_running_requests: int = Field(64, ge=1)
     """Requests decoded together at most; more wait in the queue."""
     context_length: int | None = Field(None, ge=2)
@@ -59,6 +61,7 @@ class LocalEngine(RolloutEngine):
         for flag, attr in (
             ("--max-running-requests", "max_running_requests"),
             ("--context-length", "context_length"),
+            ("--max-kv-tokens", "max_kv_tokens"),
             ("--threads", "threads"),
             ("--api-key", "api_key"),
         ):

@@ -58,10 +58,17 @@ class SchedulerConfig:
     """Limits of the scheduler."""
 
     max_running_requests: int = 64
-    max_cache_tokens: int = 1 << 20
+    max_cache_tokens: int = 1 << 16
     context_length: int | None = None
     """Longest sequence (prompt + output); ``None``: the model's ``max_position_embeddings``."""
     weight_version: str = "0"
+    max_kv_tokens: int | None = None
+    """Token positions the running batch's KV buffers may hold (slots x capacity); requests wait for
+    room beyond it. ``None``: what fits in 4 GiB for this model."""
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 class Scheduler:
@@ -89,6 +96,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="miles-engine", daemon=True)
         self.steps = 0
         self.generated_tokens = 0
+        self.peak_running = 0
+        self.max_kv_tokens = config.max_kv_tokens or max(1, (4 << 30) // runner.kv_bytes_per_token)
 
     # ------------------------------------------------------------- public API
     def start(self) -> None:
@@ -182,6 +191,8 @@ class Scheduler:
             "paused": self.paused,
             "decode_steps": self.steps,
             "generated_tokens": self.generated_tokens,
+            "peak_running_reqs": self.peak_running,
+            "max_kv_tokens": self.max_kv_tokens,
         }
 
     # ------------------------------------------------------------------ loop
@@ -230,10 +241,31 @@ class Scheduler:
         Requests with the same sequence as an earlier one of this round (the ``n`` samples of a prompt)
         are admitted after it, so they find its KV in the prefix cache instead of recomputing it.
         """
-        free = self.config.max_running_requests - len(self.running)
-        if free <= 0 or not self.waiting:
+        if not self.waiting:
             return
-        batch = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        if not self.running:
+            self.runner.reset_buffers()  # a past long request must not hold memory forever
+        batch: list[Request] = []
+        count = len(self.running)
+        longest = max((self._span(r) for r in self.running), default=0)
+        while self.waiting and count < self.config.max_running_requests:
+            req = self.waiting[0]
+            span = max(longest, self._span(req))
+            slots = max(self.runner.slots, _pow2(count + 1))
+            capacity = max(self.runner.capacity, min(_pow2(span), max(span, self.context_length)))
+            if slots * capacity > self.max_kv_tokens:
+                if count == 0:
+                    self.waiting.popleft()
+                    message = f"the request needs {capacity} KV positions; the engine's budget is {self.max_kv_tokens}"
+                    self._finish(req, {"type": "abort", "message": message})
+                    continue
+                break  # waits until running requests leave
+            batch.append(self.waiting.popleft())
+            count += 1
+            longest = span
+        if not batch:
+            return
+        self.peak_running = max(self.peak_running, count)
         first: list[Request] = []
         later: list[Request] = []
         seen: set[tuple[int, ...]] = set()
@@ -247,6 +279,10 @@ class Scheduler:
         for group in (first, later):
             if group:
                 self._prefill(group)
+
+    def _span(self, req: Request) -> int:
+        """KV positions ``req`` may need at most."""
+        return min(len(req.prompt_ids) + req.config.max_new_tokens, self.context_length) + 1
 
     def _prefill(self, reqs: list[Request]) -> None:
         plans = []

@@ -153,8 +153,6 @@ class RolloutSettings(_Section):
     """How engines treat requests in flight during a weight update."""
     engine_dtype: str = "auto"
     """Dtype engines serve in (``auto``: the precision recipe's)."""
-    max_cache_tokens: int = Field(1 << 20, ge=0)
-    """Local engine: prefix-cache capacity in tokens (LRU eviction beyond it)."""
 
 
 class TrainSettings(_Section):

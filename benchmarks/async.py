@@ -146,13 +146,16 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         model = model_path(args.model, work)
+        load_before = os.getloadavg()[0]
         results = [run(args, model, work, mode) for mode in ("sync", "fully_async")]
+        load_after = os.getloadavg()[0]
 
     sync, full = results
     print(
         f"\n## Async training: {args.model}, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, "
         f"{args.steps} steps ({args.warmup} warm-up), max_staleness {args.max_staleness}, pause {args.pause_mode}, "
-        f"{args.threads} thread(s)/process, {os.cpu_count()} cores, {platform.processor() or platform.machine()}\n"
+        f"{args.threads} thread(s)/process, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+        f"load average {load_before:.1f} before / {load_after:.1f} after (other processes share the cores)\n"
     )
     print(
         "| mode | samples/s (median step) | samples/s (all steps) | step s | generation s | train s "

@@ -185,7 +185,10 @@ def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model:
         "--set",
         "train.eval_pass_k=[1, 2]",
     ]
-    out = miles("train", str(config), "--set", "cluster.colocate=true", *evaluation)
+    # one optimizer step per rollout at temperature 0.7: the PPO ratio must be exactly 1 (the trainer scores
+    # at the temperature the engine sampled at)
+    on_policy = ["--set", "train.global_batch_size=16", "--set", "rollout.temperature=0.7"]
+    out = miles("train", str(config), "--set", "cluster.colocate=true", *evaluation, *on_policy)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["weight_sync/verified"] for r in rows] == [1.0, 1.0]
@@ -197,6 +200,7 @@ def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model:
     assert engine_log.count("released kv_cache, weights") == 2 and engine_log.count("resumed kv_cache, weights") == 2
     for row in rows:
         assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # the engine generated on restored weights
+        assert row["train/ratio"] == pytest.approx(1.0, abs=1e-5) and row["train/clipfrac"] == 0.0
 
 
 FAULTY = """

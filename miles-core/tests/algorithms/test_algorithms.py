@@ -25,7 +25,7 @@ from miles.algorithms.settings import (
     SFTSettings,
 )
 from miles.algorithms.supervised import SFT, Distill
-from miles.testing.conformance import check_algorithm
+from miles.testing import check_algorithm
 from miles.types import Sample, SampleGroup
 
 ALL = (GRPO, DrGRPO, DAPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline, PPO, SFT, Distill)

@@ -19,7 +19,7 @@ from miles.rewards.text import (
     RegexReward,
     RegexSettings,
 )
-from miles.testing.conformance import check_reward
+from miles.testing import check_reward
 from miles.types import Sample, SampleStatus
 
 CHAT = (

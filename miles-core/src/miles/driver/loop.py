@@ -260,7 +260,8 @@ class TrainingLoop:
             temperature=settings.rollout.temperature,
         )
         metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
-        step_metrics = [self.trainer.train_step(batch, self.algorithm) for batch in batches]
+        temperature = settings.rollout.temperature
+        step_metrics = [self.trainer.train_step(batch, self.algorithm, temperature=temperature) for batch in batches]
         metrics.update({f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()})
         metrics["time/train_seconds"] = time.perf_counter() - train_start
         return metrics

@@ -29,11 +29,20 @@ __all__ = ["launch_engines", "run_training"]
 log = logging.getLogger(__name__)
 
 
-def _child_env(settings: MilesSettings) -> dict[str, str]:
-    """Environment of every child: one torch thread pool per process, sized to the host's cores."""
+def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, str]:
+    """Environment of a child process, with its torch thread count on CPU.
+
+    In ``sync`` mode engines and trainer ranks take turns, so each side may use every core (the trainer
+    ranks split them); in the async modes they run at once and every process gets its own share.
+    ``OMP_NUM_THREADS`` / ``MILES_TORCH_THREADS`` set by the user win.
+    """
     cores = os.cpu_count() or 1
-    processes = settings.cluster.trainer_ranks + settings.cluster.num_engines
-    threads = str(max(1, cores // max(processes, 1)))
+    ranks, engines = settings.cluster.trainer_ranks, settings.cluster.num_engines
+    if settings.rollout.mode == "sync":
+        share = cores if role == "engine" else cores // ranks
+    else:
+        share = cores // max(ranks + engines, 1)
+    threads = str(max(1, share))
     env = {
         "MILES_DEVICE": settings.cluster.device,
         "MILES_LOG_LEVEL": settings.log.level,
@@ -78,7 +87,7 @@ def launch_engines(
             dtype=components.engine_dtype(settings, precision),
             devices=[i] if settings.cluster.device == "cuda" else [],
         )
-        launch.env = {**_child_env(settings), **launch.env}
+        launch.env = {**_child_env(settings, role="engine"), **launch.env}
         launches.append(launch)
     return launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout)
 

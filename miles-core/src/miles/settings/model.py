@@ -278,6 +278,13 @@ class MilesSettings(BaseSettings):
                 f"rollout.n_samples_per_prompt = {rollout.rollout_batch_size} x {rollout.n_samples_per_prompt} "
                 f"= {samples} (rollout_batch_size x n_samples_per_prompt = global_batch_size x steps_per_rollout)"
             )
+        if rollout.mode == "one_step_off" and rollout.max_staleness < 1:
+            raise ValueError("rollout.max_staleness: one_step_off trains on batches one version old; set it >= 1")
+        if rollout.mode == "fully_async" and rollout.buffer_groups < rollout.rollout_batch_size:
+            raise ValueError(
+                f"rollout.buffer_groups: {rollout.buffer_groups} is smaller than rollout.rollout_batch_size = "
+                f"{rollout.rollout_batch_size}; the trainer could never take a batch"
+            )
         if self.cluster.colocate and rollout.mode != "sync":
             raise ValueError(
                 f"cluster.colocate: engines and trainer cannot share devices in rollout.mode = {rollout.mode!r} (use sync)"

@@ -25,8 +25,15 @@ from miles.types import Sample, SampleGroup
 
 def make_group(gid: int, rewards: list[float], masks: list[list[int]]) -> SampleGroup:
     samples = [
-        Sample(prompt_ids=[1, 2], response_ids=[7] * len(m), rollout_logprobs=[-1.0] * len(m), loss_mask=m,
-               reward=r, group_id=gid, index=i)
+        Sample(
+            prompt_ids=[1, 2],
+            response_ids=[7] * len(m),
+            rollout_logprobs=[-1.0] * len(m),
+            loss_mask=m,
+            reward=r,
+            group_id=gid,
+            index=i,
+        )
         for i, (r, m) in enumerate(zip(rewards, masks, strict=True))
     ]
     return SampleGroup(gid, samples)
@@ -37,7 +44,9 @@ def test_grpo_group_normalisation_by_hand() -> None:
     # unbiased var = (1 + 1) / 3 = 2/3 -> std 0.8165 -> 1 / 0.8165 = sqrt(1.5) = 1.224745
     assert group_normalized([2, 0, 1, 1], eps=0.0) == pytest.approx([1.224745, -1.224745, 0.0, 0.0], abs=1e-6)
     # population var = 2 / 4 = 0.5 -> std 0.7071 -> 1.414214
-    assert group_normalized([2, 0, 1, 1], unbiased_std=False, eps=0.0) == pytest.approx([1.414214, -1.414214, 0, 0], abs=1e-6)
+    assert group_normalized([2, 0, 1, 1], unbiased_std=False, eps=0.0) == pytest.approx(
+        [1.414214, -1.414214, 0, 0], abs=1e-6
+    )
     # Dr.GRPO: r - mean only
     assert group_normalized([2, 0, 1, 1], std_normalize=False) == [1.0, -1.0, 0.0, 0.0]
     # a group of one, all-equal rewards, an empty group
@@ -139,12 +148,16 @@ def test_gae_by_hand() -> None:
     # t=2: delta = 1 - 0.7 = 0.3                     A = 0.3
     # t=1: delta = 0.9 * 0.7 - 0.6 = 0.03            A = 0.03 + 0.72 * 0.3 = 0.246
     # t=0: delta = 0.9 * 0.6 - 0.5 = 0.04            A = 0.04 + 0.72 * 0.246 = 0.21712
-    adv, ret = gae(torch.tensor([0.0, 0, 1]), torch.tensor([0.5, 0.6, 0.7]), torch.tensor([1, 1, 1]), gamma=0.9, lam=0.8)
+    adv, ret = gae(
+        torch.tensor([0.0, 0, 1]), torch.tensor([0.5, 0.6, 0.7]), torch.tensor([1, 1, 1]), gamma=0.9, lam=0.8
+    )
     assert adv.tolist() == pytest.approx([0.21712, 0.246, 0.3], abs=1e-6)
     assert ret.tolist() == pytest.approx([0.71712, 0.846, 1.0], abs=1e-6)
     # a tool token in the middle is skipped: t=0 bootstraps from t=2's value
     # t=2: A = 0.3; t=0: delta = 0.9 * 0.7 - 0.5 = 0.13, A = 0.13 + 0.72 * 0.3 = 0.346
-    adv, ret = gae(torch.tensor([0.0, 0, 1]), torch.tensor([0.5, 9.9, 0.7]), torch.tensor([1, 0, 1]), gamma=0.9, lam=0.8)
+    adv, ret = gae(
+        torch.tensor([0.0, 0, 1]), torch.tensor([0.5, 9.9, 0.7]), torch.tensor([1, 0, 1]), gamma=0.9, lam=0.8
+    )
     assert adv.tolist() == pytest.approx([0.346, 0.0, 0.3], abs=1e-6)
     assert ret.tolist() == pytest.approx([0.846, 0.0, 1.0], abs=1e-6)
     # lambda = 1, gamma = 1: Monte-Carlo return minus value
@@ -182,7 +195,15 @@ def test_group_algorithms_with_kl_in_reward() -> None:
     with pytest.raises(ValueError, match="ref_logprobs"):
         algo.compute_advantages(groups)
     # in the reward, the KL is not also added to the loss
-    out = algo.loss(LossInputs(logprobs=torch.tensor([-1.0]), loss_mask=torch.ones(1), response_lengths=[1],
-                               advantages=torch.tensor([1.0]), old_logprobs=torch.tensor([-1.0]), ref_logprobs=torch.tensor([-1.5])))
+    out = algo.loss(
+        LossInputs(
+            logprobs=torch.tensor([-1.0]),
+            loss_mask=torch.ones(1),
+            response_lengths=[1],
+            advantages=torch.tensor([1.0]),
+            old_logprobs=torch.tensor([-1.0]),
+            ref_logprobs=torch.tensor([-1.5]),
+        )
+    )
     assert out.per_token_loss.tolist() == [-1.0]
     assert out.metrics["kl"].tolist() == [0.5]

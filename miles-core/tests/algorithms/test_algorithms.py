@@ -45,7 +45,9 @@ def composed_inputs() -> LossInputs:
 
 
 def test_ppo_clip_plus_k3_kl_plus_tis_plus_entropy_is_the_sum_of_the_parts() -> None:
-    algo = GRPO(GRPOSettings(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, mismatch_correction="tis", tis_clip=1.2))
+    algo = GRPO(
+        GRPOSettings(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, mismatch_correction="tis", tis_clip=1.2)
+    )
     assert algo.needs.ref_logprobs and algo.needs.entropy and not algo.needs.values
     inputs = composed_inputs()
     out = algo.loss(inputs)
@@ -115,7 +117,9 @@ def test_gspo_sequence_clip_by_hand() -> None:
 
 
 def test_ppo_gae_returns_and_value_loss_by_hand() -> None:
-    sample = Sample(prompt_ids=[1], response_ids=[5, 6, 7], rollout_logprobs=[-1.0] * 3, loss_mask=[1, 1, 1], reward=1.0)
+    sample = Sample(
+        prompt_ids=[1], response_ids=[5, 6, 7], rollout_logprobs=[-1.0] * 3, loss_mask=[1, 1, 1], reward=1.0
+    )
     groups = [SampleGroup(0, [sample])]
     values = [[torch.tensor([0.5, 0.6, 0.7])]]
     algo = PPO(PPOSettings(gamma=0.9, lam=0.8, normalize_advantages=False))
@@ -162,10 +166,14 @@ def test_distillation_alone_and_added_to_rl() -> None:
     # added to GRPO: pg (ratio 1: -A) + 0.5 * (log pi - log teacher)
     grpo = GRPO(GRPOSettings(distill_coef=0.5))
     assert grpo.needs.teacher_logprobs
-    out = grpo.loss(LossInputs(logprobs=logp.clone().requires_grad_(True), advantages=torch.tensor([1.0, -1.0]), **base))
+    out = grpo.loss(
+        LossInputs(logprobs=logp.clone().requires_grad_(True), advantages=torch.tensor([1.0, -1.0]), **base)
+    )
     assert out.per_token_loss.tolist() == pytest.approx([-1.0 + 0.25, 1.0 - 0.5])
     with pytest.raises(ValueError, match="teacher_logprobs"):
-        grpo.loss(LossInputs(logprobs=logp, loss_mask=torch.tensor([1, 1]), response_lengths=[2], advantages=torch.zeros(2)))
+        grpo.loss(
+            LossInputs(logprobs=logp, loss_mask=torch.tensor([1, 1]), response_lengths=[2], advantages=torch.zeros(2))
+        )
 
 
 def test_sft_alone_and_added_to_rl() -> None:
@@ -174,9 +182,16 @@ def test_sft_alone_and_added_to_rl() -> None:
     logp = torch.tensor([-1.0, -2.0], requires_grad=True)
     out = sft.loss(LossInputs(logprobs=logp, loss_mask=torch.tensor([1, 0]), response_lengths=[2]))
     assert out.per_token_loss.tolist() == [1.0, 2.0]
-    assert aggregate_loss(out.per_token_loss, torch.tensor([1, 0]), [2], sft.aggregation, StepDenominators(1, 1)).item() == 1.0
+    assert (
+        aggregate_loss(out.per_token_loss, torch.tensor([1, 0]), [2], sft.aggregation, StepDenominators(1, 1)).item()
+        == 1.0
+    )
     grpo = GRPO(GRPOSettings(sft_coef=0.1))
-    out = grpo.loss(LossInputs(logprobs=logp, loss_mask=torch.tensor([1, 1]), response_lengths=[2], advantages=torch.tensor([1.0, 1.0])))
+    out = grpo.loss(
+        LossInputs(
+            logprobs=logp, loss_mask=torch.tensor([1, 1]), response_lengths=[2], advantages=torch.tensor([1.0, 1.0])
+        )
+    )
     assert out.per_token_loss.tolist() == pytest.approx([-1.0 + 0.1, -1.0 + 0.2])
     with pytest.raises(ValidationError, match="max_response_length"):
         SFTSettings(loss_aggregation="seq_mean_token_sum_norm")
@@ -184,12 +199,28 @@ def test_sft_alone_and_added_to_rl() -> None:
 
 def test_dapo_dynamic_sampling_and_overlong_shaping() -> None:
     def group(gid: int, rewards: list[float], lengths: list[int]) -> SampleGroup:
-        return SampleGroup(gid, [
-            Sample(prompt_ids=[1], response_ids=[3] * n, rollout_logprobs=[-1.0] * n, loss_mask=[1] * n, reward=r, group_id=gid, index=i)
-            for i, (r, n) in enumerate(zip(rewards, lengths, strict=True))
-        ])
+        return SampleGroup(
+            gid,
+            [
+                Sample(
+                    prompt_ids=[1],
+                    response_ids=[3] * n,
+                    rollout_logprobs=[-1.0] * n,
+                    loss_mask=[1] * n,
+                    reward=r,
+                    group_id=gid,
+                    index=i,
+                )
+                for i, (r, n) in enumerate(zip(rewards, lengths, strict=True))
+            ],
+        )
 
-    groups = [group(0, [1.0, 0.0], [2, 2]), group(1, [1.0, 1.0], [2, 2]), group(2, [0.5], [1]), group(3, [0.0, 0.0, 1.0], [1, 1, 1])]
+    groups = [
+        group(0, [1.0, 0.0], [2, 2]),
+        group(1, [1.0, 1.0], [2, 2]),
+        group(2, [0.5], [1]),
+        group(3, [0.0, 0.0, 1.0], [1, 1, 1]),
+    ]
     dapo = DAPO(DAPOSettings())
     assert dapo.keep_groups(groups) == [True, False, False, True]
     assert GRPO(GRPOSettings()).keep_groups(groups) == [True] * 4
@@ -213,11 +244,15 @@ def test_settings_errors_name_the_field() -> None:
         GRPOSettings(clip_eps_hgh=0.3)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="LossInputs.ref_logprobs"):
         GRPO(GRPOSettings(kl_coef=0.1)).loss(
-            LossInputs(logprobs=torch.zeros(1), loss_mask=torch.ones(1), response_lengths=[1], advantages=torch.zeros(1))
+            LossInputs(
+                logprobs=torch.zeros(1), loss_mask=torch.ones(1), response_lengths=[1], advantages=torch.zeros(1)
+            )
         )
     with pytest.raises(ValueError, match="LossInputs.rollout_logprobs"):
         GRPO(GRPOSettings(mismatch_correction="icepop")).loss(
-            LossInputs(logprobs=torch.zeros(1), loss_mask=torch.ones(1), response_lengths=[1], advantages=torch.zeros(1))
+            LossInputs(
+                logprobs=torch.zeros(1), loss_mask=torch.ones(1), response_lengths=[1], advantages=torch.zeros(1)
+            )
         )
 
 
@@ -227,7 +262,12 @@ def test_conformance(cls: type) -> None:
 
 
 def test_conformance_with_every_term_on() -> None:
-    check_algorithm(GRPO, settings=dict(kl_coef=0.1, entropy_coef=0.01, mismatch_correction="tis", dual_clip=3.0, sft_coef=0.1, distill_coef=0.1))
+    check_algorithm(
+        GRPO,
+        settings=dict(
+            kl_coef=0.1, entropy_coef=0.01, mismatch_correction="tis", dual_clip=3.0, sft_coef=0.1, distill_coef=0.1
+        ),
+    )
     check_algorithm(GSPO, settings=dict(mismatch_correction="icepop", mismatch_level="sequence"))
     check_algorithm(PPO, settings=dict(kl_coef=0.05, mismatch_correction="tis", mismatch_level="geometric"))
 
@@ -235,8 +275,16 @@ def test_conformance_with_every_term_on() -> None:
 def test_zero_length_and_fully_masked_batches_are_finite() -> None:
     algo = GRPO(GRPOSettings(kl_coef=0.1, mismatch_correction="tis", mismatch_level="sequence"))
     empty = torch.zeros(0, requires_grad=True)
-    out = algo.loss(LossInputs(logprobs=empty, loss_mask=torch.zeros(0), response_lengths=[0, 0], advantages=torch.zeros(0),
-                               rollout_logprobs=torch.zeros(0), ref_logprobs=torch.zeros(0)))
+    out = algo.loss(
+        LossInputs(
+            logprobs=empty,
+            loss_mask=torch.zeros(0),
+            response_lengths=[0, 0],
+            advantages=torch.zeros(0),
+            rollout_logprobs=torch.zeros(0),
+            ref_logprobs=torch.zeros(0),
+        )
+    )
     assert out.per_token_loss.shape == (0,)
     agg = aggregate_loss(out.per_token_loss, torch.zeros(0), [0, 0], algo.aggregation, StepDenominators(0, 2))
     assert agg.item() == 0.0 and not math.isnan(agg.item())

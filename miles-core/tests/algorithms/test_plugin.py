@@ -23,7 +23,10 @@ def test_plugin_module_imports_without_torch() -> None:
 def test_miles_plugins_list_shows_algorithms_and_rewards() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", "from miles.cli import main; main(['plugins', 'list', '--json'])"],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     data = json.loads(proc.stdout)
     records = {p["name"]: p for p in data["plugins"]}

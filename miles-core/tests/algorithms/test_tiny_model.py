@@ -45,12 +45,20 @@ def response_logprobs(model: Any, responses: list[list[int]]) -> list[torch.Tens
 
 
 def make_algorithm(name: str, **options: Any) -> Algorithm:
-    manager = PluginManager(builtins=[b for b in BUILTIN_PLUGINS if b[0] == "algorithms"], entry_points=False, disabled=(), only=())
+    manager = PluginManager(
+        builtins=[b for b in BUILTIN_PLUGINS if b[0] == "algorithms"], entry_points=False, disabled=(), only=()
+    )
     return manager.create(ComponentKind.ALGORITHM, AlgorithmSpec(name=name, **options), field="algorithm")  # type: ignore[no-any-return]
 
 
-def step_loss(algo: Algorithm, logprobs: list[torch.Tensor], old: list[torch.Tensor], adv: list[torch.Tensor],
-              indices: list[int], den: StepDenominators) -> torch.Tensor:
+def step_loss(
+    algo: Algorithm,
+    logprobs: list[torch.Tensor],
+    old: list[torch.Tensor],
+    adv: list[torch.Tensor],
+    indices: list[int],
+    den: StepDenominators,
+) -> torch.Tensor:
     cat = torch.cat
     lengths = [len(RESPONSES[i]) for i in indices]
     lp = cat([logprobs[i] for i in indices])
@@ -84,7 +92,14 @@ def test_steps_move_the_policy_toward_rewarded_responses(model_dir: Path, name: 
     model = load(model_dir)
     algo = make_algorithm(name, **options)
     samples = [
-        Sample(prompt_ids=PROMPT, response_ids=r, rollout_logprobs=[-1.0] * len(r), loss_mask=[1] * len(r), reward=w, index=i)
+        Sample(
+            prompt_ids=PROMPT,
+            response_ids=r,
+            rollout_logprobs=[-1.0] * len(r),
+            loss_mask=[1] * len(r),
+            reward=w,
+            index=i,
+        )
         for i, (r, w) in enumerate(zip(RESPONSES, REWARDS, strict=True))
     ]
     adv = algo.compute_advantages([SampleGroup(0, samples)])[0]

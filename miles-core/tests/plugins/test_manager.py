@@ -213,7 +213,8 @@ def test_resolve_validates_component_settings_and_names_the_field() -> None:
     with pytest.raises(SettingsError, match=r"log.loggers\[0\].depth: Input should be a valid integer"):
         pm.resolve(ComponentKind.LOGGER, PluginSpec(name="deep", depth="x"), field="log.loggers[0]")
     with pytest.raises(
-        UnknownComponentError, match=r"log.loggers\[0\]: unknown logger 'deeep' \(available: deep, jsonl, tensorboard, wandb\)"
+        UnknownComponentError,
+        match=r"log.loggers\[0\]: unknown logger 'deeep' \(available: deep, jsonl, tensorboard, wandb\)",
     ):
         pm.resolve(ComponentKind.LOGGER, PluginSpec(name="deeep"), field="log.loggers[0]")
 

@@ -15,9 +15,18 @@ from .conftest import RewardServer
 
 
 def sample(response: str, i: int = 0) -> Sample:
-    return Sample(prompt_ids=[1, 2], response_ids=[3, 4], rollout_logprobs=[-1.0, -1.0], loss_mask=[1, 1],
-                  status=SampleStatus.COMPLETED, prompt="Say hi", response=response, label={"answer": "hi"},
-                  index=i, metadata={"source": "unit"})
+    return Sample(
+        prompt_ids=[1, 2],
+        response_ids=[3, 4],
+        rollout_logprobs=[-1.0, -1.0],
+        loss_mask=[1, 1],
+        status=SampleStatus.COMPLETED,
+        prompt="Say hi",
+        response=response,
+        label={"answer": "hi"},
+        index=i,
+        metadata={"source": "unit"},
+    )
 
 
 def run_one(settings: RemoteRewardSettings, s: Sample) -> RewardOutput:
@@ -32,12 +41,20 @@ def run_one(settings: RemoteRewardSettings, s: Sample) -> RewardOutput:
 
 
 def test_scores_and_sends_the_sample(reward_server: RewardServer) -> None:
-    settings = RemoteRewardSettings(url=f"{reward_server.url}/score", headers={"Authorization": "Bearer t0ken"}, send_token_ids=True)
+    settings = RemoteRewardSettings(
+        url=f"{reward_server.url}/score", headers={"Authorization": "Bearer t0ken"}, send_token_ids=True
+    )
     out = run_one(settings, sample("hello there"))
     assert out == RewardOutput(1.1, {"auth": 1.0})
     body = reward_server.bodies[-1]
-    assert body == {"prompt": "Say hi", "response": "hello there", "label": {"answer": "hi"},
-                    "metadata": {"source": "unit"}, "prompt_ids": [1, 2], "response_ids": [3, 4]}
+    assert body == {
+        "prompt": "Say hi",
+        "response": "hello there",
+        "label": {"answer": "hi"},
+        "metadata": {"source": "unit"},
+        "prompt_ids": [1, 2],
+        "response_ids": [3, 4],
+    }
     assert run_one(RemoteRewardSettings(url=f"{reward_server.url}/number"), sample("x")) == RewardOutput(0.25)
 
 

@@ -7,7 +7,11 @@ from miles.testing.conformance import check_light_import, check_plugin
 
 
 def test_plugin_registers_every_reward() -> None:
-    check_plugin(plugin, name="rewards", expect=[("reward", n) for n in ("math", "exact_match", "regex", "length_penalty", "remote")])
+    check_plugin(
+        plugin,
+        name="rewards",
+        expect=[("reward", n) for n in ("math", "exact_match", "regex", "length_penalty", "remote")],
+    )
 
 
 def test_plugin_module_imports_without_torch() -> None:

@@ -28,8 +28,16 @@ UNFORMATTED = "<|im_start|>assistant\n12 + 7 is 19<|im_end|>"
 
 
 def sample(response: str, i: int, n_tokens: int = 4, status: SampleStatus = SampleStatus.COMPLETED) -> Sample:
-    return Sample(prompt_ids=[1], response_ids=[5] * n_tokens, rollout_logprobs=[-1.0] * n_tokens, loss_mask=[1] * n_tokens,
-                  status=status, response=response, label="19", index=i)
+    return Sample(
+        prompt_ids=[1],
+        response_ids=[5] * n_tokens,
+        rollout_logprobs=[-1.0] * n_tokens,
+        loss_mask=[1] * n_tokens,
+        status=status,
+        response=response,
+        label="19",
+        index=i,
+    )
 
 
 class Explodes(Reward):
@@ -97,8 +105,13 @@ def test_weighted_combination_with_parts() -> None:
 
 def test_an_exception_marks_only_that_sample_failed() -> None:
     samples = [sample(RIGHT, 0), sample(WRONG, 1)]
-    asyncio.run(score_samples(samples, [("math", MathReward(MathSettings()), 1.0), ("grader", Explodes(None), 1.0)],  # type: ignore[arg-type]
-                              timeout=30.0))
+    asyncio.run(
+        score_samples(
+            samples,
+            [("math", MathReward(MathSettings()), 1.0), ("grader", Explodes(None), 1.0)],  # type: ignore[arg-type]
+            timeout=30.0,
+        )
+    )
     assert samples[0].status == SampleStatus.COMPLETED and samples[0].reward == 1.5
     assert samples[1].status == SampleStatus.FAILED
     assert samples[1].status_reason == "reward 'grader' raised ZeroDivisionError: division by zero in the grader"
@@ -144,16 +157,22 @@ def test_truncated_samples_are_scored() -> None:
 
 
 def test_build_rewards_from_settings() -> None:
-    manager = PluginManager(builtins=[b for b in BUILTIN_PLUGINS if b[0] == "rewards"], entry_points=False, disabled=(), only=())
-    settings = RewardSettings(functions=[
-        "math",
-        {"name": "regex", "pattern": "<think>", "weight": 0.1},
-        {"name": "regex", "pattern": "boxed", "weight": 0.1},
-        {"name": "length_penalty", "max_length": 10, "buffer_length": 4, "weight": 2.0},
-    ])
+    manager = PluginManager(
+        builtins=[b for b in BUILTIN_PLUGINS if b[0] == "rewards"], entry_points=False, disabled=(), only=()
+    )
+    settings = RewardSettings(
+        functions=[
+            "math",
+            {"name": "regex", "pattern": "<think>", "weight": 0.1},
+            {"name": "regex", "pattern": "boxed", "weight": 0.1},
+            {"name": "length_penalty", "max_length": 10, "buffer_length": 4, "weight": 2.0},
+        ]
+    )
     rewards = build_rewards(manager, settings)
     assert [(n, type(r).__name__, w) for n, r, w in rewards] == [
-        ("math", "MathReward", 1.0), ("regex", "RegexReward", 0.1), ("regex_2", "RegexReward", 0.1),
+        ("math", "MathReward", 1.0),
+        ("regex", "RegexReward", 0.1),
+        ("regex_2", "RegexReward", 0.1),
         ("length_penalty", "LengthPenaltyReward", 2.0),
     ]
     s = sample(RIGHT, 0, n_tokens=8)

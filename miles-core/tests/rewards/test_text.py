@@ -30,8 +30,13 @@ CHAT = (
 
 def sample(response: str, label: object = None, n_tokens: int = 5) -> Sample:
     return Sample(
-        prompt_ids=[1, 2, 3], response_ids=list(range(n_tokens)), rollout_logprobs=[-1.0] * n_tokens,
-        loss_mask=[1] * n_tokens, status=SampleStatus.COMPLETED, response=response, label=label,
+        prompt_ids=[1, 2, 3],
+        response_ids=list(range(n_tokens)),
+        rollout_logprobs=[-1.0] * n_tokens,
+        loss_mask=[1] * n_tokens,
+        status=SampleStatus.COMPLETED,
+        response=response,
+        label=label,
     )
 
 
@@ -60,7 +65,9 @@ def test_math_equal_is_symbolic() -> None:
 def test_math_reward_on_chat_answers() -> None:
     reward = MathReward(MathSettings())
     assert score(reward, sample(CHAT, "21")) == RewardOutput(1.0, {"has_answer": 1.0})
-    assert score(reward, sample(CHAT, {"answer": "\\boxed{21}", "source": "gsm8k"})) == RewardOutput(1.0, {"has_answer": 1.0})
+    assert score(reward, sample(CHAT, {"answer": "\\boxed{21}", "source": "gsm8k"})) == RewardOutput(
+        1.0, {"has_answer": 1.0}
+    )
     assert score(reward, sample(CHAT, ["20", "21"])) == RewardOutput(1.0, {"has_answer": 1.0})
     assert score(reward, sample(CHAT, 22)) == RewardOutput(0.0, {"has_answer": 1.0})
     no_box = CHAT.replace("$\\boxed{\\frac{42}{2}}$", "21")
@@ -104,7 +111,14 @@ def test_regex_format_reward() -> None:
 def test_length_penalty() -> None:
     # DAPO: max 10, buffer 4 -> free up to 6 tokens, -0.25 per token after, -1 from 10 on
     overlong = LengthPenaltyReward(LengthPenaltySettings(max_length=10, buffer_length=4))
-    assert [score(overlong, sample("x", n_tokens=n)) for n in (0, 6, 7, 8, 10, 15)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert [score(overlong, sample("x", n_tokens=n)) for n in (0, 6, 7, 8, 10, 15)] == [
+        0.0,
+        0.0,
+        -0.25,
+        -0.5,
+        -1.0,
+        -1.0,
+    ]
     # linear: -0.5 * min(n, 10) / 10
     linear = LengthPenaltyReward(LengthPenaltySettings(max_length=10, penalty=0.5, mode="linear"))
     assert [score(linear, sample("x", n_tokens=n)) for n in (0, 4, 12)] == [0.0, -0.2, -0.5]
@@ -117,4 +131,10 @@ def test_conformance() -> None:
     assert check_reward(ExactMatchReward) == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert check_reward(RegexReward, settings={"pattern": r"\d+"}) == [1.0, 0.0, 1.0, 0.0, 0.0]
     # the example responses have 8, 0, 6, 2 and 5 tokens; free up to 4, -0.5 per token after, -1 from 6 on
-    assert check_reward(LengthPenaltyReward, settings={"max_length": 6, "buffer_length": 2}) == [-1.0, 0.0, -1.0, 0.0, -0.5]
+    assert check_reward(LengthPenaltyReward, settings={"max_length": 6, "buffer_length": 2}) == [
+        -1.0,
+        0.0,
+        -1.0,
+        0.0,
+        -0.5,
+    ]

@@ -135,7 +135,9 @@ def test_parse_override_literals() -> None:
 
 
 def test_async_mode_checks_happen_before_launch() -> None:
-    with pytest.raises(SettingsError, match=r"rollout.max_staleness \(--set rollout.max_staleness=0\): one_step_off trains"):
+    with pytest.raises(
+        SettingsError, match=r"rollout.max_staleness \(--set rollout.max_staleness=0\): one_step_off trains"
+    ):
         load_settings(env={}, overrides=["rollout.mode=one_step_off", "rollout.max_staleness=0"])
     with pytest.raises(SettingsError, match=r"rollout.buffer_groups \(--set rollout.buffer_groups=2\): 2 is smaller"):
         load_settings(env={}, overrides=["rollout.mode=fully_async", "rollout.buffer_groups=2"])

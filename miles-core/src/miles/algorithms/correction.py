@@ -42,7 +42,9 @@ def mismatch_log_ratio(
     if level not in ("sequence", "geometric"):
         raise ValueError(f"unknown correction level {level!r} (expected 'token', 'sequence' or 'geometric')")
     parts = []
-    for d, m, n in zip(torch.split(diff, response_lengths), torch.split(mask, response_lengths), response_lengths, strict=True):
+    for d, m, n in zip(
+        torch.split(diff, response_lengths), torch.split(mask, response_lengths), response_lengths, strict=True
+    ):
         total = d.sum()
         if level == "geometric":
             total = total / m.sum().clamp(min=1.0)

@@ -89,7 +89,9 @@ def sequence_log_ratio(
     mask = loss_mask.to(logprobs.dtype)
     diff = (logprobs - old_logprobs).detach() * mask
     seq = []
-    for d, m, n in zip(torch.split(diff, response_lengths), torch.split(mask, response_lengths), response_lengths, strict=True):
+    for d, m, n in zip(
+        torch.split(diff, response_lengths), torch.split(mask, response_lengths), response_lengths, strict=True
+    ):
         seq.append((d.sum() / m.sum().clamp(min=1.0)).expand(n))
     seq_log = torch.cat(seq) if seq else diff
     return seq_log + logprobs - logprobs.detach()

@@ -99,7 +99,8 @@ class PolicyGradientAlgorithm(Algorithm):
         if self.s.overlong_buffer_length <= 0:
             return rewards
         return [
-            r + overlong_penalty(
+            r
+            + overlong_penalty(
                 s.response_length,
                 max_length=self.s.max_response_length,
                 buffer_length=self.s.overlong_buffer_length,
@@ -120,7 +121,9 @@ class PolicyGradientAlgorithm(Algorithm):
             log_ratio = sequence_log_ratio(inputs.logprobs, old, inputs.loss_mask, inputs.response_lengths)
         else:
             log_ratio = inputs.logprobs - old
-        return ppo_clip(log_ratio, advantages, clip_low=s.clip_eps_low, clip_high=s.clip_eps_high, dual_clip=s.dual_clip)
+        return ppo_clip(
+            log_ratio, advantages, clip_low=s.clip_eps_low, clip_high=s.clip_eps_high, dual_clip=s.dual_clip
+        )
 
     def mismatch_weights(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         """TIS / IcePop weights of ``pi_old / pi_rollout`` per token, or ``None`` when off."""
@@ -129,7 +132,9 @@ class PolicyGradientAlgorithm(Algorithm):
         s = self.s
         if s.mismatch_correction == "none":
             return None
-        rollout = require(inputs.rollout_logprobs, "rollout_logprobs", self.name, f"mismatch_correction = {s.mismatch_correction!r}")
+        rollout = require(
+            inputs.rollout_logprobs, "rollout_logprobs", self.name, f"mismatch_correction = {s.mismatch_correction!r}"
+        )
         old = inputs.old_logprobs if inputs.old_logprobs is not None else inputs.logprobs.detach()
         log_ratio = mismatch_log_ratio(old, rollout, inputs.loss_mask, inputs.response_lengths, s.mismatch_level)
         if s.mismatch_correction == "tis":
@@ -165,7 +170,9 @@ class PolicyGradientAlgorithm(Algorithm):
         if s.sft_coef > 0.0:
             add(s.sft_coef * nll(inputs.logprobs))
         if s.distill_coef > 0.0:
-            teacher = require(inputs.teacher_logprobs, "teacher_logprobs", self.name, f"distill_coef = {s.distill_coef}")
+            teacher = require(
+                inputs.teacher_logprobs, "teacher_logprobs", self.name, f"distill_coef = {s.distill_coef}"
+            )
             term = distill_reverse_kl(inputs.logprobs, teacher)
             metrics["distill_reverse_kl"] = term.detach()
             add(s.distill_coef * term)

@@ -37,7 +37,9 @@ def token_rewards_with_kl(
     s = settings
     if s.kl_in_reward and s.kl_coef > 0.0:
         if ref_logprobs is None:
-            raise ValueError("kl_in_reward needs ref_logprobs in compute_advantages (needs.ref_logprobs_for_advantages)")
+            raise ValueError(
+                "kl_in_reward needs ref_logprobs in compute_advantages (needs.ref_logprobs_for_advantages)"
+            )
         rollout = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
         kl = kl_estimate(rollout, ref_logprobs.to(torch.float32), s.kl_estimator)
         mask = torch.tensor(sample.loss_mask, dtype=torch.float32)

@@ -235,6 +235,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "python": platform.python_version(),
         "device": device,
         "gpu": None,
+        "loadavg": list(os.getloadavg()),
     }
     if device == "cuda":
         import torch

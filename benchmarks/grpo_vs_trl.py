@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -291,6 +292,17 @@ def run_trl(spec: dict[str, Any], workdir: Path, python: str, threads: int) -> d
     return {"step_times": times, "step_s": median(times), "wall_s": wall, "reward_mean": out["reward_mean"]}
 
 
+def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's figures over all its rounds: step times pooled, medians recomputed."""
+    times = [t for r in rounds for t in r["step_times"]]
+    pooled: dict[str, Any] = {"step_times": times, "step_s": median(times), "rounds": rounds}
+    pooled["wall_s"] = median([r["wall_s"] for r in rounds])
+    pooled["loadavg_1min"] = [x for r in rounds for x in r["loadavg_1min"]]
+    keys = {k for r in rounds for k in r.get("parts", {})}
+    pooled["parts"] = {k: median([r["parts"][k] for r in rounds if k in r.get("parts", {})]) for k in sorted(keys)}
+    return pooled
+
+
 def trl_versions(python: str) -> dict[str, str]:
     code = "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in ('trl', 'transformers', 'torch', 'accelerate')}))"
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, check=False)
@@ -320,6 +332,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--trl-python", default=None, help="interpreter with trl installed (default: this one, else .venv-bench)"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of every side; odd rounds go in reverse order (2 = A B C C B A)"
+    )
     parser.add_argument("--trl-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
@@ -359,12 +374,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "transport": args.transport,
                 "timeout": args.timeout,
             }
-            entry: dict[str, Any] = {}
-            runs = workdir / f"runs-{name}"
-            runs.mkdir()
-            entry["trl"] = run_trl(spec, runs, python, args.threads)
-            for mode in modes:
-                entry[f"miles-{mode}"] = run_miles(spec, runs, mode, args.threads)
+            sides = ["trl", *(f"miles-{mode}" for mode in modes)]
+            per_round: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+            for round_index in range(args.rounds):
+                # odd rounds run the sides in reverse, so a load that drifts during the run hits each side alike
+                order = sides if round_index % 2 == 0 else sides[::-1]
+                for side in order:
+                    runs = workdir / f"runs-{name}-{round_index}-{side}"
+                    runs.mkdir()
+                    load_before = os.getloadavg()[0]
+                    if side == "trl":
+                        r = run_trl(spec, runs, python, args.threads)
+                    else:
+                        r = run_miles(spec, runs, side.removeprefix("miles-"), args.threads)
+                    r["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+                    per_round[side].append(r)
+            entry = {side: _pool(rounds) for side, rounds in per_round.items()}
             trl_s = entry["trl"]["step_s"]
             for side, r in entry.items():
                 r["samples_per_s"] = samples_per_step / r["step_s"]
@@ -378,17 +403,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"{samples_per_step * args.completion_tokens / r['step_s']:.0f}",
                         f"{r['speedup_vs_trl']:.2f}x",
                         f"{r['wall_s']:.0f}",
+                        "-".join(f"{x:.1f}" for x in (min(r["loadavg_1min"]), max(r["loadavg_1min"]))),
                     )
                 )
             results[name] = entry
     header = (
         f"## GRPO vs TRL\n\n{samples_per_step} completions ({args.prompts_per_step} prompts x {args.group_size}) x "
         f"{args.completion_tokens} tokens per step (min_new_tokens = max_new_tokens), lr {args.lr}, AdamW, fp32, "
-        f"{args.device}, {args.threads} threads per process, median of {steps} steps after 1 warm-up step; "
+        f"{args.device}, {args.threads} thread(s) per process, median of {steps} steps after 1 warm-up step"
+        f"{f' x {args.rounds} rounds' if args.rounds > 1 else ''}; "
         f"Miles weight transport: {args.transport}\n"
     )
     table = markdown_table(
-        ["model", "framework", "s/step", "samples/s", "completion tok/s", "vs TRL", "run wall s (incl. start-up)"],
+        [
+            "model",
+            "framework",
+            "s/step",
+            "samples/s",
+            "completion tok/s",
+            "vs TRL",
+            "run wall s (incl. start-up)",
+            "host load (1-min avg)",
+        ],
         table_rows,
     )
     print(header)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH_DIR, DEFAULT_THREADS, RESULTS_DIR, child_env, machine_info, write_result
 
 SUITE: dict[str, dict[str, list[str]]] = {
-    "grpo_vs_trl": {"full": [], "quick": ["--quick"]},
+    "grpo_vs_trl": {"full": ["--rounds", "2", "--steps", "3"], "quick": ["--quick"]},
     "engine": {"full": [], "quick": ["--models", "tiny", "--batches", "1,8", "--repeats", "2"]},
     "weight_sync": {"full": [], "quick": ["--quick"]},
     "scaling": {"full": [], "quick": ["--quick"]},

@@ -223,8 +223,16 @@ with LocalLauncher(LocalLauncherSettings(poll_interval=0.05), run_dir=out) as la
 """
 
 
+def terminal_signals() -> None:
+    """In a child before exec: the signal dispositions of a terminal session, whatever the test runner
+    inherited (a shell's background job ignores SIGINT, ``nohup`` ignores SIGHUP)."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start_driver(tmp_path: Path, script: Script, **popen: Any) -> tuple[subprocess.Popen[bytes], list[int]]:
     """Run DRIVER in a subprocess; return it and the pids of its engine and two trainer ranks, all up."""
+    popen.setdefault("preexec_fn", terminal_signals)
     engine = http_engine(tmp_path)
     argv = [
         *script("driver", DRIVER),
@@ -346,7 +354,13 @@ def test_second_ctrl_c_does_not_interrupt_the_teardown(tmp_path: Path, script: S
         "time.sleep(120)\n",
     )
     argv = [*script("stubborn_driver", STUBBORN_DRIVER), str(tmp_path), *rank]
-    driver = subprocess.Popen(argv, env={**os.environ, **CHILD_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    driver = subprocess.Popen(
+        argv,
+        env={**os.environ, **CHILD_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=terminal_signals,
+    )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line.decode()) for line in driver.stdout or ()], daemon=True)
     reader.start()

@@ -3,7 +3,9 @@ default: runs are written under the run directory and can be synced later with `
 
 from __future__ import annotations
 
+import gc
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -60,9 +62,15 @@ class WandbLogger(MetricsLogger):
         self._run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
-        if self._run is not None:
+        if self._run is None:
+            return
+        # wandb leaves the pipes of its service process to the garbage collector; collect them here,
+        # quietly, rather than let a ResourceWarning surface at some later, unrelated moment
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
             self._run.finish()
             self._run = None
+            gc.collect()
 
 
 @hookimpl

@@ -57,8 +57,14 @@ def prepare_minibatches(
     dist: DistContext,
     global_batch_size: int,
     temperature: float,
+    on_policy: bool = False,
 ) -> list[TrainBatch]:
-    """This rank's share of each optimizer step of the rollout, with every field the algorithm needs."""
+    """This rank's share of each optimizer step of the rollout, with every field the algorithm needs.
+
+    :param on_policy: the samples come from the trainer's current weights (sync mode). With a single
+        optimizer step the "old" logprobs are then the step's own logprobs before the update: the forward
+        that would compute them is skipped and the loss uses its detached logprobs (ratio exactly 1).
+    """
     groups = [SampleGroup(g.group_id, [trainable(s) for s in g.samples]) for g in groups]
     samples = [s for g in groups for s in g.samples]
     if len(samples) % global_batch_size:
@@ -90,7 +96,8 @@ def prepare_minibatches(
         if flat_values is not None:
             step.old_values = flat_values[start:stop]
         share = step.shard(dist.rank, dist.world_size)
-        if needs.old_logprobs:
+        single_on_policy_step = on_policy and len(samples) == global_batch_size
+        if needs.old_logprobs and not single_on_policy_step:
             out = trainer.compute_logprobs(share, model="actor", temperature=temperature)
             share.old_logprobs = [t.tolist() for t in out.logprobs]
         if needs.ref_logprobs:

@@ -258,11 +258,17 @@ class TrainingLoop:
             dist=self.dist,
             global_batch_size=settings.train.global_batch_size or len(groups) * settings.rollout.n_samples_per_prompt,
             temperature=settings.rollout.temperature,
+            on_policy=settings.rollout.mode == "sync",
         )
         metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
         temperature = settings.rollout.temperature
         step_metrics = [self.trainer.train_step(batch, self.algorithm, temperature=temperature) for batch in batches]
         metrics.update({f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()})
+        if "fidelity/train_rollout_logprob_abs_diff" not in metrics and len(step_metrics) == 1:
+            # old logprobs were skipped (one on-policy step): the step measured them before its update
+            diff = step_metrics[0].get("train_rollout_logprob_abs_diff")
+            if diff is not None:
+                metrics["fidelity/train_rollout_logprob_abs_diff"] = diff
         metrics["time/train_seconds"] = time.perf_counter() - train_start
         return metrics
 

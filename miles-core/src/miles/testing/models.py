@@ -315,7 +315,11 @@ def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str]) -> P
     source, target = Path(gguf), Path(out)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    fresh = type(loaded)(loaded.config)
+    config = loaded.config
+    # the weights are dequantised: the GGUF quantization record would make other tools (TRL, PEFT) treat
+    # the checkpoint as a quantized one
+    config.__dict__.pop("quantization_config", None)
+    fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict(), strict=True)
     fresh.generation_config = loaded.generation_config
     tmp = target.with_name(target.name + ".tmp")

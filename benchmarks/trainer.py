@@ -84,7 +84,7 @@ def _worker(
         name = "bench-pg"
 
         def compute_advantages(self, groups, values=None, *, ref_logprobs=None):  # type: ignore[no-untyped-def]
-            raise NotImplementedError
+            raise NotImplementedError("the benchmark feeds advantages directly")
 
         def loss(self, inputs: LossInputs) -> LossOutput:
             assert inputs.advantages is not None and inputs.old_logprobs is not None

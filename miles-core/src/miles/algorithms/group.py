@@ -6,6 +6,7 @@ is spread over the sample's trained tokens.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -39,8 +40,9 @@ class GroupAlgorithm(PolicyGradientAlgorithm):
 
     supports_kl_in_reward = True
 
+    @abstractmethod
     def group_advantages(self, rewards: list[float]) -> list[float]:
-        raise NotImplementedError
+        """One advantage per sample of a group, from the group's rewards."""
 
     def compute_advantages(
         self,

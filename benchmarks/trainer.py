@@ -84,7 +84,14 @@ def _worker(
         name = "bench-pg"
 
         def compute_advantages(self, groups, values=None, *, ref_logprobs=None):  # type: ignore[no-untyped-def]
-            raise NotImplementedError("the benchmark feeds advantages directly")
+            """Reward minus the group mean, on every response token (the timed steps feed advantages directly)."""
+            return [
+                [
+                    torch.full((s.response_length,), r - sum(g.rewards) / len(g))
+                    for s, r in zip(g.samples, g.rewards, strict=True)
+                ]
+                for g in groups
+            ]
 
         def loss(self, inputs: LossInputs) -> LossOutput:
             assert inputs.advantages is not None and inputs.old_logprobs is not None

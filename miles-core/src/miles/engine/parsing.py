@@ -84,6 +84,23 @@ def _sampling(raw: Any) -> SamplingConfig:
     return cfg
 
 
+def _top_logprobs_nums(raw: Any, count: int, vocab_size: int) -> list[int]:
+    """SGLang's ``top_logprobs_num``: one integer for every prompt or a list with one per prompt."""
+    values = raw if isinstance(raw, list) else [raw] * count
+    if len(values) != count:
+        raise RequestError(f"top_logprobs_num: a list must have one entry per prompt ({len(values)} for {count})")
+    out = []
+    for value in values:
+        if value is None:
+            value = 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise RequestError(f"top_logprobs_num must be an integer >= 0, got {value!r}")
+        if value > vocab_size:
+            raise RequestError(f"top_logprobs_num {value} exceeds the vocabulary size {vocab_size}")
+        out.append(value)
+    return out
+
+
 def parse_generate(
     body: Any,
     *,
@@ -133,12 +150,13 @@ def parse_generate(
     start = body.get("logprob_start_len", -1)
     if not isinstance(start, int):
         raise RequestError("logprob_start_len must be an integer")
+    top_nums = _top_logprobs_nums(body.get("top_logprobs_num"), len(prompts), vocab_size)
     rid = body.get("rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts):
         raise RequestError("rid: a list must have one entry per prompt")
     requests: list[Request] = []
-    for prompt, cfg, parent in zip(prompts, configs, rids, strict=True):
+    for prompt, cfg, parent, top_num in zip(prompts, configs, rids, top_nums, strict=True):
         parent = str(parent) if parent is not None else uuid.uuid4().hex
         for j in range(cfg.n):
             requests.append(
@@ -153,6 +171,7 @@ def parse_generate(
                     logprob_start_len=start if return_logprob else -1,
                     return_routed_experts=bool(body.get("return_routed_experts", False)),
                     return_raw_logprob=bool(body.get("return_original_logprob", return_raw_logprob_default)),
+                    top_logprobs_num=top_num if return_logprob else 0,
                     stream=bool(body.get("stream", False)),
                 )
             )

@@ -15,6 +15,16 @@ if TYPE_CHECKING:
 __all__ = ["Request"]
 
 
+def _with_text(
+    top: list[tuple[float, int]] | None, decode_each: Callable[[list[int]], list[str]]
+) -> list[list[Any]] | None:
+    """SGLang's entry of one position's top tokens: ``[[logprob, token_id, text], ...]`` (``None`` stays)."""
+    if top is None:
+        return None
+    texts = decode_each([tok for _, tok in top])
+    return [[lp, tok, txt] for (lp, tok), txt in zip(top, texts, strict=True)]
+
+
 @dataclass
 class Request:
     """A single completion (one of the ``n`` of a ``/generate`` prompt), owned by the scheduler thread.
@@ -34,11 +44,16 @@ class Request:
     logprob_start_len: int = -1
     return_routed_experts: bool = False
     return_raw_logprob: bool = False
+    top_logprobs_num: int = 0
+    """SGLang's ``top_logprobs_num``: report the ``k`` most likely tokens at each position (with
+    ``return_logprob``)."""
     stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     cached_tokens: int = 0
     admitted: bool = False
     kv_len: int = 0
@@ -96,6 +111,11 @@ class Request:
                     [lp, tok, txt]
                     for lp, tok, txt in zip(self.input_logprobs, prompt, decode_each(prompt), strict=True)
                 ]
+        if self.return_logprob and self.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [_with_text(top, decode_each) for top in self.output_top_logprobs]
+            if self.input_logprobs is not None:
+                tops = self.input_top_logprobs or [None] * len(self.input_logprobs)
+                meta["input_top_logprobs"] = [_with_text(top, decode_each) for top in tops]
         if self.return_routed_experts and self.routed:
             import torch
 

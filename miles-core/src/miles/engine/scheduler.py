@@ -26,6 +26,7 @@ from miles.engine.model_runner import ModelRunner
 from miles.engine.radix_cache import PrefixMatch, RadixCache
 from miles.engine.request import Request
 from miles.engine.sampling import sample_rows
+from miles.engine.top_logprobs import record_input_top_logprobs, record_output_top_logprobs
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -227,6 +228,7 @@ class Scheduler:
                     continue
                 try:
                     self._admit()
+                    self._finish_prefill_only()
                     if self.running:
                         self._decode_step()
                 except Exception as exc:  # a model error fails the batch, not the server
@@ -356,6 +358,13 @@ class Scheduler:
             else:
                 out.append(float(logp[p - 1 - offset, prompt[p]]))
         req.input_logprobs = out
+        record_input_top_logprobs(req, logits, offset)
+
+    def _finish_prefill_only(self) -> None:
+        """Finish requests with ``max_new_tokens == 0`` once prefilled (SGLang's scoring-only requests: the
+        prompt's logprobs, no output token)."""
+        for req in [r for r in self.running if r.config.max_new_tokens == 0]:
+            self._finish(req, {"type": "length", "length": 0})
 
     # ----------------------------------------------------------------- decode
     def _decode_step(self) -> None:
@@ -373,6 +382,7 @@ class Scheduler:
                 banned.append(self.eos_token_ids + req.config.stop_token_ids)
             else:
                 banned.append([])
+        record_output_top_logprobs(running, logits, banned)
         ids, logprobs, raws = sample_rows(
             logits,
             [r.config for r in running],

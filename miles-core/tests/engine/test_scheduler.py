@@ -104,3 +104,44 @@ def test_kv_budget_bounds_the_batch_and_rejects_what_can_never_fit(engine_models
         assert sched.runner.slots * sched.runner.capacity <= 8 * 512
     finally:
         sched.stop()
+
+
+def test_deterministic_inference_is_batch_and_cache_invariant(engine_models: dict[str, Path]) -> None:
+    """With ``deterministic``, a seeded sampled request gets bit-identical tokens and logprobs alone, in a
+    mixed batch, as a cache hit, and after a flush; the samples of a group hit the whole prompt."""
+    torch.set_num_threads(1)
+    state = build_engine(engine_models["qwen2"], max_cache_tokens=4096, enable_deterministic_inference=True)
+    sched = state.scheduler
+    prompt = [(11 * j) % 400 + 3 for j in range(21)]
+
+    def sampled(rid: str, p: list[int], n: int, col: Collector) -> Request:
+        cfg = SamplingConfig(max_new_tokens=n, temperature=0.8, ignore_eos=True, sampling_seed=1234)
+        req = Request(rid=rid, parent_rid=rid, index=0, prompt_ids=p, config=cfg, sink=col.sink)
+        req.return_logprob = True
+        return req
+
+    def run(reqs: list[Request], col: Collector) -> dict[str, Request]:
+        col.expected = len(reqs)
+        sched.add(reqs)
+        assert col.event.wait(120)
+        return col.done
+
+    try:
+        alone = run([sampled("solo", prompt, 12, col := Collector())], col)["solo"]
+        assert alone.cached_tokens == 0
+        first = (alone.output_ids, list(alone.output_logprobs))
+        assert len(first[0]) == 12
+        # the same request among others of different lengths, twice (the second one hits the cache)
+        col2 = Collector()
+        others = [sampled(f"o{i}", [(5 * i + j) % 300 + 1 for j in range(3 + 4 * i)], 4 + 5 * i, col2) for i in range(4)]
+        mixed = run([others[0], sampled("a", prompt, 12, col2), others[1], sampled("b", prompt, 12, col2), *others[2:]], col2)
+        for rid in ("a", "b"):
+            assert (mixed[rid].output_ids, list(mixed[rid].output_logprobs)) == first, rid
+        assert {mixed["a"].cached_tokens, mixed["b"].cached_tokens} == {len(prompt) - 1}  # whole-prompt hits
+        sched.submit(sched.flush_cache).result()
+        again = run([sampled("c", prompt, 12, col3 := Collector())], col3)["c"]
+        assert again.cached_tokens == 0
+        assert (again.output_ids, list(again.output_logprobs)) == first
+        assert sched.stats()["deterministic"] is True
+    finally:
+        sched.stop()

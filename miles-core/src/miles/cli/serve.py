@@ -31,6 +31,13 @@ def serve(
     return_original_logprob: Annotated[
         bool, typer.Option(help="Report raw-logit logprobs (before temperature) by default.")
     ] = False,
+    enable_deterministic_inference: Annotated[
+        bool,
+        typer.Option(
+            help="Batch-invariant forwards and an exact-match prefix cache: a request's tokens and logprobs "
+            "do not depend on what else runs (slower: decode runs one request at a time)."
+        ),
+    ] = False,
     enable_debug_endpoints: Annotated[
         bool, typer.Option(help="Serve /debug/* routes (e.g. randomize the weights, for weight-sync tests).")
     ] = False,
@@ -58,5 +65,6 @@ def serve(
         context_length=context_length,
         weight_version=weight_version,
         return_raw_logprob=return_original_logprob,
+        enable_deterministic_inference=enable_deterministic_inference,
         enable_debug_endpoints=enable_debug_endpoints,
     )

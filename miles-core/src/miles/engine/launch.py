@@ -40,6 +40,7 @@ def build_engine(
     weight_version: str = "0",
     api_key: str | None = None,
     return_raw_logprob: bool = False,
+    enable_deterministic_inference: bool = False,
     server_args: dict[str, Any] | None = None,
 ) -> Any:
     """Load everything and start the scheduler thread; returns the :class:`EngineState`."""
@@ -67,6 +68,7 @@ def build_engine(
             max_kv_tokens=max_kv_tokens,
             context_length=context_length,
             weight_version=weight_version,
+            deterministic=enable_deterministic_inference,
         ),
         text_of,
     )

@@ -274,17 +274,21 @@ class ModelRunner:
         return logits, experts
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token for each of the running requests (request ``i`` in slot ``i``, at ``positions[i]``).
+    def decode(
+        self, tokens: list[int], positions: list[int], first_slot: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token for each of the requests in slots ``first_slot..`` (``tokens[i]`` at ``positions[i]``).
 
-        Returns fp32 logits ``[B, vocab]`` and routed experts ``[B, layers, topk]``.
+        Attention spans the longest request's positions only, so a single request (deterministic
+        inference) attends over exactly its own KV. Returns fp32 logits ``[B, vocab]`` and routed experts
+        ``[B, layers, topk]``.
         """
         b = len(tokens)
         longest = max(positions) + 1
-        self.ensure(b, longest + 1)
+        self.ensure(first_slot + b, longest + 1)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        rows = torch.arange(b, device=self.device)
+        rows = torch.arange(first_slot, first_slot + b, device=self.device)
         valid = torch.arange(longest, device=self.device)[None, :] <= pos[:, None]
         mask = valid[:, None, None, :]  # [B, 1, 1, L]
         g = self.group
@@ -292,8 +296,8 @@ class ModelRunner:
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.k[i, rows, :, pos] = k[:, :, 0]
             self.v[i, rows, :, pos] = v[:, :, 0]
-            keys = self.k[i, :b, :, :longest]
-            values = self.v[i, :b, :, :longest]
+            keys = self.k[i, first_slot : first_slot + b, :, :longest]
+            values = self.v[i, first_slot : first_slot + b, :, :longest]
             # grouped-query attention without repeating K/V: a head group is a query block
             qg = q.reshape(b, self.num_kv_heads, g, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)

@@ -35,6 +35,11 @@ class LocalEngineSettings(ComponentSettings):
     """Require ``Authorization: Bearer <key>`` on every route."""
     return_original_logprob: bool = False
     """Report logprobs of the raw logits (before temperature) by default, as ``SGLANG_RETURN_ORIGINAL_LOGPROB``."""
+    enable_deterministic_inference: bool = False
+    """Batch-invariant inference (SGLang's ``--enable-deterministic-inference``): every request is prefilled
+    and decoded on its own and the prefix cache hits whole prompts only, so tokens and logprobs do not
+    depend on batching, timing or the cache's contents — a resumed run reproduces the engine's logprobs bit
+    for bit. Slower: decode runs one request at a time."""
     enable_debug_endpoints: bool = False
     """Serve ``/debug/*`` routes (``/debug/randomize_weights`` for ``transport.randomize_engines_first``)."""
 
@@ -70,6 +75,8 @@ class LocalEngine(RolloutEngine):
                 argv += [flag, str(value)]
         if getattr(s, "return_original_logprob", False):
             argv.append("--return-original-logprob")
+        if getattr(s, "enable_deterministic_inference", False):
+            argv.append("--enable-deterministic-inference")
         if getattr(s, "enable_debug_endpoints", False):
             argv.append("--enable-debug-endpoints")
         env = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PrefixMatch", "RadixCache"]
+__all__ = ["ExactPrefixCache", "PrefixMatch", "RadixCache"]
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,70 @@ class RadixCache:
     def flush(self) -> None:
         """Empty the cache (after a weight update, or on ``/flush_cache``)."""
         self._root = _Node((), None, None, None, None)
+        self.num_tokens = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached tokens / looked-up tokens since start."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class ExactPrefixCache:
+    """The prefix cache of deterministic inference: whole sequences, looked up by exact equality.
+
+    A radix tree shares the KV of a common prefix between sequences whose KV were computed by different
+    forwards (a longer prefill, decode steps), so whether a request hits changes its numerics in the last
+    bits. Here an entry is the KV of one prefill of exactly its key, from position 0, and a lookup hits only
+    the whole key: a hit gives bit for bit the KV a recomputation would give, so hits and misses (and thus
+    timing, batch composition and a restart with an empty cache) cannot change any logprob. The ``n``
+    samples of a GRPO group still share their prompt. Same interface as :class:`RadixCache`; LRU eviction
+    of whole entries beyond ``max_tokens``.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = (
+            OrderedDict()
+        )
+        self.num_tokens = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    def match(self, tokens: Sequence[int], limit: int | None = None) -> PrefixMatch:
+        """All of ``tokens`` if exactly they are cached (and ``limit`` allows all of them), else nothing."""
+        self.query_tokens += len(tokens)
+        key = tuple(int(t) for t in tokens)
+        entry = self._entries.get(key)
+        if entry is None or (limit is not None and limit < len(key)):
+            return PrefixMatch(0, None, None, None)
+        self._entries.move_to_end(key)
+        self.hit_tokens += len(key)
+        return PrefixMatch(len(key), *entry)
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        experts: torch.Tensor | None = None,
+    ) -> int:
+        """Cache the KV of exactly ``tokens`` (copied). Returns the number of new tokens."""
+        key = tuple(int(t) for t in tokens)
+        if self.max_tokens <= 0 or not key or len(key) > self.max_tokens:
+            return 0
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return 0
+        self._entries[key] = (k.clone(), v.clone(), None if experts is None else experts.clone())
+        self.num_tokens += len(key)
+        while self.num_tokens > self.max_tokens:
+            old, _ = self._entries.popitem(last=False)
+            self.num_tokens -= len(old)
+        return len(key)
+
+    def flush(self) -> None:
+        """Empty the cache (after a weight update, or on ``/flush_cache``)."""
+        self._entries.clear()
         self.num_tokens = 0
 
     @property

@@ -6,6 +6,14 @@ prefix from the radix cache and prefilling the rest — and (3) runs one batched
 running request. Requests therefore join and leave the batch at token granularity: a short request never
 waits for a long one. Running request ``i`` always sits in KV slot ``i``; when one leaves, the last one is
 moved into its slot.
+
+With ``deterministic`` (``--enable-deterministic-inference``, SGLang's flag) every forward is
+batch-invariant: each request is prefilled alone from position 0 (chunked at fixed boundaries) and decoded
+alone over exactly its own KV, and the prefix cache is an :class:`ExactPrefixCache`, whose hits are bit for
+bit what a recomputation gives. A request's tokens and logprobs are then a function of the request alone
+(its tokens, sampling parameters and seed) and the weights: not of what else runs, of timing, or of what
+the cache holds, which is what an exact resume of a training run needs. It costs the batching: decode
+runs one request at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.radix_cache import PrefixMatch, RadixCache
+from miles.engine.radix_cache import ExactPrefixCache, PrefixMatch, RadixCache
 from miles.engine.request import Request
 from miles.engine.sampling import sample_rows
 from miles.engine.top_logprobs import record_input_top_logprobs, record_output_top_logprobs
@@ -66,6 +74,8 @@ class SchedulerConfig:
     max_kv_tokens: int | None = None
     """Token positions the running batch's KV buffers may hold (slots x capacity); requests wait for
     room beyond it. ``None``: what fits in 4 GiB for this model."""
+    deterministic: bool = False
+    """Batch-invariant forwards and an exact-match prefix cache (see the module docstring)."""
 
 
 def _pow2(n: int) -> int:
@@ -87,7 +97,9 @@ class Scheduler:
         self.config = config
         self.text_of = text_of
         self.context_length = min(config.context_length or runner.context_length, runner.context_length)
-        self.cache = RadixCache(config.max_cache_tokens)
+        self.cache: RadixCache | ExactPrefixCache = (
+            ExactPrefixCache(config.max_cache_tokens) if config.deterministic else RadixCache(config.max_cache_tokens)
+        )
         self.weight_version = config.weight_version
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -194,6 +206,7 @@ class Scheduler:
             "generated_tokens": self.generated_tokens,
             "peak_running_reqs": self.peak_running,
             "max_kv_tokens": self.max_kv_tokens,
+            "deterministic": self.config.deterministic,
         }
 
     # ------------------------------------------------------------------ loop
@@ -313,7 +326,12 @@ class Scheduler:
             for item in work[1:]:
                 sizes = [min(p.need - p.done, _CHUNK) for _, p in [*group, item]]
                 padded = max(sizes) * len(sizes)
-                if item[0] != group[-1][0] + 1 or padded > 1.25 * sum(sizes) or padded > _BATCH_TOKENS:
+                if (
+                    self.config.deterministic  # one request per forward
+                    or item[0] != group[-1][0] + 1
+                    or padded > 1.25 * sum(sizes)
+                    or padded > _BATCH_TOKENS
+                ):
                     break
                 group.append(item)
             chunks = [p.seq[p.done : min(p.need, p.done + _CHUNK)] for _, p in group]
@@ -367,11 +385,33 @@ class Scheduler:
             self._finish(req, {"type": "length", "length": 0})
 
     # ----------------------------------------------------------------- decode
+    def _forward(self, running: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[B, vocab]`` (and routed experts) of the next token of every running request: one
+        batched forward, or one forward per request in deterministic mode."""
+        if not self.config.deterministic:
+            return self.runner.decode([r.last_token for r in running], [r.kv_len for r in running])
+        rows = [self.runner.decode([r.last_token], [r.kv_len], first_slot=i) for i, r in enumerate(running)]
+        routed = None if rows[0][1] is None else torch.cat([r for _, r in rows if r is not None])
+        return torch.cat([lg for lg, _ in rows]), routed
+
+    def _sample(
+        self, logits: torch.Tensor, running: list[Request], banned: list[list[int]]
+    ) -> tuple[list[int], list[float], list[float]]:
+        if not self.config.deterministic:
+            return sample_rows(logits, [r.config for r in running], [r.generator for r in running], banned)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        raws: list[float] = []
+        for i, req in enumerate(running):
+            one = sample_rows(logits[i : i + 1].clone(), [req.config], [req.generator], [banned[i]])
+            ids += one[0]
+            logprobs += one[1]
+            raws += one[2]
+        return ids, logprobs, raws
+
     def _decode_step(self) -> None:
         running = self.running
-        tokens = [req.last_token for req in running]
-        positions = [req.kv_len for req in running]
-        logits, routed = self.runner.decode(tokens, positions)
+        logits, routed = self._forward(running)
         self.steps += 1
         banned: list[list[int]] = []
         for i, req in enumerate(running):
@@ -383,12 +423,7 @@ class Scheduler:
             else:
                 banned.append([])
         record_output_top_logprobs(running, logits, banned)
-        ids, logprobs, raws = sample_rows(
-            logits,
-            [r.config for r in running],
-            [r.generator for r in running],
-            banned,
-        )
+        ids, logprobs, raws = self._sample(logits, running, banned)
         self.generated_tokens += len(ids)
         done: list[Request] = []
         for req, token, lp, raw in zip(running, ids, logprobs, raws, strict=True):
@@ -437,7 +472,8 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             seq = req.tokens[: req.kv_len]
-            if cache and reason["type"] != "abort" and req.kv_len:
+            # deterministic mode caches prefills only: decode-step KV differs in the last bits from a prefill's
+            if cache and reason["type"] != "abort" and req.kv_len and not self.config.deterministic:
                 k, v = self.runner.read_kv(self.running.index(req), req.kv_len)
                 experts = torch.cat(req.routed) if self.runner.is_moe and req.routed else None
                 self.cache.insert(seq, k, v, experts)

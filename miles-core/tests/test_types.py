@@ -29,6 +29,8 @@ def _full_sample() -> Sample:
         routed_experts=experts,
         routed_experts_shape=(2, 3, 2),
         teacher_logprobs=[-0.5, -1.0 / 3.0],
+        teacher_topk_ids=[[4, 9], [5, 0]],
+        teacher_topk_logprobs=[[-0.1, -2.0 / 3.0], [-1e-300, -7.25]],
         metadata={"source": "prompts.jsonl:3", "tools": [{"name": "calc"}]},
     )
 
@@ -44,6 +46,8 @@ def test_sample_round_trip_is_exact() -> None:
     assert json.loads(line)["status"] == "truncated"
     assert back.oldest_weight_version == 4
     assert back.tokens == [1, 2, 3, 4, 5]
+    assert back.teacher_topk == 2
+    assert back.teacher_topk_logprobs is not None and back.teacher_topk_logprobs[0][1].hex() == (-2.0 / 3.0).hex()
 
 
 def test_sample_round_trip_keeps_non_finite_logprobs() -> None:
@@ -65,6 +69,10 @@ def test_to_dict_detaches_from_sample() -> None:
         ({"rollout_logprobs": [0.0]}, "Sample.rollout_logprobs has 1 entries"),
         ({"teacher_logprobs": [0.0, 0.0, 0.0]}, "Sample.teacher_logprobs has 3 entries"),
         ({"routed_experts_shape": (2, 3, 3)}, "shape (2, 3, 3) needs 72"),
+        ({"teacher_topk_ids": None}, "teacher_topk_ids and teacher_topk_logprobs must be set together"),
+        ({"teacher_topk_ids": [[4, 9]], "teacher_topk_logprobs": [[0.0, 0.0]]}, "teacher_topk_ids has 1 rows"),
+        ({"teacher_topk_ids": [[4, 9], [5]]}, "row 1 has 1 / 2 entries; every row needs the same k"),
+        ({"teacher_topk_ids": [[], []], "teacher_topk_logprobs": [[], []]}, "row 0 has 0 / 0 entries"),
     ],
 )
 def test_validate_names_the_field(change: dict[str, object], message: str) -> None:

@@ -99,6 +99,11 @@ class Sample:
     """Shape of ``routed_experts``: (tokens, layers, topk)."""
     teacher_logprobs: list[float] | None = None
     """Per response token logprob under a teacher model (on-policy distillation)."""
+    teacher_topk_ids: list[list[int]] | None = None
+    """Per response token, the teacher's ``k`` most likely token ids at that position, most likely first
+    (top-k distillation); every row has the same ``k``."""
+    teacher_topk_logprobs: list[list[float]] | None = None
+    """The teacher's logprobs of ``teacher_topk_ids``, aligned with it."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free, JSON-serialisable data (data set row fields, tool traces, timings)."""
 
@@ -126,6 +131,7 @@ class Sample:
                 raise ValueError(f"Sample.{name} has {len(value)} entries, response_ids has {n}")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
             raise ValueError(f"Sample.teacher_logprobs has {len(self.teacher_logprobs)} entries, response_ids has {n}")
+        self._validate_teacher_topk(n)
         if self.routed_experts is not None:
             if self.routed_experts_shape is None:
                 raise ValueError("Sample.routed_experts is set but routed_experts_shape is not")
@@ -135,6 +141,28 @@ class Sample:
                     f"Sample.routed_experts holds {len(self.routed_experts)} bytes, "
                     f"shape {self.routed_experts_shape} needs {t * layers * k * 4}"
                 )
+
+    def _validate_teacher_topk(self, n: int) -> None:
+        ids, logprobs = self.teacher_topk_ids, self.teacher_topk_logprobs
+        if (ids is None) != (logprobs is None):
+            raise ValueError("Sample.teacher_topk_ids and teacher_topk_logprobs must be set together")
+        if ids is None or logprobs is None:
+            return
+        for name, rows in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", logprobs)):
+            if len(rows) != n:
+                raise ValueError(f"Sample.{name} has {len(rows)} rows, response_ids has {n}")
+        k = len(ids[0]) if ids else 0
+        for t, (row_ids, row_lps) in enumerate(zip(ids, logprobs, strict=True)):
+            if len(row_ids) != k or len(row_lps) != k or k == 0:
+                raise ValueError(
+                    f"Sample.teacher_topk_ids / teacher_topk_logprobs row {t} has {len(row_ids)} / {len(row_lps)} "
+                    f"entries; every row needs the same k >= 1 ({k} in row 0)"
+                )
+
+    @property
+    def teacher_topk(self) -> int:
+        """``k`` of the teacher's top-k rows (0 when there are none)."""
+        return len(self.teacher_topk_ids[0]) if self.teacher_topk_ids else 0
 
     # -- (de)serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -176,6 +204,10 @@ class Sample:
             kwargs["rollout_logprobs"] = [float(v) for v in kwargs["rollout_logprobs"]]
         if kwargs.get("teacher_logprobs") is not None:
             kwargs["teacher_logprobs"] = [float(v) for v in kwargs["teacher_logprobs"]]
+        if kwargs.get("teacher_topk_ids") is not None:
+            kwargs["teacher_topk_ids"] = [[int(v) for v in row] for row in kwargs["teacher_topk_ids"]]
+        if kwargs.get("teacher_topk_logprobs") is not None:
+            kwargs["teacher_topk_logprobs"] = [[float(v) for v in row] for row in kwargs["teacher_topk_logprobs"]]
         return cls(**kwargs)
 
     def to_json(self) -> str:

@@ -176,6 +176,65 @@ def test_distillation_alone_and_added_to_rl() -> None:
         )
 
 
+def test_topk_distillation_alone_masked_and_added_to_rl() -> None:
+    from miles.algorithms.losses import distill_topk_reverse_kl
+
+    distill = Distill(DistillSettings(distill_mode="topk", distill_topk=2))
+    needs = distill.needs
+    assert needs.teacher_topk == 2 and not needs.teacher_logprobs and not needs.old_logprobs
+    assert Distill(DistillSettings()).needs.teacher_topk == 0
+    # two positions, the second not trained (loss_mask 0): only the first one's KL reaches the loss
+    student = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.1]])).requires_grad_(True)
+    teacher = torch.log(torch.tensor([[0.25, 0.25], [0.7, 0.2]]))
+    logp = torch.tensor([-0.7, -2.3], requires_grad=True)
+    base = dict(
+        loss_mask=torch.tensor([1, 0]),
+        response_lengths=[2],
+        teacher_topk_logprobs=teacher,
+        student_topk_logprobs=student,
+    )
+    out = distill.loss(LossInputs(logprobs=logp, **base))
+    expected = 2 / 3 * math.log(4 / 3) + 1 / 3 * math.log(2 / 3)
+    assert out.per_token_loss[0].item() == pytest.approx(expected, abs=1e-6)
+    assert "distill_topk_reverse_kl" in out.metrics
+    loss = aggregate_loss(out.per_token_loss, base["loss_mask"], [2], distill.aggregation, StepDenominators(1, 1))
+    loss.backward()
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert student.grad is not None and student.grad[1].abs().max().item() == 0.0
+    assert student.grad[0].abs().max().item() > 0.0
+    # unnormalised setting
+    plain = Distill(DistillSettings(distill_mode="topk", distill_topk=2, distill_topk_renormalize=False))
+    out = plain.loss(LossInputs(logprobs=logp, **base))
+    assert out.per_token_loss[0].item() == pytest.approx(0.5 * math.log(2) - 0.25, abs=1e-6)
+    # added to GRPO: pg (ratio 1: -A) + 0.5 * D
+    grpo = GRPO(GRPOSettings(distill_coef=0.5, distill_mode="topk", distill_topk=2))
+    assert grpo.needs.teacher_topk == 2 and not grpo.needs.teacher_logprobs
+    out = grpo.loss(LossInputs(logprobs=logp.detach().clone().requires_grad_(True), advantages=torch.ones(2), **base))
+    d = distill_topk_reverse_kl(student.detach(), teacher)
+    assert out.per_token_loss.tolist() == pytest.approx((-1.0 + 0.5 * d).tolist(), abs=1e-6)
+    with pytest.raises(ValueError, match="LossInputs.student_topk_logprobs is required"):
+        grpo.loss(
+            LossInputs(
+                logprobs=logp,
+                loss_mask=torch.ones(2),
+                response_lengths=[2],
+                advantages=torch.ones(2),
+                teacher_topk_logprobs=teacher,
+            )
+        )
+    with pytest.raises(ValueError, match=r"must both be \[T, k\]"):
+        grpo.loss(
+            LossInputs(
+                logprobs=logp,
+                loss_mask=torch.ones(2),
+                response_lengths=[2],
+                advantages=torch.ones(2),
+                teacher_topk_logprobs=teacher,
+                student_topk_logprobs=student[:, :1],
+            )
+        )
+
+
 def test_sft_alone_and_added_to_rl() -> None:
     sft = SFT(SFTSettings())
     assert not sft.needs.rollout and not sft.needs.old_logprobs
@@ -269,6 +328,8 @@ def test_conformance_with_every_term_on() -> None:
         ),
     )
     check_algorithm(GSPO, settings=dict(mismatch_correction="icepop", mismatch_level="sequence"))
+    check_algorithm(Distill, settings=dict(distill_mode="topk", distill_topk=3))
+    check_algorithm(GRPO, settings=dict(distill_coef=0.2, distill_mode="topk", distill_topk=4))
     check_algorithm(PPO, settings=dict(kl_coef=0.05, mismatch_correction="tis", mismatch_level="geometric"))
 
 

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from miles.algorithms.correction import icepop_weights, mismatch_log_ratio, tis_weights
-from miles.algorithms.losses import distill_reverse_kl, kl_estimate, nll, ppo_clip, sequence_log_ratio, value_loss
+from miles.algorithms.losses import (
+    distill_reverse_kl,
+    distill_topk_reverse_kl,
+    kl_estimate,
+    nll,
+    ppo_clip,
+    sequence_log_ratio,
+    value_loss,
+)
 
 
 def test_kl_estimators_by_hand() -> None:
@@ -112,3 +120,67 @@ def test_masked_tokens_do_not_move_sequence_ratios() -> None:
     rollout = torch.tensor([-1.0, -50.0, -1.0])
     lr = mismatch_log_ratio(old, rollout, torch.tensor([1, 0, 1]), [3], "sequence")
     assert lr.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_topk_reverse_kl_by_hand() -> None:
+    # student p = (0.5, 0.25) on the set, teacher q = (0.25, 0.25)
+    # renormalised: p~ = (2/3, 1/3), q~ = (1/2, 1/2): 2/3 ln(4/3) + 1/3 ln(2/3) = 0.0566330
+    # unnormalised: 0.5 ln 2 - 0.5 + 0.25 + (0 - 0.25 + 0.25) = 0.0965736
+    student = torch.log(torch.tensor([[0.5, 0.25]], dtype=torch.float64))
+    teacher = torch.log(torch.tensor([[0.25, 0.25]], dtype=torch.float64))
+    renorm = distill_topk_reverse_kl(student, teacher)
+    assert renorm.tolist() == pytest.approx([2 / 3 * math.log(4 / 3) + 1 / 3 * math.log(2 / 3)], abs=1e-12)
+    plain = distill_topk_reverse_kl(student, teacher, renormalize=False)
+    assert plain.tolist() == pytest.approx([0.5 * math.log(2) - 0.25], abs=1e-12)
+    # direction: reverse KL(student || teacher), not KL(teacher || student)
+    forward = 0.5 * math.log(0.5 / (2 / 3)) + 0.5 * math.log(0.5 / (1 / 3))
+    assert abs(renorm.item() - forward) > 1e-3
+
+
+def test_topk_reverse_kl_is_zero_with_zero_grad_when_student_equals_teacher_and_for_k1() -> None:
+    logp = torch.log_softmax(torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.0, -0.3]]), dim=-1)
+    for renormalize in (True, False):
+        student = logp.clone().requires_grad_(True)
+        loss = distill_topk_reverse_kl(student, logp, renormalize=renormalize)
+        loss.sum().backward()
+        assert loss.abs().max().item() < 1e-6
+        assert student.grad is not None and student.grad.abs().max().item() < 1e-6
+    # k = 1 renormalised: both distributions are a point mass on the one token: 0 whatever the logprobs
+    student = torch.tensor([[-3.0], [-0.1]], requires_grad=True)
+    loss = distill_topk_reverse_kl(student, torch.tensor([[-0.2], [-5.0]]))
+    loss.sum().backward()
+    assert loss.tolist() == [0.0, 0.0] and student.grad is not None and student.grad.abs().max().item() == 0.0
+    # k = 1 unnormalised: p ln(p/q) - p + q, d/ds = p (s - t)
+    student = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    loss = distill_topk_reverse_kl(student, torch.tensor([[-2.0]], dtype=torch.float64), renormalize=False)
+    loss.sum().backward()
+    p, q = math.exp(-1.0), math.exp(-2.0)
+    assert loss.item() == pytest.approx(p * 1.0 - p + q, abs=1e-12)
+    assert student.grad is not None and student.grad.item() == pytest.approx(p * 1.0, abs=1e-12)
+
+
+def test_topk_reverse_kl_gradient_matches_an_independent_formula_and_finite_differences() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # student logprobs at the teacher's ids: not normalised over the set (the rest of the vocabulary holds mass)
+    student = (torch.randn(4, 5, generator=gen, dtype=torch.float64) - 2.0).requires_grad_(True)
+    teacher = torch.randn(4, 5, generator=gen, dtype=torch.float64) - 2.0
+    loss = distill_topk_reverse_kl(student, teacher)
+    (grad,) = torch.autograd.grad(loss.sum(), student)
+    # independent: probabilities, renormalised by division, KL written with logs of ratios
+    with torch.no_grad():
+        p = student.exp() / student.exp().sum(-1, keepdim=True)
+        q = teacher.exp() / teacher.exp().sum(-1, keepdim=True)
+        kl = (p * torch.log(p / q)).sum(-1)
+        # closed form: dKL/ds_j = p~_j (log p~_j - log q~_j - KL)
+        closed = p * (torch.log(p / q) - kl[:, None])
+    assert torch.allclose(loss.detach(), kl, atol=1e-12)
+    assert torch.allclose(grad, closed, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda s: distill_topk_reverse_kl(s, teacher), (student,))
+    assert torch.autograd.gradcheck(lambda s: distill_topk_reverse_kl(s, teacher, renormalize=False), (student,))
+
+
+def test_topk_reverse_kl_keeps_minus_inf_teacher_entries_finite() -> None:
+    student = torch.log(torch.tensor([[0.6, 0.3]])).requires_grad_(True)
+    loss = distill_topk_reverse_kl(student, torch.tensor([[0.0, -math.inf]]))
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and student.grad is not None and torch.isfinite(student.grad).all()

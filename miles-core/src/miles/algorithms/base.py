@@ -42,6 +42,10 @@ class AlgorithmNeeds:
     """Needs the trainer's logprobs before the update (the PPO ratio's denominator)."""
     ref_logprobs: bool = False
     teacher_logprobs: bool = False
+    """Needs the teacher's logprob of each sampled token (per-token distillation)."""
+    teacher_topk: int = 0
+    """Needs the teacher's top-``k`` ids and logprobs at each response position, and the trainer's
+    ``student_topk_logprobs`` at those ids (top-k distillation); 0: not needed."""
     values: bool = False
     entropy: bool = False
     """Needs per-token entropy in :class:`LossInputs` (an entropy bonus)."""
@@ -52,7 +56,8 @@ class AlgorithmNeeds:
 
 @dataclass
 class LossInputs:
-    """Per-token tensors of one micro-batch: response tokens of its sequences, concatenated (shape ``[T]``).
+    """Per-token tensors of one micro-batch: response tokens of its sequences, concatenated (shape ``[T]``;
+    ``[T, k]`` for the top-k fields).
 
     ``response_lengths`` splits them back into sequences (for sequence-level ratios).
     """
@@ -65,6 +70,11 @@ class LossInputs:
     rollout_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
+    """``[T, k]`` the teacher's logprobs of its top-k tokens at each response position."""
+    student_topk_logprobs: torch.Tensor | None = None
+    """``[T, k]`` the policy's logprobs (``log_softmax(logits / temperature)``, with gradient) of the
+    teacher's top-k tokens at each response position."""
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
     old_values: torch.Tensor | None = None

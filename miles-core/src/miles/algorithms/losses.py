@@ -1,5 +1,6 @@
 """Per-token loss terms: PPO clip (clip-higher, dual clip), GSPO's sequence-level clip, the critic's
-clipped value loss, KL estimators, SFT's NLL and the on-policy distillation term.
+clipped value loss, KL estimators, SFT's NLL and the on-policy distillation terms (per sampled token and
+over the teacher's top-k).
 
 Every function takes response-token tensors of a micro-batch concatenated (``[T]``) and returns ``[T]``
 tensors (plus metric tensors), so that the trainer can aggregate them with any
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KLEstimator",
     "distill_reverse_kl",
+    "distill_topk_reverse_kl",
     "kl_estimate",
     "nll",
     "ppo_clip",
@@ -126,3 +128,40 @@ def distill_reverse_kl(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -
     """
     gap = (logprobs - teacher_logprobs).detach()
     return gap + gap * (logprobs - logprobs.detach())
+
+
+_TOPK_FLOOR = -1e4
+"""Teacher logprobs below this (``-inf`` of masked tokens) are raised to it, so the KL stays finite."""
+
+
+def distill_topk_reverse_kl(
+    student_topk_logprobs: torch.Tensor, teacher_topk_logprobs: torch.Tensor, *, renormalize: bool = True
+) -> torch.Tensor:
+    """Top-k on-policy distillation: per position, the reverse KL ``KL(student || teacher)`` restricted
+    to the teacher's top-k token set ``S``, computed exactly over ``S`` (not sampled).
+
+    :param student_topk_logprobs: ``[T, k]`` the student's ``log p_i`` at the teacher's top-k ids (with grad).
+    :param teacher_topk_logprobs: ``[T, k]`` the teacher's ``log q_i`` of the same ids.
+    :param renormalize: renormalise both distributions over ``S`` first:
+        ``p~_i = p_i / sum_S p``, ``q~_i = q_i / sum_S q`` and ``D = sum_S p~_i (log p~_i - log q~_i)``, a
+        true KL between two distributions on ``S`` (>= 0, 0 iff ``p~ == q~``). Without renormalisation the
+        generalised KL of the unnormalised masses ``D = sum_S [p_i (log p_i - log q_i) - p_i + q_i]`` (every
+        term >= 0, 0 iff ``p_i == q_i`` on ``S``), which also pulls the student's mass on ``S`` towards
+        the teacher's.
+    :returns: ``[T]`` per-position ``D``; its gradient is the analytic gradient of ``D`` through the
+        student's logprobs (no score-function estimate).
+
+    Reverse KL (student first) is mode-seeking: the student is penalised for mass where the teacher has
+    little, as in on-policy distillation (Agarwal et al. 2024; Thinking Machines 2025).
+    """
+    import torch
+
+    dtype = torch.promote_types(student_topk_logprobs.dtype, torch.float32)  # fp32 at least (fp64 stays)
+    student = student_topk_logprobs.to(dtype)
+    teacher = teacher_topk_logprobs.to(dtype).detach().clamp(min=_TOPK_FLOOR)
+    if renormalize:
+        log_p = student - torch.logsumexp(student, dim=-1, keepdim=True)
+        log_q = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    p = student.exp()
+    return (p * (student - teacher) - p + teacher.exp()).sum(-1)

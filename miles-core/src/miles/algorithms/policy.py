@@ -6,7 +6,8 @@ One micro-batch's per-token loss is the sum of independent terms, each switched 
            + kl_coef * KL_t                  KL(pi || ref) with the k1 / k2 / k3 estimator (unless in the reward)
            - entropy_coef * H_t              entropy bonus
            + sft_coef * (-log pi_t)          an SFT term
-           + distill_coef * D_t              on-policy distillation (reverse KL to the teacher)
+           + distill_coef * D_t              on-policy distillation (reverse KL to the teacher: per sampled
+                                             token, or exactly over the teacher's top-k with distill_mode)
            + value_coef * V_t                the critic's clipped value loss (PPO)
 
 Subclasses choose the advantage estimator (:meth:`compute_advantages`) and whether the ratio is per
@@ -72,7 +73,8 @@ class PolicyGradientAlgorithm(Algorithm):
             rollout=True,
             old_logprobs=True,
             ref_logprobs=kl,
-            teacher_logprobs=s.distill_coef > 0.0,
+            teacher_logprobs=s.distill_coef > 0.0 and s.distill_mode == "token",
+            teacher_topk=s.distill_topk if s.distill_coef > 0.0 and s.distill_mode == "topk" else 0,
             values=self.has_critic,
             entropy=s.entropy_coef > 0.0,
             ref_logprobs_for_advantages=kl and s.kl_in_reward,
@@ -145,7 +147,7 @@ class PolicyGradientAlgorithm(Algorithm):
 
     def extra_terms(self, inputs: LossInputs) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """Terms added to the loss beyond the policy surrogate (KL, entropy, SFT, distillation)."""
-        from miles.algorithms.losses import distill_reverse_kl, kl_estimate, nll
+        from miles.algorithms.losses import kl_estimate, nll
 
         s = self.s
         total: torch.Tensor | None = None
@@ -170,13 +172,30 @@ class PolicyGradientAlgorithm(Algorithm):
         if s.sft_coef > 0.0:
             add(s.sft_coef * nll(inputs.logprobs))
         if s.distill_coef > 0.0:
-            teacher = require(
-                inputs.teacher_logprobs, "teacher_logprobs", self.name, f"distill_coef = {s.distill_coef}"
-            )
-            term = distill_reverse_kl(inputs.logprobs, teacher)
-            metrics["distill_reverse_kl"] = term.detach()
+            name, term = self.distill_term(inputs)
+            metrics[name] = term.detach()
             add(s.distill_coef * term)
         return total, metrics
+
+    def distill_term(self, inputs: LossInputs) -> tuple[str, torch.Tensor]:
+        """The per-token distillation term of ``distill_mode`` and its metric name."""
+        from miles.algorithms.losses import distill_reverse_kl, distill_topk_reverse_kl
+
+        s = self.s
+        why = f"distill_coef = {s.distill_coef}, distill_mode = {s.distill_mode!r}"
+        if s.distill_mode == "token":
+            teacher = require(inputs.teacher_logprobs, "teacher_logprobs", self.name, why)
+            return "distill_reverse_kl", distill_reverse_kl(inputs.logprobs, teacher)
+        teacher_topk = require(inputs.teacher_topk_logprobs, "teacher_topk_logprobs", self.name, why)
+        student_topk = require(inputs.student_topk_logprobs, "student_topk_logprobs", self.name, why)
+        if teacher_topk.shape != student_topk.shape or teacher_topk.shape[:1] != inputs.logprobs.shape:
+            raise ValueError(
+                f"algorithm {self.name!r}: teacher_topk_logprobs {tuple(teacher_topk.shape)} and "
+                f"student_topk_logprobs {tuple(student_topk.shape)} must both be [T, k] with T = "
+                f"{inputs.logprobs.shape[0]}"
+            )
+        term = distill_topk_reverse_kl(student_topk, teacher_topk, renormalize=s.distill_topk_renormalize)
+        return "distill_topk_reverse_kl", term
 
     def loss(self, inputs: LossInputs) -> LossOutput:
         metrics: dict[str, torch.Tensor] = {}

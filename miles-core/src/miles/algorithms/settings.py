@@ -58,7 +58,17 @@ class PolicyLossSettings(ComponentSettings):
     sft_coef: float = Field(0.0, ge=0.0)
     """Weight of an added NLL (SFT) term on the trained tokens."""
     distill_coef: float = Field(0.0, ge=0.0)
-    """Weight of an added on-policy distillation term (reverse KL to ``teacher_logprobs``)."""
+    """Weight of an added on-policy distillation term (reverse KL to the teacher, see ``distill_mode``)."""
+    distill_mode: Literal["token", "topk"] = "token"
+    """Distillation term: ``token`` = one-sample reverse-KL estimate on each sampled token (needs
+    ``teacher_logprobs``); ``topk`` = the exact reverse KL over the teacher's top-``distill_topk`` tokens at
+    each position (needs the teacher's top-k ids and logprobs; the trainer gathers the student's logprobs
+    there)."""
+    distill_topk: int = Field(8, ge=1)
+    """``k`` of ``distill_mode = "topk"``: how many of the teacher's most likely tokens per position."""
+    distill_topk_renormalize: bool = True
+    """``topk``: renormalise student and teacher over the top-k set (a KL between distributions on it);
+    ``False``: the generalised KL of the unnormalised probabilities on the set."""
     loss_aggregation: Aggregation = "token_mean"
     """How per-token losses become the step loss: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO),
     ``seq_mean_token_sum_norm`` (Dr.GRPO: each sequence's sum over ``max_response_length``)."""

@@ -91,7 +91,8 @@ class Distill(GRPO):
             # pure distillation needs no PPO ratio; the ratio and TIS / IcePop need pi_old
             old_logprobs=s.policy_coef > 0.0 or s.mismatch_correction != "none",
             ref_logprobs=base.ref_logprobs,
-            teacher_logprobs=True,
+            teacher_logprobs=s.distill_mode == "token",
+            teacher_topk=s.distill_topk if s.distill_mode == "topk" else 0,
             values=False,
             entropy=base.entropy,
             ref_logprobs_for_advantages=False,

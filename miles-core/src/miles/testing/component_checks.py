@@ -163,6 +163,7 @@ def check_algorithm(
     logprobs = (rollout + shift).requires_grad_(True)
     mask = cat(s.loss_mask for s in samples)
     count = rollout.numel()
+    topk_teacher, topk_student = _topk_inputs(samples, getattr(needs, "teacher_topk", 0), count)
     inputs = LossInputs(
         logprobs=logprobs,
         loss_mask=mask,
@@ -174,6 +175,8 @@ def check_algorithm(
         teacher_logprobs=cat(s.teacher_logprobs or [0.0] * s.response_length for s in samples)
         if needs.teacher_logprobs
         else None,
+        teacher_topk_logprobs=topk_teacher,
+        student_topk_logprobs=topk_student,
         entropy=torch.full((count,), 1.5),
         values=torch.cat([v for row in values for v in row]).requires_grad_(True) if values is not None else None,
         old_values=torch.cat([v for row in values for v in row]) if values is not None else None,
@@ -200,7 +203,9 @@ def check_algorithm(
             raise failure(where, f"loss: metric {key!r} must be a per-token tensor of shape ({count},), got {shape}")
     if needs.rollout and loss.requires_grad:
         (loss * mask).sum().backward()
-        if logprobs.grad is None or not torch.isfinite(logprobs.grad).all():
+        # top-k distillation's gradient reaches the policy through student_topk_logprobs
+        grads = [t.grad for t in (logprobs, topk_student) if t is not None and t.grad is not None]
+        if not grads or not all(bool(torch.isfinite(g).all()) for g in grads):
             raise failure(where, "loss: gradients do not flow (finitely) to the logprobs")
     elif not loss.requires_grad:
         raise failure(where, "loss: per_token_loss does not depend on the logprobs (no gradient)")
@@ -208,6 +213,25 @@ def check_algorithm(
 
 _TRANSPORT_INIT = {"model_path": None, "engine_dtype": "float32"}
 """Constructor keywords of :class:`~miles.transport.base.WeightTransport` besides ``run_dir``."""
+
+
+def _topk_inputs(samples: Sequence[Sample], k: int, count: int) -> tuple[Any, Any]:
+    """``[T, k]`` teacher and student top-k logprobs for an algorithm whose ``needs.teacher_topk`` is ``k``:
+    the samples' teacher rows when they all have ``k`` of them, else distinct synthetic distributions."""
+    import torch
+
+    if k <= 0:
+        return None, None
+    grid = torch.linspace(-1.0, 1.0, count * k).reshape(count, k)
+    student = (torch.log_softmax(grid, dim=-1) - 0.2).requires_grad_(True)
+    rows = [s.teacher_topk_logprobs for s in samples]
+    if all(r is not None and len(r) == s.response_length for r, s in zip(rows, samples, strict=True)) and all(
+        len(row) == k for r in rows for row in r or []
+    ):
+        teacher = torch.tensor([row for r in rows for row in r or []], dtype=torch.float32).reshape(count, k)
+    else:
+        teacher = torch.log_softmax(grid.flip(-1), dim=-1) - 0.1
+    return teacher, student
 
 
 def check_transport(

@@ -41,6 +41,10 @@ class TrainBatch:
     """Trainer logprobs before this step's updates (the PPO ratio's denominator)."""
     ref_logprobs: list[list[float]] | None = None
     teacher_logprobs: list[list[float]] | None = None
+    teacher_topk_ids: list[list[list[int]]] | None = None
+    """Per response token, the teacher's top-``k`` token ids (``[sequence][token][k]``, one ``k`` for all)."""
+    teacher_topk_logprobs: list[list[list[float]]] | None = None
+    """The teacher's logprobs of ``teacher_topk_ids``, aligned with it."""
     returns: list[list[float]] | None = None
     old_values: list[list[float]] | None = None
     weight_versions: list[int] = field(default_factory=list)
@@ -72,6 +76,36 @@ class TrainBatch:
             for i, (row, length) in enumerate(zip(value, lengths, strict=True)):
                 if len(row) != length:
                     raise ValueError(f"TrainBatch.{name}[{i}] has {len(row)} values, the response has {length} tokens")
+        self._validate_topk(lengths)
+
+    @property
+    def teacher_topk(self) -> int:
+        """``k`` of the teacher's top-k rows (0 when the batch has none)."""
+        for rows in self.teacher_topk_ids or []:
+            if rows:
+                return len(rows[0])
+        return 0
+
+    def _validate_topk(self, lengths: list[int]) -> None:
+        ids, logprobs = self.teacher_topk_ids, self.teacher_topk_logprobs
+        if (ids is None) != (logprobs is None):
+            raise ValueError("TrainBatch.teacher_topk_ids and teacher_topk_logprobs must be set together")
+        if ids is None or logprobs is None:
+            return
+        k = self.teacher_topk
+        named: tuple[tuple[str, Sequence[Sequence[Sequence[float]]]], ...] = (
+            ("teacher_topk_ids", ids),
+            ("teacher_topk_logprobs", logprobs),
+        )
+        for name, value in named:
+            if len(value) != len(lengths):
+                raise ValueError(f"TrainBatch.{name} has {len(value)} sequences, tokens has {len(lengths)}")
+            for i, (rows, length) in enumerate(zip(value, lengths, strict=True)):
+                if len(rows) != length:
+                    raise ValueError(f"TrainBatch.{name}[{i}] has {len(rows)} rows, the response has {length} tokens")
+                bad = next((t for t, row in enumerate(rows) if len(row) != k), None)
+                if bad is not None:
+                    raise ValueError(f"TrainBatch.{name}[{i}][{bad}] has {len(rows[bad])} entries, k is {k}")
 
     def select(self, indices: Sequence[int]) -> TrainBatch:
         """A batch of the sequences at ``indices`` (e.g. this rank's share)."""
@@ -94,8 +128,11 @@ class TrainBatch:
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], advantages: Sequence[Sequence[float]] | None = None) -> TrainBatch:
-        """Build a batch from samples (rollout logprobs and teacher logprobs are taken from them)."""
+        """Build a batch from samples (rollout logprobs and the teacher's logprobs / top-k are taken from them)."""
         teacher = [s.teacher_logprobs for s in samples]
+        topk_ids = [s.teacher_topk_ids for s in samples]
+        topk_logprobs = [s.teacher_topk_logprobs for s in samples]
+        has_topk = bool(samples) and all(t is not None for t in topk_ids)
         return cls(
             tokens=[s.tokens for s in samples],
             prompt_lengths=[len(s.prompt_ids) for s in samples],
@@ -103,5 +140,7 @@ class TrainBatch:
             advantages=None if advantages is None else [list(a) for a in advantages],
             rollout_logprobs=[list(s.rollout_logprobs) for s in samples],
             teacher_logprobs=None if any(t is None for t in teacher) else [list(t) for t in teacher],  # type: ignore[arg-type]
+            teacher_topk_ids=[[list(r) for r in t] for t in topk_ids if t is not None] if has_topk else None,
+            teacher_topk_logprobs=[[list(r) for r in t] for t in topk_logprobs if t is not None] if has_topk else None,
             weight_versions=[v if (v := s.oldest_weight_version) is not None else -1 for s in samples],
         )

@@ -93,8 +93,12 @@ def test_fully_async_run_and_resume_from_its_buffer(tmp_path: Path, tiny_model: 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # the disk transport's pushes are committed (loaded, verified) while the next step trains: a step
+    # logs the commit of the previous version, the last step its own
+    assert "weight_sync/verified" not in rows[0]
+    assert [r["weight_sync/committed_version"] for r in rows[1:]] == [1.0, 3.0]
     for row in rows:
-        assert row["weight_sync/verified"] == 1.0
+        assert row["weight_sync/verified"] == 1.0 if row["step"] > 1 else True
         assert 0.0 <= row["rollout/reward_mean"] <= 1.0 and "train/tis_weight" in row
         assert row["train/train_rollout_logprob_abs_diff"] >= 0.0
         assert row["async/staleness_0"] + row["async/staleness_1"] == 16.0 and row["async/staleness_max"] <= 1.0
@@ -139,13 +143,14 @@ def test_fully_async_run_and_resume_from_its_buffer(tmp_path: Path, tiny_model: 
 
 def test_one_step_off_two_ranks_in_place_pause(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
     run_dir = tmp_path / "one"
-    rollout = 'mode = "one_step_off"\npause_mode = "in_place"\n'
+    rollout = 'mode = "one_step_off"\npause_mode = "in_place"\noverlap_weight_commit = false\n'
     config = async_config(tmp_path, tiny_model, prompts, run_dir, rollout, ranks=2, rollouts=2)
     out = miles("train", str(config))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["weight_sync/verified"] == 1.0 and "train/loss" in r for r in rows)
+    assert all(r["weight_sync/verified"] == 1.0 and "train/loss" in r for r in rows)  # pushed in line
+    assert not any("weight_sync/committed_version" in r for r in rows)
     histogram = check_staleness(run_dir, 1)
     assert histogram.get(0, 0) >= 16 and histogram.get(1, 0) > 0  # batch 2 was generated during step 1
     assert "one_step_off rollout: buffer of 4 groups" in (run_dir / "logs" / "trainer-0.log").read_text()

@@ -13,6 +13,14 @@ one weight-version span per version (the algorithm's TIS / IcePop settings corre
 - ``fully_async``: a persistent producer with ``rollout.buffer_groups`` slots and the staleness window
   ``rollout.max_staleness``; stale groups are dropped or regenerated (``rollout.stale_policy``).
 
+With a transport that stages weights (``disk``) and ``rollout.overlap_weight_commit`` (the default), a
+push is split: every rank *stages* version ``k`` (the trainer's weights are written out, so the next step
+may change them), and a task on rank 0's event loop *commits* it — pause, the engines load it, continue,
+verify — while the trainer already trains step ``k + 1``. Only the write stays on the trainer's critical
+path. Commits run one at a time, in order; the next push, an evaluation, a checkpoint and the end of the
+run wait for the pending one, so a verification failure stops the run at the latest one step later, with
+the tensor's name. The buffer learns version ``k`` when it is staged: the trainer holds it from then on.
+
 Every rank runs the same SPMD step as the synchronous loop; only rank 0 differs (where groups come from,
 pausing around the push). The buffer's contents and the groups in flight are saved in checkpoints.
 """
@@ -174,6 +182,9 @@ class AsyncTrainingLoop(TrainingLoop):
         self._producer_task: asyncio.Task[None] | None = None
         self._last_obtain = time.perf_counter()
         self._pause_seconds = 0.0
+        self._commit_task: asyncio.Task[PushReport] | None = None
+        self._committed: dict[str, float] = {}
+        """Metrics of the last awaited commit, logged with the next step."""
 
     @property
     def producing(self) -> bool:
@@ -181,6 +192,7 @@ class AsyncTrainingLoop(TrainingLoop):
 
     # -- the loop ----------------------------------------------------------------------------------
     async def run(self) -> None:
+        await self._await_commit()  # a resumed run's first push: generate on the checkpoint's weights
         if self.is_driver and self.algorithm.needs.rollout and self.manager is not None:
             assert self.data is not None
             self.buffer.set_version(self.step)
@@ -199,8 +211,12 @@ class AsyncTrainingLoop(TrainingLoop):
             )  # fmt: skip
         try:
             await super().run()
+            await self._await_commit()
         finally:
             await self._stop_producer()
+            if self._commit_task is not None and not self._commit_task.done():
+                self._commit_task.cancel()
+                await asyncio.gather(self._commit_task, return_exceptions=True)
 
     async def _stop_producer(self) -> None:
         task, self._producer_task = self._producer_task, None
@@ -243,8 +259,25 @@ class AsyncTrainingLoop(TrainingLoop):
 
         return await asyncio.to_thread(work)
 
+    @property
+    def overlaps_commit(self) -> bool:
+        """Whether pushes are staged here and committed while the next step trains (same on every rank)."""
+        transport = self.transport
+        return (
+            transport is not None
+            and transport.stages
+            and self.settings.rollout.overlap_weight_commit
+            and self.algorithm.needs.rollout
+            and not self.settings.cluster.colocate
+        )
+
     async def push_weights(self) -> PushReport | None:
-        """Pause the engines (``rollout.pause_mode``), push, continue; the buffer learns the new version."""
+        """Pause the engines (``rollout.pause_mode``), push, continue; the buffer learns the new version.
+
+        When :attr:`overlaps_commit`, only the staging happens here; see the module docstring."""
+        await self._await_commit()
+        if self.overlaps_commit:
+            return await self._stage_and_commit_later()
         paused = self.is_driver and self.client is not None and self.producing and self.transport is not None
         start = time.perf_counter()
         if paused:
@@ -260,6 +293,68 @@ class AsyncTrainingLoop(TrainingLoop):
         if self.is_driver:
             self.buffer.set_version(int(self.weight_version))
         return report
+
+    async def _stage_and_commit_later(self) -> PushReport:
+        assert self.transport is not None
+        version = str(self.step)
+        report = await self.transport.stage(self.rollout_buckets(), version=version, dist=self.dist)
+        self.weight_version = version
+        if self.is_driver:
+            self.buffer.set_version(int(version))
+            self._commit_task = asyncio.create_task(self._commit(report, self.step), name=f"commit-v{version}")
+            if self.step >= self.settings.train.num_rollouts:
+                await self._await_commit()  # nothing left to overlap with: log the last version's verification
+        return report
+
+    async def _commit(self, report: PushReport, step: int) -> PushReport:
+        """Rank 0, concurrently with the next training step: pause, load, continue, verify."""
+        assert self.transport is not None
+        paused = self.client is not None and self.producing
+        start = time.perf_counter()
+        staged_seconds = report.seconds
+        if paused:
+            assert self.client is not None
+            await self.client.pause_generation(self.settings.rollout.pause_mode)
+        try:
+            await self.randomize_engines(step)
+            await self.transport.commit(report)
+        finally:
+            if paused:
+                assert self.client is not None
+                await self.client.continue_generation()
+                self._pause_seconds += time.perf_counter() - start
+        await self.verify_push(report, step=step)
+        report.seconds = staged_seconds  # what the trainer waited for; the commit is reported apart
+        self._committed = {
+            **report.verification,
+            "weight_sync/committed_version": float(report.version),
+            "weight_sync/commit_seconds": time.perf_counter() - start,
+        }
+        return report
+
+    async def _await_commit(self) -> None:
+        """Wait for the pending commit (rank 0); a verification failure raises here."""
+        task, self._commit_task = self._commit_task, None
+        if task is not None:
+            await task
+
+    def _sync_metrics(self, report: PushReport | None) -> dict[str, float]:
+        out = super()._sync_metrics(report)
+        if self.overlaps_commit:
+            out = {k: v for k, v in out.items() if not k.startswith("weight_sync/verified")}
+            out.update(self._committed)  # the previous version's commit, awaited by this step's push
+            self._committed = {}
+        return out
+
+    async def maybe_evaluate(self) -> dict[str, float]:
+        interval = self.settings.train.eval_interval
+        if interval is not None and (self.step % interval == 0 or self.step == self.settings.train.num_rollouts):
+            await self._await_commit()  # evaluate the version just pushed
+        return await super().maybe_evaluate()
+
+    async def save(self) -> None:
+        await self._await_commit()
+        await super().save()
 
     # -- checkpoints -------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:

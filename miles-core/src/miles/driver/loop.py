@@ -21,6 +21,8 @@ from miles.training.batch import TrainBatch
 from miles.types import SampleGroup
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from miles.data.base import DataSource
     from miles.metrics.base import MetricsLogger
     from miles.plugins.manager import PluginManager
@@ -283,25 +285,40 @@ class TrainingLoop:
         """Send the trainer's weights to the engines and verify them (rank 0 verifies)."""
         if self.transport is None:
             return None
-        from miles.transport.verify import verify_engines
-
         version = str(self.step)
+        await self.randomize_engines(self.step)
+        report = await self.transport.push(self.rollout_buckets(), version=version, dist=self.dist)
+        self.weight_version = version
+        await self.verify_push(report, step=self.step)
+        return report
+
+    def rollout_buckets(self) -> Iterator[list[tuple[str, Any]]]:
+        """The trainer's weights in buckets, converted to what the engines serve (a collective: every rank)."""
+        buckets = self.trainer.iter_weights(self.settings.transport.bucket_bytes)
+        return ([*self.precision.rollout_weights(bucket)] for bucket in buckets)
+
+    async def randomize_engines(self, step: int) -> None:
+        """Test mode ``transport.randomize_engines_first``: random engine weights before a push (rank 0)."""
         if self.is_driver and self.settings.transport.randomize_engines_first:
             assert self.client is not None
             for url in self.client.urls:
-                await self.client.call(url, "/debug/randomize_weights", {"seed": self.step})
-        buckets = self.trainer.iter_weights(self.settings.transport.bucket_bytes)
-        converted = ([*self.precision.rollout_weights(bucket)] for bucket in buckets)
-        report = await self.transport.push(converted, version=version, dist=self.dist)
-        self.weight_version = version
-        if self.is_driver and self.settings.transport.verify:
+                await self.client.call(url, "/debug/randomize_weights", {"seed": step})
+
+    async def verify_push(self, report: PushReport, *, step: int) -> None:
+        """Rank 0: check the engines serve what was pushed (``transport.verify``); tell the plugins."""
+        if not self.is_driver:
+            return
+        from miles.transport.verify import verify_engines
+
+        assert self.transport is not None
+        if self.settings.transport.verify:
             assert self.client is not None
             report.verification = await verify_engines(
-                self.client, version=version, checksums_by_dtype={self.transport.engine_dtype: report.checksums}
+                self.client,
+                version=report.version,
+                checksums_by_dtype={self.transport.engine_dtype: report.checksums},
             )
-        if self.is_driver:
-            self.pm.on_weights_pushed(step=self.step, version=version, report=report)
-        return report
+        self.pm.on_weights_pushed(step=step, version=report.version, report=report)
 
     def _sync_metrics(self, report: PushReport | None) -> dict[str, float]:
         if report is None:

@@ -151,6 +151,11 @@ class RolloutSettings(_Section):
     """Async modes: capacity of the rollout buffer, in groups."""
     pause_mode: Literal["abort", "retract", "in_place"] = "retract"
     """How engines treat requests in flight during a weight update."""
+    overlap_weight_commit: bool = True
+    """Async modes, with a transport that stages weights (``disk``): the engines load and verify version
+    ``k`` while the trainer already trains step ``k + 1``, so only writing the weights stays on the
+    trainer's critical path. Verification still runs after every push; its metrics (and a mismatch, which
+    stops the run naming the tensor) arrive with the next step. ``false``: push and verify in line."""
     engine_dtype: str = "auto"
     """Dtype engines serve in (``auto``: the precision recipe's)."""
 

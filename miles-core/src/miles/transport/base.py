@@ -3,6 +3,10 @@
 After a training step every trainer rank calls :meth:`WeightTransport.push` with the trainer's bucket
 iterator (gathering is a collective); the transport decides which rank sends what. Afterwards the core
 verifies that the engines serve the new version and the expected checksums.
+
+A transport that can *stage* weights (``stages = True``) splits a push in two: :meth:`stage`, on every
+rank, takes what it needs from the trainer's weights (they change at the next step), and :meth:`commit`,
+on rank 0, makes the engines load it. Async training overlaps the commit with the next training step.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class WeightTransport(ABC):
 
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]] = ComponentSettings
+    stages: ClassVar[bool] = False
+    """Implements :meth:`stage` and :meth:`commit` (a push whose engine side can run later)."""
 
     def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
         """
@@ -63,6 +69,15 @@ class WeightTransport(ABC):
     @abstractmethod
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
         """Deliver every bucket and make the engines report ``version``. Every rank calls it."""
+
+    async def stage(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
+        """First half of a push (``stages`` transports): consume the buckets so that the trainer may change
+        its weights afterwards; the engines still serve the previous version. Every rank calls it."""
+        raise NotImplementedError(f"transport {self.name!r} does not stage weights")
+
+    async def commit(self, report: PushReport) -> None:
+        """Second half (rank 0): make the engines load what :meth:`stage` staged and report its version."""
+        raise NotImplementedError(f"transport {self.name!r} does not stage weights")
 
     async def close(self) -> None:
         """Tear channels down."""

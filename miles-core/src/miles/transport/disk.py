@@ -54,6 +54,7 @@ class DiskTransport(WeightTransport):
 
     name = "disk"
     Settings = DiskTransportSettings
+    stages = True
 
     def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
@@ -69,6 +70,13 @@ class DiskTransport(WeightTransport):
             self.root.mkdir(parents=True, exist_ok=True)
 
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
+        report = await self.stage(buckets, version=version, dist=dist)
+        if dist.rank == 0:
+            await self.commit(report)
+        return report
+
+    async def stage(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
+        """Write the version's shards, index and model files (rank 0; the others take part in gathers)."""
         import torch
         from safetensors.torch import save_file
 
@@ -101,19 +109,25 @@ class DiskTransport(WeightTransport):
                 source = Path(self.model_path) / name
                 if source.exists():
                     shutil.copy2(source, target / name)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    async def commit(self, report: PushReport) -> None:
+        """The engines load the staged version (``/update_weights_from_disk``); old versions are removed."""
         if self.client is None:
             raise RuntimeError("disk transport: push on rank 0 before connect() gave it the engines")
-        await self.client.update_weights_from_disk(str(target), version)
+        start = time.perf_counter()
+        target = self.root / f"v{report.version}"
+        await self.client.update_weights_from_disk(str(target), report.version)
         self.written.append(target)
         while len(self.written) > self.keep:
             old = self.written.pop(0)
             shutil.rmtree(old, ignore_errors=True)
-        report.seconds = time.perf_counter() - start
+        report.seconds += time.perf_counter() - start
         log.info(
             "disk transport: version %s, %d tensors, %.1f MB in %.2fs",
-            version,
+            report.version,
             report.num_tensors,
             report.num_bytes / 1e6,
             report.seconds,
         )
-        return report

@@ -22,7 +22,9 @@ __all__ = [
     "count_micro_batches",
     "pack",
     "plan_micro_batches",
+    "teacher_topk_rows",
     "token_logprobs",
+    "topk_logprobs",
 ]
 
 
@@ -162,3 +164,37 @@ def per_token_field(batch: TrainBatch, name: str, indices: Sequence[int], device
         return None
     flat = [float(v) for i in indices for v in rows[i]]
     return torch.tensor(flat, dtype=torch.float32, device=device)
+
+
+def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[T, k]`` logprobs of the token ids ``ids`` (``[T, k]``) under ``log_softmax(logits / temperature)``
+    (fp32, greedy scored at temperature 1, as :func:`token_logprobs`), with gradient.
+
+    Computed as ``gather - logsumexp`` so that no second ``[T, V]`` log-softmax is kept for backward.
+    """
+    scaled = logits.float()
+    if temperature > 1e-6 and temperature != 1.0:
+        scaled = scaled / temperature
+    return scaled.gather(-1, ids) - torch.logsumexp(scaled, dim=-1, keepdim=True)
+
+
+def teacher_topk_rows(
+    batch: TrainBatch, indices: Sequence[int], k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's first ``k`` top-k ids and logprobs (``[T, k]`` each) of sequences ``indices``.
+
+    Raises ``ValueError`` when the batch has no teacher top-k or fewer than ``k`` per position.
+    """
+    if batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
+        raise ValueError(
+            f"the algorithm needs the teacher's top-{k} (TrainBatch.teacher_topk_ids is None): "
+            "score the samples with a teacher ([rollout.teacher] url, with top_k >= k)"
+        )
+    if batch.teacher_topk < k:
+        raise ValueError(f"the algorithm needs the teacher's top-{k}; the batch has top-{batch.teacher_topk}")
+    ids = [row[:k] for i in indices for row in batch.teacher_topk_ids[i]]
+    logprobs = [row[:k] for i in indices for row in batch.teacher_topk_logprobs[i]]
+    return (
+        torch.tensor(ids, dtype=torch.long, device=device).reshape(-1, k),
+        torch.tensor(logprobs, dtype=torch.float32, device=device).reshape(-1, k),
+    )

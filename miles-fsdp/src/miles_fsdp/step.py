@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from miles.algorithms.aggregation import StepDenominators, aggregate_loss
 from miles.algorithms.base import LossInputs
-from miles_fsdp.microbatch import per_token_field, token_logprobs
+from miles_fsdp.microbatch import per_token_field, teacher_topk_rows, token_logprobs, topk_logprobs
 from miles_fsdp.optim import clip_grad_norm
 
 if TYPE_CHECKING:
@@ -62,6 +62,13 @@ def run_train_step(
         raise ValueError(f"algorithm {algorithm.name!r}: TrainBatch.advantages is None; compute advantages first")
     device = trainer.device
     needs_values = algorithm.needs.values
+    topk = getattr(algorithm.needs, "teacher_topk", 0)
+    if topk > 0 and (batch.teacher_topk_ids is None or batch.teacher_topk < topk):
+        have = "none" if batch.teacher_topk_ids is None else f"top-{batch.teacher_topk}"
+        raise ValueError(
+            f"algorithm {algorithm.name!r} needs the teacher's top-{topk} per response token, the batch has {have}: "
+            "score the samples with a teacher ([rollout.teacher] url, top_k >= the algorithm's distill_topk)"
+        )
     if needs_values and trainer.critic is None:
         raise RuntimeError(f"algorithm {algorithm.name!r} needs values: call setup(need_values=True)")
 
@@ -101,12 +108,18 @@ def run_train_step(
         mask = per_token_field(batch, "loss_mask", mb.indices, device)
         assert mask is not None
         fields = {name: per_token_field(batch, name, mb.indices, device) for name in _FIELDS}
+        teacher_topk = student_topk = None
+        if topk > 0:  # the student's logprobs at the teacher's top-k ids, response positions only
+            topk_ids, teacher_topk = teacher_topk_rows(batch, mb.indices, topk, device)
+            student_topk = topk_logprobs(logits, topk_ids, temperature)
         inputs = LossInputs(
             logprobs=logprobs,
             loss_mask=mask,
             response_lengths=mb.response_lengths,
             entropy=entropy,
             values=values,
+            teacher_topk_logprobs=teacher_topk,
+            student_topk_logprobs=student_topk,
             **fields,
         )
         output = algorithm.loss(inputs)

@@ -3,8 +3,9 @@
 Each prompt is sampled ``n_samples_per_prompt`` times through the engine client with the group's
 routing key (so the group's prefix is cached once on one engine), every sample gets a seed derived from
 the run seed, its group and its index (so a rollout is reproducible and a resumed run sees the same
-samples), rewards are computed, and the algorithm decides which groups to keep (dynamic sampling); the
-manager keeps generating until the batch is full.
+samples), rewards are computed, a teacher scores the samples when ``rollout.teacher.url`` is set (on-policy
+distillation, :mod:`miles.rollout.teacher`), and the algorithm decides which groups to keep (dynamic
+sampling); the manager keeps generating until the batch is full.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.protocol import GenerateOutput, SamplingParams
+from miles.rollout.teacher import TeacherScorer, teacher_for
 from miles.types import Sample, SampleGroup, SampleStatus, WeightSpan
 
 if TYPE_CHECKING:
@@ -131,13 +133,26 @@ class RolloutManager:
     ) -> None:
         self.client = client
         self.settings = settings
-        self.scorer = scorer
+        self.teacher: TeacherScorer | None = teacher_for(
+            settings.teacher, algorithm.needs if algorithm is not None else None
+        )
+        self.scorer = scorer if self.teacher is None else self._with_teacher(scorer, self.teacher)
         self.algorithm = algorithm
         self.rollout_function: RolloutFunction = rollout_function or single_turn
         self.seed = seed
         self.max_rounds = max_rounds
         self.return_routed_experts = return_routed_experts
         self.next_group_id = 0
+
+    @staticmethod
+    def _with_teacher(scorer: Scorer, teacher: TeacherScorer) -> Scorer:
+        """Rewards, then the teacher's logprobs (every path that scores samples gets both)."""
+
+        async def score(samples: Sequence[Sample]) -> None:
+            await scorer(samples)
+            await teacher.score(samples)
+
+        return score
 
     # -- state (saved in checkpoints) ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ __all__ = [
     "RewardFunctionSpec",
     "RewardSettings",
     "RolloutSettings",
+    "TeacherSettings",
     "TrainSettings",
     "TransportSpec",
 ]
@@ -118,6 +119,28 @@ class DataSettings(_Section):
     """Eval prompt file (same format as ``path``), used every ``train.eval_interval`` steps."""
 
 
+class TeacherSettings(_Section):
+    """A teacher model that scores every rollout sample (on-policy distillation).
+
+    Any server speaking SGLang's ``/generate`` works (``miles serve --model TEACHER --port P`` or SGLang
+    itself); it must share the policy's tokenizer. Each finished sample is sent once with
+    ``max_new_tokens = 0``, ``return_logprob`` and ``logprob_start_len`` = its prompt length; the answer
+    fills ``Sample.teacher_logprobs`` (and, with ``top_k``, the teacher's top-k ids and logprobs).
+    """
+
+    url: str | None = None
+    """Base URL of the teacher server (``http://127.0.0.1:30001``); unset: no teacher scoring."""
+    top_k: int = Field(0, ge=0)
+    """Also fetch the teacher's ``top_k`` most likely tokens per response position (``top_logprobs_num``);
+    must be at least the algorithm's ``distill_topk`` for ``distill_mode = "topk"``."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Temperature of the teacher's distribution (1: the teacher's own)."""
+    max_concurrency: int = Field(32, ge=1)
+    """Scoring requests in flight at once."""
+    timeout: float = Field(600.0, gt=0.0)
+    """Seconds one scoring request may take."""
+
+
 class RolloutSettings(_Section):
     """Generation."""
 
@@ -158,6 +181,8 @@ class RolloutSettings(_Section):
     stops the run naming the tensor) arrive with the next step. ``false``: push and verify in line."""
     engine_dtype: str = "auto"
     """Dtype engines serve in (``auto``: the precision recipe's)."""
+    teacher: TeacherSettings = Field(default_factory=TeacherSettings)
+    """On-policy distillation: the teacher server that scores each sample (``[rollout.teacher]``)."""
 
 
 class TrainSettings(_Section):

@@ -12,7 +12,7 @@ Registered names (``algorithm = "<name>"``; settings in :mod:`miles.algorithms.s
 ``reinforce_pp_baseline``     group mean subtracted, then whitened over the batch
 ``ppo``                       GAE from a critic, PPO clip plus clipped value loss
 ``sft``                       masked NLL
-``distill``                   on-policy distillation: reverse KL to teacher logprobs
+``distill``                   on-policy distillation: reverse KL to a teacher (per token or top-k)
 ============================  ==================================================================
 
 Every policy-gradient algorithm also composes, by settings: a KL term (k1 / k2 / k3, in the loss or in

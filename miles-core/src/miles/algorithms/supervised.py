@@ -3,12 +3,21 @@
 Both can also be added to any RL loss through ``sft_coef`` / ``distill_coef`` of the policy-gradient
 algorithms (see :mod:`miles.algorithms.policy`).
 
-Distillation here is per sampled token: the interface carries the teacher's logprob of each sampled token
-(``Sample.teacher_logprobs`` / ``LossInputs.teacher_logprobs``, shape ``[T]``), which is all the
-reverse-KL estimate on the policy's own samples needs. A top-k variant (the full KL over the teacher's k
-most likely tokens at each position) needs the student's logprobs of *those* k tokens, i.e. the trainer's
-logits at every position, and the teacher's top-k ids and logprobs; ``LossInputs`` carries neither, so it
-is not offered here.
+Distillation comes in two modes (``distill_mode``), both the reverse KL ``KL(pi || teacher)`` on the
+policy's own samples:
+
+- ``token``: per sampled token, from the teacher's logprob of that token (``Sample.teacher_logprobs`` /
+  ``LossInputs.teacher_logprobs``, ``[T]``): a one-sample estimate with the score-function gradient
+  (:func:`~miles.algorithms.losses.distill_reverse_kl`).
+- ``topk``: the exact KL over the teacher's ``distill_topk`` most likely tokens at each position
+  (:func:`~miles.algorithms.losses.distill_topk_reverse_kl`, optionally renormalised over that set),
+  differentiated analytically. The samples carry the teacher's top-k ids and logprobs
+  (``Sample.teacher_topk_ids`` / ``teacher_topk_logprobs``); ``AlgorithmNeeds.teacher_topk`` tells the
+  trainer to gather the student's logprobs at those ids (``LossInputs.student_topk_logprobs``, ``[T, k]``,
+  with gradient) next to the teacher's (``LossInputs.teacher_topk_logprobs``).
+
+The teacher's numbers come from a teacher server (``[rollout.teacher]``, :mod:`miles.rollout.teacher`)
+that scores every sample with a scoring-only ``/generate`` request, or from a custom rollout function.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ new one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import shutil
@@ -23,6 +24,8 @@ from miles.transport.base import PushReport, WeightTransport
 from miles.transport.verify import tensor_checksum
 
 if TYPE_CHECKING:
+    import torch
+
     from miles.rollout.client import EngineClient
     from miles.training.trainer import DistContext, WeightBucket
 
@@ -63,6 +66,7 @@ class DiskTransport(WeightTransport):
         self.keep = max(settings.keep_versions, 1)
         self.client: EngineClient | None = None
         self.written: list[Path] = []
+        self._staged: dict[str, list[dict[str, torch.Tensor]]] = {}
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
         self.client = client
@@ -70,38 +74,53 @@ class DiskTransport(WeightTransport):
             self.root.mkdir(parents=True, exist_ok=True)
 
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
-        report = await self.stage(buckets, version=version, dist=dist)
+        report = await self._collect(buckets, version=version, dist=dist, copy=False)
         if dist.rank == 0:
             await self.commit(report)
         return report
 
     async def stage(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
-        """Write the version's shards, index and model files (rank 0; the others take part in gathers)."""
+        """Snapshot the weights in host memory (rank 0; the other ranks take part in the gathers): the
+        trainer may change its own right after; :meth:`commit` writes and loads the snapshot."""
+        return await self._collect(buckets, version=version, dist=dist, copy=True)
+
+    async def _collect(
+        self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext, copy: bool
+    ) -> PushReport:
         import torch
-        from safetensors.torch import save_file
 
         start = time.perf_counter()
         report = PushReport(version=version)
-        target = self.root / f"v{version}"
         dtype = getattr(torch, self.engine_dtype)
-        weight_map: dict[str, str] = {}
-        if dist.rank == 0:
-            if target.exists():
-                shutil.rmtree(target)
-            target.mkdir(parents=True)
-        for index, bucket in enumerate(buckets):
+        shards: list[dict[str, torch.Tensor]] = []
+        for bucket in buckets:
             if dist.rank != 0 or not bucket:
                 continue  # other ranks only take part in the gathers
+            tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=copy).contiguous() for name, t in bucket}
+            shards.append(tensors)
+            report.num_tensors += len(tensors)
+            report.num_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        if dist.rank == 0:
+            self._staged[version] = shards
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _write(self, report: PushReport) -> Path:
+        """Write the staged shards, their index and the model's files; fill ``report.checksums``."""
+        from safetensors.torch import save_file
+
+        shards = self._staged.pop(report.version)
+        target = self.root / f"v{report.version}"
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        weight_map: dict[str, str] = {}
+        for index, tensors in enumerate(shards):
             shard = f"model-{index:05d}.safetensors"
-            tensors = {name: t.detach().to(dtype).contiguous().cpu() for name, t in bucket}
             save_file(tensors, str(target / shard), metadata={"format": "pt"})
             for name, t in tensors.items():
                 weight_map[name] = shard
                 report.checksums[name] = tensor_checksum(t)
-                report.num_bytes += t.numel() * t.element_size()
-            report.num_tensors += len(tensors)
-        if dist.rank != 0:
-            return report
         total = {"metadata": {"total_size": report.num_bytes}, "weight_map": weight_map}
         (target / "model.safetensors.index.json").write_text(json.dumps(total, indent=1))
         if self.model_path is not None:
@@ -109,15 +128,15 @@ class DiskTransport(WeightTransport):
                 source = Path(self.model_path) / name
                 if source.exists():
                     shutil.copy2(source, target / name)
-        report.seconds = time.perf_counter() - start
-        return report
+        return target
 
     async def commit(self, report: PushReport) -> None:
-        """The engines load the staged version (``/update_weights_from_disk``); old versions are removed."""
+        """Write the staged version (in a worker thread), make the engines load it
+        (``/update_weights_from_disk``), remove old versions."""
         if self.client is None:
             raise RuntimeError("disk transport: push on rank 0 before connect() gave it the engines")
         start = time.perf_counter()
-        target = self.root / f"v{report.version}"
+        target = await asyncio.to_thread(self._write, report)
         await self.client.update_weights_from_disk(str(target), report.version)
         self.written.append(target)
         while len(self.written) > self.keep:

@@ -30,8 +30,7 @@ def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> s
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     t = t.cpu().contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    digest = hashlib.sha256(data)
+    digest = hashlib.sha256(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # no copy
     digest.update(str(tuple(t.shape)).encode())
     return digest.hexdigest()[:16]
 

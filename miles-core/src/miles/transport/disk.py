@@ -3,7 +3,9 @@
 The simplest transport and the most portable (any engine that has ``/update_weights_from_disk``, any
 filesystem both sides see). Buckets are written as shards with an index, the model's config and tokenizer
 files are copied next to them, and the previous version's directory is removed once the engines serve the
-new one.
+new one. A push can be split (``stages``): :meth:`DiskTransport.stage` only snapshots the weights in host
+memory, and :meth:`DiskTransport.commit` writes them (in a worker thread) and has the engines load them —
+async training runs the commit while the trainer trains its next step.
 """
 
 from __future__ import annotations

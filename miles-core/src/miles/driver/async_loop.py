@@ -312,6 +312,8 @@ class AsyncTrainingLoop(TrainingLoop):
         paused = self.client is not None and self.producing
         start = time.perf_counter()
         staged_seconds = report.seconds
+        await self.transport.prepare(report)  # the engines keep generating while the weights are written
+        pause_start = time.perf_counter()
         if paused:
             assert self.client is not None
             await self.client.pause_generation(self.settings.rollout.pause_mode)
@@ -322,7 +324,7 @@ class AsyncTrainingLoop(TrainingLoop):
             if paused:
                 assert self.client is not None
                 await self.client.continue_generation()
-                self._pause_seconds += time.perf_counter() - start
+                self._pause_seconds += time.perf_counter() - pause_start
         await self.verify_push(report, step=step)
         report.seconds = staged_seconds  # what the trainer waited for; the commit is reported apart
         self._committed = {

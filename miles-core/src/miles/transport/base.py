@@ -75,6 +75,10 @@ class WeightTransport(ABC):
         its weights afterwards; the engines still serve the previous version. Every rank calls it."""
         raise NotImplementedError(f"transport {self.name!r} does not stage weights")
 
+    async def prepare(self, report: PushReport) -> None:
+        """Between :meth:`stage` and :meth:`commit` (rank 0), while the engines still generate: work that
+        needs no pause (writing files); fills ``report.checksums``."""
+
     async def commit(self, report: PushReport) -> None:
         """Second half (rank 0): make the engines load what :meth:`stage` staged and report its version."""
         raise NotImplementedError(f"transport {self.name!r} does not stage weights")

@@ -69,6 +69,7 @@ class DiskTransport(WeightTransport):
         self.client: EngineClient | None = None
         self.written: list[Path] = []
         self._staged: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self._ready: dict[str, Path] = {}
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
         self.client = client
@@ -78,6 +79,7 @@ class DiskTransport(WeightTransport):
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
         report = await self._collect(buckets, version=version, dist=dist, copy=False)
         if dist.rank == 0:
+            await self.prepare(report)
             await self.commit(report)
         return report
 
@@ -132,13 +134,20 @@ class DiskTransport(WeightTransport):
                     shutil.copy2(source, target / name)
         return target
 
+    async def prepare(self, report: PushReport) -> None:
+        """Write the staged version, in a worker thread (the engines keep generating meanwhile)."""
+        start = time.perf_counter()
+        self._ready[report.version] = await asyncio.to_thread(self._write, report)
+        report.seconds += time.perf_counter() - start
+
     async def commit(self, report: PushReport) -> None:
-        """Write the staged version (in a worker thread), make the engines load it
-        (``/update_weights_from_disk``), remove old versions."""
+        """Make the engines load the written version (``/update_weights_from_disk``); remove old versions."""
         if self.client is None:
             raise RuntimeError("disk transport: push on rank 0 before connect() gave it the engines")
         start = time.perf_counter()
-        target = await asyncio.to_thread(self._write, report)
+        if report.version not in self._ready:
+            await self.prepare(report)
+        target = self._ready.pop(report.version)
         await self.client.update_weights_from_disk(str(target), report.version)
         self.written.append(target)
         while len(self.written) > self.keep:

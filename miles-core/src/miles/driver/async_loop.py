@@ -300,7 +300,8 @@ class AsyncTrainingLoop(TrainingLoop):
         report = await self.transport.stage(self.rollout_buckets(), version=version, dist=self.dist)
         self.weight_version = version
         if self.is_driver:
-            self.buffer.set_version(int(version))
+            # the trainer holds the new version; the engines serve the previous one until the commit
+            self.buffer.set_version(int(version), engines=self.buffer.engine_version)
             self._commit_task = asyncio.create_task(self._commit(report, self.step), name=f"commit-v{version}")
             if self.step >= self.settings.train.num_rollouts:
                 await self._await_commit()  # nothing left to overlap with: log the last version's verification
@@ -320,6 +321,7 @@ class AsyncTrainingLoop(TrainingLoop):
         try:
             await self.randomize_engines(step)
             await self.transport.commit(report)
+            self.buffer.set_engine_version(int(report.version))
         finally:
             if paused:
                 assert self.client is not None

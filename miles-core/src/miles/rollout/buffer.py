@@ -7,8 +7,10 @@ time. Three rules keep the data on-policy enough and the memory bounded:
   producer *reserves* a slot before it starts a group, so backpressure stops generation itself, not only
   the hand-over);
 - **staleness window** (as AReaL does it): a slot is granted only while
-  ``consumed + ready + in flight < (version + max_staleness + 1) x batch_groups``, so a group started
-  now is consumed by the time the trainer is at most ``max_staleness`` versions further;
+  ``consumed + ready + in flight < (engine_version + max_staleness + 1) x batch_groups``, so a group
+  started now (by engines serving ``engine_version``) is consumed by the time the trainer is at most
+  ``max_staleness`` versions further. The engines' version is the trainer's, except while a pushed
+  version is still being loaded (a commit overlapped with training);
 - **admission control**: a group whose oldest weight version (:attr:`Sample.oldest_weight_version`)
   is more than ``max_staleness`` behind the trainer's current version is never handed out. It is
   checked when the group arrives and again when the trainer takes it (the version moves while it
@@ -113,6 +115,8 @@ class StalenessBuffer:
         self.total_groups = total_groups
         self.version = 0
         """The trainer's current weight version."""
+        self.engine_version = 0
+        """The version the engines serve (behind :attr:`version` while a push is being committed)."""
         self.consumed = 0
         """Groups handed to the trainer so far."""
         self.reserved = 0
@@ -137,7 +141,7 @@ class StalenessBuffer:
         """Slots a producer may reserve now (capacity and staleness window)."""
         free = self.capacity - len(self.ready) - self.reserved
         if self.batch_groups is not None:
-            window = (self.version + self.max_staleness + 1) * self.batch_groups
+            window = (self.engine_version + self.max_staleness + 1) * self.batch_groups
             if self.total_groups is not None:
                 window = min(window, self.total_groups)
             free = min(free, window - self.consumed - len(self.ready) - self.reserved)
@@ -219,10 +223,19 @@ class StalenessBuffer:
         )  # fmt: skip
 
     # -- trainer side ------------------------------------------------------------------------------
-    def set_version(self, version: int) -> None:
-        """The trainer now holds weight ``version``: evict groups that became stale, widen the window."""
+    def set_version(self, version: int, *, engines: int | None = None) -> None:
+        """The trainer now holds weight ``version``: evict groups that became stale, widen the window.
+
+        :param engines: the version the engines serve, when they do not serve ``version`` yet (a commit
+            overlapped with training); default ``version``."""
         self.version = int(version)
+        self.engine_version = self.version if engines is None else min(int(engines), self.version)
         self._evict()
+        self._notify()
+
+    def set_engine_version(self, version: int) -> None:
+        """The engines now serve ``version`` (a commit finished): the staleness window moves on."""
+        self.engine_version = min(int(version), self.version)
         self._notify()
 
     def _evict(self) -> None:
@@ -294,7 +307,7 @@ class StalenessBuffer:
 
     def load_state_dict(self, state: dict[str, Any], *, pending: Iterable[SampleGroup] = ()) -> None:
         """Restore :meth:`state_dict`; ``pending`` groups (in flight when it was saved) are regenerated."""
-        self.version = int(state["version"])
+        self.version = self.engine_version = int(state["version"])
         self.consumed = int(state["consumed"])
         self.ready = deque(SampleGroup.from_dict(g) for g in state["ready"])
         self.retry = deque(SampleGroup.from_dict(g) for g in state["retry"])

@@ -77,10 +77,11 @@ class WeightTransport(ABC):
 
     async def prepare(self, report: PushReport) -> None:
         """Between :meth:`stage` and :meth:`commit` (rank 0), while the engines still generate: work that
-        needs no pause (writing files); fills ``report.checksums``."""
+        needs no pause (writing files)."""
 
     async def commit(self, report: PushReport) -> None:
-        """Second half (rank 0): make the engines load what :meth:`stage` staged and report its version."""
+        """Second half (rank 0): make the engines load what :meth:`stage` staged and report its version;
+        ``report.checksums`` is complete when it returns."""
         raise NotImplementedError(f"transport {self.name!r} does not stage weights")
 
     async def close(self) -> None:

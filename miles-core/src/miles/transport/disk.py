@@ -110,10 +110,10 @@ class DiskTransport(WeightTransport):
         return report
 
     def _write(self, report: PushReport) -> Path:
-        """Write the staged shards, their index and the model's files; fill ``report.checksums``."""
+        """Write the staged shards, their index and the model's files."""
         from safetensors.torch import save_file
 
-        shards = self._staged.pop(report.version)
+        shards = self._staged[report.version]
         target = self.root / f"v{report.version}"
         if target.exists():
             shutil.rmtree(target)
@@ -122,9 +122,8 @@ class DiskTransport(WeightTransport):
         for index, tensors in enumerate(shards):
             shard = f"model-{index:05d}.safetensors"
             save_file(tensors, str(target / shard), metadata={"format": "pt"})
-            for name, t in tensors.items():
+            for name in tensors:
                 weight_map[name] = shard
-                report.checksums[name] = tensor_checksum(t)
         total = {"metadata": {"total_size": report.num_bytes}, "weight_map": weight_map}
         (target / "model.safetensors.index.json").write_text(json.dumps(total, indent=1))
         if self.model_path is not None:
@@ -148,7 +147,17 @@ class DiskTransport(WeightTransport):
         if report.version not in self._ready:
             await self.prepare(report)
         target = self._ready.pop(report.version)
-        await self.client.update_weights_from_disk(str(target), report.version)
+        shards = self._staged.pop(report.version)
+
+        def checksums() -> None:
+            for tensors in shards:
+                for name, t in tensors.items():
+                    report.checksums[name] = tensor_checksum(t)
+
+        # the trainer's checksums are computed while the engines load (both are needed only to verify)
+        await asyncio.gather(
+            self.client.update_weights_from_disk(str(target), report.version), asyncio.to_thread(checksums)
+        )
         self.written.append(target)
         while len(self.written) > self.keep:
             old = self.written.pop(0)

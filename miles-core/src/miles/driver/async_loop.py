@@ -308,7 +308,7 @@ class AsyncTrainingLoop(TrainingLoop):
         return report
 
     async def _commit(self, report: PushReport, step: int) -> PushReport:
-        """Rank 0, concurrently with the next training step: pause, load, continue, verify."""
+        """Rank 0, concurrently with the next training step: prepare, pause, load, continue, verify."""
         assert self.transport is not None
         paused = self.client is not None and self.producing
         start = time.perf_counter()
@@ -327,12 +327,17 @@ class AsyncTrainingLoop(TrainingLoop):
                 assert self.client is not None
                 await self.client.continue_generation()
                 self._pause_seconds += time.perf_counter() - pause_start
+        loaded = time.perf_counter()
         await self.verify_push(report, step=step)
+        done = time.perf_counter()
         report.seconds = staged_seconds  # what the trainer waited for; the commit is reported apart
         self._committed = {
             **report.verification,
             "weight_sync/committed_version": float(report.version),
-            "weight_sync/commit_seconds": time.perf_counter() - start,
+            "weight_sync/commit_seconds": done - start,
+            "weight_sync/prepare_seconds": pause_start - start,
+            "weight_sync/load_seconds": loaded - pause_start,
+            "weight_sync/verify_seconds": done - loaded,
         }
         return report
 

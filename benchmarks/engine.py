@@ -10,7 +10,8 @@ samples). Warm-up excluded, medians of ``--repeats`` runs. Prints a markdown tab
     python benchmarks/engine.py                    # 2 threads, both models
     python benchmarks/engine.py --models tiny --threads 1
 
-The engine is driven in-process through its scheduler (the HTTP layer adds one request per batch).
+The engine is driven in-process through its scheduler, on the main thread as ``miles serve`` runs it (the
+HTTP layer adds one request per batch).
 Model FLOPs per forwarded token: 2 x (decoder + lm_head parameters) + 4 x layers x hidden x context
 (attention scores and values); prefill tokens are counted too.
 """
@@ -100,7 +101,8 @@ def run_engine(state: Any, prompts: list[list[int]], new: int, n: int = 1) -> tu
             reqs.append(Request(rid=f"{i}-{j}", parent_rid=str(i), index=j, prompt_ids=list(p), config=cfg, sink=sink))
     t0 = time.perf_counter()
     state.scheduler.add(reqs)
-    assert event.wait(3600)
+    state.scheduler.run_until_idle()  # on this (main) thread, as `miles serve` runs it
+    assert event.is_set()
     elapsed = time.perf_counter() - t0
     assert all(len(r.output_ids) == new for r in done)
     return elapsed, done
@@ -122,7 +124,7 @@ def bench_model(
     for dtype in dtypes:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
         hf.eval()
-        state = build_engine(path, max_cache_tokens=0, max_running_requests=max(batches), dtype=dtype)
+        state = build_engine(path, max_cache_tokens=0, max_running_requests=max(batches), dtype=dtype, start=False)
         config = state.scheduler.runner.config
         n_linear = linear_params(hf)
         try:
@@ -156,7 +158,7 @@ def grpo_hit_rate(
 
     from miles.engine.launch import build_engine
 
-    state = build_engine(path, max_cache_tokens=1 << 20, max_running_requests=64)
+    state = build_engine(path, max_cache_tokens=1 << 20, max_running_requests=64, start=False)
     g = torch.Generator().manual_seed(1)
     vocab = state.scheduler.runner.vocab_size
     prompts = torch.randint(10, vocab - 10, (groups, prompt_len), generator=g).tolist()

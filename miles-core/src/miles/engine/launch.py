@@ -42,8 +42,10 @@ def build_engine(
     return_raw_logprob: bool = False,
     enable_deterministic_inference: bool = False,
     server_args: dict[str, Any] | None = None,
+    start: bool = True,
 ) -> Any:
-    """Load everything and start the scheduler thread; returns the :class:`EngineState`."""
+    """Load everything and (``start``) start the scheduler on a background thread; returns the
+    :class:`EngineState`. ``start=False``: the caller runs the loop (``Scheduler.run_forever``)."""
     from transformers import AutoTokenizer
 
     from miles.engine.model_runner import ModelRunner
@@ -72,7 +74,8 @@ def build_engine(
         ),
         text_of,
     )
-    scheduler.start()
+    if start:
+        scheduler.start()
     return EngineState(
         scheduler=scheduler,
         tokenizer=tokenizer,
@@ -86,7 +89,14 @@ def build_engine(
 def serve(
     model_path: str | Path, *, host: str = "127.0.0.1", port: int = 30000, threads: int | None = None, **kwargs: Any
 ) -> None:
-    """Serve ``model_path`` until interrupted (what ``miles serve`` runs)."""
+    """Serve ``model_path`` until interrupted or terminated (what ``miles serve`` runs).
+
+    The scheduler runs on the main thread (see :meth:`Scheduler.run_forever`), HTTP on a second one;
+    SIGINT / SIGTERM stop both. A server that cannot bind exits with an error.
+    """
+    import signal
+    import threading
+
     import torch
     import uvicorn
 
@@ -102,10 +112,34 @@ def serve(
         **{k: v for k, v in kwargs.items() if k != "api_key"},
     }
     args["enable_debug_endpoints"] = debug
-    state = build_engine(model_path, server_args=args, **kwargs)
-    app = create_app(state)
+    state = build_engine(model_path, server_args=args, start=False, **kwargs)
+    scheduler = state.scheduler
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False)
+    )
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:
+            scheduler.stop()  # the HTTP side ended (shutdown, or it could not bind): so does the engine
+
+    signalled: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("received signal %d: shutting down", signum)
+        signalled.append(signum)
+        scheduler.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    thread = threading.Thread(target=http, name="miles-http", daemon=True)
+    thread.start()
     log.info("serving %s on http://%s:%d", model_path, host, port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        scheduler.run_forever()
     finally:
-        state.scheduler.stop()
+        server.should_exit = True
+        thread.join(timeout=15)
+    if not server.started and not signalled:
+        raise SystemExit(f"miles serve: could not serve on http://{host}:{port} (see the error above)")

@@ -133,8 +133,12 @@ def test_deterministic_inference_is_batch_and_cache_invariant(engine_models: dic
         assert len(first[0]) == 12
         # the same request among others of different lengths, twice (the second one hits the cache)
         col2 = Collector()
-        others = [sampled(f"o{i}", [(5 * i + j) % 300 + 1 for j in range(3 + 4 * i)], 4 + 5 * i, col2) for i in range(4)]
-        mixed = run([others[0], sampled("a", prompt, 12, col2), others[1], sampled("b", prompt, 12, col2), *others[2:]], col2)
+        others = [
+            sampled(f"o{i}", [(5 * i + j) % 300 + 1 for j in range(3 + 4 * i)], 4 + 5 * i, col2) for i in range(4)
+        ]
+        mixed = run(
+            [others[0], sampled("a", prompt, 12, col2), others[1], sampled("b", prompt, 12, col2), *others[2:]], col2
+        )
         for rid in ("a", "b"):
             assert (mixed[rid].output_ids, list(mixed[rid].output_logprobs)) == first, rid
         assert {mixed["a"].cached_tokens, mixed["b"].cached_tokens} == {len(prompt) - 1}  # whole-prompt hits

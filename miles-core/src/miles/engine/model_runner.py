@@ -5,6 +5,12 @@ model's own, so every supported architecture computes exactly what ``transformer
 attention is driven here, against a KV buffer of shape ``[layers, slots, kv_heads, capacity, head_dim]``
 in which running request ``i`` owns slot ``i``. Supported: Llama, Qwen2, Qwen3 (q/k norms), and the
 MoE variants Qwen2-MoE / Qwen3-MoE, whose routers are observed to report routed experts.
+
+On a CPU with native bfloat16 (AVX512-BF16 / AMX), a bfloat16 model's dense matmuls run on weights
+prepacked once in oneDNN's blocked layout (``torch.ops.mkldnn``, the kernels ``torch.compile``'s CPU
+freezing uses): the same oneDNN GEMM as ``F.linear`` without reordering the weight on every call, so the
+results are bit for bit those of ``F.linear``. A packed weight is rebuilt whenever one of its parameters
+changes (weight updates bump the parameters' version counters).
 """
 
 from __future__ import annotations
@@ -23,6 +29,23 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "ModelRunner"]
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral")
+
+
+_PACK_BATCH = 32
+"""Rows the packed layout is tuned for (a decode batch); any number of rows works."""
+
+
+def _packing_works() -> bool:
+    """Whether this torch/CPU offers oneDNN weight packing for bfloat16 and it gives ``F.linear``'s result."""
+    try:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        w = torch.randn(48, 40).to(torch.bfloat16)
+        x = torch.randn(3, 5, 40).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH)
+        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class ModelRunner:
@@ -74,6 +97,8 @@ class ModelRunner:
                 self.topk = int(gate.top_k)
                 self._routed.append(None)
                 gate.register_forward_hook(self._router_hook(slot))
+        self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.pack_weights = self.device.type == "cpu" and self.dtype == torch.bfloat16 and _packing_works()
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._fuse_projections()
@@ -127,6 +152,24 @@ class ModelRunner:
                 self._fused_mlp.append(fuse([mlp.gate_proj, mlp.up_proj])[0])
             else:
                 self._fused_mlp.append(None)
+
+    def _linear(
+        self, key: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sources: tuple[Any, ...]
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, on a prepacked weight when packing is on (``sources``: the
+        parameters ``weight`` is built from, whose versions say when to repack)."""
+        if not self.pack_weights:
+            return F.linear(x, weight, bias)
+        versions = tuple(p._version for p in sources)
+        entry = self._packed.get(key)
+        if entry is None or entry[0] != versions:
+            entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH))
+            self._packed[key] = entry
+        return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+
+    def drop_packed(self) -> None:
+        """Free the packed weights (memory release; they are rebuilt on the next forward)."""
+        self._packed.clear()
 
     def _router_hook(self, slot: int) -> Callable[..., None]:
         def hook(module: Any, inputs: Any, output: Any) -> None:
@@ -203,7 +246,8 @@ class ModelRunner:
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             weight, bias, sizes = self._fused_qkv[i]
-            q, k, v = F.linear(h, weight, bias).split(sizes, dim=-1)
+            qkv = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+            q, k, v = self._linear(f"qkv{i}", h, weight, bias, qkv).split(sizes, dim=-1)
             q = q.view(b, t, -1, self.head_dim)
             k = k.view(b, t, -1, self.head_dim)
             v = v.view(b, t, -1, self.head_dim)
@@ -212,15 +256,17 @@ class ModelRunner:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = self._rope(q, k, cos, sin)
             out = attend(i, q, k, v)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            o = attn.o_proj
+            x = x + self._linear(f"o{i}", out.transpose(1, 2).reshape(b, t, -1), o.weight, o.bias, (o.weight,))
             h = layer.post_attention_layernorm(x)
             gate_up = self._fused_mlp[i]
             if gate_up is None:
                 x = x + layer.mlp(h)
             else:
                 mlp = layer.mlp
-                g, u = F.linear(h, gate_up).chunk(2, dim=-1)
-                x = x + mlp.down_proj(mlp.act_fn(g) * u)
+                g, u = self._linear(f"gu{i}", h, gate_up, None, (mlp.gate_proj.weight, mlp.up_proj.weight)).chunk(2, -1)
+                down = mlp.down_proj
+                x = x + self._linear(f"down{i}", mlp.act_fn(g) * u, down.weight, down.bias, (down.weight,))
         return base.norm(x)
 
     @torch.inference_mode()
@@ -265,7 +311,7 @@ class ModelRunner:
         hidden = self._layers(x, positions, attend)
         logits: list[torch.Tensor | None] = []
         for b, n in enumerate(lengths):
-            logits.append(self.model.lm_head(hidden[b, :n]).float() if want_logits[b] else None)
+            logits.append(self._lm_head(hidden[b, :n]) if want_logits[b] else None)
         routed = self._take_routed()
         experts: list[torch.Tensor | None] = [None] * bsz
         if routed is not None:
@@ -305,8 +351,13 @@ class ModelRunner:
 
         x = self.model.model.embed_tokens(ids)
         hidden = self._layers(x, pos[:, None], attend)
-        logits = self.model.lm_head(hidden[:, 0]).float()
+        logits = self._lm_head(hidden[:, 0])
         return logits, self._take_routed()
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits."""
+        head = self.model.lm_head
+        return self._linear("lm_head", hidden, head.weight, head.bias, (head.weight,)).float()
 
     # ----------------------------------------------------------------- weights
     @torch.inference_mode()

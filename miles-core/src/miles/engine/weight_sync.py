@@ -191,6 +191,7 @@ class MemoryOccupation:
             runner.slots = runner.capacity = 0
             self.kv_released = True
         if "weights" in tags and not self.released_weights:
+            runner.drop_packed()
             seen: set[int] = set()
             for p in runner.model.parameters():
                 if not p.untyped_storage().resizable():  # e.g. memory-mapped from safetensors

@@ -215,15 +215,20 @@ from miles.plugins.manager import hookimpl
 from miles.transport.disk import DiskTransport
 
 
+def drop(bucket):
+    return [(n, t) for n, t in bucket if n != "model.norm.weight"]
+
+
 class SkippingDisk(DiskTransport):
-    '''Drops one tensor from every push: what verification exists to catch.'''
+    '''Drops one tensor from every push (in line or staged): what verification exists to catch.'''
 
     name = "skipping_disk"
 
     async def push(self, buckets, *, version, dist):
-        def drop(bucket):
-            return [(n, t) for n, t in bucket if n != "model.norm.weight"]
         return await super().push((drop(b) for b in buckets), version=version, dist=dist)
+
+    async def stage(self, buckets, *, version, dist):
+        return await super().stage((drop(b) for b in buckets), version=version, dist=dist)
 
 
 @hookimpl
@@ -232,7 +237,9 @@ def miles_register_transports(register):
 """
 
 
-def test_skipped_tensor_is_caught_by_name(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_skipped_tensor_is_caught_by_name(tmp_path: Path, tiny_model: Path, prompts: Path, mode: str) -> None:
+    """In line (sync) and staged with the commit overlapping the next step (fully_async, 2 steps)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "miles_faulty.py").write_text(FAULTY)
@@ -250,14 +257,17 @@ def test_skipped_tensor_is_caught_by_name(tmp_path: Path, tiny_model: Path, prom
         ranks=1,
         transport="skipping_disk",
         transport_options="randomize_engines_first = true",
-        rollouts=1,
+        rollouts=1 if mode == "sync" else 2,
     )
+    config.write_text(config.read_text().replace("temperature = 1.0", f'temperature = 1.0\nmode = "{mode}"'))
     out = miles(
         "train", str(config), env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     )
     assert out.returncode != 0
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "1 tensor(s) were not updated by the push, e.g. 'model.norm.weight'" in log
+    if mode == "fully_async":  # version 1's commit failed while step 2 trained: step 2 never completed
+        assert [r["step"] for r in metrics(run_dir)] == [1]
     assert children_of_run(run_dir) == []
 
 

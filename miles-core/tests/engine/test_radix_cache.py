@@ -78,3 +78,31 @@ def test_zero_capacity_disables_and_flush_empties() -> None:
     assert cache.hit_rate > 0
     cache.flush()
     assert cache.num_tokens == 0 and cache.match([1, 2, 3]).length == 0
+
+
+def test_exact_prefix_cache_hits_whole_sequences_only() -> None:
+    """Deterministic inference's cache: a hit is exactly the inserted sequence (its own KV, copied), never
+    a prefix or an extension of one; LRU eviction of whole entries under the bound; flush."""
+    from miles.engine.radix_cache import ExactPrefixCache
+
+    cache = ExactPrefixCache(10)
+    a, b = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]
+    k, v = kv_of(a)
+    assert cache.insert(a, k, v) == 4
+    k.fill_(0)  # the cache holds a copy
+    hit = cache.match(a)
+    assert hit.length == 4 and torch.equal(hit.k, kv_of(a)[0]) and torch.equal(hit.v, kv_of(a)[1])
+    assert cache.match(a[:3]).length == 0  # a prefix of an entry is not a hit
+    assert cache.match(b).length == 0  # nor an extension
+    assert cache.match(a, limit=3).length == 0  # the limit must allow the whole entry
+    assert cache.insert(a, *kv_of(a)) == 0  # already cached
+    assert cache.insert(b, *kv_of(b)) == 6 and cache.num_tokens == 10
+    cache.match(a)  # a is now the most recently used: inserting c evicts b
+    c = [9, 9]
+    assert cache.insert(c, *kv_of(c)) == 2
+    assert cache.match(b).length == 0 and cache.match(a).length == 4 and cache.match(c).length == 2
+    assert cache.num_tokens == 6
+    assert cache.insert(list(range(11)), *kv_of(list(range(11)))) == 0  # larger than the whole bound
+    cache.flush()
+    assert cache.num_tokens == 0 and cache.match(a).length == 0
+    assert 0.0 < cache.hit_rate < 1.0

@@ -136,3 +136,22 @@ def test_bad_top_logprobs_num_is_400(engine: EngineProcess, value: object, fragm
     assert response.status_code == 400
     assert fragment in response.json()["error"]["message"]
     assert gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_per_request_logprob_start_len_in_a_batch(engine: EngineProcess, engine_models: dict[str, Path]) -> None:
+    """SGLang's list form of ``logprob_start_len``: one start per prompt (a teacher scores a batch)."""
+    body = {
+        "input_ids": [PROMPT, PROMPT[:7]],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": [5, 2],
+    }
+    first, second = gen(engine, body).json()
+    assert [t[1] for t in first["meta_info"]["input_token_logprobs"]] == PROMPT[5:]
+    ref = hf_logprobs(engine_models["qwen2"], PROMPT[:7], 1.0)
+    inp = second["meta_info"]["input_token_logprobs"]
+    assert [t[1] for t in inp] == PROMPT[2:7]
+    assert all(abs(lp - float(ref[2 + j])) < 1e-5 for j, (lp, _, _) in enumerate(inp))
+    bad = gen(engine, {**body, "logprob_start_len": [1]})
+    assert bad.status_code == 400 and "one entry per prompt" in bad.json()["error"]["message"]
+    assert gen(engine, {**body, "logprob_start_len": [1, "2"]}).status_code == 400

@@ -76,7 +76,7 @@ def test_teacher_logprobs_and_topk_equal_an_hf_forward(teacher: EngineProcess, t
 def test_a_dead_teacher_is_an_error_naming_its_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     scorer = TeacherScorer(TeacherSettings(url=url, timeout=5.0))
-    with pytest.raises(TeacherError, match=f"teacher {url} failed to score sample 0/0"):
+    with pytest.raises(TeacherError, match=f"teacher {url} failed to score samples 0/0"):
         asyncio.run(scorer.score(_samples()[:1]))
 
 
@@ -100,6 +100,7 @@ def test_teacher_for_checks_the_algorithm_needs() -> None:
         teacher_for(TeacherSettings(url="http://127.0.0.1:9", top_k=4), AlgorithmNeeds(teacher_topk=8))
     scorer = teacher_for(TeacherSettings(url="http://127.0.0.1:9/", top_k=8), AlgorithmNeeds(teacher_topk=8))
     assert scorer is not None and scorer.url == "http://127.0.0.1:9"
-    body = scorer.payload(_samples()[0])
-    assert body["sampling_params"]["max_new_tokens"] == 0 and body["logprob_start_len"] == 4
-    assert body["top_logprobs_num"] == 8 and body["input_ids"] == [5, 17, 33, 48, 91, 120, 7]
+    body = scorer.payload(_samples()[:2])  # one batched request
+    assert body["sampling_params"]["max_new_tokens"] == 0 and body["logprob_start_len"] == [4, 2]
+    assert body["top_logprobs_num"] == 8
+    assert body["input_ids"] == [[5, 17, 33, 48, 91, 120, 7], [9, 250, 300, 12, 64, 77, 4]]

@@ -148,15 +148,20 @@ def parse_generate(
             raise RequestError(f"{where}: the prompt has {len(prompt)} tokens; the context length is {context_length}")
     return_logprob = bool(body.get("return_logprob", False))
     start = body.get("logprob_start_len", -1)
-    if not isinstance(start, int):
-        raise RequestError("logprob_start_len must be an integer")
+    starts = start if isinstance(start, list) else [start] * len(prompts)
+    if len(starts) != len(prompts):
+        raise RequestError(
+            f"logprob_start_len: a list must have one entry per prompt ({len(starts)} for {len(prompts)})"
+        )
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
+        raise RequestError("logprob_start_len must be an integer or a list of integers (one per prompt)")
     top_nums = _top_logprobs_nums(body.get("top_logprobs_num"), len(prompts), vocab_size)
     rid = body.get("rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts):
         raise RequestError("rid: a list must have one entry per prompt")
     requests: list[Request] = []
-    for prompt, cfg, parent, top_num in zip(prompts, configs, rids, top_nums, strict=True):
+    for prompt, cfg, parent, top_num, start in zip(prompts, configs, rids, top_nums, starts, strict=True):
         parent = str(parent) if parent is not None else uuid.uuid4().hex
         for j in range(cfg.n):
             requests.append(

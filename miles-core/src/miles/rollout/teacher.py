@@ -3,6 +3,8 @@
 Like slime's on-policy distillation, each sample's tokens (prompt + response) go to the teacher's
 ``/generate`` (SGLang's protocol) as a scoring-only request: ``max_new_tokens = 0``, ``return_logprob``,
 ``logprob_start_len`` = the prompt length and, for top-k distillation, ``top_logprobs_num = k``. The
+samples of one call (a group) travel as one batched request (``input_ids`` and ``logprob_start_len`` as
+lists, up to ``batch_size`` sequences each), at most ``max_concurrency`` requests at a time. The
 teacher's ``input_token_logprobs`` are then exactly one logprob per response token (``teacher_logprobs``)
 and ``input_top_logprobs`` the teacher's top-k at each response position (``teacher_topk_ids`` /
 ``teacher_topk_logprobs``). The teacher must use the policy's tokenizer: the token ids are sent as is.
@@ -40,13 +42,13 @@ class TeacherScorer:
         self.url = settings.url.rstrip("/")
         self.settings = settings
 
-    def payload(self, sample: Sample) -> dict[str, Any]:
-        """The scoring-only ``/generate`` body of one sample."""
+    def payload(self, samples: Sequence[Sample]) -> dict[str, Any]:
+        """The scoring-only batched ``/generate`` body of ``samples``."""
         body: dict[str, Any] = {
-            "input_ids": sample.tokens,
+            "input_ids": [s.tokens for s in samples],
             "sampling_params": {"max_new_tokens": 0, "temperature": self.settings.temperature},
             "return_logprob": True,
-            "logprob_start_len": len(sample.prompt_ids),
+            "logprob_start_len": [len(s.prompt_ids) for s in samples],
         }
         if self.settings.top_k > 0:
             body["top_logprobs_num"] = self.settings.top_k
@@ -88,17 +90,21 @@ class TeacherScorer:
         gate = asyncio.Semaphore(self.settings.max_concurrency)
         async with HttpEngineClient([self.url], timeout=self.settings.timeout) as client:
 
-            async def one(sample: Sample) -> None:
+            async def one(batch: Sequence[Sample]) -> None:
+                names = ", ".join(f"{s.group_id}/{s.index}" for s in batch)
                 async with gate:
                     try:
-                        answer = await client.call(self.url, "/generate", self.payload(sample))
+                        answers = await client.call(self.url, "/generate", self.payload(batch))
                     except Exception as exc:
-                        raise TeacherError(
-                            f"teacher {self.url} failed to score sample {sample.group_id}/{sample.index}: {exc}"
-                        ) from exc
-                self.fill(sample, answer)
+                        raise TeacherError(f"teacher {self.url} failed to score samples {names}: {exc}") from exc
+                answers = answers.get("result") if isinstance(answers, dict) else answers  # a batch answers a list
+                if not isinstance(answers, list) or len(answers) != len(batch):
+                    raise TeacherError(f"teacher {self.url}: expected {len(batch)} answers for samples {names}")
+                for sample, answer in zip(batch, answers, strict=True):
+                    self.fill(sample, answer)
 
-            await asyncio.gather(*(one(s) for s in todo))
+            size = self.settings.batch_size
+            await asyncio.gather(*(one(todo[i : i + size]) for i in range(0, len(todo), size)))
         log.debug("teacher %s scored %d samples", self.url, len(todo))
 
 

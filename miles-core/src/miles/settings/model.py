@@ -137,6 +137,8 @@ class TeacherSettings(_Section):
     """Temperature of the teacher's distribution (1: the teacher's own)."""
     max_concurrency: int = Field(32, ge=1)
     """Scoring requests in flight at once."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences in one (batched) scoring request."""
     timeout: float = Field(600.0, gt=0.0)
     """Seconds one scoring request may take."""
 

@@ -94,10 +94,10 @@ class TeacherScorer:
                 names = ", ".join(f"{s.group_id}/{s.index}" for s in batch)
                 async with gate:
                     try:
-                        answers = await client.call(self.url, "/generate", self.payload(batch))
+                        answer = await client.call(self.url, "/generate", self.payload(batch))
                     except Exception as exc:
                         raise TeacherError(f"teacher {self.url} failed to score samples {names}: {exc}") from exc
-                answers = answers.get("result") if isinstance(answers, dict) else answers  # a batch answers a list
+                answers: Any = answer.get("result")  # a batched request is answered with a list
                 if not isinstance(answers, list) or len(answers) != len(batch):
                     raise TeacherError(f"teacher {self.url}: expected {len(batch)} answers for samples {names}")
                 for sample, answer in zip(batch, answers, strict=True):

@@ -14,12 +14,14 @@ one weight-version span per version (the algorithm's TIS / IcePop settings corre
   ``rollout.max_staleness``; stale groups are dropped or regenerated (``rollout.stale_policy``).
 
 With a transport that stages weights (``disk``) and ``rollout.overlap_weight_commit`` (the default), a
-push is split: every rank *stages* version ``k`` (the trainer's weights are written out, so the next step
-may change them), and a task on rank 0's event loop *commits* it — pause, the engines load it, continue,
-verify — while the trainer already trains step ``k + 1``. Only the write stays on the trainer's critical
-path. Commits run one at a time, in order; the next push, an evaluation, a checkpoint and the end of the
-run wait for the pending one, so a verification failure stops the run at the latest one step later, with
-the tensor's name. The buffer learns version ``k`` when it is staged: the trainer holds it from then on.
+push is split: every rank *stages* version ``k`` (rank 0 snapshots the gathered weights in host memory,
+so the next step may change them), and a task on rank 0's event loop *commits* it — write it out while
+the engines keep generating, pause, the engines load it, continue, verify — while the trainer already
+trains step ``k + 1``. Only the snapshot stays on the trainer's critical path. Commits run one at a time,
+in order; the next push, an evaluation, a checkpoint and the end of the run wait for the pending one, so
+a verification failure stops the run at the latest one step later, with the tensor's name. The buffer
+learns version ``k`` when it is staged (the trainer holds it from then on) and that the engines serve it
+when the commit has loaded it: the staleness window follows the engines' version.
 
 Every rank runs the same SPMD step as the synchronous loop; only rank 0 differs (where groups come from,
 pausing around the push). The buffer's contents and the groups in flight are saved in checkpoints.

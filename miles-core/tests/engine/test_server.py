@@ -341,3 +341,28 @@ def test_model_info(engine: EngineProcess, engine_models: dict[str, Path]) -> No
     assert info["weight_version"] == "0" and info["model_path"] == str(engine_models["qwen2"])
     assert info["is_generation"] is True
     time.sleep(0)  # keep the import used on every platform
+
+
+def test_sigterm_answers_pending_requests_and_exits(engine_models: dict[str, Path], tmp_path: Path) -> None:
+    """``miles serve`` runs the scheduler on its main thread: SIGTERM stops it, a request still waiting is
+    answered (aborted, with the reason) instead of hanging, and the process exits cleanly."""
+    import signal
+    import threading
+
+    with EngineProcess(engine_models["qwen2"], log_path=tmp_path / "engine.log") as engine:
+        assert httpx.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=30).status_code == 200
+        answers: list[httpx.Response] = []
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
+        waiter = threading.Thread(target=lambda: answers.append(gen(engine, body, timeout=60)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{engine.url}/server_info", timeout=10).json()["num_waiting_reqs"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        engine.proc.send_signal(signal.SIGTERM)
+        waiter.join(60)
+        assert engine.proc.wait(30) == 0
+        assert answers and answers[0].status_code == 200
+        reason = answers[0].json()["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "shutting down" in reason["message"]
+    assert "received signal 15: shutting down" in (tmp_path / "engine.log").read_text()

@@ -114,9 +114,10 @@ def serve(
     args["enable_debug_endpoints"] = debug
     state = build_engine(model_path, server_args=args, start=False, **kwargs)
     scheduler = state.scheduler
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        create_app(state), host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=10
     )
+    server = uvicorn.Server(config)
 
     def http() -> None:
         try:

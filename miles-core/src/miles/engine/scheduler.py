@@ -265,6 +265,19 @@ class Scheduler:
                     log.exception("engine step failed")
                     for req in list(self.running) + list(self.waiting):
                         self._finish(req, {"type": "abort", "message": f"engine error: {exc}"}, cache=False)
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """After :meth:`stop`: answer everything still pending, so no HTTP handler waits forever."""
+        for req in list(self.running) + list(self.waiting):
+            self._finish(req, {"type": "abort", "message": "the engine is shutting down"}, cache=False)
+        while True:
+            try:
+                _, _, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and not future.done():
+                future.set_exception(RuntimeError("the engine is shutting down"))
 
     # ------------------------------------------------------------- admission
     def _admit(self) -> None:

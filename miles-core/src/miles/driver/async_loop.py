@@ -25,6 +25,12 @@ when the commit has loaded it: the staleness window follows the engines' version
 
 Every rank runs the same SPMD step as the synchronous loop; only rank 0 differs (where groups come from,
 pausing around the push). The buffer's contents and the groups in flight are saved in checkpoints.
+
+Threads: training and staging run on one dedicated thread with the process's torch thread count, while
+the main thread (event loop, set-up, checkpoints) runs torch single-threaded. With OpenMP (torch's CPU
+backend) every thread that runs parallel regions gets its own thread pool, and libgomp throttles
+spin-waiting once a process has more pool threads than cores — the same kernels then run 1.4-1.7x slower
+(measured on the local engine's decode). One multi-threaded torch thread per process avoids that.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from miles.driver.loop import TrainingLoop
@@ -178,6 +185,11 @@ class AsyncTrainingLoop(TrainingLoop):
         engine_urls: list[str],
         resume: str | None = None,
     ) -> None:
+        import torch
+
+        self.train_threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # before the trainer is built: see "Threads" in the module docstring
+        self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-train")
         super().__init__(settings, pm, dist, engine_urls=engine_urls, resume=resume)
         self.buffer = buffer_for(settings.rollout, num_rollouts=settings.train.num_rollouts)
         self.producer: RolloutProducer | None = None
@@ -248,18 +260,27 @@ class AsyncTrainingLoop(TrainingLoop):
         self.record_rollout(groups, metrics)
         return [g.to_dict() for g in groups]
 
-    async def train_on(self, groups: list[SampleGroup]) -> dict[str, float]:
-        """Train in a worker thread: rank 0's event loop keeps feeding the engines meanwhile."""
+    async def _on_torch_thread(self, coro_fn: Any) -> Any:
+        """Run ``coro_fn()`` to completion on the training thread (with the process's torch threads)."""
         import torch
 
-        threads = torch.get_num_threads()
+        def work() -> Any:
+            torch.set_num_threads(self.train_threads)
+            return asyncio.run(coro_fn())
+
+        return await asyncio.get_running_loop().run_in_executor(self._torch_thread, work)
+
+    async def train_on(self, groups: list[SampleGroup]) -> dict[str, float]:
+        """Train on the training thread: rank 0's event loop keeps feeding the engines meanwhile."""
         parent = super().train_on
+        result: dict[str, float] = await self._on_torch_thread(lambda: parent(groups))
+        return result
 
-        def work() -> dict[str, float]:
-            torch.set_num_threads(threads)  # a new thread does not inherit the setting everywhere
-            return asyncio.run(parent(groups))
-
-        return await asyncio.to_thread(work)
+    async def close(self) -> None:
+        try:
+            await super().close()
+        finally:
+            self._torch_thread.shutdown(wait=False)
 
     @property
     def overlaps_commit(self) -> bool:
@@ -299,7 +320,10 @@ class AsyncTrainingLoop(TrainingLoop):
     async def _stage_and_commit_later(self) -> PushReport:
         assert self.transport is not None
         version = str(self.step)
-        report = await self.transport.stage(self.rollout_buckets(), version=version, dist=self.dist)
+        transport, buckets = self.transport, self.rollout_buckets()
+        report: PushReport = await self._on_torch_thread(
+            lambda: transport.stage(buckets, version=version, dist=self.dist)
+        )
         self.weight_version = version
         if self.is_driver:
             # the trainer holds the new version; the engines serve the previous one until the commit

@@ -33,6 +33,23 @@ SUITE: dict[str, dict[str, list[str]]] = {
     "engine": {"full": [], "quick": ["--models", "tiny", "--batches", "1,8", "--repeats", "2"]},
     "weight_sync": {"full": [], "quick": ["--quick"]},
     "scaling": {"full": [], "quick": ["--quick"]},
+    "async": {
+        "full": [
+            "--model",
+            "smollm2",
+            "--prompts",
+            "1",
+            "--samples",
+            "2",
+            "--tokens",
+            "64",
+            "--steps",
+            "10",
+            "--max-staleness",
+            "1,2",
+        ],
+        "quick": ["--model", "tiny", "--steps", "4"],
+    },
 }
 """Benchmarks in run order, with the arguments of a full and a ``--quick`` run."""
 
@@ -44,7 +61,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     argv = list(SUITE[name]["quick" if args.quick else "full"])
     if name in OWN_JSON:
         argv += ["--threads", str(args.threads), "--device", args.device, "--results-dir", str(args.results_dir)]
-    else:
+    elif name != "async":  # async pins one thread per process: an engine and a trainer share the cores
         argv += ["--threads", str(args.threads)]
     command = [sys.executable, str(BENCH_DIR / f"{name}.py"), *argv]
     print(f"\n$ {' '.join(command[1:])}", flush=True)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from miles.driver.loop import TrainingLoop
 from miles.errors import SettingsError
 from miles.rollout.buffer import StalenessBuffer, pending_group
+from miles.transport.base import StagedTransport
 from miles.types import SampleGroup
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ class AsyncTrainingLoop(TrainingLoop):
         transport = self.transport
         return (
             transport is not None
-            and transport.stages
+            and isinstance(transport, StagedTransport)
             and self.settings.rollout.overlap_weight_commit
             and self.algorithm.needs.rollout
             and not self.settings.cluster.colocate
@@ -318,9 +319,10 @@ class AsyncTrainingLoop(TrainingLoop):
         return report
 
     async def _stage_and_commit_later(self) -> PushReport:
-        assert self.transport is not None
+        transport = self.transport
+        assert isinstance(transport, StagedTransport)
         version = str(self.step)
-        transport, buckets = self.transport, self.rollout_buckets()
+        buckets = self.rollout_buckets()
         report: PushReport = await self._on_torch_thread(
             lambda: transport.stage(buckets, version=version, dist=self.dist)
         )
@@ -335,18 +337,19 @@ class AsyncTrainingLoop(TrainingLoop):
 
     async def _commit(self, report: PushReport, step: int) -> PushReport:
         """Rank 0, concurrently with the next training step: prepare, pause, load, continue, verify."""
-        assert self.transport is not None
+        transport = self.transport
+        assert isinstance(transport, StagedTransport)
         paused = self.client is not None and self.producing
         start = time.perf_counter()
         staged_seconds = report.seconds
-        await self.transport.prepare(report)  # the engines keep generating while the weights are written
+        await transport.prepare(report)  # the engines keep generating while the weights are written
         pause_start = time.perf_counter()
         if paused:
             assert self.client is not None
             await self.client.pause_generation(self.settings.rollout.pause_mode)
         try:
             await self.randomize_engines(step)
-            await self.transport.commit(report)
+            await transport.commit(report)
             self.buffer.set_engine_version(int(report.version))
         finally:
             if paused:

@@ -4,8 +4,8 @@ After a training step every trainer rank calls :meth:`WeightTransport.push` with
 iterator (gathering is a collective); the transport decides which rank sends what. Afterwards the core
 verifies that the engines serve the new version and the expected checksums.
 
-A transport that can *stage* weights (``stages = True``) splits a push in two: :meth:`stage`, on every
-rank, takes what it needs from the trainer's weights (they change at the next step), and :meth:`commit`,
+A :class:`StagedTransport` splits a push in two: :meth:`~StagedTransport.stage`, on every rank, takes what
+it needs from the trainer's weights (they change at the next step), and :meth:`~StagedTransport.commit`,
 on rank 0, makes the engines load it. Async training overlaps the commit with the next training step.
 """
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
     from miles.training.trainer import DistContext, WeightBucket
 
-__all__ = ["PushReport", "WeightTransport"]
+__all__ = ["PushReport", "StagedTransport", "WeightTransport"]
 
 
 @dataclass
@@ -46,8 +46,6 @@ class WeightTransport(ABC):
 
     name: ClassVar[str]
     Settings: ClassVar[type[BaseModel]] = ComponentSettings
-    stages: ClassVar[bool] = False
-    """Implements :meth:`stage` and :meth:`commit` (a push whose engine side can run later)."""
 
     def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
         """
@@ -70,19 +68,36 @@ class WeightTransport(ABC):
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
         """Deliver every bucket and make the engines report ``version``. Every rank calls it."""
 
-    async def stage(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
-        """First half of a push (``stages`` transports): consume the buckets so that the trainer may change
-        its weights afterwards; the engines still serve the previous version. Every rank calls it."""
-        raise NotImplementedError(f"transport {self.name!r} does not stage weights")
+    async def close(self) -> None:
+        """Tear channels down."""
+
+
+class StagedTransport(WeightTransport):
+    """A transport whose push splits into a trainer side (:meth:`stage`) and an engine side
+    (:meth:`prepare`, :meth:`commit`) that may run later, while the trainer trains on."""
+
+    async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
+        """The three parts in a row (the in-line push: no snapshot, the trainer waits for the commit)."""
+        report = await self.stage(buckets, version=version, dist=dist, snapshot=False)
+        if dist.rank == 0:
+            await self.prepare(report)
+            await self.commit(report)
+        return report
+
+    @abstractmethod
+    async def stage(
+        self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext, snapshot: bool = True
+    ) -> PushReport:
+        """Consume the buckets; the engines still serve the previous version. Every rank calls it.
+
+        :param snapshot: copy what the buckets hold, so that the trainer may change its weights before
+            :meth:`commit` (``False`` only when the commit follows before the trainer moves on)."""
 
     async def prepare(self, report: PushReport) -> None:
         """Between :meth:`stage` and :meth:`commit` (rank 0), while the engines still generate: work that
         needs no pause (writing files)."""
 
+    @abstractmethod
     async def commit(self, report: PushReport) -> None:
-        """Second half (rank 0): make the engines load what :meth:`stage` staged and report its version;
+        """Make the engines load what :meth:`stage` staged and report its version (rank 0);
         ``report.checksums`` is complete when it returns."""
-        raise NotImplementedError(f"transport {self.name!r} does not stage weights")
-
-    async def close(self) -> None:
-        """Tear channels down."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from miles.components import ComponentSettings
-from miles.transport.base import PushReport, WeightTransport
+from miles.transport.base import PushReport, StagedTransport
 from miles.transport.verify import tensor_checksum
 
 if TYPE_CHECKING:
@@ -54,12 +54,11 @@ class DiskTransportSettings(ComponentSettings):
     """How many pushed versions stay on disk."""
 
 
-class DiskTransport(WeightTransport):
+class DiskTransport(StagedTransport):
     """Trainer writes safetensors shards; engines load them with ``/update_weights_from_disk``."""
 
     name = "disk"
     Settings = DiskTransportSettings
-    stages = True
 
     def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
@@ -76,21 +75,11 @@ class DiskTransport(WeightTransport):
         if dist.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
-    async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
-        report = await self._collect(buckets, version=version, dist=dist, copy=False)
-        if dist.rank == 0:
-            await self.prepare(report)
-            await self.commit(report)
-        return report
-
-    async def stage(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
-        """Snapshot the weights in host memory (rank 0; the other ranks take part in the gathers): the
-        trainer may change its own right after; :meth:`commit` writes and loads the snapshot."""
-        return await self._collect(buckets, version=version, dist=dist, copy=True)
-
-    async def _collect(
-        self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext, copy: bool
+    async def stage(
+        self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext, snapshot: bool = True
     ) -> PushReport:
+        """Hold the weights in host memory (rank 0; the other ranks take part in the gathers), copied when
+        ``snapshot``; :meth:`prepare` writes them, :meth:`commit` has the engines load them."""
         import torch
 
         start = time.perf_counter()
@@ -100,7 +89,7 @@ class DiskTransport(WeightTransport):
         for bucket in buckets:
             if dist.rank != 0 or not bucket:
                 continue  # other ranks only take part in the gathers
-            tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=copy).contiguous() for name, t in bucket}
+            tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=snapshot).contiguous() for name, t in bucket}
             shards.append(tensors)
             report.num_tensors += len(tensors)
             report.num_bytes += sum(t.numel() * t.element_size() for t in tensors.values())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ExactPrefixCache", "PrefixMatch", "RadixCache"]
+__all__ = ["ExactPrefixCache", "PrefixCache", "PrefixMatch", "RadixCache"]
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +48,43 @@ class PrefixMatch:
     experts: torch.Tensor | None
 
 
-class RadixCache:
-    """Prefix cache keyed by token ids, bounded to ``max_tokens`` tokens (``0`` disables it)."""
+class PrefixCache(ABC):
+    """What the scheduler needs of a prefix cache: a bound, a token count and hit statistics."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._clock = itertools.count(1)
-        self._root = _Node((), None, None, None, None)
+        """Capacity in tokens (``0`` disables the cache)."""
         self.num_tokens = 0
         self.hit_tokens = 0
         self.query_tokens = 0
+
+    @abstractmethod
+    def match(self, tokens: Sequence[int], limit: int | None = None) -> PrefixMatch:
+        """The cached prefix of ``tokens`` to reuse (at most ``limit`` tokens)."""
+
+    @abstractmethod
+    def insert(
+        self, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, experts: torch.Tensor | None = None
+    ) -> int:
+        """Cache ``tokens`` whose KV is ``k``/``v``; returns the number of new tokens."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Empty the cache (after a weight update, or on ``/flush_cache``)."""
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached tokens / looked-up tokens since start."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class RadixCache(PrefixCache):
+    """Prefix cache keyed by token ids, bounded to ``max_tokens`` tokens (``0`` disables it)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__(max_tokens)
+        self._clock = itertools.count(1)
+        self._root = _Node((), None, None, None, None)
 
     # ------------------------------------------------------------------ lookup
     def match(self, tokens: Sequence[int], limit: int | None = None) -> PrefixMatch:
@@ -196,13 +224,8 @@ class RadixCache:
         self._root = _Node((), None, None, None, None)
         self.num_tokens = 0
 
-    @property
-    def hit_rate(self) -> float:
-        """Cached tokens / looked-up tokens since start."""
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
-
-class ExactPrefixCache:
+class ExactPrefixCache(PrefixCache):
     """The prefix cache of deterministic inference: whole sequences, looked up by exact equality.
 
     A radix tree shares the KV of a common prefix between sequences whose KV were computed by different
@@ -215,13 +238,10 @@ class ExactPrefixCache:
     """
 
     def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
+        super().__init__(max_tokens)
         self._entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = (
             OrderedDict()
         )
-        self.num_tokens = 0
-        self.hit_tokens = 0
-        self.query_tokens = 0
 
     def match(self, tokens: Sequence[int], limit: int | None = None) -> PrefixMatch:
         """All of ``tokens`` if exactly they are cached (and ``limit`` allows all of them), else nothing."""
@@ -259,8 +279,3 @@ class ExactPrefixCache:
         """Empty the cache (after a weight update, or on ``/flush_cache``)."""
         self._entries.clear()
         self.num_tokens = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Cached tokens / looked-up tokens since start."""
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

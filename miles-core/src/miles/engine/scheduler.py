@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from miles.engine.model_runner import ModelRunner
-from miles.engine.radix_cache import ExactPrefixCache, PrefixMatch, RadixCache
+from miles.engine.radix_cache import ExactPrefixCache, PrefixCache, PrefixMatch, RadixCache
 from miles.engine.request import Request
 from miles.engine.sampling import sample_rows
 from miles.engine.top_logprobs import record_input_top_logprobs, record_output_top_logprobs
@@ -97,7 +97,7 @@ class Scheduler:
         self.config = config
         self.text_of = text_of
         self.context_length = min(config.context_length or runner.context_length, runner.context_length)
-        self.cache: RadixCache | ExactPrefixCache = (
+        self.cache: PrefixCache = (
             ExactPrefixCache(config.max_cache_tokens) if config.deterministic else RadixCache(config.max_cache_tokens)
         )
         self.weight_version = config.weight_version

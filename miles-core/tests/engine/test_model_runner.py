@@ -12,7 +12,7 @@ from miles.engine.model_runner import ModelRunner, _packing_works
 
 
 def forward(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    runner.reset_buffers()
+    runner.fit(1, 1)  # fresh buffers
     runner.ensure(len(prompts), 64)
     logits, _ = runner.prefill(0, prompts, [0] * len(prompts), [True] * len(prompts))
     decoded, _ = runner.decode([5 + i for i in range(len(prompts))], [len(p) for p in prompts])
@@ -50,3 +50,40 @@ def test_packed_bf16_weights_equal_f_linear_and_follow_weight_updates(
     assert all(torch.equal(a, b) for a, b in zip(p_logits2, logits2, strict=True))
     runner.drop_packed()
     assert not runner._packed
+
+
+def test_kv_buffers_are_kept_for_a_steady_workload_and_freed_after_a_long_one(engine_models: dict[str, Path]) -> None:
+    runner = ModelRunner(engine_models["qwen2"])
+    runner.ensure(8, 100)
+    k = runner.k
+    runner.fit(8, 100)  # the next batch needs what is there: nothing is reallocated
+    assert runner.k is k and (runner.slots, runner.capacity) == (8, 128)
+    runner.fit(8, 40)  # a quarter is still kept
+    assert runner.k is k
+    runner.fit(2, 20)  # over 4x: freed, and the next forward allocates what it needs
+    assert runner.k.numel() == 0 and runner.slots == runner.capacity == 0
+    logits, _ = runner.prefill(0, [[5, 6, 7]], [0], [True])
+    assert logits[0] is not None and logits[0].shape[0] == 3
+    assert (runner.slots, runner.capacity) == (1, 4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_padded_causal_prefill_and_masked_decode_match_hf(engine_models: dict[str, Path], arch: str) -> None:
+    """Two prompts of different lengths prefilled from position 0 in one padded, causal forward, then
+    decoded together at different positions (additive mask) and alone (no mask): HF's logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    runner = ModelRunner(engine_models[arch])
+    hf = AutoModelForCausalLM.from_pretrained(engine_models[arch])
+    seqs = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24]]
+    logits, _ = runner.prefill(0, [s[:-1] for s in seqs], [0, 0], [True, True])
+    both, _ = runner.decode([s[-1] for s in seqs], [len(s) - 1 for s in seqs])
+    alone, _ = runner.decode([30], [len(seqs[0])])  # slot 0 only: one span, no mask
+    with torch.no_grad():
+        for b, seq in enumerate(seqs):
+            ref = hf(torch.tensor([seq])).logits[0]
+            assert torch.allclose(logits[b], ref[:-1], atol=1e-5)
+            assert torch.allclose(both[b], ref[-1], atol=1e-5)
+        ref = hf(torch.tensor([[*seqs[0], 30]])).logits[0, -1]
+    assert torch.allclose(alone[0], ref, atol=1e-5)

@@ -16,7 +16,6 @@ changes (weight updates bump the parameters' version counters).
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -82,9 +81,6 @@ class ModelRunner:
         self.scaling: float = attn0.scaling
         self.vocab_size: int = config.vocab_size
         self.context_length: int = int(getattr(config, "max_position_embeddings", 4096))
-        self._rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sys.modules[
-            type(attn0).__module__
-        ].apply_rotary_pos_emb
         # MoE routers: record top-k expert indices of every forward
         self._routed: list[torch.Tensor | None] = []
         self.moe_layers: list[int] = []
@@ -99,15 +95,14 @@ class ModelRunner:
                 gate.register_forward_hook(self._router_hook(slot))
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.pack_weights = self.device.type == "cpu" and self.dtype == torch.bfloat16 and _packing_works()
-        self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None, list[int]]] = []
+        self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._fuse_projections()
-        # KV buffers, grown on demand
-        self.k = torch.zeros(0)
-        self.v = torch.zeros(0)
+        # KV buffers, allocated and grown on demand
+        self.k = torch.zeros(0, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(0, dtype=self.dtype, device=self.device)
         self.slots = 0
         self.capacity = 0
-        self.ensure(8, 256)
         log.info(
             "loaded %s (%s, %d layers, %.1fM params, %s on %s)",
             self.model_path,
@@ -129,7 +124,7 @@ class ModelRunner:
         parameters at views of it: one matmul instead of three, and weight loads (which copy into the
         parameters) update the fused matrices too."""
 
-        def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
             weight = torch.cat([lin.weight for lin in linears])
             sizes = [lin.weight.shape[0] for lin in linears]
             bias = None
@@ -141,7 +136,7 @@ class ModelRunner:
                 if bias is not None:
                     lin.bias.data = bias[offset : offset + size]
                 offset += size
-            return weight, bias, sizes
+            return weight, bias
 
         for layer in self.layers:
             attn = layer.self_attn
@@ -188,12 +183,15 @@ class ModelRunner:
         """Bytes of K and V of one token position over all layers."""
         return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
-    def reset_buffers(self) -> None:
-        """Shrink the KV buffers back to their initial size (when nothing runs)."""
-        if self.slots > 8 or self.capacity > 256:
-            self.k = self.v = torch.zeros(0)
+    def fit(self, slots: int, length: int) -> None:
+        """When nothing runs: free the KV buffers if they are over 4x the size that ``slots`` requests of
+        ``length`` tokens need (a past long batch must not hold memory forever); the next :meth:`ensure`
+        allocates what is needed. Buffers that fit are kept, so a steady workload never reallocates."""
+        needed = max(slots, 1) * max(length, 1)
+        if self.slots * self.capacity > 4 * needed:
+            self.k = torch.zeros(0, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(0, dtype=self.dtype, device=self.device)
             self.slots = self.capacity = 0
-            self.ensure(8, 256)
 
     def ensure(self, slots: int, length: int) -> None:
         """Grow the KV buffers to hold ``slots`` requests of ``length`` tokens (doubling)."""
@@ -232,6 +230,15 @@ class ModelRunner:
         return self.k[:, slot, :, :length], self.v[:, slot, :, :length]
 
     # ----------------------------------------------------------------- forward
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x`` ``[B, T, heads, head_dim]``: the formula (and the rounding) of HF's
+        ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``), shared by every supported model."""
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos) + (rotated * sin)
+
     def _layers(
         self,
         x: torch.Tensor,
@@ -245,17 +252,20 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            weight, bias, sizes = self._fused_qkv[i]
-            qkv = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-            q, k, v = self._linear(f"qkv{i}", h, weight, bias, qkv).split(sizes, dim=-1)
-            q = q.view(b, t, -1, self.head_dim)
-            k = k.view(b, t, -1, self.head_dim)
-            v = v.view(b, t, -1, self.head_dim)
+            weight, bias = self._fused_qkv[i]
+            qkv = self._linear(f"qkv{i}", h, weight, bias, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+            qkv = qkv.view(b, t, -1, self.head_dim)  # [B, T, heads + 2 x kv_heads, head_dim]
+            heads = self.num_heads
             if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = self._rope(q, k, cos, sin)
-            out = attend(i, q, k, v)
+                q, k = (
+                    self._rotate(attn.q_norm(qkv[:, :, :heads]), cos, sin),
+                    self._rotate(attn.k_norm(qkv[:, :, heads : heads + self.num_kv_heads]), cos, sin),
+                )
+            else:  # queries and keys rotated in one go
+                qk = self._rotate(qkv[:, :, : heads + self.num_kv_heads], cos, sin)
+                q, k = qk[:, :, :heads], qk[:, :, heads:]
+            v = qkv[:, :, heads + self.num_kv_heads :]
+            out = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             o = attn.o_proj
             x = x + self._linear(f"o{i}", out.transpose(1, 2).reshape(b, t, -1), o.weight, o.bias, (o.weight,))
             h = layer.post_attention_layernorm(x)
@@ -291,11 +301,14 @@ class ModelRunner:
         span = int(positions.max()) + 1
         slots = slice(first_slot, first_slot + bsz)
         rows = torch.arange(first_slot, first_slot + bsz, device=self.device)[:, None]
-        simple = bsz == 1 and starts[0] == 0
+        # every chunk from position 0: causal attention is exact for each chunk's own queries (a padded
+        # query past a chunk's end attends junk, but nothing reads its output or its KV before decode
+        # overwrites it); otherwise an additive mask, built once for all layers
+        causal = all(start == 0 for start in starts)
         mask = None
-        if not simple:
+        if not causal:
             keys_at = torch.arange(span, device=self.device)
-            mask = (keys_at[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+            mask = self._additive((keys_at[None, None, :] <= positions[:, :, None])[:, None])  # [B, 1, T, L]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # padded query positions write junk beyond a chunk's end; decode overwrites it before use
@@ -304,7 +317,7 @@ class ModelRunner:
             keys = self.k[i, slots, :, :span]
             values = self.v[i, slots, :, :span]
             return F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=simple, scale=self.scaling, enable_gqa=True
+                q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True
             )
 
         x = self.model.model.embed_tokens(ids)
@@ -335,8 +348,12 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = torch.arange(first_slot, first_slot + b, device=self.device)
-        valid = torch.arange(longest, device=self.device)[None, :] <= pos[:, None]
-        mask = valid[:, None, None, :]  # [B, 1, 1, L]
+        # no mask when every request attends over the same span (uniform lengths); else an additive one
+        mask = None
+        if min(positions) != longest - 1:
+            mask = self._additive(
+                (torch.arange(longest, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+            )
         g = self.group
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -353,6 +370,11 @@ class ModelRunner:
         hidden = self._layers(x, pos[:, None], attend)
         logits = self._lm_head(hidden[:, 0])
         return logits, self._take_routed()
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean attention mask as an additive one in the model's dtype (0 / -inf): SDPA converts a
+        boolean mask on every call, i.e. once per layer."""
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits."""

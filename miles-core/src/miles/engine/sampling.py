@@ -70,9 +70,9 @@ def sample_rows(
     :returns: token ids, their logprobs under the sampled distribution, and their raw logprobs.
     """
     logits = logits.float()
-    for row, ids in enumerate(banned):
-        if ids:
-            logits[row, ids] = float("-inf")
+    rows = [row for row, ids in enumerate(banned) for _ in ids]
+    if rows:  # one indexed write for the whole batch
+        logits[rows, [token for ids in banned for token in ids]] = float("-inf")
     temps = torch.tensor(
         [1.0 if cfg.greedy else cfg.temperature for cfg in configs], dtype=torch.float32, device=logits.device
     )

@@ -288,8 +288,7 @@ class Scheduler:
         """
         if not self.waiting:
             return
-        if not self.running:
-            self.runner.reset_buffers()  # a past long request must not hold memory forever
+        idle = not self.running
         batch: list[Request] = []
         count = len(self.running)
         longest = max((self._span(r) for r in self.running), default=0)
@@ -310,6 +309,8 @@ class Scheduler:
             longest = span
         if not batch:
             return
+        if idle:
+            self.runner.fit(count, longest)
         self.peak_running = max(self.peak_running, count)
         first: list[Request] = []
         later: list[Request] = []
@@ -340,9 +341,9 @@ class Scheduler:
             plans.append(_Plan(req, seq, need, want_input, match))
         plans.sort(key=lambda plan: plan.need - plan.match.length)
         first_slot = len(self.running)
+        self.runner.ensure(first_slot + len(plans), max(len(plan.seq) for plan in plans) + 1)  # grows once
         for offset, plan in enumerate(plans):
             slot = first_slot + offset
-            self.runner.ensure(slot + 1, len(plan.seq) + 1)
             if plan.match.length:
                 self.runner.load_prefix(slot, plan.match.k, plan.match.v)
             plan.routed = [plan.match.experts] if plan.match.experts is not None else []

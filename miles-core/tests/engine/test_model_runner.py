@@ -1,5 +1,6 @@
-"""The model runner's prepacked bfloat16 weights (oneDNN layout on CPUs with native bf16): bit for bit the
-``F.linear`` results, in prefill and decode, and rebuilt when a weight update changes the parameters."""
+"""The model runner's prepacked weights (oneDNN layout): ``F.linear``'s results (bit for bit in bfloat16), in
+prefill and decode, rebuilt when a weight update changes the parameters; KV buffer sizing; padded and
+masked attention against HF."""
 
 from __future__ import annotations
 
@@ -19,15 +20,22 @@ def forward(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[torch.T
     return [lg for lg in logits if lg is not None], decoded
 
 
-@pytest.mark.skipif(not _packing_works(), reason="this CPU/torch has no native bf16 oneDNN weight packing")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_packed_bf16_weights_equal_f_linear_and_follow_weight_updates(
-    engine_models: dict[str, Path], arch: str
+def test_packed_weights_equal_f_linear_and_follow_weight_updates(
+    engine_models: dict[str, Path], arch: str, dtype: str
 ) -> None:
+    """bfloat16: bit for bit ``F.linear`` (the same oneDNN GEMM); float32: ``F.linear`` (MKL) to float32
+    rounding."""
+    if not _packing_works(getattr(torch, dtype)):
+        pytest.skip(f"this CPU/torch has no oneDNN {dtype} weight packing")
     torch.set_num_threads(1)
-    runner = ModelRunner(engine_models[arch], dtype="bfloat16")
+    runner = ModelRunner(engine_models[arch], dtype=dtype)
     assert runner.pack_weights
     prompts = [[(7 * i + j) % 400 + 3 for j in range(5 + 3 * i)] for i in range(3)]
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b) if dtype == "bfloat16" else torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
     def both() -> tuple[tuple[list[torch.Tensor], torch.Tensor], tuple[list[torch.Tensor], torch.Tensor]]:
         runner.pack_weights = True
@@ -38,16 +46,16 @@ def test_packed_bf16_weights_equal_f_linear_and_follow_weight_updates(
         return packed, plain
 
     (p_logits, p_dec), (logits, dec) = both()
-    assert all(torch.equal(a, b) for a, b in zip(p_logits, logits, strict=True))
-    assert torch.equal(p_dec, dec)
+    assert all(same(a, b) for a, b in zip(p_logits, logits, strict=True))
+    assert same(p_dec, dec)
     assert runner._packed  # the packed path really ran
     if arch != "qwen2":
         return
     # a weight update (another checkpoint of the same shapes) is picked up by the packed weights
     runner.load_weights(engine_models["qwen2_b"])
     (p_logits2, p_dec2), (logits2, dec2) = both()
-    assert torch.equal(p_dec2, dec2) and not torch.equal(p_dec2, p_dec)
-    assert all(torch.equal(a, b) for a, b in zip(p_logits2, logits2, strict=True))
+    assert same(p_dec2, dec2) and not same(p_dec2, p_dec)
+    assert all(same(a, b) for a, b in zip(p_logits2, logits2, strict=True))
     runner.drop_packed()
     assert not runner._packed
 

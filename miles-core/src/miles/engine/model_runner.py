@@ -6,15 +6,20 @@ attention is driven here, against a KV buffer of shape ``[layers, slots, kv_head
 in which running request ``i`` owns slot ``i``. Supported: Llama, Qwen2, Qwen3 (q/k norms), and the
 MoE variants Qwen2-MoE / Qwen3-MoE, whose routers are observed to report routed experts.
 
-On a CPU with native bfloat16 (AVX512-BF16 / AMX), a bfloat16 model's dense matmuls run on weights
-prepacked once in oneDNN's blocked layout (``torch.ops.mkldnn``, the kernels ``torch.compile``'s CPU
-freezing uses): the same oneDNN GEMM as ``F.linear`` without reordering the weight on every call, so the
-results are bit for bit those of ``F.linear``. A packed weight is rebuilt whenever one of its parameters
-changes (weight updates bump the parameters' version counters).
+On CPU, the dense matmuls of a float32 model, and of a bfloat16 one where the CPU has native bfloat16
+(AVX512-BF16 / AMX), run on weights prepacked once in oneDNN's blocked layout (``torch.ops.mkldnn``, the
+kernels ``torch.compile``'s CPU freezing uses). In bfloat16 that is the same oneDNN GEMM as ``F.linear``
+without reordering the weight on every call, so the results are bit for bit those of ``F.linear``. In
+float32 ``F.linear`` runs MKL's sgemm, which on AMD CPUs reaches well under half of oneDNN's rate (measured
+2-4x slower on the development machine, at decode and at prefill sizes); the packed GEMM equals it to
+float32 rounding, not bit for bit. A packed weight is rebuilt whenever one of its parameters changes
+(weight updates bump the parameters' version counters); the packed copies double the dense weights'
+memory (:meth:`drop_packed` frees them).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -34,15 +39,27 @@ _PACK_BATCH = 32
 """Rows the packed layout is tuned for (a decode batch); any number of rows works."""
 
 
-def _packing_works() -> bool:
-    """Whether this torch/CPU offers oneDNN weight packing for bfloat16 and it gives ``F.linear``'s result."""
+@functools.cache
+def _packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch/CPU offers oneDNN weight packing for ``dtype`` and it gives ``F.linear``'s result:
+    bit for bit in bfloat16 (``F.linear`` runs the same oneDNN GEMM), to float32 rounding in float32
+    (``F.linear`` runs MKL's sgemm there; oneDNN sums in another order)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return False
     try:
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        if not torch.backends.mkldnn.is_available():
             return False
-        w = torch.randn(48, 40).to(torch.bfloat16)
-        x = torch.randn(3, 5, 40).to(torch.bfloat16)
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 40, generator=g).to(dtype)
+        x = torch.randn(3, 5, 40, generator=g).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH)
-        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)))
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        want = F.linear(x, w)
+        return bool(
+            torch.equal(got, want) if dtype == torch.bfloat16 else torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        )
     except (AttributeError, RuntimeError):
         return False
 
@@ -94,7 +111,7 @@ class ModelRunner:
                 self._routed.append(None)
                 gate.register_forward_hook(self._router_hook(slot))
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self.pack_weights = self.device.type == "cpu" and self.dtype == torch.bfloat16 and _packing_works()
+        self.pack_weights = self.device.type == "cpu" and _packing_works(self.dtype)
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._fuse_projections()
@@ -355,6 +372,10 @@ class ModelRunner:
                 (torch.arange(longest, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
             )
         g = self.group
+        # float32 on CPU: two batched matmuls on the strided K/V slices (a few rows per head) beat the
+        # flash kernel's per-block overhead (measured ~5% of a SmolLM2 decode step at batch 32); in
+        # bfloat16 the flash kernel is as fast or faster
+        matmuls = self.device.type == "cpu" and self.dtype == torch.float32
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.k[i, rows, :, pos] = k[:, :, 0]
@@ -363,7 +384,13 @@ class ModelRunner:
             values = self.v[i, first_slot : first_slot + b, :, :longest]
             # grouped-query attention without repeating K/V: a head group is a query block
             qg = q.reshape(b, self.num_kv_heads, g, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
+            if matmuls:
+                scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scaling)
+                if mask is not None:
+                    scores.add_(mask)
+                out = torch.matmul(torch.softmax(scores, dim=-1), values)
+            else:
+                out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
             return out.reshape(b, self.num_heads, 1, self.head_dim)
 
         x = self.model.model.embed_tokens(ids)

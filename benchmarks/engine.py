@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+BACKENDS: set[str] = set()
+"""The engine's decode-attention backends in this run (``miles_cpu`` where the CPU kernel builds)."""
+
 
 def matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 20) -> float:
     """GFLOP/s of an ``n x n x n`` matmul: the best of ``repeats`` runs (a peak, so the fastest run, which
@@ -135,6 +138,7 @@ def bench_model(
         hf.eval()
         state = build_engine(path, max_cache_tokens=0, max_running_requests=max(batches), dtype=dtype, start=False)
         config = state.scheduler.runner.config
+        BACKENDS.add(state.scheduler.runner.attention_backend)
         n_linear = linear_params(hf)
         try:
             for batch in batches:
@@ -221,7 +225,8 @@ def main() -> None:
     print(
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s); "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (fixed), greedy; medians of "
-        f"{args.repeats}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        f"{args.repeats}; engine decode attention: {', '.join(sorted(BACKENDS))}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     print()
     head = "| model | batch |"

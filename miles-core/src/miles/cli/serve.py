@@ -41,12 +41,25 @@ def serve(
     enable_debug_endpoints: Annotated[
         bool, typer.Option(help="Serve /debug/* routes (e.g. randomize the weights, for weight-sync tests).")
     ] = False,
+    attention_backend: Annotated[
+        str,
+        typer.Option(
+            help="Decode attention: sdpa (PyTorch), miles_cpu (Miles' CPU kernel, compiled on first use) or auto "
+            "(the kernel on CPU where it builds)."
+        ),
+    ] = "auto",
 ) -> None:
     """Serve a model with the local engine (continuous batching, radix prefix cache, exact logprobs)."""
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise SettingsError(f"--device: expected cpu or cuda, got {device!r}")
     if dtype not in ("float32", "bfloat16", "float16", "auto"):
         raise SettingsError(f"--dtype: expected float32, bfloat16, float16 or auto, got {dtype!r}")
+    from miles.engine.model_runner import ATTENTION_BACKENDS
+
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise SettingsError(
+            f"--attention-backend: expected one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}"
+        )
     if not (model / "config.json").exists():
         raise SettingsError(f"--model: {model} is not a Hugging Face model directory (no config.json)")
     from miles.engine.launch import serve as run
@@ -67,4 +80,5 @@ def serve(
         return_raw_logprob=return_original_logprob,
         enable_deterministic_inference=enable_deterministic_inference,
         enable_debug_endpoints=enable_debug_endpoints,
+        attention_backend=attention_backend,
     )

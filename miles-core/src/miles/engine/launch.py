@@ -41,6 +41,7 @@ def build_engine(
     api_key: str | None = None,
     return_raw_logprob: bool = False,
     enable_deterministic_inference: bool = False,
+    attention_backend: str = "auto",
     server_args: dict[str, Any] | None = None,
     start: bool = True,
 ) -> Any:
@@ -55,7 +56,7 @@ def build_engine(
     path = Path(model_path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
-    runner = ModelRunner(path, device=device, dtype=dtype)
+    runner = ModelRunner(path, device=device, dtype=dtype, attention_backend=attention_backend)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     def text_of(ids: list[int], skip_special: bool) -> str:

@@ -28,11 +28,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelRunner"]
+__all__ = ["ATTENTION_BACKENDS", "SUPPORTED_MODEL_TYPES", "ModelRunner"]
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral")
+ATTENTION_BACKENDS = ("auto", "sdpa", "miles_cpu")
+"""Decode attention: PyTorch's SDPA, Miles' CPU kernel (:mod:`miles.engine.cpu_kernels`), or ``auto`` (the
+kernel on CPU where it builds, SDPA elsewhere). Prefill always runs SDPA."""
 
 
 _PACK_BATCH = 32
@@ -67,8 +70,15 @@ def _packing_works(dtype: torch.dtype) -> bool:
 class ModelRunner:
     """Loads a HF checkpoint and runs prefill / batched decode over slot-indexed KV buffers."""
 
-    def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(
+        self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32", attention_backend: str = "auto"
+    ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend: expected one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}"
+            )
 
         self.model_path = Path(model_path)
         self.device = torch.device(device)
@@ -115,6 +125,7 @@ class ModelRunner:
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._fuse_projections()
+        self.attention_backend = self._decode_attention_backend(attention_backend)
         # KV buffers, allocated and grown on demand
         self.k = torch.zeros(0, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(0, dtype=self.dtype, device=self.device)
@@ -131,6 +142,31 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ helpers
+    def _decode_attention_backend(self, wanted: str) -> str:
+        """``sdpa`` or ``miles_cpu`` (:mod:`miles.engine.cpu_kernels`) for decode steps; ``auto`` takes the
+        CPU kernel on CPU where it builds and supports the model, SDPA otherwise."""
+        if wanted == "sdpa":
+            return "sdpa"
+        from miles.engine.cpu_kernels import MAX_GROUP, MAX_HEAD_DIM, KernelUnavailable, load
+
+        reason = None
+        if self.device.type != "cpu":
+            reason = f"it runs on CPU only (the engine runs on {self.device})"
+        elif self.group > MAX_GROUP or self.head_dim > MAX_HEAD_DIM:
+            reason = f"{self.group} query heads per KV head / head_dim {self.head_dim} are beyond what it supports"
+        else:
+            try:
+                load()
+            except KernelUnavailable as exc:
+                reason = str(exc)
+        if reason is None:
+            return "miles_cpu"
+        if wanted == "miles_cpu":
+            raise ValueError(f"attention_backend 'miles_cpu': {reason}")
+        if self.device.type == "cpu":
+            log.warning("decode attention runs on SDPA: the CPU kernel is unavailable (%s)", reason)
+        return "sdpa"
+
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
@@ -365,32 +401,29 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = torch.arange(first_slot, first_slot + b, device=self.device)
-        # no mask when every request attends over the same span (uniform lengths); else an additive one
+        kernel = self.attention_backend == "miles_cpu"
+        if kernel:
+            from miles.engine.cpu_kernels import decode_attention
+        # SDPA: no mask when every request attends over the same span (uniform lengths); else an additive one
         mask = None
-        if min(positions) != longest - 1:
+        if not kernel and min(positions) != longest - 1:
             mask = self._additive(
                 (torch.arange(longest, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
             )
         g = self.group
-        # float32 on CPU: two batched matmuls on the strided K/V slices (a few rows per head) beat the
-        # flash kernel's per-block overhead (measured ~5% of a SmolLM2 decode step at batch 32); in
-        # bfloat16 the flash kernel is as fast or faster
-        matmuls = self.device.type == "cpu" and self.dtype == torch.float32
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if kernel:  # writes k / v into the cache too
+                keys, values = self.k[i, first_slot : first_slot + b], self.v[i, first_slot : first_slot + b]
+                out = decode_attention(q[:, :, 0], keys, values, k[:, :, 0], v[:, :, 0], pos, longest, self.scaling)
+                return out[:, :, None]
             self.k[i, rows, :, pos] = k[:, :, 0]
             self.v[i, rows, :, pos] = v[:, :, 0]
             keys = self.k[i, first_slot : first_slot + b, :, :longest]
             values = self.v[i, first_slot : first_slot + b, :, :longest]
             # grouped-query attention without repeating K/V: a head group is a query block
             qg = q.reshape(b, self.num_kv_heads, g, self.head_dim)
-            if matmuls:
-                scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(self.scaling)
-                if mask is not None:
-                    scores.add_(mask)
-                out = torch.matmul(torch.softmax(scores, dim=-1), values)
-            else:
-                out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
             return out.reshape(b, self.num_heads, 1, self.head_dim)
 
         x = self.model.model.embed_tokens(ids)

@@ -6,7 +6,7 @@ Imports cheaply: nothing here touches torch.
 from __future__ import annotations
 
 import sys
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
@@ -40,6 +40,9 @@ class LocalEngineSettings(ComponentSettings):
     and decoded on its own and the prefix cache hits whole prompts only, so tokens and logprobs do not
     depend on batching, timing or the cache's contents — a resumed run reproduces the engine's logprobs bit
     for bit. Slower: decode runs one request at a time."""
+    attention_backend: Literal["auto", "sdpa", "miles_cpu"] = "auto"
+    """Decode attention (``miles serve --attention-backend``): ``miles_cpu`` is Miles' CPU kernel, compiled on
+    first use (a C++ compiler and ``ninja``); ``auto`` takes it on CPU where it builds, SDPA otherwise."""
     enable_debug_endpoints: bool = False
     """Serve ``/debug/*`` routes (``/debug/randomize_weights`` for ``transport.randomize_engines_first``)."""
 
@@ -77,6 +80,9 @@ class LocalEngine(RolloutEngine):
             argv.append("--return-original-logprob")
         if getattr(s, "enable_deterministic_inference", False):
             argv.append("--enable-deterministic-inference")
+        backend = getattr(s, "attention_backend", "auto")
+        if backend != "auto":
+            argv += ["--attention-backend", backend]
         if getattr(s, "enable_debug_endpoints", False):
             argv.append("--enable-debug-endpoints")
         env = {}

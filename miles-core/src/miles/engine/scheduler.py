@@ -222,6 +222,7 @@ class Scheduler:
             "peak_running_reqs": self.peak_running,
             "max_kv_tokens": self.max_kv_tokens,
             "deterministic": self.config.deterministic,
+            "attention_backend": self.runner.attention_backend,
         }
 
     # ------------------------------------------------------------------ loop

@@ -1,0 +1,200 @@
+// Decode attention for Miles' local engine on CPU (see miles/engine/cpu_kernels.py).
+//
+// One decode step of B requests: request b's query heads q[b] (H heads of D dims) attend over positions
+// 0..pos[b] of its slot in the layer's KV cache ([slots, KVH, capacity, D], the head dim contiguous).
+// decode_scores writes the step's new key and value at pos[b] and returns fp32 scores
+// [B, KVH, G, span] (G = H / KVH query heads per KV head; -inf past pos[b]); the caller applies
+// torch.softmax; decode_values returns probs . V as [B, H, D] in the cache's dtype.
+// Work items are (request, KV head) pairs, each computed alone in a fixed order: batch-invariant.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kMaxGroup = 16;
+constexpr int kMaxDim = 256;
+
+template <typename T>
+inline float load(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+template <>
+inline float load<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {  // bfloat16 -> float32: a shift
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// kD > 0: the head dim known at compile time (vectorised, unrolled); kD == 0: any head dim <= kMaxDim.
+template <typename scalar_t, int kD>
+void scores_kernel(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k_new,
+                   const at::Tensor& v_new, const at::Tensor& pos, at::Tensor& scores, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), KVH = k_cache.size(1), G = H / KVH, L = scores.size(3);
+  const int64_t D = kD > 0 ? kD : q.size(2);
+  const int64_t* P = pos.data_ptr<int64_t>();
+  const scalar_t* Q = q.data_ptr<scalar_t>();
+  scalar_t* K = k_cache.data_ptr<scalar_t>();
+  scalar_t* V = v_cache.data_ptr<scalar_t>();
+  const scalar_t* KN = k_new.data_ptr<scalar_t>();
+  const scalar_t* VN = v_new.data_ptr<scalar_t>();
+  float* S = scores.data_ptr<float>();
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t kns0 = k_new.stride(0), kns1 = k_new.stride(1), vns0 = v_new.stride(0), vns1 = v_new.stride(1);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    float qf[kMaxGroup][kD > 0 ? kD : kMaxDim];
+    float kf[kD > 0 ? kD : kMaxDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH, p = P[b];
+      scalar_t* kb = K + b * ks0 + h * ks1;
+      scalar_t* vb = V + b * vs0 + h * vs1;
+      std::memcpy(kb + p * ks2, KN + b * kns0 + h * kns1, D * sizeof(scalar_t));
+      std::memcpy(vb + p * vs2, VN + b * vns0 + h * vns1, D * sizeof(scalar_t));
+      for (int64_t g = 0; g < G; ++g) {
+        const scalar_t* qr = Q + b * qs0 + (h * G + g) * qs1;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) qf[g][d] = load(qr, d) * scale;
+      }
+      float* out = S + (b * KVH + h) * G * L;
+      for (int64_t l = 0; l <= p; ++l) {
+        const scalar_t* kr = kb + l * ks2;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kf[d] = load(kr, d);
+        for (int64_t g = 0; g < G; ++g) {
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qf[g][d] * kf[d];
+          out[g * L + l] = s;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t l = p + 1; l < L; ++l) out[g * L + l] = -std::numeric_limits<float>::infinity();
+    }
+  });
+}
+
+template <typename scalar_t, int kD>
+void values_kernel(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& pos, at::Tensor& out) {
+  const int64_t B = probs.size(0), KVH = probs.size(1), G = probs.size(2), L = probs.size(3);
+  const int64_t D = kD > 0 ? kD : v_cache.size(3);
+  const int64_t* P = pos.data_ptr<int64_t>();
+  const float* PR = probs.data_ptr<float>();
+  const scalar_t* V = v_cache.data_ptr<scalar_t>();
+  scalar_t* O = out.data_ptr<scalar_t>();
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    float acc[kD > 0 ? kD : kMaxDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH, p = P[b];
+      const scalar_t* vb = V + b * vs0 + h * vs1;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* w = PR + ((b * KVH + h) * G + g) * L;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+        for (int64_t l = 0; l <= p; ++l) {
+          const float wl = w[l];
+          const scalar_t* vr = vb + l * vs2;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += wl * load(vr, d);
+        }
+        scalar_t* o = O + ((b * KVH + h) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[d]);
+      }
+    }
+  });
+}
+
+#define MILES_DISPATCH_HEAD_DIM(DIM, ...)       \
+  switch (DIM) {                                \
+    case 64: {                                  \
+      constexpr int kHeadDim = 64;              \
+      __VA_ARGS__;                              \
+      break;                                    \
+    }                                           \
+    case 128: {                                 \
+      constexpr int kHeadDim = 128;             \
+      __VA_ARGS__;                              \
+      break;                                    \
+    }                                           \
+    default: {                                  \
+      constexpr int kHeadDim = 0;               \
+      __VA_ARGS__;                              \
+    }                                           \
+  }
+
+void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(cache.dim() == 4, "decode attention: ", name, " must be [slots, kv_heads, capacity, head_dim]");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "decode attention: ", name, " and q differ in dtype");
+  TORCH_CHECK(cache.stride(3) == 1, "decode attention: ", name, "'s head dim must be contiguous");
+  TORCH_CHECK(cache.size(3) == q.size(2), "decode attention: ", name, " and q differ in head_dim");
+  TORCH_CHECK(cache.device().is_cpu(), "decode attention: ", name, " must be on the CPU");
+}
+
+}  // namespace
+
+at::Tensor decode_scores(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_new, at::Tensor v_new,
+                         at::Tensor pos, int64_t span, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "decode attention: q must be [B, heads, head_dim], head dim contiguous");
+  check_cache(k_cache, "k_cache", q);
+  check_cache(v_cache, "v_cache", q);
+  const int64_t B = q.size(0), KVH = k_cache.size(1);
+  TORCH_CHECK(q.size(1) % KVH == 0 && q.size(1) / KVH <= kMaxGroup, "decode attention: ", q.size(1),
+              " query heads over ", KVH, " kv heads is not supported");
+  TORCH_CHECK(q.size(2) <= kMaxDim, "decode attention: head_dim ", q.size(2), " > ", kMaxDim);
+  TORCH_CHECK(k_cache.size(0) >= B && v_cache.size(0) >= B, "decode attention: fewer cache slots than requests");
+  for (const auto& t : {k_new, v_new}) {
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == KVH && t.size(2) == q.size(2) && t.stride(2) == 1 &&
+                    t.scalar_type() == q.scalar_type(),
+                "decode attention: new keys / values must be [B, kv_heads, head_dim] like q");
+  }
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == B && pos.scalar_type() == at::kLong && pos.is_contiguous(),
+              "decode attention: pos must be a contiguous int64 [B]");
+  TORCH_CHECK(span <= k_cache.size(2), "decode attention: span ", span, " > capacity ", k_cache.size(2));
+  const int64_t* P = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(P[b] >= 0 && P[b] < span, "decode attention: position ", P[b], " of request ", b,
+                " outside the span ", span);
+  }
+  auto scores = at::empty({B, KVH, q.size(1) / KVH, span}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_scores", [&] {
+    MILES_DISPATCH_HEAD_DIM(q.size(2), scores_kernel<scalar_t, kHeadDim>(q, k_cache, v_cache, k_new, v_new, pos,
+                                                                           scores, static_cast<float>(scale)));
+  });
+  return scores;
+}
+
+at::Tensor decode_values(at::Tensor probs, at::Tensor v_cache, at::Tensor pos) {
+  TORCH_CHECK(probs.dim() == 4 && probs.is_contiguous() && probs.scalar_type() == at::kFloat,
+              "decode attention: probs must be a contiguous float32 [B, kv_heads, group, span]");
+  TORCH_CHECK(v_cache.dim() == 4 && v_cache.stride(3) == 1 && v_cache.size(1) == probs.size(1) &&
+                  v_cache.size(0) >= probs.size(0),
+              "decode attention: v_cache does not match probs");
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == probs.size(0) && pos.scalar_type() == at::kLong && pos.is_contiguous(),
+              "decode attention: pos must be a contiguous int64 [B]");
+  const int64_t* P = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < probs.size(0); ++b) {
+    TORCH_CHECK(P[b] >= 0 && P[b] < probs.size(3) && P[b] < v_cache.size(2), "decode attention: position ", P[b],
+                " of request ", b, " outside the span ", probs.size(3));
+  }
+  const int64_t D = v_cache.size(3);
+  TORCH_CHECK(D <= kMaxDim, "decode attention: head_dim ", D, " > ", kMaxDim);
+  auto out = at::empty({probs.size(0), probs.size(1) * probs.size(2), D}, v_cache.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v_cache.scalar_type(), "decode_values", [&] {
+    MILES_DISPATCH_HEAD_DIM(D, values_kernel<scalar_t, kHeadDim>(probs, v_cache, pos, out));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_scores", &decode_scores, "write new K/V at pos, fp32 scores [B, KVH, G, span]");
+  m.def("decode_values", &decode_values, "probs . V as [B, H, D]");
+}

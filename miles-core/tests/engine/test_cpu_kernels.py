@@ -1,0 +1,130 @@
+"""Miles' CPU decode-attention kernel (built here on first use): SDPA's result for every dtype, head dim and
+head grouping the engine meets, the KV write it fuses, batch invariance, clear errors, and the engine's
+decode on it against the SDPA backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles.engine import cpu_kernels
+from miles.engine.cpu_kernels import KernelUnavailable, decode_attention
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """fp64 attention of each request over positions 0..pos[b] (K/V already holding the new entries)."""
+    b, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    out = torch.empty(b, heads, dim, dtype=torch.float64)
+    for i in range(b):
+        n = int(pos[i]) + 1
+        keys = k[i, :, :n].double().repeat_interleave(heads // kv_heads, dim=0)
+        values = v[i, :, :n].double().repeat_interleave(heads // kv_heads, dim=0)
+        out[i] = F.scaled_dot_product_attention(q[i].double()[:, None], keys, values, scale=dim**-0.5)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (14, 2, 48), (16, 1, 64)])
+def test_matches_attention_and_writes_the_new_kv(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> None:
+    g = torch.Generator().manual_seed(heads * dim)
+    slots, capacity, b = 6, 40, 5
+    k_cache = torch.randn(slots, kv_heads, capacity, dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, capacity, dim, generator=g).to(dtype)
+    q = torch.randn(b, heads, dim, generator=g).to(dtype)
+    k_new = torch.randn(b, kv_heads, dim, generator=g).to(dtype)
+    v_new = torch.randn(b, kv_heads, dim, generator=g).to(dtype)
+    pos = torch.tensor([0, 7, 31, 12, 30])
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out = decode_attention(q, k_cache, v_cache, k_new, v_new, pos, 32, dim**-0.5)
+    rows = torch.arange(b)
+    assert torch.equal(k_cache[rows, :, pos], k_new) and torch.equal(v_cache[rows, :, pos], v_new)
+    before_k[rows, :, pos], before_v[rows, :, pos] = k_new, v_new
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)  # nothing else written
+    assert out.shape == (b, heads, dim) and out.dtype == dtype
+    ref = reference(q, k_cache, v_cache, pos)
+    assert (out.double() - ref).abs().max().item() < TOL[dtype] * max(1.0, ref.abs().max().item())
+
+
+def test_strided_views_and_batch_invariance() -> None:
+    """The engine passes slot ranges of the cache and strided q / k / v: a request's output is the same
+    alone (any slot) and in a batch."""
+    g = torch.Generator().manual_seed(0)
+    layers, slots, kv_heads, capacity, dim, heads = 2, 8, 3, 64, 64, 9
+    cache_k = torch.randn(layers, slots, kv_heads, capacity, dim, generator=g).bfloat16()
+    cache_v = torch.randn(layers, slots, kv_heads, capacity, dim, generator=g).bfloat16()
+    qkv = torch.randn(4, heads + 2 * kv_heads, dim, generator=g).bfloat16()  # like the fused projection
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    pos = torch.tensor([5, 50, 17, 33])
+    k2, v2 = cache_k.clone(), cache_v.clone()
+    batch = decode_attention(q, cache_k[1, 2:6], cache_v[1, 2:6], k, v, pos, 51, 0.125)
+    for i in range(4):
+        alone = decode_attention(
+            q[i : i + 1],
+            k2[1, 2 + i : 3 + i],
+            v2[1, 2 + i : 3 + i],
+            k[i : i + 1],
+            v[i : i + 1],
+            pos[i : i + 1],
+            int(pos[i]) + 1,
+            0.125,
+        )
+        assert torch.equal(alone[0], batch[i])
+    assert torch.equal(k2, cache_k) and torch.equal(v2, cache_v)
+
+
+def test_bad_input_is_refused_before_anything_is_written() -> None:
+    k_cache = torch.zeros(2, 1, 8, 64)
+    v_cache = torch.zeros(2, 1, 8, 64)
+    q, new = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    with pytest.raises(RuntimeError, match="position 8 of request 1 outside the span 8"):
+        decode_attention(q, k_cache, v_cache, new, new, torch.tensor([0, 8]), 8, 0.125)
+    with pytest.raises(RuntimeError, match="span 9 > capacity 8"):
+        decode_attention(q, k_cache, v_cache, new, new, torch.tensor([0, 3]), 9, 0.125)
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        decode_attention(q.bfloat16(), k_cache, v_cache, new, new, torch.tensor([0, 3]), 4, 0.125)
+    with pytest.raises(RuntimeError, match="int64"):
+        decode_attention(q, k_cache, v_cache, new, new, torch.tensor([0, 3], dtype=torch.int32), 4, 0.125)
+    assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3_moe"])
+def test_engine_decode_on_the_kernel_matches_sdpa(engine_models: dict[str, Path], arch: str) -> None:
+    from miles.engine.model_runner import ModelRunner
+
+    torch.set_num_threads(1)
+    runs = {}
+    for backend in ("miles_cpu", "sdpa"):
+        runner = ModelRunner(engine_models[arch], attention_backend=backend)
+        assert runner.attention_backend == backend
+        prompts = [[3, 4, 5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24, 25]]
+        runner.prefill(0, [p[:-1] for p in prompts], [0, 0, 0], [False] * 3)
+        tokens, positions, steps = [p[-1] for p in prompts], [len(p) - 1 for p in prompts], []
+        for _ in range(6):  # different positions per request: the kernel's per-request spans
+            logits, _ = runner.decode(tokens, positions)
+            steps.append(logits)
+            tokens = logits.argmax(-1).tolist()
+            positions = [p + 1 for p in positions]
+        runs[backend] = torch.stack(steps)
+    assert torch.allclose(runs["miles_cpu"], runs["sdpa"], atol=1e-5)
+
+
+def test_unavailable_kernel_falls_back_or_fails_clearly(
+    engine_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from miles.engine.model_runner import ModelRunner
+
+    def unavailable() -> None:
+        raise KernelUnavailable("cannot build C++ extensions: no compiler")
+
+    monkeypatch.setattr(cpu_kernels, "load", unavailable)
+    assert ModelRunner(engine_models["qwen2"]).attention_backend == "sdpa"
+    with pytest.raises(ValueError, match="attention_backend 'miles_cpu': cannot build C\\+\\+ extensions: no compiler"):
+        ModelRunner(engine_models["qwen2"], attention_backend="miles_cpu")
+    with pytest.raises(ValueError, match="attention_backend: expected one of auto, sdpa, miles_cpu"):
+        ModelRunner(engine_models["qwen2"], attention_backend="flash")

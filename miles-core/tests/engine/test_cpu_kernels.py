@@ -1,6 +1,6 @@
-"""Miles' CPU decode-attention kernel (built here on first use): SDPA's result for every dtype, head dim and
-head grouping the engine meets, the KV write it fuses, batch invariance, clear errors, and the engine's
-decode on it against the SDPA backend."""
+"""Miles' CPU kernels (built here on first use): decode attention (SDPA's result for every dtype, head dim and
+head grouping the engine meets, the KV write it fuses, batch invariance, clear errors), the fused RMSNorm
+and rotary steps (HF's modules bit for bit), and the engine's forward on them against PyTorch ops only."""
 
 from __future__ import annotations
 
@@ -128,3 +128,41 @@ def test_unavailable_kernel_falls_back_or_fails_clearly(
         ModelRunner(engine_models["qwen2"], attention_backend="miles_cpu")
     with pytest.raises(ValueError, match="attention_backend: expected one of auto, sdpa, miles_cpu"):
         ModelRunner(engine_models["qwen2"], attention_backend="flash")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rms_norm_and_rotary_match_the_hf_modules(dtype: torch.dtype) -> None:
+    """Bit for bit HF's RMSNorm (bfloat16) and rotary embedding (both dtypes); the float32 norm to float32
+    rounding (its sum of squares runs in another order). The residual add happens in place."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    ops = cpu_kernels.load()
+    g = torch.Generator().manual_seed(1)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    x = (3 * torch.randn(4, 5, 96, generator=g)).to(dtype)
+    delta = torch.randn(4, 5, 96, generator=g).to(dtype)
+    want_x = x + delta
+    want = norm(want_x)
+    got = ops.rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+    assert torch.equal(x, want_x)  # updated in place
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    without = ops.rms_norm(x.clone(), None, norm.weight, norm.variance_epsilon)
+    assert (
+        torch.equal(without, norm(x))
+        if dtype == torch.bfloat16
+        else torch.allclose(without, norm(x), rtol=1e-6, atol=1e-6)
+    )
+
+    qkv = torch.randn(4, 5, 7, 32, generator=g).to(dtype)  # [B, T, heads, head_dim], a strided slice below
+    cos, sin = torch.randn(4, 5, 32, generator=g).to(dtype), torch.randn(4, 5, 32, generator=g).to(dtype)
+    rotated = ops.rotary(qkv[:, :, 1:6], cos, sin)
+    q, k = apply_rotary_pos_emb(qkv[:, :, 1:4].transpose(1, 2), qkv[:, :, 4:6].transpose(1, 2), cos, sin)
+    assert torch.equal(rotated[:, :, :3].transpose(1, 2), q) and torch.equal(rotated[:, :, 3:].transpose(1, 2), k)
+    with pytest.raises(RuntimeError, match="rms_norm: weight must be"):
+        ops.rms_norm(x, None, norm.weight[:10], 1e-5)
+    with pytest.raises(RuntimeError, match="rotary: cos / sin must be"):
+        ops.rotary(qkv, cos[:, :2], sin)

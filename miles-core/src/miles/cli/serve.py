@@ -44,8 +44,8 @@ def serve(
     attention_backend: Annotated[
         str,
         typer.Option(
-            help="Decode attention: sdpa (PyTorch), miles_cpu (Miles' CPU kernel, compiled on first use) or auto "
-            "(the kernel on CPU where it builds)."
+            help="miles_cpu: decode attention, RMSNorm and rotary on Miles' CPU kernels (compiled on first use); "
+            "sdpa: PyTorch ops only; auto: the kernels on CPU where they build."
         ),
     ] = "auto",
 ) -> None:

@@ -33,9 +33,12 @@ __all__ = ["ATTENTION_BACKENDS", "SUPPORTED_MODEL_TYPES", "ModelRunner"]
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral")
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm")
+"""HF norm classes that compute ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (the fused kernel's formula)."""
 ATTENTION_BACKENDS = ("auto", "sdpa", "miles_cpu")
-"""Decode attention: PyTorch's SDPA, Miles' CPU kernel (:mod:`miles.engine.cpu_kernels`), or ``auto`` (the
-kernel on CPU where it builds, SDPA elsewhere). Prefill always runs SDPA."""
+"""``sdpa``: PyTorch ops only; ``miles_cpu``: decode attention, RMSNorm and rotary on Miles' CPU kernels
+(:mod:`miles.engine.cpu_kernels`); ``auto``: the kernels on CPU where they build. Prefill attention always
+runs SDPA."""
 
 
 _PACK_BATCH = 32
@@ -126,6 +129,11 @@ class ModelRunner:
         self._fused_mlp: list[torch.Tensor | None] = []
         self._fuse_projections()
         self.attention_backend = self._decode_attention_backend(attention_backend)
+        self._ops: Any = None  # Miles' CPU kernels for the fused norm and rotary steps
+        if self.attention_backend == "miles_cpu" and self.dtype in (torch.bfloat16, torch.float32):
+            from miles.engine.cpu_kernels import load
+
+            self._ops = load()
         # KV buffers, allocated and grown on demand
         self.k = torch.zeros(0, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(0, dtype=self.dtype, device=self.device)
@@ -283,14 +291,28 @@ class ModelRunner:
         return self.k[:, slot, :, :length], self.v[:, slot, :, :length]
 
     # ----------------------------------------------------------------- forward
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of ``x`` ``[B, T, heads, head_dim]``: the formula (and the rounding) of HF's
-        ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``), shared by every supported model."""
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x`` ``[B, T, heads, head_dim]``: the formula and the rounding of HF's
+        ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin``, shared by every supported model), in
+        one fused CPU kernel where available (bit for bit the same)."""
+        if self._ops is not None:
+            return self._ops.rotary(x, cos, sin)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
+
+    def _norm(self, norm: Any, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + delta`` (the residual stream) and the norm of it: one fused CPU kernel for HF's RMSNorm where
+        available (``x`` updated in place; bit for bit in bfloat16, to float32 rounding in float32 — the sum
+        of squares is summed in another order), else the HF module."""
+        if self._ops is not None and type(norm).__name__ in _RMS_NORMS:
+            if delta is not None and not delta.is_contiguous():
+                delta = delta.contiguous()
+            return x, self._ops.rms_norm(x, delta, norm.weight, norm.variance_epsilon)
+        if delta is not None:
+            x = x + delta
+        return x, norm(x)
 
     def _layers(
         self,
@@ -298,13 +320,15 @@ class ModelRunner:
         positions: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """Run the decoder on ``x`` ``[B, T, hidden]``; ``attend(layer, q, k, v)`` stores k/v and attends."""
+        """Run the decoder on ``x`` ``[B, T, hidden]`` (a fresh tensor: the residual stream is updated in
+        place); ``attend(layer, q, k, v)`` stores k/v and attends."""
         base = self.model.model
         cos, sin = base.rotary_emb(x, positions)
         b, t = x.shape[:2]
+        delta: torch.Tensor | None = None  # the last block's output, added to the residual by the next norm
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            x, h = self._norm(layer.input_layernorm, x, delta)
             weight, bias = self._fused_qkv[i]
             qkv = self._linear(f"qkv{i}", h, weight, bias, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
             qkv = qkv.view(b, t, -1, self.head_dim)  # [B, T, heads + 2 x kv_heads, head_dim]
@@ -320,17 +344,17 @@ class ModelRunner:
             v = qkv[:, :, heads + self.num_kv_heads :]
             out = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             o = attn.o_proj
-            x = x + self._linear(f"o{i}", out.transpose(1, 2).reshape(b, t, -1), o.weight, o.bias, (o.weight,))
-            h = layer.post_attention_layernorm(x)
+            delta = self._linear(f"o{i}", out.transpose(1, 2).reshape(b, t, -1), o.weight, o.bias, (o.weight,))
+            x, h = self._norm(layer.post_attention_layernorm, x, delta)
             gate_up = self._fused_mlp[i]
             if gate_up is None:
-                x = x + layer.mlp(h)
+                delta = layer.mlp(h)
             else:
                 mlp = layer.mlp
                 g, u = self._linear(f"gu{i}", h, gate_up, None, (mlp.gate_proj.weight, mlp.up_proj.weight)).chunk(2, -1)
                 down = mlp.down_proj
-                x = x + self._linear(f"down{i}", mlp.act_fn(g) * u, down.weight, down.bias, (down.weight,))
-        return base.norm(x)
+                delta = self._linear(f"down{i}", mlp.act_fn(g) * u, down.weight, down.bias, (down.weight,))
+        return self._norm(base.norm, x, delta)[1]
 
     @torch.inference_mode()
     def prefill(

@@ -41,8 +41,9 @@ class LocalEngineSettings(ComponentSettings):
     depend on batching, timing or the cache's contents — a resumed run reproduces the engine's logprobs bit
     for bit. Slower: decode runs one request at a time."""
     attention_backend: Literal["auto", "sdpa", "miles_cpu"] = "auto"
-    """Decode attention (``miles serve --attention-backend``): ``miles_cpu`` is Miles' CPU kernel, compiled on
-    first use (a C++ compiler and ``ninja``); ``auto`` takes it on CPU where it builds, SDPA otherwise."""
+    """Attention and fused kernels (``miles serve --attention-backend``): ``miles_cpu`` runs decode attention
+    and the RMSNorm / rotary steps on Miles' CPU kernels (compiled on first use: a C++ compiler and
+    ``ninja``); ``sdpa`` runs PyTorch ops only; ``auto`` takes the kernels on CPU where they build."""
     enable_debug_endpoints: bool = False
     """Serve ``/debug/*`` routes (``/debug/randomize_weights`` for ``transport.randomize_engines_first``)."""
 

@@ -1,4 +1,4 @@
-// Decode attention for Miles' local engine on CPU (see miles/engine/cpu_kernels.py).
+// Decode attention for Miles' local engine on CPU (see miles/engine/cpu_kernels.py; bound in bindings.cpp).
 //
 // One decode step of B requests: request b's query heads q[b] (H heads of D dims) attend over positions
 // 0..pos[b] of its slot in the layer's KV cache ([slots, KVH, capacity, D], the head dim contiguous).
@@ -7,7 +7,7 @@
 // torch.softmax; decode_values returns probs . V as [B, H, D] in the cache's dtype.
 // Work items are (request, KV head) pairs, each computed alone in a fixed order: batch-invariant.
 
-#include <torch/extension.h>
+#include "common.h"
 
 #include <ATen/Parallel.h>
 
@@ -17,21 +17,11 @@
 
 namespace {
 
+using miles::load;
+using miles::store;
+
 constexpr int64_t kMaxGroup = 16;
 constexpr int kMaxDim = 256;
-
-template <typename T>
-inline float load(const T* p, int64_t i) {
-  return static_cast<float>(p[i]);
-}
-
-template <>
-inline float load<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {  // bfloat16 -> float32: a shift
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
 
 // kD > 0: the head dim known at compile time (vectorised, unrolled); kD == 0: any head dim <= kMaxDim.
 template <typename scalar_t, int kD>
@@ -107,7 +97,8 @@ void values_kernel(const at::Tensor& probs, const at::Tensor& v_cache, const at:
           for (int64_t d = 0; d < D; ++d) acc[d] += wl * load(vr, d);
         }
         scalar_t* o = O + ((b * KVH + h) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) store(o, d, acc[d]);
       }
     }
   });
@@ -192,9 +183,4 @@ at::Tensor decode_values(at::Tensor probs, at::Tensor v_cache, at::Tensor pos) {
     MILES_DISPATCH_HEAD_DIM(D, values_kernel<scalar_t, kHeadDim>(probs, v_cache, pos, out));
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_scores", &decode_scores, "write new K/V at pos, fp32 scores [B, KVH, G, span]");
-  m.def("decode_values", &decode_values, "probs . V as [B, H, D]");
 }

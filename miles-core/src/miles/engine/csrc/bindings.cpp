@@ -1,0 +1,16 @@
+// Python bindings of Miles' CPU kernels (miles/engine/cpu_kernels.py builds this module).
+
+#include <torch/extension.h>
+
+at::Tensor decode_scores(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_new, at::Tensor v_new,
+                         at::Tensor pos, int64_t span, double scale);
+at::Tensor decode_values(at::Tensor probs, at::Tensor v_cache, at::Tensor pos);
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_scores", &decode_scores, "write new K/V at pos; fp32 scores [B, kv_heads, group, span]");
+  m.def("decode_values", &decode_values, "probs . V as [B, heads, head_dim]");
+  m.def("rms_norm", &rms_norm, "x += delta in place; HF RMSNorm of x");
+  m.def("rotary", &rotary, "HF rotary embedding of [B, T, heads, head_dim]");
+}

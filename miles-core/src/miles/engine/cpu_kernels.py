@@ -76,7 +76,7 @@ def load() -> Any:
     for path in [*SOURCES, CSRC / "common.h"]:
         digest.update(path.read_bytes())
     key = digest.hexdigest()[:12]
-    log.info("loading the CPU kernels (built on first use: ~30 s)")
+    log.info("loading the CPU kernels (compiled on first use for this CPU, ~40 s on 2 cores; cached after)")
     try:
         return build(
             name=f"miles_cpu_kernels_{key}",

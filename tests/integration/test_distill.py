@@ -31,12 +31,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def teacher(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    engine = EngineProcess(models[1], log_path=tmp_path_factory.mktemp("logs") / "teacher.log")
-    try:
-        engine.start()
+    with EngineProcess(models[1], log_path=tmp_path_factory.mktemp("logs") / "teacher.log") as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def test_topk_distillation_trains_against_a_teacher_server(

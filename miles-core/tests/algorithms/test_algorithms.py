@@ -212,27 +212,11 @@ def test_topk_distillation_alone_masked_and_added_to_rl() -> None:
     out = grpo.loss(LossInputs(logprobs=logp.detach().clone().requires_grad_(True), advantages=torch.ones(2), **base))
     d = distill_topk_reverse_kl(student.detach(), teacher)
     assert out.per_token_loss.tolist() == pytest.approx((-1.0 + 0.5 * d).tolist(), abs=1e-6)
+    missing = dict(logprobs=logp, loss_mask=torch.ones(2), response_lengths=[2], advantages=torch.ones(2))
     with pytest.raises(ValueError, match="LossInputs.student_topk_logprobs is required"):
-        grpo.loss(
-            LossInputs(
-                logprobs=logp,
-                loss_mask=torch.ones(2),
-                response_lengths=[2],
-                advantages=torch.ones(2),
-                teacher_topk_logprobs=teacher,
-            )
-        )
+        grpo.loss(LossInputs(**missing, teacher_topk_logprobs=teacher))
     with pytest.raises(ValueError, match=r"must both be \[T, k\]"):
-        grpo.loss(
-            LossInputs(
-                logprobs=logp,
-                loss_mask=torch.ones(2),
-                response_lengths=[2],
-                advantages=torch.ones(2),
-                teacher_topk_logprobs=teacher,
-                student_topk_logprobs=student[:, :1],
-            )
-        )
+        grpo.loss(LossInputs(**missing, teacher_topk_logprobs=teacher, student_topk_logprobs=student[:, :1]))
 
 
 def test_sft_alone_and_added_to_rl() -> None:

@@ -38,11 +38,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    proc = EngineProcess(model, log_path=tmp_path_factory.mktemp("async-logs") / "engine.log")
-    try:
-        yield proc.start()
-    finally:
-        proc.stop()
+    with EngineProcess(model, log_path=tmp_path_factory.mktemp("async-logs") / "engine.log") as proc:
+        yield proc
 
 
 async def length_scorer(samples: Any) -> None:

@@ -28,12 +28,8 @@ def engine_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def start_engine(model: Path, log: Path, *extra: str) -> Iterator[EngineProcess]:
-    engine = EngineProcess(model, extra_args=list(extra), log_path=log)
-    try:
-        engine.start()
+    with EngineProcess(model, extra_args=list(extra), log_path=log) as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def hf_logprobs(model_dir: Path, tokens: list[int], temperature: float = 1.0) -> torch.Tensor:

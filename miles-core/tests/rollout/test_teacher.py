@@ -27,12 +27,8 @@ def teacher_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def teacher(teacher_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    engine = EngineProcess(teacher_model, log_path=tmp_path_factory.mktemp("logs") / "teacher.log")
-    try:
-        engine.start()
+    with EngineProcess(teacher_model, log_path=tmp_path_factory.mktemp("logs") / "teacher.log") as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def _samples() -> list[Sample]:

@@ -135,10 +135,9 @@ class ModelRunner:
 
             self._ops = load()
         # KV buffers, allocated and grown on demand
-        self.k = torch.zeros(0, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(0, dtype=self.dtype, device=self.device)
-        self.slots = 0
-        self.capacity = 0
+        self.k = self.v = torch.zeros(0)
+        self.slots = self.capacity = 0
+        self.free_buffers()
         log.info(
             "loaded %s (%s, %d layers, %.1fM params, %s on %s)",
             self.model_path,
@@ -172,7 +171,7 @@ class ModelRunner:
         if wanted == "miles_cpu":
             raise ValueError(f"attention_backend 'miles_cpu': {reason}")
         if self.device.type == "cpu":
-            log.warning("decode attention runs on SDPA: the CPU kernel is unavailable (%s)", reason)
+            log.warning("running PyTorch ops (SDPA) instead of Miles' CPU kernels: %s", reason)
         return "sdpa"
 
     @property
@@ -248,11 +247,16 @@ class ModelRunner:
         """When nothing runs: free the KV buffers if they are over 4x the size that ``slots`` requests of
         ``length`` tokens need (a past long batch must not hold memory forever); the next :meth:`ensure`
         allocates what is needed. Buffers that fit are kept, so a steady workload never reallocates."""
-        needed = max(slots, 1) * max(length, 1)
-        if self.slots * self.capacity > 4 * needed:
-            self.k = torch.zeros(0, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros(0, dtype=self.dtype, device=self.device)
-            self.slots = self.capacity = 0
+        if self.slots * self.capacity > 4 * max(slots, 1) * max(length, 1):
+            self.free_buffers()
+
+    def free_buffers(self) -> int:
+        """Drop the KV buffers (the next :meth:`ensure` allocates again); returns the bytes freed."""
+        freed = (self.k.numel() * self.k.element_size()) + (self.v.numel() * self.v.element_size())
+        self.k = torch.zeros(0, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(0, dtype=self.dtype, device=self.device)
+        self.slots = self.capacity = 0
+        return freed
 
     def ensure(self, slots: int, length: int) -> None:
         """Grow the KV buffers to hold ``slots`` requests of ``length`` tokens (doubling)."""

@@ -99,7 +99,13 @@ class EngineProcess:
             self._log = None
 
     def __enter__(self) -> EngineProcess:
-        return self.start() if self.proc is None else self
+        if self.proc is None:
+            try:
+                self.start()
+            except BaseException:  # a process that never became ready is not left running
+                self.stop()
+                raise
+        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

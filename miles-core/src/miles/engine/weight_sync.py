@@ -185,10 +185,7 @@ class MemoryOccupation:
         freed = 0
         if "kv_cache" in tags and not self.kv_released:
             scheduler.flush_cache()
-            freed += runner.k.numel() * runner.k.element_size() * 2
-            runner.k = torch.zeros(0, dtype=runner.dtype, device=runner.device)
-            runner.v = torch.zeros(0, dtype=runner.dtype, device=runner.device)
-            runner.slots = runner.capacity = 0
+            freed += runner.free_buffers()
             self.kv_released = True
         if "weights" in tags and not self.released_weights:
             runner.drop_packed()

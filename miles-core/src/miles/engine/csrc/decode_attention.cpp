@@ -11,6 +11,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -130,6 +131,18 @@ void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& q)
   TORCH_CHECK(cache.device().is_cpu(), "decode attention: ", name, " must be on the CPU");
 }
 
+// pos: contiguous int64 [B], every position in [0, span) and inside the cache's capacity.
+void check_positions(const at::Tensor& pos, int64_t B, int64_t span, int64_t capacity) {
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == B && pos.scalar_type() == at::kLong && pos.is_contiguous(),
+              "decode attention: pos must be a contiguous int64 [B]");
+  TORCH_CHECK(span <= capacity, "decode attention: span ", span, " > capacity ", capacity);
+  const int64_t* P = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(P[b] >= 0 && P[b] < span, "decode attention: position ", P[b], " of request ", b,
+                " outside the span ", span);
+  }
+}
+
 }  // namespace
 
 at::Tensor decode_scores(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_new, at::Tensor v_new,
@@ -147,14 +160,7 @@ at::Tensor decode_scores(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, a
                     t.scalar_type() == q.scalar_type(),
                 "decode attention: new keys / values must be [B, kv_heads, head_dim] like q");
   }
-  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == B && pos.scalar_type() == at::kLong && pos.is_contiguous(),
-              "decode attention: pos must be a contiguous int64 [B]");
-  TORCH_CHECK(span <= k_cache.size(2), "decode attention: span ", span, " > capacity ", k_cache.size(2));
-  const int64_t* P = pos.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(P[b] >= 0 && P[b] < span, "decode attention: position ", P[b], " of request ", b,
-                " outside the span ", span);
-  }
+  check_positions(pos, B, span, std::min(k_cache.size(2), v_cache.size(2)));
   auto scores = at::empty({B, KVH, q.size(1) / KVH, span}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_scores", [&] {
     MILES_DISPATCH_HEAD_DIM(q.size(2), scores_kernel<scalar_t, kHeadDim>(q, k_cache, v_cache, k_new, v_new, pos,
@@ -169,13 +175,7 @@ at::Tensor decode_values(at::Tensor probs, at::Tensor v_cache, at::Tensor pos) {
   TORCH_CHECK(v_cache.dim() == 4 && v_cache.stride(3) == 1 && v_cache.size(1) == probs.size(1) &&
                   v_cache.size(0) >= probs.size(0),
               "decode attention: v_cache does not match probs");
-  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == probs.size(0) && pos.scalar_type() == at::kLong && pos.is_contiguous(),
-              "decode attention: pos must be a contiguous int64 [B]");
-  const int64_t* P = pos.data_ptr<int64_t>();
-  for (int64_t b = 0; b < probs.size(0); ++b) {
-    TORCH_CHECK(P[b] >= 0 && P[b] < probs.size(3) && P[b] < v_cache.size(2), "decode attention: position ", P[b],
-                " of request ", b, " outside the span ", probs.size(3));
-  }
+  check_positions(pos, probs.size(0), probs.size(3), v_cache.size(2));
   const int64_t D = v_cache.size(3);
   TORCH_CHECK(D <= kMaxDim, "decode attention: head_dim ", D, " > ", kMaxDim);
   auto out = at::empty({probs.size(0), probs.size(1) * probs.size(2), D}, v_cache.options());

@@ -268,6 +268,18 @@ def test_skipped_tensor_is_caught_by_name(tmp_path: Path, tiny_model: Path, prom
     assert children_of_run(run_dir) == []
 
 
+def test_a_failure_on_the_driver_rank_ends_the_run_with_its_error(tmp_path: Path, tiny_model: Path) -> None:
+    """Rank 0 fails in set-up (the data file is missing) while rank 1 waits for its first batch: the run
+    exits non-zero naming the field, and no process is left behind (it used to hang in a teardown barrier)."""
+    run_dir = tmp_path / "missing-data"
+    config = write_config(tmp_path, tiny_model, tmp_path / "no-such.jsonl", run_dir, ranks=2)
+    out = miles("train", str(config), timeout=240)
+    assert out.returncode != 0
+    log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "no-such.jsonl: no such file or directory (data.path)" in log
+    assert children_of_run(run_dir) == []
+
+
 def test_sft_without_engines(tmp_path: Path, tiny_model: Path) -> None:
     data = tmp_path / "sft.jsonl"
     rows = [{"prompt": f"Say {w}.", "label": f"{w} {w} {w}"} for w in ["apple", "river", "stone", "cloud"] * 4]

@@ -265,10 +265,7 @@ class FSDPTrainer(Trainer):
             dist.barrier()
 
     def close(self) -> None:
-        """Drop the models and optimizers and wait for every rank (a barrier before the group goes away)."""
-        import torch.distributed as dist
-
+        """Drop the models and optimizers. No collective: ``close`` also runs after a failure on this rank,
+        when the other ranks are not coming (the worker's teardown barriers after a completed run)."""
         self.actor = self.ref = self.critic = None
         self._parts = {}
-        if dist.is_initialized():
-            dist.barrier()

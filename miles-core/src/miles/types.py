@@ -13,15 +13,22 @@ import enum
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
+    "PauseMode",
+    "PushReport",
     "Sample",
     "SampleGroup",
     "SampleStatus",
     "WeightSpan",
     "group_samples",
 ]
+
+
+PauseMode = Literal["abort", "retract", "in_place"]
+"""How ``/pause_generation`` treats requests in flight (SGLang's modes): ``abort`` them, ``retract`` them
+(their KV is recomputed after the pause) or keep them ``in_place``."""
 
 
 class SampleStatus(str, enum.Enum):
@@ -250,3 +257,17 @@ def group_samples(samples: Iterable[Sample]) -> list[SampleGroup]:
     for sample in samples:
         groups.setdefault(sample.group_id, []).append(sample)
     return [SampleGroup(gid, sorted(members, key=lambda s: s.index)) for gid, members in groups.items()]
+
+
+@dataclass
+class PushReport:
+    """What one weight push moved (rank 0's view); handed to ``miles_on_weights_pushed``."""
+
+    version: str
+    num_tensors: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    checksums: dict[str, str] = field(default_factory=dict)
+    """Per tensor name, a checksum of what was sent (compared with what the engines report)."""
+    verification: dict[str, float] = field(default_factory=dict)
+    """Metrics of the verification that followed the push (filled by the driver)."""

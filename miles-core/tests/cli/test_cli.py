@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,17 @@ def test_plugins_list_json_schema_and_hook_filter() -> None:
     names = [p["name"] for p in data["plugins"]]
     assert "precision" in names and "jsonl" not in names
     entry = next(p for p in data["plugins"] if p["name"] == "precision")
-    assert set(entry) == {"name", "distribution", "version", "builtin", "status", "error", "registers", "hooks"}
+    assert set(entry) == {
+        "name",
+        "distribution",
+        "version",
+        "builtin",
+        "status",
+        "error",
+        "registers",
+        "hooks",
+        "commands",
+    }
     assert {"kind": "precision", "name": "bf16"} in entry["registers"]
 
 
@@ -69,3 +80,59 @@ def test_usage_errors_exit_2_without_traceback() -> None:
     out = miles("train", "--bogus")
     assert out.returncode == 2
     assert "No such option: --bogus" in out.stderr and "Traceback" not in out.stderr
+
+
+COMMANDS_PLUGIN = '''
+import typer
+import miles
+
+tools = typer.Typer(help="The example's tools.")
+
+
+@tools.command("count")
+def count(text: str) -> None:
+    """Print how many words ``text`` has."""
+    typer.echo(f"{len(text.split())} words")
+
+
+@miles.hookimpl
+def miles_register_commands(app):
+    app.add_typer(tools, name="example-tools")
+'''
+
+CLASHING_PLUGIN = """
+import miles
+
+
+@miles.hookimpl
+def miles_register_commands(app):
+    app.command("train")(lambda: None)  # "train" is a built-in command
+"""
+
+RAISING_PLUGIN = """
+import miles
+
+
+@miles.hookimpl
+def miles_register_commands(app):
+    raise RuntimeError("no such tool")
+"""
+
+
+def test_plugins_add_commands_and_a_broken_one_is_reported(fake_distribution: Any) -> None:
+    fake_distribution("miles-tools", {"tools": "miles_tools_plugin"}, {"miles_tools_plugin": COMMANDS_PLUGIN})
+    fake_distribution("miles-clash", {"clash": "miles_clash_plugin"}, {"miles_clash_plugin": CLASHING_PLUGIN})
+    fake_distribution("miles-raise", {"raising": "miles_raise_plugin"}, {"miles_raise_plugin": RAISING_PLUGIN})
+    out = miles("example-tools", "count", "one two three")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3 words"
+    listed = miles("plugins", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    plugins = {p["name"]: p for p in json.loads(listed.stdout)["plugins"]}
+    assert plugins["tools"]["status"] == "ok" and plugins["tools"]["commands"] == ["example-tools"]
+    assert plugins["clash"]["status"] == "failed" and "command 'train' is already taken" in plugins["clash"]["error"]
+    assert plugins["raising"]["status"] == "failed" and "RuntimeError: no such tool" in plugins["raising"]["error"]
+    table = miles("plugins", "list")
+    assert "command: miles example-tools" in table.stdout
+    # the built-in command the clashing plugin tried to replace is still the real one
+    assert "Train a policy" in miles("train", "--help").stdout

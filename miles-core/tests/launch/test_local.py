@@ -281,7 +281,7 @@ def test_builtin_plugin_registers_local(tmp_path: Path) -> None:
     assert manager.registry(ComponentKind.LAUNCHER).get("local").component is LocalLauncher
     spec = PluginSpec(name="local", terminate_timeout=2.5)
     with manager.create(ComponentKind.LAUNCHER, spec, field="cluster.launcher", run_dir=str(tmp_path)) as lau:
-        assert isinstance(lau, LocalLauncher) and lau.options.terminate_timeout == 2.5
+        assert isinstance(lau, LocalLauncher) and lau.settings.terminate_timeout == 2.5
         assert lau.log_dir == str(tmp_path / "logs")
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from miles.training.batch import TrainBatch
 from miles.types import Sample, WeightSpan
@@ -15,28 +16,41 @@ def _samples() -> list[Sample]:
 
 def test_from_samples_aligns_per_token_fields() -> None:
     batch = TrainBatch.from_samples(_samples(), advantages=[[1.0, 1.0, 1.0], [-1.0]])
-    batch.validate()
-    assert batch.tokens == [[1, 2, 3, 4, 5], [1, 6]]
-    assert batch.prompt_lengths == [2, 1]
+    assert batch.sequences() == [[1, 2, 3, 4, 5], [1, 6]]
+    assert batch.tokens.tolist() == [1, 2, 3, 4, 5, 1, 6] and batch.seq_offsets.tolist() == [0, 5, 7]
+    assert batch.prompt_lengths.tolist() == [2, 1]
     assert batch.response_lengths == [3, 1]
+    assert batch.response_offsets == [0, 3, 4]
     assert batch.num_tokens == 7
-    assert batch.weight_versions == [2, 3]
+    assert batch.weight_versions.tolist() == [2, 3]
     assert batch.teacher_logprobs is None
+    assert batch.loss_mask.tolist() == [1.0, 1.0, 0.0, 1.0] and batch.loss_mask.dtype == torch.float32
+    assert batch.rollout_logprobs is not None
+    assert batch.rollout_logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.5])
+    rows = batch.rows("advantages")
+    assert rows is not None and [r.tolist() for r in rows] == [[1.0, 1.0, 1.0], [-1.0]]
 
 
 def test_shard_gives_each_rank_its_share() -> None:
     batch = TrainBatch.from_samples(_samples(), advantages=[[1.0, 1.0, 1.0], [-1.0]])
     first, second = batch.shard(0, 2), batch.shard(1, 2)
-    assert first.tokens == [[1, 2, 3, 4, 5]] and second.tokens == [[1, 6]]
-    assert second.advantages == [[-1.0]] and second.weight_versions == [3]
+    assert first.sequences() == [[1, 2, 3, 4, 5]] and second.sequences() == [[1, 6]]
+    assert second.advantages is not None and second.advantages.tolist() == [-1.0]
+    assert second.weight_versions.tolist() == [3] and second.loss_mask.tolist() == [1.0]
     with pytest.raises(ValueError, match="does not split over 3 ranks"):
         batch.shard(0, 3)
 
 
-def test_validate_names_field_and_sequence() -> None:
-    batch = TrainBatch.from_samples(_samples(), advantages=[[1.0, 1.0], [-1.0]])
+def test_validation_names_field_and_sequence() -> None:
     with pytest.raises(ValueError, match=r"TrainBatch.advantages\[0\] has 2 values, the response has 3 tokens"):
-        batch.validate()
+        TrainBatch.from_samples(_samples(), advantages=[[1.0, 1.0], [-1.0]])
+    batch = TrainBatch.from_samples(_samples())
+    with pytest.raises(ValueError, match=r"TrainBatch.old_logprobs: rows of \[3, 2\] values for responses of \[3, 1\]"):
+        batch.set_token_field("old_logprobs", [torch.zeros(3), torch.zeros(2)])
+    with pytest.raises(ValueError, match=r"TrainBatch.ref_logprobs has shape \(5,\), the batch has 4 response tokens"):
+        batch.set_token_field("ref_logprobs", torch.zeros(5))
+    batch.set_token_field("old_logprobs", [torch.zeros(3), torch.ones(1)])
+    assert batch.old_logprobs is not None and batch.old_logprobs.tolist() == [0.0, 0.0, 0.0, 1.0]
 
 
 def test_teacher_topk_travels_from_samples_through_select() -> None:
@@ -47,14 +61,34 @@ def test_teacher_topk_travels_from_samples_through_select() -> None:
     samples[1].teacher_topk_ids = [[6, 2]]
     samples[1].teacher_topk_logprobs = [[-0.05, -3.0]]
     batch = TrainBatch.from_samples(samples, advantages=[[0.0] * 3, [0.0]])
-    batch.validate()
     assert batch.teacher_topk == 2
     second = batch.shard(1, 2)
-    assert second.teacher_topk_ids == [[[6, 2]]] and second.teacher_topk_logprobs == [[[-0.05, -3.0]]]
-    assert batch.teacher_topk_logprobs is not None
-    batch.teacher_topk_logprobs[0][2] = [-0.2]
+    assert second.teacher_topk_ids is not None and second.teacher_topk_logprobs is not None
+    assert second.teacher_topk_ids.tolist() == [[6, 2]]
+    torch.testing.assert_close(second.teacher_topk_logprobs, torch.tensor([[-0.05, -3.0]]))
+    bad = [[[-0.1, -2.0], [-0.3, -1.5], [-0.2]], [[-0.05, -3.0]]]
     with pytest.raises(ValueError, match=r"TrainBatch.teacher_topk_logprobs\[0\]\[2\] has 1 entries, k is 2"):
-        batch.validate()
-    batch.teacher_topk_logprobs[0] = batch.teacher_topk_logprobs[0][:2]
+        TrainBatch.from_lists(
+            tokens=[[1, 2, 3, 4, 5], [1, 6]],
+            prompt_lengths=[2, 1],
+            loss_mask=[[1, 1, 0], [1]],
+            teacher_topk_ids=[[[3, 7], [4, 1], [5, 5]], [[6, 2]]],
+            teacher_topk_logprobs=bad,
+        )
     with pytest.raises(ValueError, match=r"teacher_topk_logprobs\[0\] has 2 rows, the response has 3 tokens"):
-        batch.validate()
+        TrainBatch.from_lists(
+            tokens=[[1, 2, 3, 4, 5], [1, 6]],
+            prompt_lengths=[2, 1],
+            loss_mask=[[1, 1, 0], [1]],
+            teacher_topk_ids=[[[3, 7], [4, 1], [5, 5]], [[6, 2]]],
+            teacher_topk_logprobs=[bad[0][:2], bad[1]],
+        )
+
+
+def test_tensors_round_trip_exactly() -> None:
+    batch = TrainBatch.from_samples(_samples(), advantages=[[1.0, 1.0, 1.0], [-1.0]])
+    again = TrainBatch.from_tensors(batch.to_tensors())
+    for name, value in batch.to_tensors().items():
+        assert torch.equal(getattr(again, name), value), name
+    with pytest.raises(ValueError, match="seq_offsets end at 7, tokens has 6"):
+        TrainBatch.from_tensors({**batch.to_tensors(), "tokens": batch.tokens[:6]})

@@ -22,6 +22,7 @@ __all__ = [
     "count_micro_batches",
     "pack",
     "plan_micro_batches",
+    "response_index",
     "teacher_topk_rows",
     "token_logprobs",
     "topk_logprobs",
@@ -106,32 +107,43 @@ def pack(batch: TrainBatch, indices: Sequence[int], device: torch.device, pad_to
         return PackedMicroBatch(
             one, torch.zeros_like(one), torch.zeros(1, dtype=torch.long, device=device), empty, [], []
         )
-    ids: list[int] = []
-    positions: list[int] = []
-    keep: list[int] = []
-    targets: list[int] = []
+    starts = batch.seq_offsets.tolist()
+    prompts = batch.prompt_lengths.tolist()
+    pieces: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    keep: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
     lengths: list[int] = []
+    offset = 0
     for i in indices:
-        tokens, prompt = batch.tokens[i], batch.prompt_lengths[i]
-        if prompt < 1 or prompt >= len(tokens):
+        tokens, prompt = batch.tokens[starts[i] : starts[i + 1]], prompts[i]
+        n = tokens.numel()
+        if prompt < 1 or prompt >= n:
             raise ValueError(
-                f"TrainBatch sequence {i}: prompt_lengths={prompt} but the sequence has {len(tokens)} tokens "
+                f"TrainBatch sequence {i}: prompt_lengths={prompt} but the sequence has {n} tokens "
                 "(need at least one prompt and one response token)"
             )
-        offset = len(ids)
-        ids.extend(tokens)
-        positions.extend(range(len(tokens)))
-        keep.extend(range(offset + prompt - 1, offset + len(tokens) - 1))
-        targets.extend(tokens[prompt:])
-        lengths.append(len(tokens) - prompt)
+        pieces.append(tokens)
+        positions.append(torch.arange(n))
+        keep.append(torch.arange(offset + prompt - 1, offset + n - 1))
+        targets.append(tokens[prompt:])
+        lengths.append(n - prompt)
+        offset += n
     return PackedMicroBatch(
-        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-        keep_index=torch.tensor(keep, dtype=torch.long, device=device),
-        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        input_ids=torch.cat(pieces).to(device=device, dtype=torch.long).unsqueeze(0),
+        position_ids=torch.cat(positions).to(device).unsqueeze(0),
+        keep_index=torch.cat(keep).to(device),
+        targets=torch.cat(targets).to(device=device, dtype=torch.long),
         response_lengths=lengths,
         indices=list(indices),
     )
+
+
+def response_index(batch: TrainBatch, indices: Sequence[int]) -> torch.Tensor:
+    """Positions in the batch's per-token fields of the response tokens of sequences ``indices``, in order."""
+    offsets = batch.response_offsets
+    parts = [torch.arange(offsets[i], offsets[i + 1]) for i in indices]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def token_logprobs(
@@ -158,12 +170,11 @@ def token_logprobs(
 
 
 def per_token_field(batch: TrainBatch, name: str, indices: Sequence[int], device: torch.device) -> torch.Tensor | None:
-    """The concatenated ``[T]`` float tensor of a per-response-token field for ``indices`` (``None`` if unset)."""
-    rows = getattr(batch, name)
-    if rows is None:
+    """The ``[T]`` float32 values of a per-response-token field for sequences ``indices`` (``None`` if unset)."""
+    value = getattr(batch, name)
+    if value is None:
         return None
-    flat = [float(v) for i in indices for v in rows[i]]
-    return torch.tensor(flat, dtype=torch.float32, device=device)
+    return value[response_index(batch, indices)].to(device=device, dtype=torch.float32)
 
 
 def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -192,9 +203,8 @@ def teacher_topk_rows(
         )
     if batch.teacher_topk < k:
         raise ValueError(f"the algorithm needs the teacher's top-{k}; the batch has top-{batch.teacher_topk}")
-    ids = [row[:k] for i in indices for row in batch.teacher_topk_ids[i]]
-    logprobs = [row[:k] for i in indices for row in batch.teacher_topk_logprobs[i]]
+    index = response_index(batch, indices)
     return (
-        torch.tensor(ids, dtype=torch.long, device=device).reshape(-1, k),
-        torch.tensor(logprobs, dtype=torch.float32, device=device).reshape(-1, k),
+        batch.teacher_topk_ids[index, :k].to(device=device, dtype=torch.long),
+        batch.teacher_topk_logprobs[index, :k].to(device=device, dtype=torch.float32),
     )

@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from miles.cli.app import app
-from miles.plugins.manager import PluginManager
+from miles.cli.app import app, plugin_manager
+from miles.cli.render import render_resolved
+from miles.driver.run import Run, build_run
 from miles.settings.loader import load_settings
-from miles.settings.model import MilesSettings
-from miles.settings.render import render_resolved
+
+if TYPE_CHECKING:
+    from miles.components import ComponentKind
 
 
-def resolve_run(config: Path | None, overrides: list[str], *, to_stderr: bool = False) -> MilesSettings:
-    """Load settings, check every component they select (errors name field and source), print them."""
+def resolve_run(
+    config: Path | None,
+    overrides: list[str],
+    *,
+    to_stderr: bool = False,
+    kinds: Iterable[ComponentKind] | None = None,
+) -> Run:
+    """Load settings, resolve every component they select (or those of ``kinds``; errors name field and
+    source), print them."""
     settings = load_settings(config, overrides=overrides)
-    chosen = PluginManager().validate_settings(settings)
-    render_resolved(Console(stderr=to_stderr), settings, chosen)
-    return settings
+    run = build_run(settings, plugin_manager(), kinds=kinds)
+    render_resolved(Console(stderr=to_stderr), settings, run.registrations())
+    return run
 
 
 @app.command()
@@ -38,12 +48,12 @@ def train(
     ] = None,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
-    settings = resolve_run(config, set_ or [])
+    run = resolve_run(config, set_ or [])
     if dry_run:
         return
     from miles.driver.launch import run_training
 
-    code = run_training(settings, resume=resume, console=Console())
+    code = run_training(run, resume=resume, console=Console())
     if code:
         raise typer.Exit(code)
-    Console().print(f"[green]done[/]: {settings.log.run_dir}")
+    Console().print(f"[green]done[/]: {run.settings.log.run_dir}")

@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 import random
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import ComponentSettings, SettingsT
 from miles.data.base import DataSource, Prompt
 from miles.data.rows import Row, iter_hf_rows, iter_jsonl_rows, iter_parquet_rows, row_to_prompt
 from miles.errors import DataError
@@ -29,30 +27,16 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
-class FileDataSource(DataSource):
+class FileDataSource(DataSource[SettingsT]):
     """A data source over a finite table of rows, read once, served endlessly across epochs."""
 
-    def __init__(
-        self,
-        settings: BaseModel,
-        *,
-        path: str,
-        seed: int,
-        shuffle: bool,
-        prompt_key: str = "prompt",
-        label_key: str = "label",
-        pipeline: Callable[[list[Prompt]], list[Prompt]] | None = None,
-    ) -> None:
-        super().__init__(
-            settings,
-            path=path,
-            seed=seed,
-            shuffle=shuffle,
-            prompt_key=prompt_key,
-            label_key=label_key,
-            pipeline=pipeline,
-        )
-        prompts = [row_to_prompt(row, where, prompt_key=prompt_key, label_key=label_key) for row, where in self.rows()]
+    def prepare(self) -> None:
+        """Read every row through the pipeline (once)."""
+        path, pipeline = self.path, self.pipeline
+        prompts = [
+            row_to_prompt(row, where, prompt_key=self.prompt_key, label_key=self.label_key)
+            for row, where in self.rows()
+        ]
         read = len(prompts)
         if pipeline is not None:
             prompts = pipeline(prompts)
@@ -131,21 +115,19 @@ class FileDataSource(DataSource):
         self._order = self._epoch_order(self.epoch)
 
 
-class JsonlDataSource(FileDataSource):
+class JsonlDataSource(FileDataSource[ComponentSettings]):
     """Prompts from a JSONL file (or a directory of them): one JSON object a line."""
 
     name = "jsonl"
-    Settings = ComponentSettings
 
     def rows(self) -> Iterator[Row]:
         return iter_jsonl_rows(self.path)
 
 
-class ParquetDataSource(FileDataSource):
+class ParquetDataSource(FileDataSource[ComponentSettings]):
     """Prompts from a Parquet file (or a directory of them), read with ``pyarrow``."""
 
     name = "parquet"
-    Settings = ComponentSettings
 
     def rows(self) -> Iterator[Row]:
         return iter_parquet_rows(self.path)
@@ -160,13 +142,11 @@ class HFSourceSettings(ComponentSettings):
     """Cache directory of ``datasets`` when it converts loose files (default: its own)."""
 
 
-class HFDataSource(FileDataSource):
+class HFDataSource(FileDataSource[HFSourceSettings]):
     """Prompts from a local Hugging Face data set (``save_to_disk`` directory or files); never the hub."""
 
     name = "hf"
-    Settings = HFSourceSettings
 
     def rows(self) -> Iterator[Row]:
         settings = self.settings
-        assert isinstance(settings, HFSourceSettings)
         return iter_hf_rows(self.path, split=settings.split, cache_dir=settings.cache_dir)

@@ -13,15 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.components import ComponentKind
-from miles.driver import components
 from miles.driver.loop import write_resolved_settings
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from miles.driver.run import Run
     from miles.launch.base import Launcher
-    from miles.plugins.manager import PluginManager
     from miles.settings.model import MilesSettings
 
 __all__ = ["launch_engines", "run_training"]
@@ -56,22 +54,14 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
     return env
 
 
-def make_launcher(pm: PluginManager, settings: MilesSettings) -> Launcher:
-    return pm.create(
-        ComponentKind.LAUNCHER, settings.cluster.launcher, field="cluster.launcher", run_dir=settings.log.run_dir
-    )
-
-
-def launch_engines(
-    pm: PluginManager, settings: MilesSettings, launcher: Launcher, *, model_path: str | None = None
-) -> list[str]:
+def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None) -> list[str]:
     """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs."""
     from miles.launch.rendezvous import free_port
 
+    settings = run.settings
     if settings.cluster.num_engines == 0:
         return []
-    engine = components.build_rollout_engine(pm, settings)
-    precision = components.build_precision(pm, settings)
+    engine = run.rollout_engine()
     path = model_path or settings.train.model_path
     if path is None:
         from miles.errors import SettingsError
@@ -84,7 +74,7 @@ def launch_engines(
             host=settings.cluster.host,
             port=free_port(settings.cluster.host),
             device=settings.cluster.device,
-            dtype=components.engine_dtype(settings, precision),
+            dtype=run.engine_dtype,
             devices=[i] if settings.cluster.device == "cuda" else [],
         )
         launch.env = {**_child_env(settings, role="engine"), **launch.env}
@@ -140,22 +130,19 @@ def _progress(console: Console | None, metrics_path: Path, total: int) -> Iterat
         poll()
 
 
-def run_training(settings: MilesSettings, *, resume: str | None = None, console: Console | None = None) -> int:
+def run_training(run: Run, *, resume: str | None = None, console: Console | None = None) -> int:
     """Launch and supervise a training run; returns the exit code (0 on success)."""
     from miles.launch.rendezvous import trainer_specs
-    from miles.plugins.manager import PluginManager
 
-    pm = PluginManager().load()
-    pm.validate_settings(settings)
-    algorithm = components.build_algorithm(pm, settings)
+    settings = run.settings
     run_dir = Path(settings.log.run_dir).resolve()
     settings = settings.model_copy(deep=True)
     settings.log.run_dir = str(run_dir)
     write_resolved_settings(settings, run_dir / "settings.json")
     if resume is None and (run_dir / "metrics.jsonl").exists():
         (run_dir / "metrics.jsonl").unlink()  # a fresh run in an old directory starts a fresh log
-    with make_launcher(pm, settings) as launcher:
-        urls = launch_engines(pm, settings, launcher) if algorithm.needs.rollout else []
+    with run.launcher(run_dir=str(run_dir)) as launcher:
+        urls = launch_engines(run, launcher) if run.algorithm.needs.rollout else []
         (run_dir / "launch.json").write_text(json.dumps({"engine_urls": urls, "resume": resume}))
         env = _child_env(settings)
         specs = trainer_specs(

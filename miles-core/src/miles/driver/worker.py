@@ -41,7 +41,7 @@ async def _run(run_dir: Path) -> None:
     import torch.distributed as dist
 
     from miles.driver.loop import TrainingLoop
-    from miles.plugins.manager import PluginManager
+    from miles.driver.run import build_run
     from miles.settings.model import MilesSettings
 
     settings = MilesSettings.model_validate(json.loads((run_dir / "settings.json").read_text()))
@@ -49,13 +49,9 @@ async def _run(run_dir: Path) -> None:
     ctx = _dist_context()
     backend = "nccl" if ctx.device == "cuda" else "gloo"  # type: ignore[attr-defined]
     dist.init_process_group(backend=backend)
-    pm = PluginManager().load()
-    loop_class = TrainingLoop
-    if settings.rollout.mode != "sync":  # one_step_off / fully_async
-        from miles.driver.async_loop import AsyncTrainingLoop
-
-        loop_class = AsyncTrainingLoop
-    loop = loop_class(settings, pm, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
+    run = build_run(settings)
+    pm = run.plugins
+    loop = TrainingLoop(run, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
     status, error = "failed", None
     if loop.is_driver:
         pm.on_run_start(settings=settings, run_dir=str(run_dir))

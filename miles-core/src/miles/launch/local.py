@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from miles.components import ComponentSettings
 from miles.errors import LaunchError
@@ -45,18 +45,14 @@ class LocalLauncherSettings(ComponentSettings):
     """Stop every child on SIGINT / SIGTERM / SIGHUP (installed from the main thread only)."""
 
 
-class LocalLauncher(Launcher):
+class LocalLauncher(Launcher[LocalLauncherSettings]):
     """Runs trainer ranks and engine servers as processes on this host."""
 
     name = "local"
-    Settings = LocalLauncherSettings
 
-    def __init__(self, settings: BaseModel | None = None, *, run_dir: str | None = None) -> None:
+    def __init__(self, settings: LocalLauncherSettings | None = None, *, run_dir: str | None = None) -> None:
         settings = settings if settings is not None else LocalLauncherSettings()
-        if not isinstance(settings, LocalLauncherSettings):
-            raise TypeError(f"LocalLauncher needs LocalLauncherSettings, got {type(settings).__name__}")
         super().__init__(settings, run_dir=run_dir if run_dir is not None else tempfile.mkdtemp(prefix="miles-run-"))
-        self.options: LocalLauncherSettings = settings
         assert self.run_dir is not None
         self.log_dir = os.path.join(self.run_dir, "logs")
         """Where each child's ``<name>.log`` goes."""
@@ -75,8 +71,8 @@ class LocalLauncher(Launcher):
         if any(p.name == spec.name and not p.reaped for p in self.processes):
             raise ValueError(f"a process named {spec.name!r} is already running")
         os.makedirs(self.log_dir, exist_ok=True)
-        cleanup.track(self, handle_signals=self.options.handle_signals)
-        process = LocalProcess(spec, self.log_dir, die_with_parent=self.options.die_with_parent)
+        cleanup.track(self, handle_signals=self.settings.handle_signals)
+        process = LocalProcess(spec, self.log_dir, die_with_parent=self.settings.die_with_parent)
         self.processes.append(process)
         return process
 
@@ -115,7 +111,7 @@ class LocalLauncher(Launcher):
                             process, f"{process.name} did not answer {url} with 200 within {timeout:g} s", None
                         )
                     if pending:
-                        time.sleep(self.options.poll_interval)
+                        time.sleep(self.settings.poll_interval)
         except BaseException:
             self._stop(started)
             raise
@@ -163,12 +159,12 @@ class LocalLauncher(Launcher):
             if deadline is not None and time.monotonic() >= deadline:
                 waiting = [t.name for t in self.trainers if t.exit_status() is None]
                 raise self._abort(None, f"trainer ranks {', '.join(waiting)} still running after {timeout:g} s", None)
-            time.sleep(self.options.poll_interval)
+            time.sleep(self.settings.poll_interval)
 
     def _failure(self, process: LocalProcess | None, what: str, code: int | None) -> LaunchError:
         if process is None:
             return LaunchError(what)
-        tail = process.log_tail(self.options.log_tail_lines)
+        tail = process.log_tail(self.settings.log_tail_lines)
         message = (
             f"{what}; last lines of {process.log_path}:\n{tail}"
             if tail.strip()
@@ -189,14 +185,14 @@ class LocalLauncher(Launcher):
         for process in live:
             if process.exit_status() is None:
                 process.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + self.options.terminate_timeout
+        deadline = time.monotonic() + self.settings.terminate_timeout
         for process in live:
             if process.reap(timeout=max(0.0, deadline - time.monotonic())) is None:
                 log.warning(
                     "%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL",
                     process.name,
                     process.pid,
-                    self.options.terminate_timeout,
+                    self.settings.terminate_timeout,
                 )
                 process.signal_group(signal.SIGKILL)
         for process in live:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from miles.types import PauseMode
+
 __all__ = [
     "AlgorithmSpec",
     "CheckpointSettings",
@@ -174,7 +176,7 @@ class RolloutSettings(_Section):
     """What happens to a sample over ``max_staleness``."""
     buffer_groups: int = Field(16, ge=1)
     """Async modes: capacity of the rollout buffer, in groups."""
-    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    pause_mode: PauseMode = "retract"
     """How engines treat requests in flight during a weight update."""
     overlap_weight_commit: bool = True
     """Async modes, with a transport that stages weights (``disk``): the engines load and verify version

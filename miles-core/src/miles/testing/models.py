@@ -9,17 +9,22 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+    from miles.engine.process import EngineProcess
+
 __all__ = [
     "CHATML_TEMPLATE",
     "build_tiny_model",
     "build_tokenizer",
     "convert_gguf",
+    "serve_tiny_model",
     "smollm2_checkpoint",
     "smollm2_gguf",
     "tiny_config",
@@ -342,3 +347,19 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     log.info("converting %s to a safetensors checkpoint in %s", gguf.name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return convert_gguf(gguf, out)
+
+
+@contextmanager
+def serve_tiny_model(
+    root: str | os.PathLike[str], arch: Arch = "qwen2", *, seed: int = 0, extra_args: list[str] | None = None
+) -> Iterator[EngineProcess]:
+    """Build a tiny model under ``root`` and serve it with a local engine process on 127.0.0.1 (one torch
+    thread); the process is stopped and reaped on leaving the block. The model is ``engine.model_path``."""
+    import torch
+
+    from miles.engine.process import EngineProcess
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(Path(root) / arch, arch, seed=seed)
+    with EngineProcess(model, extra_args=extra_args, log_path=Path(root) / "engine.log") as engine:
+        yield engine

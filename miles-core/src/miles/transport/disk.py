@@ -19,8 +19,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
-
 from miles.components import ComponentSettings
 from miles.transport.base import PushReport, StagedTransport
 from miles.transport.verify import tensor_checksum
@@ -54,15 +52,15 @@ class DiskTransportSettings(ComponentSettings):
     """How many pushed versions stay on disk."""
 
 
-class DiskTransport(StagedTransport):
+class DiskTransport(StagedTransport[DiskTransportSettings]):
     """Trainer writes safetensors shards; engines load them with ``/update_weights_from_disk``."""
 
     name = "disk"
-    Settings = DiskTransportSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+    def __init__(
+        self, settings: DiskTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
+    ) -> None:
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
-        assert isinstance(settings, DiskTransportSettings)
         self.root = Path(settings.dir or Path(run_dir) / "weights")
         self.keep = max(settings.keep_versions, 1)
         self.client: EngineClient | None = None

@@ -100,14 +100,21 @@ def load_checkpoint(path: str, module: Any, optimizer: Any, *, rank: int) -> int
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
-    src = Path(path)
-    state = dist_checkpointing.load(_sharded(module, optimizer, is_loading=True), str(src))
     from miles_megatron.model import unwrap
 
+    src = Path(path)
+    meta = json.loads((src / STATE_FILE).read_text())
+    if meta.get("model_only"):  # converted from HF: weights only, resharded to this layout
+        model_sd = unwrap(module).sharded_state_dict()
+        state = dist_checkpointing.load({"model": model_sd}, str(src))
+        unwrap(module).load_state_dict(state["model"])
+        _barrier()
+        return 0
+    state = dist_checkpointing.load(_sharded(module, optimizer, is_loading=True), str(src))
     unwrap(module).load_state_dict(state["model"])
     with torch.no_grad():
         optimizer.load_state_dict(state["optimizer"])
-    step = int(json.loads((src / STATE_FILE).read_text())["step"])
+    step = int(meta["step"])
     _restore_steps(optimizer, step)
     rng_file = src / "rng" / f"rank{rank}.safetensors"
     if rng_file.exists():

@@ -346,7 +346,11 @@ class PluginManager:
         problems: list[MilesError] = []
         for kind, field_path, spec in specs:
             try:
-                chosen[field_path], _ = self.resolve(kind, spec, field=field_path, source_of=source_of)
+                chosen[field_path], options = self.resolve(kind, spec, field=field_path, source_of=source_of)
+                # a component may check its settings against the whole run (e.g. parallel sizes vs ranks)
+                validate_run = getattr(chosen[field_path].component, "validate_run", None)
+                if callable(validate_run):
+                    validate_run(settings, options)
             except MilesError as exc:
                 problems.append(exc)
         function = settings.rollout.function

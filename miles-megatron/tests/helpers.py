@@ -19,7 +19,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_script(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def run_script(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """``python ARGS`` with the test environment (threads pinned, hub offline)."""
     full_env = {**os.environ, **ENV, **(env or {})}
     return subprocess.run([sys.executable, *args], env=full_env, capture_output=True, text=True, timeout=timeout)

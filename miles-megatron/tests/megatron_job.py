@@ -90,7 +90,12 @@ def make_batch(seed: int, n: int, vocab: int) -> TrainBatch:
         old.append([-math.log(vocab) + rng.uniform(-0.5, 0.5) for _ in range(r)])
         rollout.append([o + rng.uniform(-0.1, 0.1) for o in old[-1]])
     return TrainBatch(
-        tokens=tokens, prompt_lengths=prompts, loss_mask=masks, advantages=adv, old_logprobs=old, rollout_logprobs=rollout
+        tokens=tokens,
+        prompt_lengths=prompts,
+        loss_mask=masks,
+        advantages=adv,
+        old_logprobs=old,
+        rollout_logprobs=rollout,
     )
 
 
@@ -126,7 +131,9 @@ def _run_layout(trainer: Any, rank: int, world: int, model: str, out: Path) -> d
     results["buckets"] = [[(n, list(t.shape)) for n, t in b] for b in trainer.iter_weights(bucket_bytes=20_000)]
     metrics = []
     for step, batch in enumerate(step_batches(vocab)):
-        metrics.append(trainer.train_step(batch.shard(rank, world), PolicyGradient(AGGREGATIONS[step]), temperature=TEMPERATURE))
+        metrics.append(
+            trainer.train_step(batch.shard(rank, world), PolicyGradient(AGGREGATIONS[step]), temperature=TEMPERATURE)
+        )
         if step + 1 == SAVE_AFTER:
             trainer.save_checkpoint(str(out / "ckpt"))
     results["metrics"] = metrics
@@ -134,13 +141,15 @@ def _run_layout(trainer: Any, rank: int, world: int, model: str, out: Path) -> d
     return results
 
 
-def _megatron_rank(rank: int, world: int, model: str, moe_model: str | None, out_dir: str, port: int, layouts: list[str]) -> None:
+def _megatron_rank(
+    rank: int, world: int, model: str, moe_model: str | None, out_dir: str, port: int, layouts: list[str]
+) -> None:
     import torch
+    from miles_megatron.settings import MegatronSettings
+    from miles_megatron.trainer import MegatronTrainer
 
     from miles.precision.builtin import FP32
     from miles.training.trainer import DistContext
-    from miles_megatron.settings import MegatronSettings
-    from miles_megatron.trainer import MegatronTrainer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -158,7 +167,9 @@ def _megatron_rank(rank: int, world: int, model: str, moe_model: str | None, out
         trainer.setup(need_ref=layout == "tp2")
         results = _run_layout(trainer, rank, world, model, out)
         if layout == "tp2":
-            ref = trainer.compute_logprobs(eval_batch(vocab).shard(rank, world), model="ref", temperature=EVAL_TEMPERATURE)
+            ref = trainer.compute_logprobs(
+                eval_batch(vocab).shard(rank, world), model="ref", temperature=EVAL_TEMPERATURE
+            )
             results["ref_logprobs"] = [t.tolist() for t in ref.logprobs]
         trainer.close()
         # resume from the checkpoint and finish the run
@@ -168,7 +179,8 @@ def _megatron_rank(rank: int, world: int, model: str, moe_model: str | None, out
         results["step_after_resume"] = trainer.step
         results["resumed_metrics"] = [
             trainer.train_step(b.shard(rank, world), PolicyGradient(AGGREGATIONS[s]), temperature=TEMPERATURE)
-            for s, b in enumerate(step_batches(vocab)) if s >= SAVE_AFTER
+            for s, b in enumerate(step_batches(vocab))
+            if s >= SAVE_AFTER
         ]
         trainer.export_hf(str(out / "hf_resumed"))
         trainer.close()
@@ -211,7 +223,10 @@ def run_fsdp_reference(model: str, out_dir: str, port: int) -> None:
     trainer.setup()
     vocab = _vocab(model)
     lp = trainer.compute_logprobs(eval_batch(vocab), temperature=EVAL_TEMPERATURE, with_entropy=True)
-    results: dict[str, Any] = {"logprobs": [t.tolist() for t in lp.logprobs], "entropy": [t.tolist() for t in lp.entropy]}
+    results: dict[str, Any] = {
+        "logprobs": [t.tolist() for t in lp.logprobs],
+        "entropy": [t.tolist() for t in lp.entropy],
+    }
     results["metrics"] = [
         trainer.train_step(b, PolicyGradient(AGGREGATIONS[s]), temperature=TEMPERATURE)
         for s, b in enumerate(step_batches(vocab))

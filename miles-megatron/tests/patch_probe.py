@@ -17,19 +17,21 @@ SCENARIOS = {
 
 
 def _rank(rank: int, world: int, model: str, options: dict[str, object], port: int) -> None:
+    import megatron_job as job
     import torch
     import torch.distributed as dist
-
-    import megatron_job as job
-    from miles.precision.builtin import FP32
-    from miles.training.trainer import DistContext
     from miles_megatron.settings import MegatronSettings
     from miles_megatron.trainer import MegatronTrainer
+
+    from miles.precision.builtin import FP32
+    from miles.training.trainer import DistContext
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    trainer = MegatronTrainer(job._train_settings(model), MegatronSettings(**options), FP32(None), DistContext(rank, world))  # type: ignore[arg-type]
+    trainer = MegatronTrainer(
+        job._train_settings(model), MegatronSettings(**options), FP32(None), DistContext(rank, world)
+    )  # type: ignore[arg-type]
     trainer.setup()
     batch = job.step_batches(job._vocab(model))[0].shard(rank, world)
     metrics = trainer.train_step(batch, job.PolicyGradient(), temperature=1.0)

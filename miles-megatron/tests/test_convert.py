@@ -70,5 +70,7 @@ def test_command_line_entry_converts(converted: Path, tmp_path: Path) -> None:
     proc = run_script(["-m", "miles_megatron.convert", "hf-to-megatron", str(src), str(tmp_path / "m")])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "m" / "metadata.json").exists() and (tmp_path / "m" / "hf" / "config.json").exists()
-    proc = run_script(["-m", "miles_megatron.convert", "megatron-to-hf", str(tmp_path / "nothing"), str(tmp_path / "x")])
+    proc = run_script(
+        ["-m", "miles_megatron.convert", "megatron-to-hf", str(tmp_path / "nothing"), str(tmp_path / "x")]
+    )
     assert proc.returncode != 0 and "not a Megatron distributed checkpoint" in proc.stderr

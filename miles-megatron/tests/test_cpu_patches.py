@@ -39,7 +39,9 @@ def test_every_patch_and_shim_has_a_probe() -> None:
     names = {
         node.args[0].value
         for node in ast.walk(ast.parse(text))
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "CpuPatch" and isinstance(node.args[0], ast.Constant)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") == "CpuPatch"
+        and isinstance(node.args[0], ast.Constant)
     }
     assert names | {"mbridge_local_spec", "mbridge_local_names", "mbridge_rope_theta"} == set(NEEDED_BY)
 

@@ -47,7 +47,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     build_tiny_model(root / "qwen2", "qwen2", seed=4)
     build_tiny_model(root / "qwen2_moe", "qwen2_moe", seed=5)
     script = str(Path(job.__file__))
-    proc = run_script([script, "--fsdp", "--model", str(root / "qwen2"), "--out", str(root / "fsdp"), "--port", str(free_port())])
+    proc = run_script(
+        [script, "--fsdp", "--model", str(root / "qwen2"), "--out", str(root / "fsdp"), "--port", str(free_port())]
+    )
     assert proc.returncode == 0, f"fsdp reference failed:\n{proc.stderr[-6000:]}"
     args = ["--model", str(root / "qwen2"), "--moe-model", str(root / "qwen2_moe"), "--out", str(root / "megatron")]
     proc = run_script([script, *args, "--port", str(free_port())])

@@ -49,9 +49,8 @@ def test_miles_plugins_list_shows_trainer_megatron() -> None:
 
 
 def test_settings_reject_unknown_keys_and_bad_sizes() -> None:
-    from pydantic import ValidationError
-
     from miles_megatron.settings import MegatronSettings
+    from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="tensor_paralel"):
         MegatronSettings.model_validate({"tensor_paralel": 2})
@@ -65,14 +64,39 @@ CONFIG = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads"
 @pytest.mark.parametrize(
     ("options", "world", "config", "message"),
     [
-        ({"tensor_parallel": 2, "pipeline_parallel": 2}, 2, CONFIG, "tensor_parallel x train.backend.pipeline_parallel"),
-        ({"tensor_parallel": 4}, 4, CONFIG, "train.backend.tensor_parallel = 4 does not divide the model's attention heads"),
+        (
+            {"tensor_parallel": 2, "pipeline_parallel": 2},
+            2,
+            CONFIG,
+            "tensor_parallel x train.backend.pipeline_parallel",
+        ),
+        (
+            {"tensor_parallel": 4},
+            4,
+            CONFIG,
+            "train.backend.tensor_parallel = 4 does not divide the model's attention heads",
+        ),
         ({"pipeline_parallel": 3}, 3, CONFIG, "train.backend.pipeline_parallel = 3 does not divide the model's layers"),
         ({"expert_parallel": 2}, 2, CONFIG, "train.backend.expert_parallel = 2 needs a mixture-of-experts model"),
-        ({"expert_parallel": 3}, 3, {**CONFIG, "num_experts": 4}, "expert_parallel = 3 does not divide the model's experts"),
-        ({"expert_parallel": 2}, 3, {**CONFIG, "num_experts": 4}, "expert_parallel = 2 does not divide cluster.trainer_ranks"),
+        (
+            {"expert_parallel": 3},
+            3,
+            {**CONFIG, "num_experts": 4},
+            "expert_parallel = 3 does not divide the model's experts",
+        ),
+        (
+            {"expert_parallel": 2},
+            3,
+            {**CONFIG, "num_experts": 4},
+            "expert_parallel = 2 does not divide cluster.trainer_ranks",
+        ),
         ({"sequence_parallel": True}, 1, CONFIG, "train.backend.sequence_parallel needs"),
-        ({}, 1, {**CONFIG, "model_type": "gpt2"}, "model_type 'gpt2' is not supported by the megatron trainer; supported: llama"),
+        (
+            {},
+            1,
+            {**CONFIG, "model_type": "gpt2"},
+            "model_type 'gpt2' is not supported by the megatron trainer; supported: llama",
+        ),
     ],
 )
 def test_layout_errors_name_the_field(options: dict, world: int, config: dict, message: str) -> None:  # type: ignore[type-arg]

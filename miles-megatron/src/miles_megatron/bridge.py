@@ -109,7 +109,7 @@ def _shim_methods(use_te: bool) -> dict[str, Any]:
                 return [f"model.layers.{layer}.input_layernorm.weight"]
             if name.endswith(".pre_mlp_layernorm.weight"):
                 return [f"model.layers.{layer}.post_attention_layernorm.weight"]
-            return base._weight_name_mapping_mcore_to_hf(self, name)  # type: ignore[no-any-return]
+            return list(base._weight_name_mapping_mcore_to_hf(self, name))
 
         def _weight_split_across_tp(self: Any, name: str, weights: Any, param: Any, size: int) -> Any:
             # experts are not split over TP (expert_tensor_parallel = 1): every TP rank holds them whole

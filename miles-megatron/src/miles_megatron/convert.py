@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -44,7 +44,7 @@ def _single_rank_world() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def _build(hf_dir: str, weights: str | None) -> object:
+def _build(hf_dir: str, weights: str | None) -> tuple[Any, Any]:
     import torch
 
     from miles_megatron.model import build_model, init_parallel, load_hf_config
@@ -64,7 +64,7 @@ def hf_to_megatron(src: str, out: str) -> Path:
     from miles_megatron.checkpoint import STATE_FILE
     from miles_megatron.weights import _TOKENIZER_FILES
 
-    parts, config = _build(src, src)  # type: ignore[misc]
+    parts, config = _build(src, src)
     dst = Path(out)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / STATE_FILE).unlink(missing_ok=True)
@@ -100,7 +100,7 @@ def megatron_to_hf(ckpt: str, out: str, *, hf_config_dir: str | None = None) -> 
     if not (src / "metadata.json").exists():
         raise FileNotFoundError(f"{ckpt}: not a Megatron distributed checkpoint (no metadata.json)")
     config_dir = _config_dir(src, hf_config_dir)
-    parts, config = _build(config_dir, None)  # type: ignore[misc]
+    parts, config = _build(config_dir, None)
     model = parts.module
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(src), strict="raise_all")
     model.load_state_dict(state["model"])

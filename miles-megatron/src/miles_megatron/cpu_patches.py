@@ -28,8 +28,8 @@ __all__ = [
     "DISABLE_ENV",
     "PATCHES",
     "CpuPatch",
-    "apply_cpu_patches",
     "applied_patches",
+    "apply_cpu_patches",
     "disabled_patches",
 ]
 
@@ -88,7 +88,7 @@ def _patch_cuda_rng() -> None:
 def _patch_current_device() -> None:
     import torch
 
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.current_device = lambda: "cpu"
 
 
 # -- 3. literal cuda devices, .cuda(), pin_memory --------------------------------------------------
@@ -126,9 +126,9 @@ def _patch_cuda_device_mode() -> None:
     import torch
 
     global _MODE
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-    torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
-    torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self
     _MODE = _make_mode()
     _MODE.__enter__()
 
@@ -168,12 +168,12 @@ _STREAM = _DummyStream()
 def _patch_cuda_streams() -> None:
     import torch
 
-    torch.cuda.Stream = _DummyStream  # type: ignore[misc,assignment]
-    torch.cuda.Event = _DummyEvent  # type: ignore[misc,assignment]
-    torch.cuda.current_stream = lambda *a, **k: _STREAM  # type: ignore[assignment,return-value]
+    torch.cuda.Stream = _DummyStream
+    torch.cuda.Event = _DummyEvent
+    torch.cuda.current_stream = lambda *a, **k: _STREAM
     torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.Tensor.record_stream = lambda self, *a, **k: None  # type: ignore[method-assign]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, *a, **k: None
 
 
 # -- 5. tensor type strings ------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def _patch_tensor_type() -> None:
             return "torch.cuda." + result.removeprefix("torch.")
         return result
 
-    torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
+    torch.Tensor.type = type_
 
 
 # -- 6. sequence parallel with the plain torch norm ------------------------------------------------
@@ -211,7 +211,7 @@ def _patch_sp_torch_norm() -> None:
             param.sequence_parallel = True  # gradients are summed over the TP group
         return norm
 
-    torch_norm.WrappedTorchNorm.__new__ = new  # type: ignore[method-assign]
+    torch_norm.WrappedTorchNorm.__new__ = new
 
 
 # -- 7. recompute: the function mode is popped during backward -------------------------------------
@@ -228,7 +228,7 @@ def _patch_recompute_mode() -> None:
         with _MODE:
             return original(ctx, *args)
 
-    mrandom.CheckpointFunction.backward = staticmethod(backward)  # type: ignore[method-assign]
+    mrandom.CheckpointFunction.backward = staticmethod(backward)
 
 
 # -- 8. names that moe_utils only defines when TransformerEngine imports --------------------------
@@ -278,7 +278,9 @@ PATCHES: tuple[CpuPatch, ...] = (
         "literal device='cuda', .cuda() and pin_memory become the CPU / no-ops (a TorchFunctionMode)",
         _patch_cuda_device_mode,
     ),
-    CpuPatch("cuda_streams", "torch.cuda streams, events and synchronize are no-ops (MoE dispatcher)", _patch_cuda_streams),
+    CpuPatch(
+        "cuda_streams", "torch.cuda streams, events and synchronize are no-ops (MoE dispatcher)", _patch_cuda_streams
+    ),
     CpuPatch(
         "cuda_tensor_type",
         "param.type() == 'torch.cuda.FloatTensor' checks (optimizer, clip_grads) see CPU tensors as CUDA ones",
@@ -294,8 +296,12 @@ PATCHES: tuple[CpuPatch, ...] = (
         "activation recompute runs forward inside backward, where torch pops the function mode: re-enter it",
         _patch_recompute_mode,
     ),
-    CpuPatch("moe_te_names", "moe_utils names defined only with TransformerEngine are set to None", _patch_moe_te_names),
-    CpuPatch("ep_split_sizes", "expert-parallel all-to-all split sizes left as tensors become lists", _patch_ep_split_sizes),
+    CpuPatch(
+        "moe_te_names", "moe_utils names defined only with TransformerEngine are set to None", _patch_moe_te_names
+    ),
+    CpuPatch(
+        "ep_split_sizes", "expert-parallel all-to-all split sizes left as tensors become lists", _patch_ep_split_sizes
+    ),
 )
 
 
@@ -317,9 +323,7 @@ def apply_cpu_patches(device: str) -> list[str]:
 
     unknown = disabled - known - set(SHIMS)
     if unknown:
-        raise ValueError(
-            f"{DISABLE_ENV}: unknown patch name(s) {sorted(unknown)}; known: {sorted(known | set(SHIMS))}"
-        )
+        raise ValueError(f"{DISABLE_ENV}: unknown patch name(s) {sorted(unknown)}; known: {sorted(known | set(SHIMS))}")
     done: list[str] = []
     for patch in PATCHES:
         if patch.name in disabled or patch.name in _APPLIED:

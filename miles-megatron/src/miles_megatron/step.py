@@ -38,7 +38,15 @@ if TYPE_CHECKING:
 
 __all__ = ["lr_factor", "run_micro_batches", "run_train_step"]
 
-_FIELDS = ("advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "teacher_logprobs", "returns", "old_values")
+_FIELDS = (
+    "advantages",
+    "old_logprobs",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "teacher_logprobs",
+    "returns",
+    "old_values",
+)
 
 OnLogits = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
 """Called on the last stage with a micro-batch and its ``[T, V]`` response logits; returns the loss."""
@@ -69,10 +77,7 @@ def run_micro_batches(
 
     def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(output)[..., :vocab_size]
-        if mb.is_empty:
-            loss = logits.sum() * 0.0
-        else:
-            loss = on_logits(mb, logits[mb.rows, mb.cols])
+        loss = logits.sum() * 0.0 if mb.is_empty else on_logits(mb, logits[mb.rows, mb.cols])
         return loss, torch.ones((), dtype=torch.int), {}
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
@@ -172,13 +177,12 @@ def run_train_step(
             add("train_rollout_logprob_abs_diff", (logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
         return loss
 
-    module, optimizer = trainer.actor.module, trainer.optimizer
+    actor = trainer._require_setup()
+    module, optimizer = actor.module, trainer.optimizer
     module.train()
     module.zero_grad_buffer()
     optimizer.zero_grad()
-    run_micro_batches(
-        module, trainer.micro_batches(batch), on_logits, vocab_size=trainer.actor.vocab_size, forward_only=False
-    )
+    run_micro_batches(module, trainer.micro_batches(batch), on_logits, vocab_size=actor.vocab_size, forward_only=False)
     finalize_model_grads([module])
     lr = trainer.lr_at(trainer.step)
     for group in optimizer.param_groups:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 SCENARIOS = {
@@ -28,7 +29,8 @@ def _rank(rank: int, world: int, model: str, options: dict[str, object], port: i
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a probe without a patch may fail on one rank only: the other must not wait 30 minutes for it
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
     trainer = MegatronTrainer(
         job._train_settings(model), MegatronSettings(**options), FP32(None), DistContext(rank, world)
     )  # type: ignore[arg-type]

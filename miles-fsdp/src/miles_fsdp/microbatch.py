@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from miles.training.batch import TrainBatch
+from miles.training.logprobs import token_logprobs, topk_logprobs
 
 __all__ = [
     "PackedMicroBatch",
@@ -22,8 +23,6 @@ __all__ = [
     "count_micro_batches",
     "pack",
     "plan_micro_batches",
-    "response_index",
-    "teacher_topk_rows",
     "token_logprobs",
     "topk_logprobs",
 ]
@@ -136,75 +135,4 @@ def pack(batch: TrainBatch, indices: Sequence[int], device: torch.device, pad_to
         targets=torch.cat(targets).to(device=device, dtype=torch.long),
         response_lengths=lengths,
         indices=list(indices),
-    )
-
-
-def response_index(batch: TrainBatch, indices: Sequence[int]) -> torch.Tensor:
-    """Positions in the batch's per-token fields of the response tokens of sequences ``indices``, in order."""
-    offsets = batch.response_offsets
-    parts = [torch.arange(offsets[i], offsets[i + 1]) for i in indices]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-
-def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, *, entropy_grad: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of each target (and the entropy of each distribution) from ``[T, V]`` logits.
-
-    As the engine scores: ``logits / temperature``, then ``log_softmax`` in float32; greedy decoding
-    (``temperature`` 0) is scored at temperature 1. The entropy carries gradients only with
-    ``entropy_grad`` (an entropy bonus); otherwise it is a detached metric.
-    """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    scaled = logits.float()
-    if temperature > 1e-6 and temperature != 1.0:
-        scaled = scaled / temperature
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        source = logp_all if entropy_grad else logp_all.detach()
-        entropy = -(source.exp() * source).sum(-1)
-    return logprobs, entropy
-
-
-def per_token_field(batch: TrainBatch, name: str, indices: Sequence[int], device: torch.device) -> torch.Tensor | None:
-    """The ``[T]`` float32 values of a per-response-token field for sequences ``indices`` (``None`` if unset)."""
-    value = getattr(batch, name)
-    if value is None:
-        return None
-    return value[response_index(batch, indices)].to(device=device, dtype=torch.float32)
-
-
-def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[T, k]`` logprobs of the token ids ``ids`` (``[T, k]``) under ``log_softmax(logits / temperature)``
-    (fp32, greedy scored at temperature 1, as :func:`token_logprobs`), with gradient.
-
-    Computed as ``gather - logsumexp`` so that no second ``[T, V]`` log-softmax is kept for backward.
-    """
-    scaled = logits.float()
-    if temperature > 1e-6 and temperature != 1.0:
-        scaled = scaled / temperature
-    return scaled.gather(-1, ids) - torch.logsumexp(scaled, dim=-1, keepdim=True)
-
-
-def teacher_topk_rows(
-    batch: TrainBatch, indices: Sequence[int], k: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's first ``k`` top-k ids and logprobs (``[T, k]`` each) of sequences ``indices``.
-
-    Raises ``ValueError`` when the batch has no teacher top-k or fewer than ``k`` per position.
-    """
-    if batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
-        raise ValueError(
-            f"the algorithm needs the teacher's top-{k} (TrainBatch.teacher_topk_ids is None): "
-            "score the samples with a teacher ([rollout.teacher] url, with top_k >= k)"
-        )
-    if batch.teacher_topk < k:
-        raise ValueError(f"the algorithm needs the teacher's top-{k}; the batch has top-{batch.teacher_topk}")
-    index = response_index(batch, indices)
-    return (
-        batch.teacher_topk_ids[index, :k].to(device=device, dtype=torch.long),
-        batch.teacher_topk_logprobs[index, :k].to(device=device, dtype=torch.float32),
     )

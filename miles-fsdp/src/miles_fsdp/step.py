@@ -20,7 +20,9 @@ import torch.distributed as dist
 from miles.algorithms.aggregation import StepDenominators, aggregate_loss
 from miles.algorithms.base import LossInputs
 from miles.training.batch import TOKEN_FIELDS
-from miles_fsdp.microbatch import PackedMicroBatch, per_token_field, teacher_topk_rows, token_logprobs, topk_logprobs
+from miles.training.comm import all_gather_json
+from miles.training.logprobs import token_logprobs, topk_logprobs
+from miles_fsdp.microbatch import PackedMicroBatch
 from miles_fsdp.optim import clip_grad_norm
 
 if TYPE_CHECKING:
@@ -60,9 +62,7 @@ def _agreed_metric_names(local: set[str]) -> list[str]:
     """Metric names over all ranks (a rank with only empty micro-batches saw none)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return sorted(local)
-    gathered: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(local))
-    return sorted({name for names in gathered for name in (names or [])})
+    return sorted({name for names in all_gather_json(sorted(local)) for name in names})
 
 
 def run_train_step(
@@ -116,12 +116,12 @@ def run_train_step(
         logprobs, entropy = token_logprobs(
             logits, mb.targets, temperature, with_entropy=True, entropy_grad=getattr(algorithm.needs, "entropy", False)
         )
-        mask = per_token_field(batch, "loss_mask", mb.indices, device)
+        mask = batch.token_field("loss_mask", mb.indices, device)
         assert mask is not None
-        fields = {name: per_token_field(batch, name, mb.indices, device) for name in TOKEN_FIELDS[1:]}
+        fields = {name: batch.token_field(name, mb.indices, device) for name in TOKEN_FIELDS[1:]}
         teacher_topk = student_topk = None
         if topk > 0:  # the student's logprobs at the teacher's top-k ids, response positions only
-            topk_ids, teacher_topk = teacher_topk_rows(batch, mb.indices, topk, device)
+            topk_ids, teacher_topk = batch.teacher_topk_rows(mb.indices, topk, device)
             student_topk = topk_logprobs(logits, topk_ids, temperature)
         inputs = LossInputs(
             logprobs=logprobs,

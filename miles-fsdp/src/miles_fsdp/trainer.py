@@ -163,7 +163,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         """Per-response-token logprobs (and entropy) of this rank's sequences, packed by the token budget."""
         import torch
 
-        from miles_fsdp.microbatch import token_logprobs
+        from miles.training.logprobs import token_logprobs
 
         self._require_setup()
         module = self.actor if model == "actor" else self.ref

@@ -15,8 +15,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from miles.algorithms.base import AdvantageInputs
-from miles.driver.comm import all_gather_rows, broadcast_tensors
 from miles.training.batch import TrainBatch
+from miles.training.comm import all_gather_rows, broadcast_tensors
 from miles.types import Sample, SampleGroup, SampleStatus
 
 if TYPE_CHECKING:

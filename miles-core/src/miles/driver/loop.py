@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 from miles.driver.batching import prepare_minibatches
 from miles.driver.checkpoint import DriverState, checkpoint_dir, find_checkpoint, read_driver_state, write_driver_state
-from miles.driver.comm import all_gather_json
 from miles.driver.publish import InlinePublisher, OverlappedPublisher, WeightPublisher
 from miles.driver.threads import ComputeThread
 from miles.training.batch import TrainBatch
+from miles.training.comm import all_gather_json
 from miles.transport.base import StagedTransport
 from miles.types import SampleGroup
 

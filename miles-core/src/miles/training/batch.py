@@ -192,6 +192,45 @@ class TrainBatch:
         value = getattr(self, name)
         return None if value is None else list(value.split(self.response_lengths))
 
+    def response_index(self, indices: Sequence[int]) -> torch.Tensor:
+        """Positions, in the per-token fields, of the response tokens of sequences ``indices`` (in order)."""
+        import torch
+
+        offsets = self.response_offsets
+        parts = [torch.arange(offsets[i], offsets[i + 1]) for i in indices]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def token_field(self, name: str, indices: Sequence[int], device: Any = "cpu") -> torch.Tensor | None:
+        """The ``[T]`` float32 values of a per-token field for sequences ``indices`` (``None`` if unset)."""
+        import torch
+
+        value = getattr(self, name)
+        if value is None:
+            return None
+        return value[self.response_index(indices)].to(device=device, dtype=torch.float32)
+
+    def teacher_topk_rows(
+        self, indices: Sequence[int], k: int, device: Any = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's first ``k`` top-k ids and logprobs (``[T, k]`` each) of sequences ``indices``.
+
+        Raises ``ValueError`` when the batch has no teacher top-k or fewer than ``k`` per position.
+        """
+        import torch
+
+        if self.teacher_topk_ids is None or self.teacher_topk_logprobs is None:
+            raise ValueError(
+                f"the algorithm needs the teacher's top-{k} (TrainBatch.teacher_topk_ids is None): "
+                "score the samples with a teacher ([rollout.teacher] url, with top_k >= k)"
+            )
+        if self.teacher_topk < k:
+            raise ValueError(f"the algorithm needs the teacher's top-{k}; the batch has top-{self.teacher_topk}")
+        index = self.response_index(indices)
+        return (
+            self.teacher_topk_ids[index, :k].to(device=device, dtype=torch.long),
+            self.teacher_topk_logprobs[index, :k].to(device=device, dtype=torch.float32),
+        )
+
     # -- changing -------------------------------------------------------------------------------------
     def set_token_field(self, name: str, value: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Set a per-token field from a packed ``[R]`` tensor or one tensor per sequence (checked)."""
@@ -243,6 +282,25 @@ class TrainBatch:
             raise ValueError(f"a batch of {len(self)} sequences does not split over {world_size} ranks")
         per = len(self) // world_size
         return self.select(range(rank * per, (rank + 1) * per))
+
+    @classmethod
+    def concat(cls, parts: Sequence[TrainBatch]) -> TrainBatch:
+        """One batch of the sequences of ``parts``, in order (a field is kept only when every part has it)."""
+        import torch
+
+        if not parts:
+            raise ValueError("TrainBatch.concat needs at least one batch")
+        lengths = [n for part in parts for n in part.lengths]
+        out: dict[str, Any] = {
+            "tokens": torch.cat([p.tokens for p in parts]),
+            "seq_offsets": torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0),
+            "prompt_lengths": torch.cat([p.prompt_lengths for p in parts]),
+            "weight_versions": torch.cat([p.weight_versions for p in parts]),
+        }
+        for name in (*TOKEN_FIELDS, *TOPK_FIELDS):
+            values = [getattr(p, name) for p in parts]
+            out[name] = None if any(v is None for v in values) else torch.cat(values)
+        return cls(**out)
 
     # -- across ranks ---------------------------------------------------------------------------------
     def to_tensors(self) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The collectives the driver needs between trainer ranks — tensors as tensors, small control values as
+"""The collectives the driver and the trainers need between trainer ranks — tensors as tensors, small control values as
 JSON bytes (never pickles). Tensors travel on the process group's device (CUDA for NCCL) and come back
 on the CPU."""
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["all_gather_json", "all_gather_rows", "broadcast_json", "broadcast_tensors"]
+__all__ = ["all_gather_json", "all_gather_rows", "all_gather_tensors", "broadcast_json", "broadcast_tensors"]
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "int8", "uint8", "bool")
 
@@ -118,3 +118,39 @@ def all_gather_rows(local: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     gathered = [torch.zeros(longest, dtype=local.dtype, device=device) for _ in sizes]
     dist.all_gather(gathered, padded)
     return torch.cat([g[:n].cpu() for g, n in zip(gathered, sizes, strict=True)])
+
+
+def all_gather_tensors(tensors: Mapping[str, torch.Tensor], *, group: Any = None) -> list[dict[str, torch.Tensor]]:
+    """Every rank's named tensors (the same names on every rank, any shapes), in rank order within
+    ``group`` (default: the whole world). Shapes go as JSON, the data as padded flat tensors."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [dict(tensors)]
+    device = _device()
+    world = dist.get_world_size(group)
+    names = sorted(tensors)
+    local_shapes = [list(tensors[n].shape) for n in names]
+    header = torch.frombuffer(bytearray(json.dumps(local_shapes).encode()), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([header.numel()], dtype=torch.int64, device=device), group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: header.numel()] = header
+    gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    shapes = [
+        json.loads(g[: int(s.item())].cpu().numpy().tobytes().decode()) for g, s in zip(gathered, sizes, strict=True)
+    ]
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+    for j, name in enumerate(names):
+        local = tensors[name].detach().contiguous()
+        counts = [int(torch.Size(rank_shapes[j]).numel()) for rank_shapes in shapes]
+        buf = torch.zeros(max(counts), dtype=local.dtype, device=device)
+        buf[: local.numel()] = local.reshape(-1).to(device)
+        parts = [torch.zeros(max(counts), dtype=local.dtype, device=device) for _ in range(world)]
+        dist.all_gather(parts, buf, group=group)
+        for r in range(world):
+            out[r][name] = parts[r][: counts[r]].cpu().reshape(shapes[r][j])
+    return out

@@ -183,7 +183,10 @@ def test_grpo_broadcast_checkpoint_and_exact_resume(tmp_path: Path, tiny_model: 
 def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
     """Engines free their KV cache and weights while the trainer trains; the push restores every tensor."""
     run_dir = tmp_path / "disk"
-    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2)
+    config = write_config(
+        tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2,
+        transport_options="keep_after_run = true",
+    )  # fmt: skip
     evaluation = [
         "--set",
         f"data.eval_path={json.dumps(str(prompts))}",
@@ -381,10 +384,11 @@ def test_custom_multi_turn_rollout_function_trains(tmp_path: Path, tiny_model: P
 
 
 def test_miles_train_resolves_each_component_once(
-    tmp_path: Path, tiny_model: Path, prompts: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_model: Path, prompts: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The composition root: in the ``miles train`` process every selected component is looked up and its
-    settings validated exactly once (the trainer ranks build theirs from the resolved settings)."""
+    settings validated exactly once (the trainer ranks build theirs from the resolved settings). Its output
+    is not a terminal here: progress is one plain line per step."""
     from collections import Counter
 
     from miles.cli import main
@@ -405,9 +409,14 @@ def test_miles_train_resolves_each_component_once(
         main(["train", str(config), "--set", "checkpoint.save_final=false", "--set", "checkpoint.export_hf=false"])
     assert done.value.code in (0, None)
     assert [r["step"] for r in metrics(run_dir)] == [1]
+    printed = capsys.readouterr().out
+    assert "step 1/1  reward " in printed and " s/step" in printed, printed[-2000:]
     expected = {
         "cluster.launcher", "data.source", "rollout.engine", "train.backend", "algorithm", "transport",
         "precision", "reward.functions[0]", "log.loggers[0]",
     }  # fmt: skip
     assert set(seen) == expected and set(seen.values()) == {1}, seen
     assert children_of_run(run_dir) == []
+    # the disk transport's versions are scratch for the engines: gone with the run (nothing was exported or
+    # checkpointed: save_final and export_hf are off)
+    assert not (run_dir / "weights").exists() and not (run_dir / "hf").exists()

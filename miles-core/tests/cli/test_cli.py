@@ -136,3 +136,63 @@ def test_plugins_add_commands_and_a_broken_one_is_reported(fake_distribution: An
     assert "command: miles example-tools" in table.stdout
     # the built-in command the clashing plugin tried to replace is still the real one
     assert "Train a policy" in miles("train", "--help").stdout
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("cli-model") / "tiny", "qwen2", seed=0)
+
+
+def _config(tmp_path: Path, model: Path | str, data: Path, run_dir: Path) -> Path:
+    path = tmp_path / "quick.toml"
+    path.write_text(f'[data]\npath = "{data}"\n\n[train]\nmodel_path = "{model}"\n\n[log]\nrun_dir = "{run_dir}"\n')
+    return path
+
+
+def _data(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_a_run_dir_holding_a_run_is_refused_and_nothing_is_lost(tmp_path: Path, tiny: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "rollout/reward_mean": 0.5}\n')
+    config = _config(tmp_path, tiny, _data(tmp_path, ['{"prompt": "1+1?", "label": "2"}']), run_dir)
+    out = miles("train", str(config), env={"COLUMNS": "300"})
+    assert out.returncode == 2, out.stdout + out.stderr
+    said = " ".join(out.stderr.split())
+    assert f"log.run_dir ({config}:8): {run_dir} already holds a run (metrics.jsonl, logs)" in said
+    assert "--resume" in said and "--overwrite" in said and "Traceback" not in said
+    # a failing run never touches the earlier one's results, even with --overwrite
+    bad = _config(tmp_path, tmp_path / "no-model", tmp_path / "train.jsonl", run_dir)
+    out = miles("train", str(bad), "--overwrite")
+    assert out.returncode == 2 and "train.model_path" in out.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "rollout/reward_mean": 0.5}\n'
+
+
+def test_dry_run_checks_the_model_and_every_data_row(tmp_path: Path, tiny: Path) -> None:
+    good = _data(tmp_path, ['{"prompt": "1+1?", "label": "2"}'])
+    config = _config(tmp_path, tmp_path / "missing-model", good, tmp_path / "run")
+    out = miles("train", "--dry-run", str(config), env={"COLUMNS": "300"})
+    assert out.returncode == 2
+    said = " ".join(out.stderr.split())
+    assert f"train.model_path ({config}:5): '{tmp_path / 'missing-model'}' is not a Hugging Face model" in said
+    data = _data(tmp_path, ['{"prompt": "1+1?"}', '{"prompt": "2+2?"}', '{"prompt": "3+3?", }'])
+    config = _config(tmp_path, tiny, data, tmp_path / "run")
+    out = miles("train", "--dry-run", str(config), env={"COLUMNS": "300"})
+    assert out.returncode == 2
+    said = " ".join(out.stderr.split())
+    assert f"data.path ({config}:2): train.jsonl:3: invalid JSON" in said, said
+    assert said.count("invalid JSON") == 1
+    _data(tmp_path, ['{"prompt": "1+1?"}', '{"question": "2+2?"}'])
+    out = miles("train", "--dry-run", str(config), env={"COLUMNS": "300"})
+    assert "train.jsonl:2: missing key 'prompt' (data.prompt_key; row keys: question)" in " ".join(out.stderr.split())
+
+
+def test_train_without_a_config_says_so() -> None:
+    out = miles("train")
+    assert out.returncode == 2 and "no config given" in out.stderr and "Traceback" not in out.stderr

@@ -76,6 +76,7 @@ def _run_against_engines(run: Run, job: Callable[[EngineClient], Awaitable[T]]) 
     from miles.driver.launch import launch_engines
     from miles.rollout.http_client import HttpEngineClient
 
+    run.materialize_model()
     with run.launcher() as launcher:
         urls = launch_engines(run, launcher)
 

@@ -12,6 +12,7 @@ from rich.console import Console
 from miles.cli.app import app, plugin_manager
 from miles.cli.render import render_resolved
 from miles.driver.run import Run, build_run
+from miles.errors import SettingsError
 from miles.settings.loader import load_settings
 
 if TYPE_CHECKING:
@@ -24,12 +25,18 @@ def resolve_run(
     *,
     to_stderr: bool = False,
     kinds: Iterable[ComponentKind] | None = None,
+    full: bool = False,
 ) -> Run:
     """Load settings, resolve every component they select (or those of ``kinds``; errors name field and
-    source), print them."""
+    source), print a summary (``full``: every resolved setting)."""
+    if config is None and not overrides:
+        raise SettingsError(
+            "no config given: miles train CONFIG (a .toml or .yaml settings file, e.g. "
+            "examples/quickstart/grpo_smollm2.toml), or settings with --set KEY=VALUE"
+        )
     settings = load_settings(config, overrides=overrides)
     run = build_run(settings, plugin_manager(), kinds=kinds)
-    render_resolved(Console(stderr=to_stderr), settings, run.registrations())
+    render_resolved(Console(stderr=to_stderr), settings, run.registrations(), full=full)
     return run
 
 
@@ -46,14 +53,17 @@ def train(
     resume: Annotated[
         str | None, typer.Option("--resume", help="Continue from a checkpoint, a checkpoint folder or a run directory.")
     ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace what an earlier run left in log.run_dir (refused otherwise).")
+    ] = False,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
-    run = resolve_run(config, set_ or [])
+    run = resolve_run(config, set_ or [], full=dry_run)
     if dry_run:
         return
     from miles.driver.launch import run_training
 
-    code = run_training(run, resume=resume, console=Console())
+    code = run_training(run, resume=resume, overwrite=overwrite, console=Console())
     if code:
         raise typer.Exit(code)
     Console().print(f"[green]done[/]: {run.settings.log.run_dir}")

@@ -13,12 +13,15 @@ import random
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.components import ComponentSettings, SettingsT
 from miles.data.base import DataSource, Prompt
 from miles.data.rows import Row, iter_hf_rows, iter_jsonl_rows, iter_parquet_rows, row_to_prompt
-from miles.errors import DataError
+from miles.errors import DataError, SettingsError
+
+if TYPE_CHECKING:
+    from miles.settings.model import MilesSettings
 
 __all__ = ["FileDataSource", "HFDataSource", "HFSourceSettings", "JsonlDataSource", "ParquetDataSource"]
 
@@ -119,6 +122,23 @@ class JsonlDataSource(FileDataSource[ComponentSettings]):
     """Prompts from a JSONL file (or a directory of them): one JSON object a line."""
 
     name = "jsonl"
+
+    @classmethod
+    def check_settings(cls, options: ComponentSettings, settings: MilesSettings) -> None:
+        """Before anything starts: ``data.path`` (and ``data.eval_path``) exist and every row parses and has
+        a prompt; the error names the field, where its value came from, and the file and line."""
+        from miles.settings.loader import sources_of
+
+        data = settings.data
+        for field, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+            if path is None:
+                continue
+            source = sources_of(settings).of(field)
+            try:
+                for row, where in iter_jsonl_rows(path):
+                    row_to_prompt(row, where, prompt_key=data.prompt_key, label_key=data.label_key)
+            except DataError as exc:
+                raise SettingsError(f"{field} ({source}): {exc}" if source else f"{field}: {exc}") from None
 
     def rows(self) -> Iterator[Row]:
         return iter_jsonl_rows(self.path)

@@ -140,6 +140,8 @@ class TrainingLoop:
         self.trainer.setup(need_ref=needs.ref_logprobs or needs.ref_logprobs_for_advantages, need_values=needs.values)
         if self.is_driver:
             self._setup_driver()
+            if self.client is not None:  # the engines start while the ranks load their models
+                await self.client.wait_until_healthy(self.settings.cluster.engine_startup_timeout)
         if self.transport is not None:
             await self.transport.connect(self.client, self.dist)
         if self.resume is not None:

@@ -117,6 +117,16 @@ def build_run(
                 resolved[field] = Resolved(field, entry, options)
             except MilesError as exc:
                 problems.append(exc)
+    if kinds is None or {ComponentKind.TRAINER, ComponentKind.ROLLOUT_ENGINE} & set(kinds):
+        from miles.models import check_model_source
+
+        source = source_of("train.model_path")
+        try:
+            check_model_source(
+                settings.train.model_path, where=f"train.model_path ({source})" if source else "train.model_path"
+            )
+        except MilesError as exc:
+            problems.insert(0, exc)
     if len(problems) == 1:
         raise problems[0]
     if problems:
@@ -167,6 +177,20 @@ class Run:
             name = getattr(function, "__name__", str(function))
             out[field] = Registration(ComponentKind.ROLLOUT_FUNCTION, name, function, "(import)", _no_settings())
         return out
+
+    def materialize_model(self) -> str:
+        """Make ``train.model_path`` a Hugging Face directory (a GGUF source is converted once into the
+        cache, :mod:`miles.models`) and return it; the run's settings then name that directory."""
+        from miles.models import materialize
+
+        path = self.settings.train.model_path
+        if path is None:
+            raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
+        resolved = str(materialize(path))
+        if resolved != path:
+            self.settings.train.model_path = resolved
+            self.__dict__.pop("tokenizer", None)
+        return resolved
 
     # -- stateless components, built once --------------------------------------------------------------
     @functools.cached_property

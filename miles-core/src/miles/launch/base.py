@@ -63,12 +63,18 @@ class Launcher(Component[SettingsT], ABC):
         """Start one process (a router, a reward server ...) that the launcher then owns."""
 
     @abstractmethod
-    def start_engines(self, launches: list[EngineLaunch], *, timeout: float) -> list[str]:
-        """Start engine servers, wait until each answers its health path; return their base URLs.
+    def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
+        """Start engine servers and (``wait``) wait until each answers its health path; return their base URLs.
 
         Raises :class:`~miles.errors.LaunchError` (naming the engine, with its log tail) when one exits
-        or does not answer within ``timeout`` seconds; the engines of this call are then terminated.
+        or does not answer within ``timeout`` seconds; the engines of this call are then terminated. With
+        ``wait=False`` the caller starts other work (the trainer ranks load their models meanwhile) and
+        calls :meth:`wait_engines`.
         """
+
+    @abstractmethod
+    def wait_engines(self, *, timeout: float) -> None:
+        """Wait for the engines started with ``wait=False`` (as :meth:`start_engines` would)."""
 
     @abstractmethod
     def start_trainers(self, specs: list[ProcessSpec]) -> None:

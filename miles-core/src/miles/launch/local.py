@@ -36,6 +36,8 @@ class LocalLauncherSettings(ComponentSettings):
     """Seconds children get between SIGTERM and SIGKILL at shutdown."""
     poll_interval: float = Field(0.2, gt=0)
     """Seconds between checks of the children and of engine health URLs."""
+    progress_interval: float = Field(10.0, gt=0)
+    """While engines start, say every this many seconds what each is doing (its latest log line)."""
     log_tail_lines: int = Field(40, ge=1)
     """Lines of a failed process's log quoted in its error."""
     die_with_parent: bool = True
@@ -59,6 +61,8 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         self.processes: list[LocalProcess] = []
         """Every process started, in order (reaped ones included)."""
         self.engines: list[LocalProcess] = []
+        self._starting: list[tuple[LocalProcess, str]] = []
+        """Engines started without waiting, with their health URLs (see :meth:`wait_engines`)."""
         self.trainers: list[LocalProcess] = []
         self._closed = False
         self._stopping = False
@@ -76,21 +80,33 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         self.processes.append(process)
         return process
 
-    def start_engines(self, launches: list[EngineLaunch], *, timeout: float) -> list[str]:
-        import httpx
-
-        first = len(self.engines)
+    def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
         started: list[LocalProcess] = []
+        first = len(self.engines)
         try:
             for i, launch in enumerate(launches):
                 spec = ProcessSpec(name=f"engine-{first + i}", argv=list(launch.argv), env=dict(launch.env))
                 started.append(self.start_process(spec))
-            self.engines.extend(started)
-            pending = {
-                p.name: (p, launch.url.rstrip("/") + launch.health_path)
-                for p, launch in zip(started, launches, strict=True)
-            }
+        except BaseException:
+            self._stop(started)
+            raise
+        self.engines.extend(started)
+        self._starting.extend(
+            (p, launch.url.rstrip("/") + launch.health_path) for p, launch in zip(started, launches, strict=True)
+        )
+        if wait:
+            self.wait_engines(timeout=timeout)
+        return [launch.url for launch in launches]
+
+    def wait_engines(self, *, timeout: float) -> None:
+        import httpx
+
+        pending = {p.name: (p, url) for p, url in self._starting}
+        if not pending:
+            return
+        try:
             deadline = time.monotonic() + timeout
+            next_note = time.monotonic() + self.settings.progress_interval
             with httpx.Client(timeout=min(5.0, timeout), trust_env=False) as client:
                 while pending:
                     for name, (process, url) in list(pending.items()):
@@ -111,11 +127,26 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
                             process, f"{process.name} did not answer {url} with 200 within {timeout:g} s", None
                         )
                     if pending:
+                        next_note = self._note_progress(pending, next_note)
                         time.sleep(self.settings.poll_interval)
         except BaseException:
-            self._stop(started)
+            self._stop([p for p, _ in self._starting])
             raise
-        return [launch.url for launch in launches]
+        finally:
+            self._starting = []
+
+    def _note_progress(self, pending: dict[str, tuple[LocalProcess, str]], next_note: float) -> float:
+        """Every ``progress_interval`` seconds, say which engines are still starting and what each is doing
+        (its latest log line: loading weights, building the CPU kernels ...)."""
+        now = time.monotonic()
+        if now < next_note:
+            return next_note
+        for name, (process, _) in pending.items():
+            last = next((line for line in reversed(process.log_tail(5).splitlines()) if line.strip()), "")
+            log.info(
+                "%s is starting (%.0f s): %s", name, now - process.started_at, last.strip()[-160:] or "no output yet"
+            )
+        return now + self.settings.progress_interval
 
     def start_trainers(self, specs: list[ProcessSpec]) -> None:
         running = [p.name for p in self.trainers if p.exit_status() is None]

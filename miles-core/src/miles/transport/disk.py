@@ -49,7 +49,10 @@ class DiskTransportSettings(ComponentSettings):
     dir: str | None = None
     """Where versions are written (default: ``<run_dir>/weights``); must be visible to every engine."""
     keep_versions: int = 1
-    """How many pushed versions stay on disk."""
+    """How many pushed versions stay on disk while the run goes on."""
+    keep_after_run: bool = False
+    """Leave the last pushed versions on disk when the run ends (they are scratch for the engines: the
+    run's results are its checkpoints and its HF export)."""
 
 
 class DiskTransport(StagedTransport[DiskTransportSettings]):
@@ -72,6 +75,18 @@ class DiskTransport(StagedTransport[DiskTransportSettings]):
         self.client = client
         if dist.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        """Remove the versions this run wrote (unless ``keep_after_run``), and the folder when it is empty."""
+        if self.settings.keep_after_run:
+            return
+        for path in self.written:
+            shutil.rmtree(path, ignore_errors=True)
+        self.written = []
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass  # not ours alone, or already gone
 
     async def stage(
         self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext, snapshot: bool = True

@@ -56,14 +56,27 @@ def train(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace what an earlier run left in log.run_dir (refused otherwise).")
     ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help="Run the engine, the driver and the trainer in this one process (one rank), so breakpoint() "
+            "and a debugger work anywhere.",
+        ),
+    ] = False,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
     run = resolve_run(config, set_ or [], full=dry_run)
     if dry_run:
         return
-    from miles.driver.launch import run_training
+    if debug:
+        from miles.driver.debug import run_debug
 
-    code = run_training(run, resume=resume, overwrite=overwrite, console=Console())
+        code = run_debug(run, resume=resume, overwrite=overwrite)
+    else:
+        from miles.driver.launch import run_training
+
+        code = run_training(run, resume=resume, overwrite=overwrite, console=Console())
     if code:
         raise typer.Exit(code)
     Console().print(f"[green]done[/]: {run.settings.log.run_dir}")

@@ -285,9 +285,11 @@ class TrainingLoop:
             dist=self.dist,
             global_batch_size=settings.train.global_batch_size,
             temperature=settings.rollout.temperature,
-            on_policy=settings.rollout.mode == "sync",
+            on_policy=settings.rollout.mode == "sync" and settings.log.trainer_logprobs != "always",
         )
         metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
+        if settings.log.trainer_logprobs != "never":
+            self.record_trainer_logprobs(batches, groups)
         temperature = settings.rollout.temperature
         step_metrics = [self.trainer.train_step(batch, self.algorithm, temperature=temperature) for batch in batches]
         metrics.update({f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()})
@@ -298,6 +300,32 @@ class TrainingLoop:
                 metrics["fidelity/train_rollout_logprob_abs_diff"] = diff
         metrics["time/train_seconds"] = time.perf_counter() - train_start
         return metrics
+
+    def record_trainer_logprobs(self, batches: list[TrainBatch], groups: list[SampleGroup] | None) -> None:
+        """Every rank (a collective): the trainer's logprobs of each sample before the step's update, written
+        by rank 0 beside the step's samples (``samples/trainer_logprobs_<step>.jsonl``); nothing when the
+        step did not compute them."""
+        import torch
+
+        from miles.training.comm import all_gather_tensors
+
+        if not batches or any(b.old_logprobs is None for b in batches):
+            return
+        rows: list[Any] = []
+        for batch in batches:  # each step's share per rank, in rank order: the samples' order
+            assert batch.old_logprobs is not None
+            local = {"logprobs": batch.old_logprobs, "lengths": torch.tensor(batch.response_lengths)}
+            for part in all_gather_tensors(local):
+                rows.extend(part["logprobs"].split(part["lengths"].tolist()))
+        if not self.is_driver or groups is None:
+            return
+        samples = [s for g in groups for s in g.samples]
+        folder = self.run_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"trainer_logprobs_{self.step + 1:06d}.jsonl", "w", encoding="utf-8") as f:
+            for sample, row in zip(samples, rows, strict=True):
+                record = {"group_id": sample.group_id, "index": sample.index, "logprobs": row.tolist()}
+                f.write(json.dumps(record) + "\n")
 
     def log_step(self, metrics: dict[str, float]) -> None:
         """Rank 0: fidelity warnings, loggers, lifecycle hooks."""

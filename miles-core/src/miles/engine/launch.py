@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from miles.engine.options import ServeOptions
 
-__all__ = ["build_engine", "main", "serve", "start_engine"]
+__all__ = ["InProcessEngine", "build_engine", "main", "serve", "start_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,49 @@ def serve(opts: ServeOptions) -> None:
         thread.join(timeout=15)
     if not server.started and not signalled:
         raise SystemExit(f"miles serve: could not serve on http://{host}:{port} (see the error above)")
+
+
+class InProcessEngine:
+    """A local engine inside this process (``miles train --debug``): the scheduler and HTTP on background
+    threads, so a debugger stops anywhere in the process. Use as a context manager; the URL is ``url``."""
+
+    def __init__(self, opts: ServeOptions) -> None:
+        self.opts = opts
+        self.url = f"http://{opts.host}:{opts.port}"
+        self._server: Any = None
+        self._thread: Any = None
+        self._state: Any = None
+
+    def __enter__(self) -> InProcessEngine:
+        import threading
+        import time
+
+        import uvicorn
+
+        from miles.engine.server import create_app
+
+        self._state = start_engine(self.opts, start=True)
+        config = uvicorn.Config(
+            create_app(self._state), host=self.opts.host, port=self.opts.port, log_level="warning", access_log=False
+        )
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # the process's handlers stay the driver's
+        self._thread = threading.Thread(target=self._server.run, name="miles-engine-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the in-process engine could not serve on {self.url}")
+            time.sleep(0.05)
+        log.info("in-process engine serving %s on %s", self.opts.model, self.url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=15)
+        if self._state is not None:
+            self._state.scheduler.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -251,6 +251,12 @@ class LogSettings(_Section):
     """Log level."""
     logprob_diff_warn: float = Field(0.05, ge=0.0)
     """Warn when the mean |train - rollout| logprob difference exceeds this."""
+    trainer_logprobs: Literal["when_computed", "always", "never"] = "when_computed"
+    """Keep the trainer's per-token logprobs (before the step's update) next to each step's samples
+    (``samples/trainer_logprobs_<step>.jsonl``, shown token by token by ``miles view``): ``when_computed``
+    whenever the algorithm computes them anyway (several optimizer steps per rollout, async modes);
+    ``always`` computes them in every step (one more forward when one on-policy step per rollout would skip
+    it); ``never``."""
 
 
 class CheckpointSettings(_Section):

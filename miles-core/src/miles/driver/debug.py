@@ -45,7 +45,7 @@ def _check(run: Run) -> None:
 async def _train(run: Run, urls: list[str], resume: str | None) -> None:
     import torch.distributed as dist
 
-    from miles.driver.loop import TrainingLoop
+    from miles.driver.loop import TrainingLoop, run_to_completion
     from miles.launch.rendezvous import free_port
     from miles.training.trainer import DistContext
 
@@ -53,22 +53,10 @@ async def _train(run: Run, urls: list[str], resume: str | None) -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
     dist.init_process_group("gloo", rank=0, world_size=1)
     loop = TrainingLoop(run, DistContext(device=run.settings.cluster.device), engine_urls=urls, resume=resume)
-    status, error = "failed", None
-    run.plugins.on_run_start(settings=run.settings, run_dir=run.settings.log.run_dir)
     try:
-        await loop.setup()
-        await loop.run()
-        status = "completed"
-    except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        raise
+        await run_to_completion(loop)
     finally:
-        try:
-            await loop.close()
-        finally:
-            run.plugins.on_run_end(run_dir=run.settings.log.run_dir, status=status, error=error)
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -> int:

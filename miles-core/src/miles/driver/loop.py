@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from miles.training.trainer import DistContext
     from miles.types import PushReport
 
-__all__ = ["TrainingLoop"]
+__all__ = ["TrainingLoop", "run_to_completion"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ class TrainingLoop:
         self.tokenizer: Any = None
         self.loggers: list[MetricsLogger] = []
         self.step = 0
+        self.completed = False
+        """Whether :func:`run_to_completion` finished the run."""
 
     def _overlaps_commit(self) -> bool:
         """Whether pushes are staged and committed while the next step trains (the same on every rank)."""
@@ -416,3 +418,27 @@ def write_resolved_settings(settings: MilesSettings, path: Path) -> None:
     """The resolved settings every rank reads (JSON: plugin tables keep their extra keys)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(settings.model_dump(mode="json"), indent=1))
+
+
+async def run_to_completion(loop: TrainingLoop) -> None:
+    """Set up, run and close ``loop`` on this rank, telling the plugins (rank 0) when the run starts and how
+    it ended (``completed``, ``failed`` or ``interrupted``); the process group is left to the caller."""
+    run_dir = str(loop.run_dir)
+    status, error = "failed", None
+    if loop.is_driver:
+        loop.pm.on_run_start(settings=loop.settings, run_dir=run_dir)
+    try:
+        await loop.setup()
+        await loop.run()
+        status = "completed"
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        raise
+    finally:
+        try:
+            await loop.close()
+        finally:
+            loop.completed = status == "completed"
+            if loop.is_driver:
+                loop.pm.on_run_end(run_dir=run_dir, status=status, error=error)

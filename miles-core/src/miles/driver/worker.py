@@ -40,7 +40,7 @@ def _dist_context() -> object:
 async def _run(run_dir: Path) -> None:
     import torch.distributed as dist
 
-    from miles.driver.loop import TrainingLoop
+    from miles.driver.loop import TrainingLoop, run_to_completion
     from miles.driver.run import build_run
     from miles.settings.model import MilesSettings
 
@@ -50,29 +50,14 @@ async def _run(run_dir: Path) -> None:
     backend = "nccl" if ctx.device == "cuda" else "gloo"  # type: ignore[attr-defined]
     dist.init_process_group(backend=backend)
     run = build_run(settings)
-    pm = run.plugins
     loop = TrainingLoop(run, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
-    status, error = "failed", None
-    if loop.is_driver:
-        pm.on_run_start(settings=settings, run_dir=str(run_dir))
     try:
-        await loop.setup()
-        await loop.run()
-        status = "completed"
-    except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        raise
+        await run_to_completion(loop)
     finally:
-        try:
-            await loop.close()
-        finally:
-            if loop.is_driver:
-                pm.on_run_end(run_dir=str(run_dir), status=status, error=error)
-            if dist.is_initialized():
-                if status == "completed":
-                    dist.barrier()  # gloo teardown aborts now and then without it
-                dist.destroy_process_group()
+        if dist.is_initialized():
+            if loop.completed:
+                dist.barrier()  # gloo teardown aborts now and then without it
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,16 @@
+"""miles-diffusion tests: a tiny policy per session; the spawned trainer job (``trainer_job.py``) importable."""
+
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 @pytest.fixture(scope="session")

@@ -241,9 +241,15 @@ class DiffusionTrainer(Trainer[DiffusionTrainerSettings]):
         for bucket in self.iter_weights(1 << 30):
             weights.update({name: t.detach().cpu().contiguous() for name, t in bucket})
         if self.dist.rank == 0:
+            from safetensors.torch import load_file
+
+            source = Path(self.train_settings.model_path)
+            # persistent buffers (the positional embedding) are not trained: keep the policy's
+            original = load_file(str(source / "transformer" / _WEIGHTS))
+            weights.update({name: t for name, t in original.items() if name not in weights})
             if out.exists():
                 shutil.rmtree(out)
-            shutil.copytree(self.train_settings.model_path, out, ignore=shutil.ignore_patterns(_WEIGHTS))
+            shutil.copytree(source, out, ignore=shutil.ignore_patterns(_WEIGHTS))
             save_file(weights, str(out / "transformer" / _WEIGHTS), metadata={"format": "pt"})
             log.info("exported the trained pipeline to %s", out)
         if dist.is_initialized():

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from miles_diffusion.algorithm import DiffusionLossInputs, FlowGRPO, FlowGRPOSettings
 
 from miles.algorithms.base import AdvantageInputs, LossInputs
 from miles.types import Sample, SampleGroup
+from miles_diffusion.algorithm import DiffusionLossInputs, FlowGRPO, FlowGRPOSettings
 
 
 def _group(rewards: list[float], steps: int = 3) -> SampleGroup:

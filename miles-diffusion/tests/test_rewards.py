@@ -5,6 +5,9 @@ import base64
 
 import numpy as np
 import pytest
+
+from miles.components import ComponentSettings
+from miles.types import Sample
 from miles_diffusion.rewards import (
     BrightnessReward,
     ColorMatchReward,
@@ -13,9 +16,6 @@ from miles_diffusion.rewards import (
     JpegSettings,
 )
 from miles_diffusion.sampling import png_bytes
-
-from miles.components import ComponentSettings
-from miles.types import Sample
 
 
 def _sample(image: np.ndarray, label: object = None) -> Sample:

@@ -5,6 +5,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from miles_diffusion.denoise import encode_prompts, prompt_texts, velocity
 from miles_diffusion.sampling import SamplingOptions, sample_trajectories, stochastic_steps
 from miles_diffusion.sde import gaussian_logprob, sde_mean_std

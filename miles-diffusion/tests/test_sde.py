@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from miles_diffusion.sde import gaussian_logprob, gaussian_mean_kl, ode_step, sde_mean_std, sde_step
 
 

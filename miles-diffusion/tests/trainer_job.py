@@ -13,9 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from miles_diffusion.algorithm import FlowGRPO, FlowGRPOSettings
-from miles_diffusion.trainer.trainer import DiffusionTrainer, DiffusionTrainerSettings
-from miles_diffusion.wire import tensor_data
 
 from miles.algorithms.base import AdvantageInputs
 from miles.precision.builtin import FP32
@@ -23,6 +20,9 @@ from miles.settings.model import TrainSettings
 from miles.training.batch import TrainBatch
 from miles.transport.verify import tensor_checksum
 from miles.types import Sample, SampleGroup
+from miles_diffusion.algorithm import FlowGRPO, FlowGRPOSettings
+from miles_diffusion.trainer.trainer import DiffusionTrainer, DiffusionTrainerSettings
+from miles_diffusion.wire import tensor_data
 
 
 def make_batch(policy: str) -> tuple[TrainBatch, list[float]]:

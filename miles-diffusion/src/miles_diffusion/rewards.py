@@ -102,8 +102,8 @@ class BrightnessReward(Reward[ComponentSettings]):
     name = "brightness"
 
     async def score(self, sample: Sample) -> float | RewardOutput:
-        image = sample_image(sample).astype("float64") / 255.0
-        return float((image @ [0.299, 0.587, 0.114]).mean())
+        pixels = sample_image(sample).astype("float64") / 255.0
+        return float((pixels @ [0.299, 0.587, 0.114]).mean())
 
 
 class ColorMatchReward(Reward[ComponentSettings]):
@@ -128,7 +128,7 @@ class ColorMatchReward(Reward[ComponentSettings]):
         import numpy as np
 
         target = np.asarray(self.target(sample.label), dtype="float64")
-        image = sample_image(sample).astype("float64")
+        image: Any = sample_image(sample).astype("float64")
         return float(1.0 - np.abs(image - target).mean() / 255.0)
 
 

@@ -11,9 +11,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from miles_diffusion.policy import load_transformer
-from miles_diffusion.rollout import TRAJECTORY_TENSORS, diffusion_rollout
-from miles_diffusion.testing import ImageEngineProcess
 
 from miles.errors import WeightVerificationError
 from miles.rollout.http_client import HttpEngineClient
@@ -22,6 +19,9 @@ from miles.training.trainer import DistContext
 from miles.transport.disk import DiskTransport, DiskTransportSettings
 from miles.transport.verify import verify_engines
 from miles.types import Sample, SampleStatus
+from miles_diffusion.policy import load_transformer
+from miles_diffusion.rollout import TRAJECTORY_TENSORS, diffusion_rollout
+from miles_diffusion.testing import ImageEngineProcess
 
 FLAGS = [
     "--num-steps",

@@ -99,7 +99,7 @@ def _parse(body: Any, decode: Callable[[list[int]], str]) -> tuple[list[list[int
         raise RequestError("the request body must be a JSON object")
     ids = body.get("input_ids")
     batched = isinstance(ids, list) and bool(ids) and all(isinstance(row, list) for row in ids)
-    prompts = ids if batched else [ids]
+    prompts: list[Any] = list(ids) if batched and isinstance(ids, list) else [ids]
     for row in prompts:
         if not isinstance(row, list) or not row or not all(isinstance(t, int) and t >= 0 for t in row):
             raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")

@@ -249,7 +249,12 @@ class DiffusionTrainer(Trainer[DiffusionTrainerSettings]):
             weights.update({name: t for name, t in original.items() if name not in weights})
             if out.exists():
                 shutil.rmtree(out)
-            shutil.copytree(source, out, ignore=shutil.ignore_patterns(_WEIGHTS))
+            trained_dir = str(source / "transformer")
+
+            def skip_trained(folder: str, names: list[str]) -> list[str]:
+                return [_WEIGHTS] if Path(folder) == Path(trained_dir) and _WEIGHTS in names else []
+
+            shutil.copytree(source, out, ignore=skip_trained)
             save_file(weights, str(out / "transformer" / _WEIGHTS), metadata={"format": "pt"})
             log.info("exported the trained pipeline to %s", out)
         if dist.is_initialized():

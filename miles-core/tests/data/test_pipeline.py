@@ -114,3 +114,13 @@ def test_create_data_source_from_settings(tokenizer: Any, tmp_path: Path) -> Non
         build_run(
             MilesSettings(data=DataSettings(path=str(path), source="csv")), manager, kinds=[ComponentKind.DATA_SOURCE]
         )
+
+
+def test_the_run_reads_a_pipeline_directorys_prompt_tokenizer(tokenizer: Any, tmp_path: Path) -> None:
+    """A diffusers pipeline directory (``model_index.json``) keeps its prompt tokenizer in ``tokenizer/``."""
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    manager = PluginManager(entry_points=False).load()
+    settings = MilesSettings(train={"model_path": str(tmp_path)})
+    run = build_run(settings, manager, kinds=[ComponentKind.DATA_SOURCE])
+    assert run.tokenizer("What is 2+3?")["input_ids"] == tokenizer("What is 2+3?")["input_ids"]

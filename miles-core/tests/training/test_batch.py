@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from miles.training.batch import TrainBatch
-from miles.types import Sample, WeightSpan
+from miles.types import Sample, TensorData, WeightSpan
 
 
 def _samples() -> list[Sample]:
@@ -92,3 +92,49 @@ def test_tensors_round_trip_exactly() -> None:
         assert torch.equal(getattr(again, name), value), name
     with pytest.raises(ValueError, match="seq_offsets end at 7, tokens has 6"):
         TrainBatch.from_tensors({**batch.to_tensors(), "tokens": batch.tokens[:6]})
+
+
+def _tensor_data(t: torch.Tensor) -> TensorData:
+    return TensorData(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.contiguous().numpy().tobytes())
+
+
+def test_response_tensors_travel_from_samples_through_select_and_ranks() -> None:
+    samples = _samples()
+    latents = [torch.arange(3 * 2 * 2, dtype=torch.float32).reshape(3, 2, 2), torch.full((1, 2, 2), -1.5)]
+    for sample, rows in zip(samples, latents, strict=True):
+        sample.response_tensors = {"latents": _tensor_data(rows), "step": _tensor_data(torch.arange(len(rows)))}
+    failed = Sample([9], [], [], [])  # a failed rollout: no response, no tensors
+    batch = TrainBatch.from_samples([*samples, failed])
+    assert batch.response_tensors["latents"].shape == (4, 2, 2)
+    assert torch.equal(batch.response_tensors["latents"], torch.cat(latents))
+    assert batch.response_tensors["step"].dtype == torch.int64 and batch.response_tensors["step"].tolist() == [
+        0,
+        1,
+        2,
+        0,
+    ]
+    second = batch.select([1])
+    assert torch.equal(second.response_tensors["latents"], latents[1])
+    wire = batch.to_tensors()
+    assert "response_tensors.latents" in wire and "response_tensors" not in wire
+    again = TrainBatch.from_tensors(wire)
+    assert torch.equal(again.response_tensors["latents"], batch.response_tensors["latents"])
+
+
+def test_response_tensors_are_checked() -> None:
+    samples = _samples()
+    samples[0].response_tensors = {"latents": _tensor_data(torch.zeros(3, 2))}
+    with pytest.raises(ValueError, match=r"response_tensors\['latents'\]: sample 1 has none"):
+        TrainBatch.from_samples(samples)
+    samples[1].response_tensors = {"latents": _tensor_data(torch.zeros(1, 3))}
+    with pytest.raises(ValueError, match=r"response_tensors\['latents'\]\[1\] is torch.float32 \(3,\) per token"):
+        TrainBatch.from_samples(samples)
+    batch = TrainBatch.from_samples(_samples())
+    with pytest.raises(ValueError, match=r"response_tensors\['x'\] has shape \(3,\), the batch has 4 response tokens"):
+        TrainBatch(
+            batch.tokens,
+            batch.seq_offsets,
+            batch.prompt_lengths,
+            batch.loss_mask,
+            response_tensors={"x": torch.zeros(3)},
+        )

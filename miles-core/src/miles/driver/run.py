@@ -268,12 +268,18 @@ class Run:
 
     @functools.cached_property
     def tokenizer(self) -> Any:
-        """The policy's tokenizer (``train.model_path``)."""
+        """The policy's tokenizer (``train.model_path``; of a diffusers pipeline directory, its prompt
+        tokenizer, ``tokenizer/``)."""
+        from pathlib import Path
+
         from transformers import AutoTokenizer
 
-        if self.settings.train.model_path is None:
+        path = self.settings.train.model_path
+        if path is None:
             raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
-        return AutoTokenizer.from_pretrained(self.settings.train.model_path)
+        if (Path(path) / "model_index.json").exists() and (Path(path) / "tokenizer").is_dir():
+            return AutoTokenizer.from_pretrained(Path(path) / "tokenizer")
+        return AutoTokenizer.from_pretrained(path)
 
     # -- the rollout stack ---------------------------------------------------------------------------
     def scorer(self) -> RewardScorer:

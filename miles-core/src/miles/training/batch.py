@@ -6,6 +6,10 @@ Every field is a tensor, packed without padding: the token ids of all sequences 
 to it. A batch is validated once, when it is built; :meth:`TrainBatch.set_token_field` validates what it
 adds. Trainers pack its sequences into micro-batches by a token budget. Between trainer ranks a batch
 travels as its tensors (:meth:`TrainBatch.to_tensors`, over ``torch.distributed``), never as JSON.
+
+:attr:`TrainBatch.response_tensors` holds what a backend needs per response token beyond these fields, any
+shape after the first dimension (``[R, ...]``): a diffusion trajectory's latents, one row per denoising
+step. They come from :attr:`miles.types.Sample.response_tensors` and follow every selection and shard.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from miles.types import Sample
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TOKEN_FIELDS", "TOPK_FIELDS", "TrainBatch"]
+    from miles.types import TensorData
+
+__all__ = ["RESPONSE_TENSOR_PREFIX", "TOKEN_FIELDS", "TOPK_FIELDS", "TrainBatch"]
+
+RESPONSE_TENSOR_PREFIX = "response_tensors."
+"""How :meth:`TrainBatch.to_tensors` names each of :attr:`TrainBatch.response_tensors`."""
 
 TOKEN_FIELDS: tuple[str, ...] = (
     "loss_mask",
@@ -55,6 +64,46 @@ def _pack_rows(name: str, rows: Sequence[Sequence[float]], lengths: Sequence[int
     if not rows:
         return torch.zeros(0, dtype=torch.float32)
     return torch.cat([torch.as_tensor(row, dtype=torch.float32).reshape(-1) for row in rows])
+
+
+def _tensor_of(data: TensorData) -> torch.Tensor:
+    import torch
+
+    dtype = getattr(torch, data.dtype)
+    if not data.data:
+        return torch.zeros(data.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data.data), dtype=dtype).reshape(data.shape)
+
+
+def _pack_response_tensors(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    """Each name's rows of every sample, concatenated (``[R, ...]``); a sample without response tokens may
+    lack them (a failed rollout), any other must have every name with the same trailing shape and dtype."""
+    import torch
+
+    names = sorted({name for s in samples for name in s.response_tensors})
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        rows: list[torch.Tensor] = []
+        for i, sample in enumerate(samples):
+            data = sample.response_tensors.get(name)
+            if data is None:
+                if sample.response_length:
+                    raise ValueError(f"TrainBatch.response_tensors[{name!r}]: sample {i} has none (other samples do)")
+                continue
+            tensor = _tensor_of(data)
+            if tensor.shape[0] != sample.response_length:
+                raise ValueError(
+                    f"TrainBatch.response_tensors[{name!r}][{i}] has {tensor.shape[0]} rows, "
+                    f"the response has {sample.response_length} tokens"
+                )
+            if rows and (tensor.shape[1:] != rows[0].shape[1:] or tensor.dtype != rows[0].dtype):
+                raise ValueError(
+                    f"TrainBatch.response_tensors[{name!r}][{i}] is {tensor.dtype} {tuple(tensor.shape[1:])} per "
+                    f"token, an earlier sample's is {rows[0].dtype} {tuple(rows[0].shape[1:])}"
+                )
+            rows.append(tensor)
+        out[name] = torch.cat(rows) if rows else torch.zeros(0)
+    return out
 
 
 def _pack_topk(
@@ -104,6 +153,8 @@ class TrainBatch:
     """``[R, k]`` float32: the teacher's logprobs of ``teacher_topk_ids``."""
     weight_versions: torch.Tensor = field(default=None)
     """``[B]`` int64: oldest weight version per sequence (-1: unknown)."""
+    response_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per response token tensors a backend needs beyond the fields above (``[R, ...]``, any dtype)."""
 
     def __post_init__(self) -> None:
         import torch
@@ -122,6 +173,12 @@ class TrainBatch:
             )
         for name in TOKEN_FIELDS:
             self._check_token_field(name, getattr(self, name))
+        for name, tensor in self.response_tensors.items():
+            if tensor.dim() == 0 or tensor.shape[0] != self.num_response_tokens:
+                raise ValueError(
+                    f"TrainBatch.response_tensors[{name!r}] has shape {tuple(tensor.shape)}, the batch has "
+                    f"{self.num_response_tokens} response tokens ([R, ...] expected)"
+                )
         ids, logprobs = self.teacher_topk_ids, self.teacher_topk_logprobs
         if (ids is None) != (logprobs is None):
             raise ValueError("TrainBatch.teacher_topk_ids and teacher_topk_logprobs must be set together")
@@ -271,6 +328,7 @@ class TrainBatch:
         for name in (*TOKEN_FIELDS, *TOPK_FIELDS):
             value = getattr(self, name)
             updates[name] = None if value is None else value[resp_index]
+        updates["response_tensors"] = {name: t[resp_index] for name, t in self.response_tensors.items()}
         return replace(self, **updates)
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:
@@ -300,17 +358,32 @@ class TrainBatch:
         for name in (*TOKEN_FIELDS, *TOPK_FIELDS):
             values = [getattr(p, name) for p in parts]
             out[name] = None if any(v is None for v in values) else torch.cat(values)
+        shared = set.intersection(*(set(p.response_tensors) for p in parts))
+        out["response_tensors"] = {
+            name: torch.cat([p.response_tensors[name] for p in parts]) for name in sorted(shared)
+        }
         return cls(**out)
 
     # -- across ranks ---------------------------------------------------------------------------------
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """The set fields by name (what crosses a rank boundary)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        """The set fields by name (what crosses a rank boundary); each response tensor as
+        ``response_tensors.<name>``."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "response_tensors" and getattr(self, f.name) is not None
+        }
+        out.update({RESPONSE_TENSOR_PREFIX + name: t for name, t in self.response_tensors.items()})
+        return out
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> TrainBatch:
         """The batch :meth:`to_tensors` described (checked again)."""
-        return cls(**dict(tensors))
+        plain = {k: v for k, v in tensors.items() if not k.startswith(RESPONSE_TENSOR_PREFIX)}
+        extra = {
+            k[len(RESPONSE_TENSOR_PREFIX) :]: v for k, v in tensors.items() if k.startswith(RESPONSE_TENSOR_PREFIX)
+        }
+        return cls(**plain, response_tensors=extra)
 
     # -- building ---------------------------------------------------------------------------------------
     @classmethod
@@ -359,12 +432,13 @@ class TrainBatch:
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], advantages: Sequence[Sequence[float]] | None = None) -> TrainBatch:
-        """Build a batch from samples (rollout logprobs and the teacher's logprobs / top-k are taken from them)."""
+        """Build a batch from samples (rollout logprobs, the teacher's logprobs / top-k and the response
+        tensors are taken from them)."""
         teacher = [s.teacher_logprobs for s in samples]
         topk_ids = [s.teacher_topk_ids for s in samples]
         topk_logprobs = [s.teacher_topk_logprobs for s in samples]
         has_topk = bool(samples) and all(t is not None for t in topk_ids) and all(t is not None for t in topk_logprobs)
-        return cls.from_lists(
+        batch = cls.from_lists(
             tokens=[s.tokens for s in samples],
             prompt_lengths=[len(s.prompt_ids) for s in samples],
             loss_mask=[s.loss_mask for s in samples],
@@ -375,3 +449,7 @@ class TrainBatch:
             rollout_logprobs=[s.rollout_logprobs for s in samples],
             teacher_logprobs=None if any(t is None for t in teacher) else teacher,  # type: ignore[arg-type]
         )
+        if any(s.response_tensors for s in samples):
+            batch.response_tensors = _pack_response_tensors(samples)
+            batch.__post_init__()  # check them against the packed responses
+        return batch

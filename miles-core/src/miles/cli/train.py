@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,6 +17,7 @@ from miles.settings.loader import load_settings
 
 if TYPE_CHECKING:
     from miles.components import ComponentKind
+    from miles.settings.model import MilesSettings
 
 
 def resolve_run(
@@ -26,15 +27,19 @@ def resolve_run(
     to_stderr: bool = False,
     kinds: Iterable[ComponentKind] | None = None,
     full: bool = False,
+    check: Callable[[MilesSettings], object] | None = None,
 ) -> Run:
     """Load settings, resolve every component they select (or those of ``kinds``; errors name field and
-    source), print a summary (``full``: every resolved setting)."""
+    source), print a summary (``full``: every resolved setting). ``check`` sees the loaded settings before
+    any plugin is resolved."""
     if config is None and not overrides:
         raise SettingsError(
             "no config given: miles train CONFIG (a .toml or .yaml settings file, e.g. "
             "examples/quickstart/grpo_smollm2.toml), or settings with --set KEY=VALUE"
         )
     settings = load_settings(config, overrides=overrides)
+    if check is not None:
+        check(settings)
     run = build_run(settings, plugin_manager(), kinds=kinds)
     render_resolved(Console(stderr=to_stderr), settings, run.registrations(), full=full)
     return run
@@ -66,7 +71,14 @@ def train(
     ] = False,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
-    run = resolve_run(config, set_ or [], full=dry_run)
+    from miles.driver.rundir import check_run_dir
+
+    run = resolve_run(
+        config,
+        set_ or [],
+        full=dry_run,
+        check=None if dry_run else (lambda s: check_run_dir(s, resume=resume, overwrite=overwrite)),
+    )
     if dry_run:
         return
     if debug:

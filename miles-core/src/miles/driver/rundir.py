@@ -17,7 +17,7 @@ from miles.errors import SettingsError
 if TYPE_CHECKING:
     from miles.settings.model import MilesSettings
 
-__all__ = ["RUN_OUTPUTS", "prepare_run_dir", "run_outputs"]
+__all__ = ["RUN_OUTPUTS", "check_run_dir", "prepare_run_dir", "run_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,11 @@ def run_outputs(run_dir: Path) -> list[str]:
     return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
 
 
-def prepare_run_dir(settings: MilesSettings, *, resume: str | None, overwrite: bool) -> Path:
-    """The run's directory (absolute, created), checked against an earlier run's outputs.
+def check_run_dir(settings: MilesSettings, *, resume: str | None, overwrite: bool) -> list[str]:
+    """The earlier run's outputs in ``log.run_dir`` (touches nothing).
 
     Raises :class:`SettingsError` naming ``log.run_dir`` when it holds a run and neither ``resume`` nor
-    ``overwrite`` is given.
+    ``overwrite`` is given. Cheap: ``miles train`` calls it before resolving any plugin.
     """
     from miles.settings.loader import sources_of
 
@@ -50,6 +50,15 @@ def prepare_run_dir(settings: MilesSettings, *, resume: str | None, overwrite: b
             f"{where}: {run_dir} already holds a run ({listed}); pass --resume {settings.log.run_dir} to "
             "continue it, --overwrite to replace it, or choose another log.run_dir"
         )
+    return found
+
+
+def prepare_run_dir(settings: MilesSettings, *, resume: str | None, overwrite: bool) -> Path:
+    """The run's directory (absolute, created), checked against an earlier run's outputs
+    (:func:`check_run_dir`); with ``overwrite`` the earlier outputs are removed here, once the settings
+    are known to be good."""
+    found = check_run_dir(settings, resume=resume, overwrite=overwrite)
+    run_dir = Path(settings.log.run_dir).resolve()
     if found and overwrite and resume is None:
         for name in found:
             path = run_dir / name

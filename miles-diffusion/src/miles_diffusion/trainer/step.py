@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from miles.algorithms.aggregation import StepDenominators, aggregate_loss
-from miles.training.comm import all_gather_json
 from miles.training.batch import TOKEN_FIELDS
+from miles.training.comm import all_gather_json
 from miles_diffusion.algorithm import DiffusionAlgorithm, DiffusionLossInputs
 from miles_diffusion.sde import gaussian_mean_kl
 from miles_diffusion.trainer.pairs import encode_batch_prompts, plan_micro_batches, step_distribution

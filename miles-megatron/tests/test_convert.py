@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_dir, run_script
+from helpers import ENV, load_dir, run_script
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -65,12 +69,56 @@ def test_strict_keys_name_the_first_missing_and_unexpected_key(converted: Path) 
     assert "unexpected key 'model.layers.0.mlp.extra.weight'" in errors["bad_unexpected"]
 
 
-def test_command_line_entry_converts(converted: Path, tmp_path: Path) -> None:
-    src = converted / "models" / "qwen2"
-    proc = run_script(["-m", "miles_megatron.convert", "hf-to-megatron", str(src), str(tmp_path / "m")])
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def miles_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real ``miles`` console script next to this interpreter (plugins loaded from entry points)."""
+    miles = Path(sys.executable).with_name("miles")
+    full_env = {**os.environ, **ENV}
+    return subprocess.run([str(miles), *args], env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def test_miles_convert_round_trip_and_strict_key_errors(converted: Path, tmp_path: Path) -> None:
+    """``miles convert hf-to-megatron`` / ``megatron-to-hf`` come from the plugin's command hook, beside the
+    core's ``miles convert gguf``; a key mismatch either way exits 1 naming the first key, no traceback."""
+    models = converted / "models"
+
+    def round_trip() -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+        there = miles_cli("convert", "hf-to-megatron", str(models / "qwen2"), str(tmp_path / "m"))
+        back = miles_cli("convert", "megatron-to-hf", str(tmp_path / "m"), str(tmp_path / "hf"))
+        return there, back
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        trip = pool.submit(round_trip)
+        missing_hf = pool.submit(
+            miles_cli, "convert", "hf-to-megatron", str(models / "bad_missing"), str(tmp_path / "x")
+        )
+        # a llama checkpoint (no QKV bias, tied embeddings) read with a Qwen2 config
+        wrong_config = pool.submit(
+            miles_cli,
+            "convert",
+            "megatron-to-hf",
+            str(converted / "out" / "llama" / "megatron"),
+            str(tmp_path / "y"),
+            "--config",
+            str(models / "qwen2"),
+        )
+        there, back = trip.result()
+    assert there.returncode == 0, there.stderr[-4000:]
+    assert there.stdout.strip().splitlines()[-1] == str(tmp_path / "m")
     assert (tmp_path / "m" / "metadata.json").exists() and (tmp_path / "m" / "hf" / "config.json").exists()
+    assert back.returncode == 0, back.stderr[-4000:]
+    original, exported = load_dir(models / "qwen2"), load_dir(tmp_path / "hf")
+    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
+    for proc, message in (
+        (missing_hf.result(), "weights do not match the model: missing key 'model.layers.1.mlp.down_proj.weight'"),
+        (wrong_config.result(), "checkpoint does not match the model: missing key 'decoder.layers.self_attention"),
+    ):
+        assert proc.returncode == 1, proc.stderr[-4000:]
+        assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_module_entry_reports_a_bad_path(tmp_path: Path) -> None:
     proc = run_script(
         ["-m", "miles_megatron.convert", "megatron-to-hf", str(tmp_path / "nothing"), str(tmp_path / "x")]
     )
-    assert proc.returncode != 0 and "not a Megatron distributed checkpoint" in proc.stderr
+    assert proc.returncode == 1 and "not a Megatron distributed checkpoint" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,8 +1,9 @@
 """Checkpoints with ``megatron.core.dist_checkpointing``: model and optimizer (sharded as the layout
 holds them), the step, and every rank's RNG state.
 
-A checkpoint directory holds Megatron's distributed-checkpoint files (``metadata.json``, ``common.pt``
-written by Megatron, the ``.distcp`` shards), ``trainer_state.json`` (step; the learning rate is a
+A checkpoint directory holds Megatron's distributed-checkpoint files (``metadata.json``, torch's pickled
+``.metadata``, ``common.pt`` written by Megatron, the ``.distcp`` shards; the pickles are checked by
+:mod:`miles_megatron.checkpoint_safety` before every load), ``trainer_state.json`` (step; the learning rate is a
 function of it) and ``rng/rank<r>.safetensors``. The distributed optimizer's state is saved
 ``dp_reshardable``. Loading needs the same parallel layout; weights only move between layouts through
 a HF export (:meth:`~miles_megatron.trainer.MegatronTrainer.export_hf`).
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["STATE_FILE", "is_megatron_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["STATE_FILE", "check_model_keys", "is_megatron_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,46 @@ _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 def is_megatron_checkpoint(path: str) -> bool:
     """Whether ``path`` holds a checkpoint written by :func:`save_checkpoint`."""
     return (Path(path) / "metadata.json").exists() and (Path(path) / STATE_FILE).exists()
+
+
+def check_model_keys(model: Any, path: str) -> None:
+    """Strict: the checkpoint's model tensors are ``model``'s (a ``GPTModel``), with the same global shapes.
+
+    Raises ``KeyError`` naming the first missing or
+    unexpected key, ``ValueError`` naming the first tensor whose shape differs (another model's config).
+    The optimizer's entries (``optimizer.*``) of a trainer checkpoint are not model tensors.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from miles_megatron.checkpoint_safety import check_checkpoint_files
+
+    check_checkpoint_files(path)
+    model_sd = model.sharded_state_dict()  # its own copy: the factories (fused gate/up) are applied here
+    apply_factories(model_sd)
+    saved = {
+        k: tuple(v.global_shape)
+        for k, v in dist_checkpointing.load_tensors_metadata(path).items()
+        if not k.startswith("optimizer.")
+    }
+    wanted = {v.key: tuple(v.global_shape) for v in nested_values(model_sd) if isinstance(v, ShardedTensor)}
+    missing, unexpected = sorted(wanted.keys() - saved.keys()), sorted(saved.keys() - wanted.keys())
+    if missing:
+        raise KeyError(
+            f"{path}: checkpoint does not match the model: missing key {missing[0]!r} ({len(missing)} missing)"
+        )
+    if unexpected:
+        raise KeyError(
+            f"{path}: checkpoint does not match the model: unexpected key {unexpected[0]!r} "
+            f"({len(unexpected)} unexpected)"
+        )
+    for key in sorted(wanted):
+        if wanted[key] != saved[key]:
+            raise ValueError(
+                f"{path}: checkpoint does not match the model: {key!r} has shape {list(saved[key])} in the "
+                f"checkpoint, {list(wanted[key])} in the model (built from another config?)"
+            )
 
 
 def _barrier() -> None:
@@ -100,16 +141,19 @@ def load_checkpoint(path: str, module: Any, optimizer: Any, *, rank: int) -> int
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
+    from miles_megatron.checkpoint_safety import check_checkpoint_files
     from miles_megatron.modules import unwrap
 
     src = Path(path)
     meta = json.loads((src / STATE_FILE).read_text())
     if meta.get("model_only"):  # converted from HF: weights only, resharded to this layout
+        check_model_keys(unwrap(module), str(src))
         model_sd = unwrap(module).sharded_state_dict()
         state = dist_checkpointing.load({"model": model_sd}, str(src))
         unwrap(module).load_state_dict(state["model"])
         _barrier()
         return 0
+    check_checkpoint_files(src)
     state = dist_checkpointing.load(_sharded(module, optimizer, is_loading=True), str(src))
     unwrap(module).load_state_dict(state["model"])
     with torch.no_grad():

@@ -15,6 +15,7 @@ import os
 import random
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ TRAIN = dict(
     grad_clip=0.5,
     max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
 )
+ON_A_THREAD = "dp2"
+"""The layout whose steps run on another thread than its set-up (torch's function modes are per thread)."""
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": dict(tensor_parallel=2, sequence_parallel=True),
     "pp2": dict(pipeline_parallel=2),
@@ -143,7 +146,11 @@ def _megatron_rank(
         options = MegatronSettings(**LAYOUTS[layout])
         trainer = MegatronTrainer(train, options, FP32(None), ctx)
         trainer.setup(need_ref=layout == "tp2")
-        results = _run_layout(trainer, rank, world, model, out)
+        if layout == ON_A_THREAD:  # as the async modes do: set up here, train on a dedicated thread
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                results = pool.submit(_run_layout, trainer, rank, world, model, out).result()
+        else:
+            results = _run_layout(trainer, rank, world, model, out)
         if layout == "tp2":
             ref = trainer.compute_logprobs(
                 eval_batch(vocab).shard(rank, world), model="ref", temperature=EVAL_TEMPERATURE

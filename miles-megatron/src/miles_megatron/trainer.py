@@ -114,8 +114,12 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         return self._require_setup()
 
     def _require_setup(self) -> ModelParts:
+        """The actor, on a thread ready for Megatron (the async modes call from a dedicated thread)."""
         if self.actor is None:
             raise RuntimeError("MegatronTrainer.setup() must be called first")
+        from miles_megatron.cpu_patches import enter_device_mode
+
+        enter_device_mode()
         return self.actor
 
     # -- data layout -------------------------------------------------------------------------------

@@ -19,11 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["STATE_FILE", "check_model_keys", "is_megatron_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CRITIC_DIR",
+    "STATE_FILE",
+    "check_model_keys",
+    "is_megatron_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+CRITIC_DIR = "critic"
+"""The critic's own distributed checkpoint, inside the trainer's."""
+_FORMAT = "megatron-dist-checkpointing"
 _METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
@@ -113,8 +123,19 @@ def _sharded(module: Any, optimizer: Any, *, is_loading: bool) -> dict[str, Any]
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def save_checkpoint(path: str, module: Any, optimizer: Any, *, step: int, rank: int) -> None:
-    """Save model + optimizer (sharded), step and this rank's RNG states to ``path`` (every rank calls)."""
+def save_checkpoint(
+    path: str,
+    module: Any,
+    optimizer: Any,
+    *,
+    step: int,
+    rank: int,
+    critic: tuple[Any, Any] | None = None,
+    critic_step: int = 0,
+) -> None:
+    """Save model + optimizer (sharded), step and this rank's RNG states to ``path`` (every rank calls);
+    the critic's model + optimizer, when given, to ``path/critic`` (its own distributed checkpoint: its
+    tensors have the policy's names)."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
@@ -124,6 +145,11 @@ def save_checkpoint(path: str, module: Any, optimizer: Any, *, step: int, rank: 
         (out / STATE_FILE).unlink(missing_ok=True)
     _barrier()
     dist_checkpointing.save(_sharded(module, optimizer, is_loading=False), str(out))
+    if critic is not None:
+        if rank == 0:
+            (out / CRITIC_DIR).mkdir(exist_ok=True)
+        _barrier()
+        dist_checkpointing.save(_sharded(*critic, is_loading=False), str(out / CRITIC_DIR))
     (out / "rng").mkdir(exist_ok=True)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -131,17 +157,33 @@ def save_checkpoint(path: str, module: Any, optimizer: Any, *, step: int, rank: 
     save_file(rng, str(out / "rng" / f"rank{rank}.safetensors"))
     _barrier()
     if rank == 0:
-        (out / STATE_FILE).write_text(json.dumps({"step": step, "format": "megatron-dist-checkpointing"}, indent=2))
+        state = {"step": step, "critic_step": critic_step, "critic": critic is not None, "format": _FORMAT}
+        (out / STATE_FILE).write_text(json.dumps(state, indent=2))
     _barrier()
-    log.info("saved a Megatron checkpoint of step %d to %s", step, out)
+    log.info("saved a Megatron checkpoint of step %d to %s%s", step, out, " (with the critic)" if critic else "")
 
 
-def load_checkpoint(path: str, module: Any, optimizer: Any, *, rank: int) -> int:
-    """Restore what :func:`save_checkpoint` wrote; returns the step."""
+def _load_trained(src: Path, module: Any, optimizer: Any, step: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    from miles_megatron.checkpoint_safety import check_checkpoint_files
+    from miles_megatron.modules import unwrap
+
+    check_checkpoint_files(src)
+    state = dist_checkpointing.load(_sharded(module, optimizer, is_loading=True), str(src))
+    unwrap(module).load_state_dict(state["model"])
+    with torch.no_grad():
+        optimizer.load_state_dict(state["optimizer"])
+    _restore_steps(optimizer, step)
+
+
+def load_checkpoint(
+    path: str, module: Any, optimizer: Any, *, rank: int, critic: tuple[Any, Any] | None = None
+) -> tuple[int, int]:
+    """Restore what :func:`save_checkpoint` wrote; returns ``(step, critic_step)``."""
     from megatron.core import dist_checkpointing
     from safetensors.torch import load_file
 
-    from miles_megatron.checkpoint_safety import check_checkpoint_files
     from miles_megatron.modules import unwrap
 
     src = Path(path)
@@ -152,14 +194,13 @@ def load_checkpoint(path: str, module: Any, optimizer: Any, *, rank: int) -> int
         state = dist_checkpointing.load({"model": model_sd}, str(src))
         unwrap(module).load_state_dict(state["model"])
         _barrier()
-        return 0
-    check_checkpoint_files(src)
-    state = dist_checkpointing.load(_sharded(module, optimizer, is_loading=True), str(src))
-    unwrap(module).load_state_dict(state["model"])
-    with torch.no_grad():
-        optimizer.load_state_dict(state["optimizer"])
-    step = int(meta["step"])
-    _restore_steps(optimizer, step)
+        return 0, 0
+    if critic is not None and not meta.get("critic"):
+        raise ValueError(f"{src}: the checkpoint has no critic (saved by a run whose algorithm needed no values)")
+    step, critic_step = int(meta["step"]), int(meta.get("critic_step", 0))
+    _load_trained(src, module, optimizer, step)
+    if critic is not None:
+        _load_trained(src / CRITIC_DIR, *critic, critic_step)
     rng_file = src / "rng" / f"rank{rank}.safetensors"
     if rng_file.exists():
         rng = load_file(str(rng_file))
@@ -169,4 +210,4 @@ def load_checkpoint(path: str, module: Any, optimizer: Any, *, rank: int) -> int
     else:
         log.warning("%s has no RNG state for rank %d (saved with another world size?)", src, rank)
     _barrier()
-    return step
+    return step, critic_step

@@ -9,6 +9,7 @@ the loss is already divided by step-wide counts, exactly as in miles-fsdp.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,11 +101,13 @@ def build_model(
     dtype: torch.dtype,
     weights: str | None,
     trainable: bool,
+    prepare: Callable[[Any], None] | None = None,
 ) -> ModelParts:
     """This rank's stage of the ``GPTModel`` (its TP / EP shards), HF weights loaded from ``weights``.
 
-    A trainable model is wrapped in Megatron DDP (gradient buffers, summed over data parallel); a frozen
-    one (the reference) is not.
+    ``prepare(model)`` runs after the weights are loaded and before the DDP wrap (the critic swaps its
+    output layer there). A trainable model is wrapped in Megatron DDP (gradient buffers, summed over
+    data parallel); a frozen one (the reference) is not.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -128,6 +131,8 @@ def build_model(
         check_hf_keys(bridge, model, weights)
         with torch.no_grad():
             bridge.load_weights([model], weights)
+    if prepare is not None:
+        prepare(model)
     if not trainable:
         model.requires_grad_(False)
         model.eval()

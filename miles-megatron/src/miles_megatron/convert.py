@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -66,6 +67,8 @@ def _build(hf_dir: str, weights: str | None) -> tuple[Any, Any]:
 
 def hf_to_megatron(src: str, out: str) -> Path:
     """Convert the HF directory ``src`` into a model-only Megatron distributed checkpoint at ``out``."""
+    if not (Path(src) / "config.json").exists():
+        raise FileNotFoundError(f"{src}: not a Hugging Face model directory (no config.json)")
     from megatron.core import dist_checkpointing
 
     from miles_megatron.checkpoint import STATE_FILE
@@ -99,15 +102,15 @@ def _config_dir(ckpt: Path, hf_config_dir: str | None) -> str:
 
 def megatron_to_hf(ckpt: str, out: str, *, hf_config_dir: str | None = None) -> Path:
     """Convert a Megatron checkpoint of this package (converted or trainer-saved, model part) to HF."""
+    src = Path(ckpt)
+    if not (src / "metadata.json").exists():
+        raise FileNotFoundError(f"{ckpt}: not a Megatron distributed checkpoint (no metadata.json)")
+    config_dir = _config_dir(src, hf_config_dir)
     from megatron.core import dist_checkpointing
 
     from miles_megatron.checkpoint import check_model_keys
     from miles_megatron.weights import export_hf_dir
 
-    src = Path(ckpt)
-    if not (src / "metadata.json").exists():
-        raise FileNotFoundError(f"{ckpt}: not a Megatron distributed checkpoint (no metadata.json)")
-    config_dir = _config_dir(src, hf_config_dir)
     parts, config = _build(config_dir, None)
     model = parts.module
     check_model_keys(model, str(src))
@@ -127,10 +130,11 @@ def _converting() -> Iterator[None]:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise MilesError(str(message)) from None
     finally:
-        import torch.distributed as dist
+        if "torch" in sys.modules:  # a bad path fails before torch is imported
+            import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def hf_to_megatron_command(
@@ -182,8 +186,6 @@ add_commands(app)
 
 def main() -> None:
     """``python -m miles_megatron.convert``: a bad input prints its message (no traceback) and exits 1."""
-    import sys
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         app()

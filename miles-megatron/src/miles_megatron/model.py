@@ -27,6 +27,7 @@ __all__ = [
     "load_hf_config",
     "torch_dtype",
     "unwrap",
+    "wrap_for_training",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,6 @@ def build_model(
     """
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from miles_megatron.bridge import build_bridge
 
@@ -137,13 +137,20 @@ def build_model(
         model.requires_grad_(False)
         model.eval()
         return ModelParts(model, bridge, int(hf_config.vocab_size))
+    return ModelParts(wrap_for_training(model, options), bridge, int(hf_config.vocab_size))
+
+
+def wrap_for_training(model: Any, options: MegatronSettings) -> Any:
+    """``model`` in Megatron DDP: contiguous gradient buffers in fp32, summed over data parallel, sharded
+    for the distributed optimizer when asked."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=options.distributed_optimizer,
     )
-    wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    return ModelParts(wrapped, bridge, int(hf_config.vocab_size))
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
 def build_optimizer(module: Any, train: Any, options: MegatronSettings, *, dtype: torch.dtype) -> Any:

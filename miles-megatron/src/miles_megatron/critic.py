@@ -50,7 +50,7 @@ class ValueHead(torch.nn.Module):
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(self.weight)
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:
-            self.weight.sequence_parallel = True  # type: ignore[attr-defined]
+            self.weight.sequence_parallel = True
 
     def forward(self, hidden_states: torch.Tensor, weight: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """``[s, b, h]`` hidden states (``s`` this rank's slice under sequence parallel) -> ``[S, b, 1]``

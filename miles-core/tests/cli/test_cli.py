@@ -156,7 +156,7 @@ def miles_register_commands(app):
         typer.echo(text.upper())
 '''
 
-GROUP_CLASH_PLUGIN = '''
+GROUP_CLASH_PLUGIN = """
 import miles
 
 
@@ -165,7 +165,7 @@ def miles_register_commands(app):
     (group,) = [g.typer_instance for g in app.registered_groups if g.name == "convert"]
     group.command("whisper")(lambda: None)  # its own, fine alone
     group.command("gguf")(lambda: None)  # the built-in "miles convert gguf"
-'''
+"""
 
 
 def test_plugins_add_commands_to_a_built_in_group(fake_distribution: Any) -> None:

@@ -1,34 +1,23 @@
-"""Each CPU patch (and mbridge shim) is still needed: with it switched off, a real training step fails.
+"""Each CPU patch (and mbridge shim) is still needed: with it switched off, Megatron fails at the first
+stage of a trainer's life that needs it, with the error it exists for; with every patch on, the same
+stages pass.
 
 A version bump of megatron-core / mbridge that fixes one makes its case here fail: drop the patch then.
-The probes run in their own processes (the patches are process-wide), two at a time.
+``patch_probe.py`` runs every probe in processes of its own (the patches are process-wide), forked from
+one parent that paid the imports once.
 """
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
+import json
 from pathlib import Path
+from typing import Any
 
+import patch_probe
 import pytest
-from helpers import free_port, run_script
+from helpers import run_script
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
-
-NEEDED_BY = {
-    "cuda_rng": "dense",
-    "current_device": "dense",
-    "cuda_device_mode": "dense",
-    "cuda_tensor_type": "dense",
-    "recompute_mode": "dense",
-    "cuda_streams": "moe",
-    "moe_te_names": "moe",
-    "ep_split_sizes": "ep",
-    "sp_torch_norm": "sp",
-    "mbridge_local_spec": "dense",
-    "mbridge_local_names": "dense",
-    "mbridge_rope_theta": "dense",
-}
 
 
 def test_every_patch_and_shim_has_a_probe() -> None:
@@ -43,34 +32,34 @@ def test_every_patch_and_shim_has_a_probe() -> None:
         and getattr(node.func, "id", "") == "CpuPatch"
         and isinstance(node.args[0], ast.Constant)
     }
-    assert names | {"mbridge_local_spec", "mbridge_local_names", "mbridge_rope_theta"} == set(NEEDED_BY)
+    assert names | {"mbridge_local_spec", "mbridge_local_names", "mbridge_rope_theta"} == set(patch_probe.PROBES)
 
 
 @pytest.fixture(scope="module")
-def probes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str]]:
+def probes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from miles.testing.models import build_tiny_model
 
     root = tmp_path_factory.mktemp("probes")
-    for arch in ("qwen2", "qwen2_moe"):
+    for arch in {s.arch for s in patch_probe.SCENARIOS.values()}:
         build_tiny_model(root / arch, arch, seed=1)
-    script = str(Path(__file__).with_name("patch_probe.py"))
-
-    def probe(name: str) -> tuple[str, tuple[int, str]]:
-        proc = run_script(
-            [script, NEEDED_BY[name], str(root), str(free_port())],
-            env={"MILES_MEGATRON_DISABLE_PATCHES": name},
-            timeout=600,
-        )
-        return name, (proc.returncode, proc.stderr[-3000:])
-
-    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
-        return dict(pool.map(probe, NEEDED_BY))
+    proc = run_script([str(Path(patch_probe.__file__)), str(root), str(root / "out")], timeout=800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results: dict[str, Any] = json.loads((root / "out" / "results.json").read_text())
+    return results
 
 
-@pytest.mark.parametrize("name", list(NEEDED_BY))
-def test_switching_the_patch_off_breaks_megatron(probes: dict[str, tuple[int, str]], name: str) -> None:
-    code, stderr = probes[name]
-    assert code != 0, f"patch {name!r} is no longer needed (the probe passed without it):\n{stderr}"
+@pytest.mark.parametrize("scenario", sorted(patch_probe.controls()))
+def test_the_probed_stages_pass_with_every_patch_on(probes: dict[str, Any], scenario: str) -> None:
+    ranks = probes[f"control:{scenario}"]["ranks"]
+    assert [r["stage"] for r in ranks] == ["ok"] * patch_probe.SCENARIOS[scenario].world, ranks
+
+
+@pytest.mark.parametrize("name", list(patch_probe.PROBES))
+def test_switching_the_patch_off_breaks_megatron(probes: dict[str, Any], name: str) -> None:
+    probe, ranks = patch_probe.PROBES[name], probes[name]["ranks"]
+    assert any(r["stage"] != "ok" for r in ranks), f"patch {name!r} is no longer needed (the probe passed without it)"
+    assert [r["stage"] for r in ranks] == [probe.stage] * len(ranks), ranks
+    assert any(probe.error in r["error"] for r in ranks), ranks
 
 
 def test_unknown_patch_name_is_a_clear_error(tmp_path: Path) -> None:

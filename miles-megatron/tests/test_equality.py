@@ -1,7 +1,9 @@
 """The proof that the backend is right: megatron at TP=2 (+ sequence parallel), PP=2 and DP=2 (distributed
-optimizer, full recompute), each on 2 gloo ranks, trains exactly as miles-fsdp does on the same tiny
-model, batches and algorithm (4 fp32 optimizer steps, micro-batches of 30 tokens, four aggregations);
-its logprobs equal a plain HF forward; a tiny Qwen2-MoE at EP=2 equals HF's forward.
+optimizer, full recompute, its steps on another thread than its set-up), each on 2 gloo ranks, trains
+exactly as miles-fsdp does on the same tiny model, batches and algorithms (4 fp32 optimizer steps,
+micro-batches of 30 tokens, four aggregations, a PPO critic trained on two of the steps); its logprobs
+equal a plain HF forward; the critic's values and a top-k distillation step equal miles-fsdp's, the
+student's top-k logprobs an HF gather; a tiny Qwen2-MoE at EP=2 equals HF's forward.
 
 One launch of ``megatron_job.py`` runs the three layouts and the MoE case one after the other; one
 launch runs the miles-fsdp reference.
@@ -82,12 +84,15 @@ def _max_diff(a: list[list[float]], b: list[torch.Tensor] | list[list[float]]) -
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_training_equals_miles_fsdp(run: Run, layout: str) -> None:
     ranks = run.ranks(layout)
-    for got, want in zip(ranks[0]["metrics"], run.fsdp["metrics"], strict=True):
+    for step, (got, want) in enumerate(zip(ranks[0]["metrics"], run.fsdp["metrics"], strict=True)):
         assert got["loss"] == pytest.approx(want["loss"], rel=TOL, abs=1e-7)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
         assert got["trained_tokens"] == want["trained_tokens"] and got["sequences"] == want["sequences"]
-        for name in ("ratio", "entropy", "train_rollout_logprob_abs_diff"):
+        critic = step in job.CRITIC_STEPS  # the value head trained through the same loss
+        names = ("value_loss", "critic_grad_norm", "critic_lr") if critic else ("ratio",)
+        assert ("critic_grad_norm" in got) == critic and ("critic_grad_norm" in want) == critic
+        for name in (*names, "entropy", "train_rollout_logprob_abs_diff"):
             assert got[name] == pytest.approx(want[name], rel=TOL), name
     assert ranks[1]["metrics"] == ranks[0]["metrics"]  # reduced over ranks
     fsdp, megatron = load_dir(run.root / "fsdp" / "hf_full"), load_dir(run.root / "megatron" / layout / "hf_full")
@@ -152,3 +157,45 @@ def test_moe_at_expert_parallel_2_equals_hf(run: Run) -> None:
     assert ranks[0]["metrics"][0]["grad_norm"] > 0 and ranks[1]["metrics"] == ranks[0]["metrics"]
     _, info = AutoModelForCausalLM.from_pretrained(run.root / "megatron" / "ep2" / "hf", output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_critic_values_equal_miles_fsdp(run: Run, layout: str) -> None:
+    """After two critic steps (one before the checkpoint, one after the resume) the values agree."""
+    assert _max_diff(run.logprobs(layout, "values"), run.fsdp["values"]) <= TOL
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_topk_distillation_equals_miles_fsdp_and_an_hf_gather(run: Run, layout: str) -> None:
+    """The student's logprobs at the teacher's top-k ids equal an HF forward's gather (before the step),
+    and the step equals miles-fsdp's."""
+    ranks = run.ranks(layout)
+    got, want = ranks[0]["distill_metrics"], run.fsdp["distill_metrics"]
+    for name in ("loss", "grad_norm", "distill_topk_reverse_kl"):
+        assert got[name] == pytest.approx(want[name], rel=TOL), name
+    assert "critic_grad_norm" not in got  # the idle critic is not stepped
+    # each recorded row names its position by the teacher's (distinct) logprobs
+    batch = job.distill_batch(run.vocab)
+    assert batch.teacher_topk_ids is not None and batch.teacher_topk_logprobs is not None
+    model = _hf_model(run.root / "megatron" / layout / "hf_resumed")  # the weights the step started from
+    expected: dict[tuple[float, ...], torch.Tensor] = {}
+    with torch.no_grad():
+        for i, tokens in enumerate(batch.sequences()):
+            p = int(batch.prompt_lengths[i])
+            logits = model(torch.tensor([tokens])).logits[0, p - 1 : -1].float()
+            logp = torch.log_softmax(logits / job.DISTILL_TEMPERATURE, dim=-1)
+            span = slice(batch.response_offsets[i], batch.response_offsets[i + 1])
+            gathered = logp.gather(1, batch.teacher_topk_ids[span])
+            for row, teacher in zip(gathered, batch.teacher_topk_logprobs[span].tolist(), strict=True):
+                expected[tuple(teacher)] = row
+    seen: dict[tuple[float, ...], torch.Tensor] = {}
+    for rank in ranks:
+        for student, teacher in rank["distill_seen"]:
+            for s_row, t_row in zip(student, teacher, strict=True):
+                seen[tuple(t_row)] = torch.tensor(s_row)
+    assert seen.keys() == expected.keys()  # every response token, by some rank
+    worst = max(float((seen[k] - expected[k]).abs().max()) for k in expected)
+    assert worst <= TOL, worst
+    fsdp = load_dir(run.root / "fsdp" / "hf_distilled")
+    megatron = load_dir(run.root / "megatron" / layout / "hf_distilled")
+    assert max(float((megatron[k] - fsdp[k]).abs().max()) for k in fsdp) <= TOL

@@ -46,6 +46,7 @@ def test_miles_plugins_list_shows_trainer_megatron() -> None:
     assert megatron["distribution"] == "miles-megatron"
     assert megatron["status"] == "ok"
     assert {"kind": "trainer", "name": "megatron"} in megatron["registers"]
+    assert megatron["commands"] == ["convert hf-to-megatron", "convert megatron-to-hf"]
 
 
 def test_settings_reject_unknown_keys_and_bad_sizes() -> None:

@@ -196,3 +196,49 @@ def test_dry_run_checks_the_model_and_every_data_row(tmp_path: Path, tiny: Path)
 def test_train_without_a_config_says_so() -> None:
     out = miles("train")
     assert out.returncode == 2 and "no config given" in out.stderr and "Traceback" not in out.stderr
+
+
+GROUP_PLUGIN = '''
+import typer
+import miles
+
+
+def add_to_convert(app):
+    (group,) = [g.typer_instance for g in app.registered_groups if g.name == "convert"]
+    return group
+
+
+@miles.hookimpl
+def miles_register_commands(app):
+    @add_to_convert(app).command("shout")
+    def shout(text: str) -> None:
+        """Print ``text`` in capitals."""
+        typer.echo(text.upper())
+'''
+
+GROUP_CLASH_PLUGIN = """
+import miles
+
+
+@miles.hookimpl
+def miles_register_commands(app):
+    (group,) = [g.typer_instance for g in app.registered_groups if g.name == "convert"]
+    group.command("whisper")(lambda: None)  # its own, fine alone
+    group.command("gguf")(lambda: None)  # the built-in "miles convert gguf"
+"""
+
+
+def test_plugins_add_commands_to_a_built_in_group(fake_distribution: Any) -> None:
+    """A plugin may add subcommands to ``miles convert``; one that takes a name already there is refused and
+    none of its subcommands stay (the built-in keeps working)."""
+    fake_distribution("miles-shout", {"shout": "miles_shout_plugin"}, {"miles_shout_plugin": GROUP_PLUGIN})
+    fake_distribution("miles-gclash", {"gclash": "miles_gclash_plugin"}, {"miles_gclash_plugin": GROUP_CLASH_PLUGIN})
+    out = miles("convert", "shout", "quiet")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "QUIET"
+    plugins = {p["name"]: p for p in json.loads(miles("plugins", "list", "--json").stdout)["plugins"]}
+    assert plugins["shout"]["status"] == "ok" and plugins["shout"]["commands"] == ["convert shout"]
+    assert plugins["gclash"]["status"] == "failed"
+    assert "command 'convert gguf' is already taken" in plugins["gclash"]["error"]
+    assert miles("convert", "whisper").returncode == 2  # rolled back with the clash
+    assert "Dequantise a GGUF model" in miles("convert", "gguf", "--help").stdout

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ __all__ = [
     "applied_patches",
     "apply_cpu_patches",
     "disabled_patches",
+    "enter_device_mode",
 ]
 
 log = logging.getLogger(__name__)
@@ -340,11 +341,14 @@ def apply_cpu_patches(device: str) -> list[str]:
     return done
 
 
-@contextlib.contextmanager
-def function_mode() -> Iterator[None]:
-    """Re-enter the CPU device mode (for code that torch runs outside it, e.g. in another thread)."""
-    if _MODE is None:
-        yield
-        return
-    with _MODE:
-        yield
+def enter_device_mode() -> None:
+    """Enter the CPU device mode (``cuda_device_mode``) on the calling thread, for good, when it is not there.
+
+    Torch keeps function modes per thread and :func:`apply_cpu_patches` entered it on the thread that
+    applied the patches; the async modes train and stage weights on a dedicated thread, where Megatron's
+    literal ``device="cuda"`` would otherwise reach torch. Nothing when the patches are not applied.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    if _MODE is not None and _MODE not in _get_current_function_mode_stack():
+        _MODE.__enter__()

@@ -9,6 +9,7 @@ the loss is already divided by step-wide counts, exactly as in miles-fsdp.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "load_hf_config",
     "torch_dtype",
     "unwrap",
+    "wrap_for_training",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,15 +102,16 @@ def build_model(
     dtype: torch.dtype,
     weights: str | None,
     trainable: bool,
+    prepare: Callable[[Any], None] | None = None,
 ) -> ModelParts:
     """This rank's stage of the ``GPTModel`` (its TP / EP shards), HF weights loaded from ``weights``.
 
-    A trainable model is wrapped in Megatron DDP (gradient buffers, summed over data parallel); a frozen
-    one (the reference) is not.
+    ``prepare(model)`` runs after the weights are loaded and before the DDP wrap (the critic swaps its
+    output layer there). A trainable model is wrapped in Megatron DDP (gradient buffers, summed over
+    data parallel); a frozen one (the reference) is not.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from miles_megatron.bridge import build_bridge
 
@@ -128,17 +131,26 @@ def build_model(
         check_hf_keys(bridge, model, weights)
         with torch.no_grad():
             bridge.load_weights([model], weights)
+    if prepare is not None:
+        prepare(model)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
         return ModelParts(model, bridge, int(hf_config.vocab_size))
+    return ModelParts(wrap_for_training(model, options), bridge, int(hf_config.vocab_size))
+
+
+def wrap_for_training(model: Any, options: MegatronSettings) -> Any:
+    """``model`` in Megatron DDP: contiguous gradient buffers in fp32, summed over data parallel, sharded
+    for the distributed optimizer when asked."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=options.distributed_optimizer,
     )
-    wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    return ModelParts(wrapped, bridge, int(hf_config.vocab_size))
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
 def build_optimizer(module: Any, train: Any, options: MegatronSettings, *, dtype: torch.dtype) -> Any:

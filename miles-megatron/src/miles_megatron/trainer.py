@@ -46,9 +46,14 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         super().__init__(train, options if options is not None else MegatronSettings(), precision, dist)
         self.step = 0
         """Optimizer steps taken (restored by :meth:`load_checkpoint`)."""
+        self.critic_step = 0
+        """Optimizer steps of the critic (steps whose algorithm needed values; its schedule's position)."""
         self.actor: ModelParts | None = None
         self.ref: ModelParts | None = None
         self.optimizer: Any = None
+        self.critic: ModelParts | None = None
+        """The PPO critic (the policy's ``GPTModel`` with a value head), after ``setup(need_values=True)``."""
+        self.critic_optimizer: Any = None
         self._hf_config: Any = None
         self._pad_token_id = 0
         self._fuser: Any = None
@@ -79,8 +84,6 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         train, opts = self.train_settings, self.options
         if not train.model_path:
             raise ValueError("train.model_path: the megatron trainer needs a Hugging Face model directory")
-        if need_values:
-            raise TypeError("the megatron trainer has no value head yet; pick an algorithm that needs no critic")
         config = read_hf_config(train.model_path)
         check_parallel_layout(opts, self.dist.world_size, config)
         init_parallel(opts, device=self.dist.device, seed=train.seed)
@@ -94,10 +97,12 @@ class MegatronTrainer(Trainer[MegatronSettings]):
             self.ref = build_model(
                 self._hf_config, opts, device=self.dist.device, dtype=dtype, weights=train.model_path, trainable=False
             )
+        if need_values:
+            self._setup_critic(dtype)
         pad = self._hf_config.pad_token_id if self._hf_config.pad_token_id is not None else self._hf_config.eos_token_id
         self._pad_token_id = int(pad if isinstance(pad, int) else 0)
         log.info(
-            "megatron trainer ready on %s x%d (tp=%d pp=%d ep=%d sp=%s recompute=%s, params %s, ref=%s)",
+            "megatron trainer ready on %s x%d (tp=%d pp=%d ep=%d sp=%s recompute=%s, params %s, ref=%s, critic=%s)",
             self.dist.device,
             self.dist.world_size,
             opts.tensor_parallel,
@@ -107,15 +112,52 @@ class MegatronTrainer(Trainer[MegatronSettings]):
             opts.recompute,
             self.precision.param_dtype,
             need_ref,
+            need_values,
         )
+
+    def _setup_critic(self, dtype: torch.dtype) -> None:
+        """The critic: the policy's ``GPTModel`` loaded from the same weights, a value head on its last
+        stage (:mod:`miles_megatron.critic`), its own AdamW at ``critic_lr``."""
+        from miles_megatron.critic import attach_value_head
+        from miles_megatron.model import build_model, build_optimizer
+
+        train, opts = self.train_settings, self.options
+
+        def to_critic(model: Any) -> None:
+            attach_value_head(model, self._hf_config, init_std=opts.value_head_init_std, seed=train.seed)
+
+        self.critic = build_model(
+            self._hf_config,
+            opts,
+            device=self.dist.device,
+            dtype=dtype,
+            weights=train.model_path,
+            trainable=True,
+            prepare=to_critic,
+        )
+        critic_train = train.model_copy(update={"lr": self.critic_peak_lr})
+        self.critic_optimizer = build_optimizer(self.critic.module, critic_train, opts, dtype=dtype)
+
+    @property
+    def critic_peak_lr(self) -> float:
+        """The critic's peak learning rate (``critic_lr``, else ``train.lr``)."""
+        return self.options.critic_lr or self.train_settings.lr
 
     def model_parts(self) -> ModelParts:
         """The actor's parts (after :meth:`setup`)."""
         return self._require_setup()
 
+    def critic_parts(self) -> ModelParts | None:
+        """The critic's parts (``None`` unless ``setup(need_values=True)``)."""
+        return self.critic
+
     def _require_setup(self) -> ModelParts:
+        """The actor, on a thread ready for Megatron (the async modes call from a dedicated thread)."""
         if self.actor is None:
             raise RuntimeError("MegatronTrainer.setup() must be called first")
+        from miles_megatron.cpu_patches import enter_device_mode
+
+        enter_device_mode()
         return self.actor
 
     # -- data layout -------------------------------------------------------------------------------
@@ -159,23 +201,46 @@ class MegatronTrainer(Trainer[MegatronSettings]):
             make_micro_batch(batch, b, self.device, pad_token_id=self._pad_token_id, multiple=multiple) for b in bins
         ]
 
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (warm-up, then the schedule)."""
+    def lr_at(self, step: int, *, critic: bool = False) -> float:
+        """The learning rate of optimizer step ``step`` (warm-up, then the schedule), of the actor or of
+        the critic (the same schedule from its own peak, down to ``train.min_lr``, as miles-fsdp's)."""
         from miles_megatron.step import lr_factor
 
         train = self.train_settings
+        peak = self.critic_peak_lr if critic else train.lr
         total = train.num_rollouts * train.steps_per_rollout
         factor = lr_factor(
             step,
             warmup_steps=train.warmup_steps,
             total_steps=total,
             schedule=train.lr_schedule,
-            lr=train.lr,
+            lr=peak,
             min_lr=train.min_lr,
         )
-        return train.lr * factor
+        return peak * factor
 
     # -- trainer interface -------------------------------------------------------------------------
+    def _per_token(
+        self, parts: ModelParts, batch: TrainBatch, compute: Any, names: list[str], *, values: bool = False
+    ) -> dict[str, list[torch.Tensor]]:
+        """A forward-only pass over the replica's pooled batch; this rank's sequences of each result."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        from miles_megatron.step import forward_per_token
+
+        pooled, start = self._pool(batch)
+        filled = forward_per_token(parts, pooled, self.micro_batches(pooled), compute, names, values=values)
+        if mpu.get_pipeline_model_parallel_world_size() > 1:  # filled on the last stage
+            src, group = mpu.get_pipeline_model_parallel_last_rank(), mpu.get_pipeline_model_parallel_group()
+            for tensor in filled.values():
+                on_device = tensor.to(self.device)
+                dist.broadcast(on_device, src=src, group=group)
+                tensor.copy_(on_device.cpu())
+        offsets = pooled.response_offsets
+        mine = range(start, start + len(batch))
+        return {name: [tensor[offsets[i] : offsets[i + 1]].clone() for i in mine] for name, tensor in filled.items()}
+
     def compute_logprobs(
         self,
         batch: TrainBatch,
@@ -185,51 +250,28 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         with_entropy: bool = False,
     ) -> LogprobOutput:
         """Per-response-token logprobs (and entropy) of this rank's sequences."""
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state as mpu
-
         from miles.training.logprobs import token_logprobs
-        from miles_megatron.step import run_micro_batches
 
         self._require_setup()
         parts = self.actor if model == "actor" else self.ref
         if parts is None:
             raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
-        pooled, start = self._pool(batch)
-        offsets = pooled.response_offsets
-        # [R] of the pooled batch: filled on the last pipeline stage, broadcast to the others
-        logprobs_all = torch.zeros(pooled.num_response_tokens, dtype=torch.float32)
-        entropy_all = torch.zeros(pooled.num_response_tokens if with_entropy else 0, dtype=torch.float32)
 
-        def on_logits(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        def compute(mb: MicroBatch, logits: torch.Tensor) -> dict[str, torch.Tensor]:
             lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy)
-            lp_parts = lp.split(mb.response_lengths)
-            ent_parts = ent.split(mb.response_lengths) if ent is not None else [None] * len(mb.indices)
-            for i, a, e in zip(mb.indices, lp_parts, ent_parts, strict=True):
-                logprobs_all[offsets[i] : offsets[i + 1]] = a.detach().float().cpu()
-                if e is not None:
-                    entropy_all[offsets[i] : offsets[i + 1]] = e.detach().float().cpu()
-            return logits.sum() * 0.0
+            return {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
 
-        module = parts.module
-        was_training = module.training
-        module.eval()
-        with torch.no_grad():
-            run_micro_batches(
-                module, self.micro_batches(pooled), on_logits, vocab_size=parts.vocab_size, forward_only=True
-            )
-        module.train(was_training)
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            src, group = mpu.get_pipeline_model_parallel_last_rank(), mpu.get_pipeline_model_parallel_group()
-            for values in (logprobs_all, entropy_all):
-                on_device = values.to(self.device)
-                dist.broadcast(on_device, src=src, group=group)
-                values.copy_(on_device.cpu())
-        mine = range(start, start + len(batch))
-        logprobs = [logprobs_all[offsets[i] : offsets[i + 1]].clone() for i in mine]
-        entropy = [entropy_all[offsets[i] : offsets[i + 1]].clone() for i in mine] if with_entropy else None
-        return LogprobOutput(logprobs=logprobs, entropy=entropy)
+        names = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
+        out = self._per_token(parts, batch, compute, names)
+        return LogprobOutput(logprobs=out["logprobs"], entropy=out.get("entropy"))
+
+    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Critic values at the positions that predict each response token (needs ``need_values``)."""
+        self._require_setup()
+        if self.critic is None:
+            raise RuntimeError("compute_values needs setup(need_values=True)")
+        out = self._per_token(self.critic, batch, lambda mb, values: {"values": values}, ["values"], values=True)
+        return out["values"]
 
     def train_step(self, batch: TrainBatch, algorithm: Algorithm, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over the step's sequences (this rank's share); see :mod:`miles_megatron.step`."""
@@ -238,6 +280,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         self._require_setup()
         metrics = run_train_step(self, batch, algorithm, temperature=temperature)
         self.step += 1
+        self.critic_step += int(algorithm.needs.values)
         return metrics
 
     def iter_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
@@ -257,11 +300,21 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         yield from iter_buckets(pairs(), bucket_bytes, keep=self.dist.rank == 0)
 
     def save_checkpoint(self, path: str) -> None:
-        """``megatron.core.dist_checkpointing`` of the model and optimizer, plus step and RNG states."""
+        """``megatron.core.dist_checkpointing`` of the model and optimizer (and the critic's, in
+        ``critic/``), plus step and RNG states."""
         from miles_megatron.checkpoint import save_checkpoint
 
         actor = self._require_setup()
-        save_checkpoint(path, actor.module, self.optimizer, step=self.step, rank=self.dist.rank)
+        critic = None if self.critic is None else (self.critic.module, self.critic_optimizer)
+        save_checkpoint(
+            path,
+            actor.module,
+            self.optimizer,
+            step=self.step,
+            rank=self.dist.rank,
+            critic=critic,
+            critic_step=self.critic_step,
+        )
 
     def load_checkpoint(self, path: str) -> None:
         """Resume from a :meth:`save_checkpoint` directory (exactly) or load a HF directory's weights."""
@@ -270,7 +323,10 @@ class MegatronTrainer(Trainer[MegatronSettings]):
 
         actor = self._require_setup()
         if is_megatron_checkpoint(path):
-            self.step = load_checkpoint(path, actor.module, self.optimizer, rank=self.dist.rank)
+            critic = None if self.critic is None else (self.critic.module, self.critic_optimizer)
+            self.step, self.critic_step = load_checkpoint(
+                path, actor.module, self.optimizer, rank=self.dist.rank, critic=critic
+            )
             return
         import torch
 
@@ -302,5 +358,5 @@ class MegatronTrainer(Trainer[MegatronSettings]):
 
     def close(self) -> None:
         """Drop the models and the optimizer (no collective: ``close`` also runs after a failure)."""
-        self.actor = self.ref = None
-        self.optimizer = None
+        self.actor = self.ref = self.critic = None
+        self.optimizer = self.critic_optimizer = None

@@ -86,6 +86,16 @@ def _command_names(commands: Iterable[Any], groups: Iterable[Any]) -> set[str]:
     return names | {g.name or "" for g in groups}
 
 
+def _group_commands(groups: Iterable[Any]) -> dict[str, tuple[Any, list[Any]]]:
+    """Each named group's typer app and its commands so far (a plugin may add commands to an existing group,
+    e.g. ``miles convert``)."""
+    return {
+        g.name: (g.typer_instance, list(g.typer_instance.registered_commands))
+        for g in groups
+        if g.name and g.typer_instance
+    }
+
+
 def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
@@ -343,15 +353,22 @@ class PluginManager:
             record = self._records.get(impl.plugin_name)
             commands, groups = list(app.registered_commands), list(app.registered_groups)
             taken = _command_names(commands, groups)
+            nested = _group_commands(groups)
             try:
                 impl.function(app=app)
                 added = _command_names(app.registered_commands[len(commands) :], app.registered_groups[len(groups) :])
                 clash = sorted(added & taken)
+                for group, (sub, before) in nested.items():  # commands added to an existing group
+                    new = _command_names(sub.registered_commands[len(before) :], [])
+                    clash += sorted(f"{group} {n}" for n in new & _command_names(before, []))
+                    added |= {f"{group} {n}" for n in new}
                 if clash:
                     raise PluginLoadError(f"command {clash[0]!r} is already taken")
             except Exception as exc:
                 app.registered_commands[:] = commands
                 app.registered_groups[:] = groups
+                for sub, before in nested.values():
+                    sub.registered_commands[:] = before
                 if record is not None:
                     record.status = "failed"
                     record.error = f"miles_register_commands: {_one_line(exc)}"

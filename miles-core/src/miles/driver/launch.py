@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
     from miles.driver.run import Run
     from miles.launch.base import Launcher
+    from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 
-__all__ = ["launch_engines", "run_training"]
+__all__ = ["launch_engines", "launch_fleet", "run_training", "start_router"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
 
         raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
     launches = []
+    gpus = engine.gpus_per_engine
     for i in range(settings.cluster.num_engines):
         launch = engine.launch(
             model_path=path,
@@ -75,11 +77,53 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
             port=free_port(settings.cluster.host),
             device=settings.cluster.device,
             dtype=run.engine_dtype,
-            devices=[i] if settings.cluster.device == "cuda" else [],
+            devices=list(range(i * gpus, (i + 1) * gpus)) if settings.cluster.device == "cuda" else [],
+            rank=i,
+            seed=settings.train.seed,
+            colocate=settings.cluster.colocate,
         )
         launch.env = {**_child_env(settings, role="engine"), **launch.env}
         launches.append(launch)
     return launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout)
+
+
+def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
+    """Start the ``rollout.router`` (smg) in front of ``engine_urls`` through the launcher, which owns it;
+    return its URL once it reports every engine healthy and registered."""
+    from miles.launch.base import ProcessSpec
+    from miles.launch.process import describe_exit
+    from miles.launch.rendezvous import free_port
+    from miles.rollout.router import smg_argv, wait_for_router
+
+    settings = run.settings
+    host = settings.cluster.host
+    port = free_port(host)
+    argv = smg_argv(settings.rollout.router, engine_urls, host=host, port=port, prometheus_port=free_port(host))
+    process = launcher.start_process(ProcessSpec(name="router", argv=argv))
+    url = f"http://{host}:{port}"
+
+    def exited() -> str | None:
+        code = process.exit_status()
+        return None if code is None else f"{describe_exit(code)}; last lines of its log:\n{process.log_tail(20)}"
+
+    wait_for_router(url, engine_urls, timeout=settings.rollout.router.startup_timeout, exited=exited)
+    log.info(
+        "router (smg, policy %s) is up at %s in front of %d engines",
+        settings.rollout.router.policy,
+        url,
+        len(engine_urls),
+    )
+    return url
+
+
+def launch_fleet(run: Run, launcher: Launcher, *, model_path: str | None = None) -> EngineFleet:
+    """The engines (:func:`launch_engines`) and, with ``rollout.router = "smg"``, the router in front of them."""
+    from miles.rollout.router import EngineFleet
+
+    router = run.settings.rollout.router
+    urls = launch_engines(run, launcher, model_path=model_path)
+    router_url = start_router(run, launcher, urls) if urls and router.name == "smg" else None
+    return EngineFleet(urls, router_url=router_url, routing_key_header=router.routing_key_header)
 
 
 @contextmanager
@@ -142,8 +186,9 @@ def run_training(run: Run, *, resume: str | None = None, console: Console | None
     if resume is None and (run_dir / "metrics.jsonl").exists():
         (run_dir / "metrics.jsonl").unlink()  # a fresh run in an old directory starts a fresh log
     with run.launcher(run_dir=str(run_dir)) as launcher:
-        urls = launch_engines(run, launcher) if run.algorithm.needs.rollout else []
-        (run_dir / "launch.json").write_text(json.dumps({"engine_urls": urls, "resume": resume}))
+        fleet = launch_fleet(run, launcher) if run.algorithm.needs.rollout else None
+        engines = fleet.to_json() if fleet is not None else {"engine_urls": []}
+        (run_dir / "launch.json").write_text(json.dumps({**engines, "resume": resume}))
         env = _child_env(settings)
         specs = trainer_specs(
             [sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env

@@ -56,7 +56,8 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
 
 
 def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None) -> list[str]:
-    """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs."""
+    """Start ``cluster.num_engines`` engine servers serving the policy (``gpus_per_engine`` GPUs each on
+    CUDA, engine ``i`` from GPU ``i x gpus_per_engine``), flush their caches; return their URLs."""
     from miles.launch.rendezvous import free_port
 
     settings = run.settings
@@ -84,7 +85,22 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
         )
         launch.env = {**_child_env(settings, role="engine"), **launch.env}
         launches.append(launch)
-    return launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout)
+    urls = launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout)
+    _flush(urls)
+    return urls
+
+
+def _flush(urls: list[str]) -> None:
+    """Empty each engine's prefix cache once it is up (its health check generated a token)."""
+    import httpx
+
+    from miles.errors import LaunchError
+
+    with httpx.Client(timeout=60.0, trust_env=False) as client:
+        for url in urls:
+            resp = client.post(url.rstrip("/") + "/flush_cache")
+            if resp.status_code >= 400:
+                raise LaunchError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")
 
 
 def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:

@@ -1,8 +1,9 @@
 """HTTP routes of distributed weight updates and weight verification (see :mod:`miles.engine.weight_sync`).
 
 SGLang's names and fields: ``/init_weights_update_group {master_address, master_port, rank_offset,
-world_size, group_name, backend}``, ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
-flush_cache, weight_version}``, ``/destroy_weights_update_group {group_name}``. Miles adds
+world_size, group_name, backend}``, ``/begin_weight_update {}`` and ``/end_weight_update {}`` around
+``/update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version}``,
+``/destroy_weights_update_group {group_name}``. Miles adds
 ``/weights_checksum`` and, with ``--enable-debug-endpoints``, ``/debug/randomize_weights {seed}``; and
 SGLang's ``/release_memory_occupation {tags}`` / ``/resume_memory_occupation {tags}`` for colocation and
 ``/get_weights_by_name {name, truncate_size}`` (the first rows of a parameter, for sampled verification).
@@ -86,6 +87,27 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             # joining blocks until every rank arrives: keep it off the event loop and the scheduler
             await asyncio.to_thread(lambda: groups.init(**kwargs))
             return {"success": True, "message": f"joined weight update group {kwargs['group_name']!r}"}
+
+        return await admin(request, run)
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            await run_on_scheduler(begin_update)
+            return {"success": True, "message": "weight update begun (generation paused)"}
+
+        return await admin(request, run)
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            def end() -> None:
+                if updating["auto_paused"]:
+                    updating["auto_paused"] = False
+                    sched.resume()
+
+            await run_on_scheduler(end)
+            return {"success": True, "message": "weight update ended"}
 
         return await admin(request, run)
 

@@ -287,7 +287,7 @@ class HttpEngineClient(EngineClient):
         )
 
     async def update_weight_version(self, weight_version: str) -> None:
-        await self._all("POST", "/update_weight_version", {"new_version": weight_version})
+        await self._all("POST", "/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
 
     async def health(self) -> list[bool]:
         async def one(url: str) -> bool:

@@ -92,22 +92,15 @@ def test_launch_refuses_a_cpu_device_and_a_wrong_placement() -> None:
 
 
 def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """``launch_engines`` gives engine ``i`` GPUs ``i*tp .. i*tp+tp-1``, its rank and seed."""
+    """``launch_engines`` gives engine ``i`` ``tp`` GPUs after the trainer ranks' (from GPU 0 when colocated),
+    its rank and seed."""
     import miles_sglang.engine as engine_module
     from miles.driver.launch import launch_engines
     from miles.driver.run import build_run
     from miles.launch.local import LocalLauncher
     from miles.rollout.engine import EngineLaunch
 
-    monkeypatch.setattr(engine_module, "host_problems", lambda options, settings: [])  # pretend a 4-GPU host
-    settings = MilesSettings.model_validate(
-        {
-            "cluster": {"device": "cuda", "num_engines": 2},
-            "rollout": {"engine": {"name": "sglang", "tp_size": 2}},
-            "train": {"model_path": "/models/qwen", "seed": 7},
-            "precision": "bf16",
-        }
-    )
+    monkeypatch.setattr(engine_module, "host_problems", lambda options, settings: [])  # pretend an 8-GPU host
     seen: list[EngineLaunch] = []
 
     class Recording(LocalLauncher):
@@ -115,15 +108,24 @@ def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyP
             seen.extend(launches)
             return []  # nothing is started
 
-    run = build_run(settings)
-    with Recording(run_dir=str(tmp_path)) as launcher:
-        assert launch_engines(run, launcher) == []
-    flags = [dict(zip(x.argv[3::2], x.argv[4::2], strict=False)) for x in seen]
-    assert [(f["--base-gpu-id"], f["--tp-size"], f["--random-seed"]) for f in flags] == [
-        ("0", "2", "7"),
-        ("2", "2", "8"),
-    ]
-    assert {f["--dtype"] for f in flags} == {"bfloat16"}
+    def placed(colocate: bool) -> list[tuple[str, str, str, str]]:
+        settings = MilesSettings.model_validate(
+            {
+                "cluster": {"device": "cuda", "num_engines": 2, "trainer_ranks": 2, "colocate": colocate},
+                "rollout": {"engine": {"name": "sglang", "tp_size": 2}},
+                "train": {"model_path": "/models/qwen", "seed": 7},
+                "precision": "bf16",
+            }
+        )
+        seen.clear()
+        with Recording(run_dir=str(tmp_path)) as launcher:
+            assert launch_engines(build_run(settings), launcher) == []
+        flags = [dict(zip(x.argv[3::2], x.argv[4::2], strict=False)) for x in seen]
+        return [(f["--base-gpu-id"], f["--tp-size"], f["--random-seed"], f["--dtype"]) for f in flags]
+
+    # trainer ranks on GPUs 0-1: engines on 2-3 and 4-5; colocated: on 0-1 and 2-3
+    assert placed(colocate=False) == [("2", "2", "7", "bfloat16"), ("4", "2", "8", "bfloat16")]
+    assert placed(colocate=True) == [("0", "2", "7", "bfloat16"), ("2", "2", "8", "bfloat16")]
 
 
 def settings_for(**cluster: Any) -> MilesSettings:
@@ -132,16 +134,20 @@ def settings_for(**cluster: Any) -> MilesSettings:
 
 def test_host_problems_name_the_field_and_the_install_line() -> None:
     options = SGLangEngineSettings(tp_size=2)
-    missing = host_problems(options, settings_for(device="cuda", num_engines=1), installed=False, gpus=2)
+    missing = host_problems(options, settings_for(device="cuda", num_engines=1), installed=False, gpus=3)
     assert missing == [f"rollout.engine: 'sglang' is selected but SGLang is not installed: {INSTALL_LINE}"]
     assert 'pip install "miles-sglang[sglang]"' in INSTALL_LINE
     (cpu,) = host_problems(options, settings_for(device="cpu"), installed=True, gpus=0)
     assert cpu.startswith("cluster.device: rollout.engine 'sglang' serves on CUDA GPUs only, got 'cpu'")
     (none,) = host_problems(options, settings_for(device="cuda"), installed=True, gpus=0)
     assert "this host has no CUDA GPU" in none
-    (few,) = host_problems(options, settings_for(device="cuda", num_engines=3), installed=True, gpus=4)
-    assert few == "cluster.num_engines: 3 engines x rollout.engine.tp_size 2 need 6 GPUs; this host has 4"
-    assert host_problems(options, settings_for(device="cuda", num_engines=2), installed=True, gpus=4) == []
+    (few,) = host_problems(options, settings_for(device="cuda", num_engines=2), installed=True, gpus=4)
+    assert few == "cluster.num_engines: 2 engines x rollout.engine.tp_size 2 + 1 trainer ranks need 5 GPUs; this host has 4"
+    assert host_problems(options, settings_for(device="cuda", num_engines=2), installed=True, gpus=5) == []
+    shared = settings_for(device="cuda", num_engines=2, colocate=True)
+    assert host_problems(options, shared, installed=True, gpus=4) == []
+    (few,) = host_problems(options, shared, installed=True, gpus=3)
+    assert "sharing the trainer ranks' GPUs need 4 GPUs; this host has 3" in few
 
 
 def test_build_run_refuses_sglang_on_this_host() -> None:

@@ -47,15 +47,18 @@ def host_problems(
         )
         return problems
     count = visible_gpus() if gpus is None else gpus
-    need = cluster.num_engines * options.tp_size
+    engines = cluster.num_engines * options.tp_size
+    # trainer rank r uses GPU r; engines share those GPUs when colocated and follow them otherwise
+    need = max(engines, cluster.trainer_ranks) if cluster.colocate else engines + cluster.trainer_ranks
     if count == 0:
         problems.append(
             "cluster.device: 'cuda' is selected but this host has no CUDA GPU "
             "(torch.cuda.device_count() is 0: a CPU-only host, a CPU build of torch or CUDA_VISIBLE_DEVICES='')"
         )
     elif need > count:
+        trainers = "sharing the trainer ranks' GPUs" if cluster.colocate else f"+ {cluster.trainer_ranks} trainer ranks"
         problems.append(
             f"cluster.num_engines: {cluster.num_engines} engines x rollout.engine.tp_size {options.tp_size} "
-            f"need {need} GPUs; this host has {count}"
+            f"{trainers} need {need} GPUs; this host has {count}"
         )
     return problems

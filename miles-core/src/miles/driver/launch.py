@@ -56,8 +56,11 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
 
 
 def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None) -> list[str]:
-    """Start ``cluster.num_engines`` engine servers serving the policy (``gpus_per_engine`` GPUs each on
-    CUDA, engine ``i`` from GPU ``i x gpus_per_engine``), flush their caches; return their URLs."""
+    """Start ``cluster.num_engines`` engine servers serving the policy, flush their caches; return their URLs.
+
+    On CUDA engine ``i`` gets ``gpus_per_engine`` GPUs from ``first + i x gpus_per_engine``: ``first`` is 0
+    when colocated (engines share the trainer ranks' GPUs) and ``cluster.trainer_ranks`` otherwise (trainer
+    rank ``r`` uses GPU ``r``)."""
     from miles.launch.rendezvous import free_port
 
     settings = run.settings
@@ -71,6 +74,8 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
         raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
     launches = []
     gpus = engine.gpus_per_engine
+    # colocated engines share the trainer's GPUs; the others take the GPUs after the trainer ranks'
+    first = 0 if settings.cluster.colocate else settings.cluster.trainer_ranks
     for i in range(settings.cluster.num_engines):
         launch = engine.launch(
             model_path=path,
@@ -78,7 +83,7 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
             port=free_port(settings.cluster.host),
             device=settings.cluster.device,
             dtype=run.engine_dtype,
-            devices=list(range(i * gpus, (i + 1) * gpus)) if settings.cluster.device == "cuda" else [],
+            devices=list(range(first + i * gpus, first + (i + 1) * gpus)) if settings.cluster.device == "cuda" else [],
             rank=i,
             seed=settings.train.seed,
             colocate=settings.cluster.colocate,

@@ -142,7 +142,10 @@ def test_host_problems_name_the_field_and_the_install_line() -> None:
     (none,) = host_problems(options, settings_for(device="cuda"), installed=True, gpus=0)
     assert "this host has no CUDA GPU" in none
     (few,) = host_problems(options, settings_for(device="cuda", num_engines=2), installed=True, gpus=4)
-    assert few == "cluster.num_engines: 2 engines x rollout.engine.tp_size 2 + 1 trainer ranks need 5 GPUs; this host has 4"
+    assert (
+        few
+        == "cluster.num_engines: 2 engines x rollout.engine.tp_size 2 + 1 trainer ranks need 5 GPUs; this host has 4"
+    )
     assert host_problems(options, settings_for(device="cuda", num_engines=2), installed=True, gpus=5) == []
     shared = settings_for(device="cuda", num_engines=2, colocate=True)
     assert host_problems(options, shared, installed=True, gpus=4) == []

@@ -92,6 +92,8 @@ def create_app(state: EngineState) -> FastAPI:
             batch, stream, queues, reqs = await _run(body)
         except RequestError as exc:
             return _gen_error(str(exc))
+        state.generate_requests += 1
+        state.generated_samples += len(reqs)
         if not stream:
             try:
                 results = []
@@ -166,7 +168,14 @@ def create_app(state: EngineState) -> FastAPI:
         from miles._version import __version__
 
         stats = await asyncio.wrap_future(sched.submit(sched.stats))
-        return {**state.server_args, **stats, "version": __version__, "weight_version": sched.weight_version}
+        counters = {"generate_requests": state.generate_requests, "generated_samples": state.generated_samples}
+        return {
+            **state.server_args,
+            **stats,
+            **counters,
+            "version": __version__,
+            "weight_version": sched.weight_version,
+        }
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:

@@ -104,16 +104,20 @@ def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyP
     seen: list[EngineLaunch] = []
 
     class Recording(LocalLauncher):
-        def start_engines(self, launches: list[EngineLaunch], *, timeout: float) -> list[str]:
+        def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
             seen.extend(launches)
             return []  # nothing is started
+
+    model = tmp_path / "qwen"  # the settings pass wants a model directory; the engines are never started
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
 
     def placed(colocate: bool) -> list[tuple[str, str, str, str]]:
         settings = MilesSettings.model_validate(
             {
                 "cluster": {"device": "cuda", "num_engines": 2, "trainer_ranks": 2, "colocate": colocate},
                 "rollout": {"engine": {"name": "sglang", "tp_size": 2}},
-                "train": {"model_path": "/models/qwen", "seed": 7},
+                "train": {"model_path": str(model), "seed": 7},
                 "precision": "bf16",
             }
         )

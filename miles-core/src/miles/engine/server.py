@@ -16,10 +16,11 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from miles.engine.parsing import RequestError, parse_generate
 from miles.engine.request import Request
+from miles.engine.responses import admin_error, generate_error, json_body
 from miles.engine.state import EngineState
 from miles.types import PauseMode
 
@@ -30,24 +31,6 @@ log = logging.getLogger(__name__)
 _PAUSE_MODES = typing.get_args(PauseMode)
 
 
-def _gen_error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-
-def _admin_error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"success": False, "message": message}, status_code=status)
-
-
-async def _json_body(request: HTTPRequest) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from None
-
-
 def create_app(state: EngineState) -> FastAPI:
     """The FastAPI application serving ``state``."""
     app = FastAPI(title="miles local engine")
@@ -56,7 +39,7 @@ def create_app(state: EngineState) -> FastAPI:
     @app.middleware("http")
     async def _auth(request: HTTPRequest, call_next: Callable[[HTTPRequest], Any]) -> Any:
         if state.api_key is not None and request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-            return _gen_error("missing or wrong API key (Authorization: Bearer <key>)", 401)
+            return generate_error("missing or wrong API key (Authorization: Bearer <key>)", 401)
         return await call_next(request)
 
     async def _run(body: Any) -> tuple[Any, bool, list[asyncio.Queue[tuple[dict[str, Any], bool]]], list[Request]]:
@@ -88,10 +71,10 @@ def create_app(state: EngineState) -> FastAPI:
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Any:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             batch, stream, queues, reqs = await _run(body)
         except RequestError as exc:
-            return _gen_error(str(exc))
+            return generate_error(str(exc))
         state.generate_requests += 1
         state.generated_samples += len(reqs)
         if not stream:
@@ -183,12 +166,12 @@ def create_app(state: EngineState) -> FastAPI:
 
     async def _admin(request: HTTPRequest, handler: Callable[[dict[str, Any]], Any]) -> Any:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
             return await handler(body)
         except (RequestError, ValueError, TypeError, OSError, RuntimeError) as exc:
-            return _admin_error(str(exc))
+            return admin_error(str(exc))
 
     @app.post("/abort_request")
     async def abort_request(request: HTTPRequest) -> Any:

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
+from miles.engine.api_schema import describe_bodies
 from miles.engine.parsing import RequestError, parse_generate
 from miles.engine.request import Request
 from miles.engine.responses import admin_error, generate_error, json_body
@@ -204,7 +205,8 @@ def create_app(state: EngineState) -> FastAPI:
 
         return await _admin(request, run)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache() -> Any:
         await asyncio.wrap_future(sched.submit(sched.flush_cache))
         return {"success": True, "message": "cache flushed"}
@@ -245,4 +247,5 @@ def create_app(state: EngineState) -> FastAPI:
     from miles.engine.weight_routes import add_weight_routes
 
     add_weight_routes(app, state, _admin)
+    describe_bodies(app, vocab_size=sched.runner.vocab_size, context_length=sched.context_length)
     return app

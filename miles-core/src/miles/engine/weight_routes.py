@@ -168,7 +168,8 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
         return await admin(request, run)
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    @app.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
+    @app.post("/get_weights_by_name", operation_id="get_weights_by_name_post")
     async def get_weights_by_name(request: HTTPRequest) -> Any:
         async def run(body: dict[str, Any]) -> Any:
             name = _require(body, "name", str)

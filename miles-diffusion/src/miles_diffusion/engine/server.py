@@ -227,7 +227,8 @@ def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, se
 
         return await admin(request, run)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache() -> Any:
         return {"success": True, "message": "the image engine keeps no cache"}
 

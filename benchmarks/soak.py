@@ -155,12 +155,14 @@ def soak(steps: int, ranks: int, interval: float, threads: int) -> dict[str, Any
 
 
 def summarize(samples: list[dict[str, Any]], steps: int, warmup: float) -> list[dict[str, Any]]:
-    """Per process: the sample at the end of warm-up against the last one."""
+    """Per process: the first sample after warm-up against the last one taken while steps were still
+    running (the final step's checkpoint, export and shutdown are not the steady state)."""
     after = max(1, int(steps * warmup))
+    last_step = max((s["step"] for s in samples), default=0)
     rows = []
     for pid in sorted({s["pid"] for s in samples}):
         mine = [s for s in samples if s["pid"] == pid]
-        warm = [s for s in mine if s["step"] >= after]
+        warm = [s for s in mine if after <= s["step"] < last_step]
         if len(warm) < 2:
             continue
         first, last = warm[0], warm[-1]

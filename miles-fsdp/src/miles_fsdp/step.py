@@ -114,7 +114,12 @@ def run_train_step(
             dummy.backward()
             continue
         logprobs, entropy = token_logprobs(
-            logits, mb.targets, temperature, with_entropy=True, entropy_grad=getattr(algorithm.needs, "entropy", False)
+            logits,
+            mb.targets,
+            temperature,
+            with_entropy=True,
+            entropy_grad=getattr(algorithm.needs, "entropy", False),
+            mask_ids=mb.mask_ids,
         )
         mask = batch.token_field("loss_mask", mb.indices, device)
         assert mask is not None

@@ -178,7 +178,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
                 logits = self._logits(module, mb)
                 if mb.is_empty:
                     continue
-                lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy)
+                lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy, mask_ids=mb.mask_ids)
                 for i, part in zip(mb.indices, lp.split(mb.response_lengths), strict=True):
                     logprobs[i] = part.float().cpu()
                 if ent is not None:

@@ -189,7 +189,8 @@ class Run:
         resolved = str(materialize(path))
         if resolved != path:
             self.settings.train.model_path = resolved
-            self.__dict__.pop("tokenizer", None)
+            for cached in ("tokenizer", "is_moe", "eos_token_ids"):
+                self.__dict__.pop(cached, None)
         return resolved
 
     # -- stateless components, built once --------------------------------------------------------------
@@ -304,14 +305,39 @@ class Run:
         dynamic-sampling filter (and teacher scoring when it needs a teacher)."""
         from miles.rollout.manager import RolloutManager
 
+        settings = rollout or self.settings.rollout
         return RolloutManager(
             client,
-            rollout or self.settings.rollout,
+            settings,
             scorer=scorer,
             algorithm=self.algorithm if filter_groups else None,
             rollout_function=self.rollout_function,
             seed=self.settings.train.seed + seed_offset,
+            return_routed_experts=settings.routing_replay or self.is_moe,
+            eos_token_ids=self.eos_token_ids,
         )
+
+    @functools.cached_property
+    def is_moe(self) -> bool:
+        """Whether the policy routes tokens to experts (its rollouts then record the routed experts)."""
+        from pathlib import Path
+
+        from miles.models import is_moe_model
+
+        path = self.settings.train.model_path
+        return path is not None and (Path(path) / "config.json").is_file() and is_moe_model(path)
+
+    @functools.cached_property
+    def eos_token_ids(self) -> list[int]:
+        """The policy's EOS ids (what the engines stop on and mask before ``min_new_tokens``)."""
+        from pathlib import Path
+
+        from miles.models import eos_token_ids
+
+        path = self.settings.train.model_path
+        if path is None or not (Path(path) / "config.json").is_file():
+            return []
+        return eos_token_ids(path, tokenizer=self.tokenizer)
 
 
 @functools.cache

@@ -48,6 +48,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._parts: dict[str, tuple[Any, Any, Any]] = {}
         self._config: Any = None
         self._replica: Any = None
+        self._routing: Any = None
+        """MoE actors: the :class:`~miles.training.routing.RouterReplay` its routers go through (R3 and the
+        routing-agreement metric; :mod:`miles_fsdp.routing`)."""
         """``train.true_on_policy``: the engine's model runner at the actor's weights (:mod:`miles_fsdp.true_on_policy`)."""
 
     @classmethod
@@ -92,6 +95,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         actor = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
         actor.config.use_cache = False
         self._config = actor.config
+        from miles_fsdp.routing import patch_routers
+
+        self._routing = patch_routers(actor, replay=train.routing_replay)
         self.actor = shard_model(
             actor,
             reshard_after_forward=opts.reshard_after_forward,
@@ -157,6 +163,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             yield pack(batch, indices, self.device, self._pad_token_id)
 
     def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
+        if module is self.actor and self._routing is not None:
+            # the micro-batch's rollout experts, kept for an activation-checkpointing recompute in backward
+            self._routing.set_rows(mb.routed_experts)
         out = module(
             input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
         )
@@ -187,6 +196,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         entropy: list[torch.Tensor | None] = [None] * len(batch)
         if model == "actor" and self._replica is not None:
             self._replica.sync(self.actor, self.step)
+        if self._routing is not None:  # agreement is counted once per step, by the train step's forwards
+            self._routing.measure = False
         was_training = module.training
         module.eval()
         with torch.no_grad():
@@ -248,7 +259,13 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             values=self._values,
             exact_logprobs=exact,
         )
+        if self._routing is not None:
+            self._routing.measure = True
+            self._routing.stats.reset()
         metrics = run_train_step(ctx, batch, algorithm, temperature=temperature)
+        if self._routing is not None:  # a collective: every rank's counts
+            metrics.update(self._routing.stats.metrics(self._routing.num_layers))
+            self._routing.measure = False
         self.step += 1
         return metrics
 
@@ -303,5 +320,5 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         """Drop the models and optimizers. No collective: ``close`` also runs after a failure on this rank,
         when the other ranks are not coming (the worker's teardown barriers after a completed run)."""
         self.actor = self.ref = self.critic = None
-        self._replica = None
+        self._replica = self._routing = None
         self._parts = {}

@@ -313,7 +313,7 @@ class Run:
             algorithm=self.algorithm if filter_groups else None,
             rollout_function=self.rollout_function,
             seed=self.settings.train.seed + seed_offset,
-            return_routed_experts=settings.routing_replay or self.is_moe,
+            return_routed_experts=self.settings.train.routing_replay or self.is_moe,
             eos_token_ids=self.eos_token_ids,
         )
 

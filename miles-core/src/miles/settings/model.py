@@ -187,11 +187,6 @@ class RolloutSettings(_Section):
     stops the run naming the tensor) arrive with the next step. ``false``: push and verify in line."""
     engine_dtype: str = "auto"
     """Dtype engines serve in (``auto``: the precision recipe's)."""
-    routing_replay: bool = False
-    """MoE rollout routing replay (R3): the trainer's routers use the experts the engine routed each token to
-    (recorded per token at rollout), the gate weights staying differentiable, so training and rollout run
-    the same experts. Routed experts are recorded for every MoE run (the ``fidelity/routing_agreement``
-    metric); this switch makes the trainer replay them."""
     teacher: TeacherSettings = Field(default_factory=TeacherSettings)
     """On-policy distillation: the teacher server that scores each sample (``[rollout.teacher]``)."""
 
@@ -232,6 +227,11 @@ class TrainSettings(_Section):
     eval_pass_k: list[int] = Field(default_factory=lambda: [1])
     """pass@k values reported by evaluation; each eval prompt is sampled ``max(eval_pass_k)`` times."""
 
+    routing_replay: bool = False
+    """MoE rollout routing replay (R3): the trainer's routers use the experts the engine routed each token to
+    (recorded per token at rollout), the gate weights staying differentiable, so training and rollout run
+    the same experts. Routed experts are recorded for every MoE run (the ``fidelity/routing_agreement``
+    metric, replay on or off); this switch makes the trainer replay them."""
     true_on_policy: bool = False
     """Compute the trainer's logprobs exactly as the engine computed them (bit for bit: the same matmuls,
     kernels, attention over each request's own positions, and rounding), so every policy token's trainer

@@ -116,10 +116,12 @@ class RouterReplay:
     them.
 
     :param replay: use the rollout's experts (R3); ``False`` only measures agreement.
+    :param num_layers: MoE layers of the model (the metrics' per-layer entries).
     """
 
-    def __init__(self, *, replay: bool) -> None:
+    def __init__(self, *, replay: bool, num_layers: int = 0) -> None:
         self.replay = replay
+        self.num_layers = num_layers
         self.stats = RoutingStats()
         self.rows: torch.Tensor | None = None
         """``[T, layers, k]`` rollout experts of the tokens the routers see next, or ``None``."""

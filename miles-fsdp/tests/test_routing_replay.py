@@ -37,16 +37,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3-MoE (8 experts, top-2) whose router rows are near-ties."""
+def build_near_tied_moe(root: Path) -> Path:
+    """A tiny Qwen3-MoE (8 experts, top-2) under ``root`` whose router rows are near-ties."""
     from safetensors.torch import load_file, save_file
 
     from miles.testing.models import build_tiny_model
 
-    path = build_tiny_model(
-        tmp_path_factory.mktemp("r3") / "qwen3_moe", "qwen3_moe", seed=3, num_experts=8, num_experts_per_tok=2
-    )
+    path = build_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=3, num_experts=8, num_experts_per_tok=2)
     tensors = load_file(path / "model.safetensors")
     g = torch.Generator().manual_seed(0)
     for name in [n for n in tensors if n.endswith("mlp.gate.weight")]:
@@ -55,6 +52,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tensors[name] = (shared + 0.01 * torch.randn(experts, hidden, generator=g)).contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_near_tied_moe(tmp_path_factory.mktemp("r3"))
 
 
 @pytest.fixture(scope="module")

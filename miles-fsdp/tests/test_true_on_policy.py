@@ -197,3 +197,34 @@ def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: 
         with pytest.raises(SettingsError, match=message):
             build_run(load_settings(config, overrides=[override]))
     build_run(load_settings(config, overrides=["train.true_on_policy=false", "rollout.mode=one_step_off"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "dtype"), [("qwen2", "bfloat16"), ("qwen3_moe", "float32")])
+def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, dist_world: Any, tmp_path: Path) -> None:
+    """A bfloat16 engine with a bfloat16 precision recipe, and a tiny MoE (the replica routes as the engine
+    does: it is the engine's computation), are exact too; the mode off differs."""
+    from miles.precision.builtin import BF16, FP32
+    from miles.settings.model import TrainSettings
+    from miles.testing.models import build_tiny_model
+    from miles_fsdp.settings import FSDPSettings
+    from miles_fsdp.trainer import FSDPTrainer
+
+    model = build_tiny_model(tmp_path / arch, arch, seed=9)  # type: ignore[arg-type]
+    args = ["--enable-deterministic-inference", "--dtype", dtype]
+    precision = BF16(None) if dtype == "bfloat16" else FP32(None)
+    trainers = {}
+    with EngineProcess(model, extra_args=args, log_path=tmp_path / "engine.log") as engine:
+        samples = rollout(engine.url, model, 0.9, 5)
+    try:
+        for mode in (True, False):
+            train = TrainSettings(model_path=str(model), true_on_policy=mode)  # type: ignore[call-arg]
+            trainers[mode] = FSDPTrainer(train, FSDPSettings(), precision, dist_world)
+            trainers[mode].setup()
+        equal, largest = compare(trainers[True], samples, 0.9)
+        assert equal and largest == 0.0
+        equal, largest = compare(trainers[False], samples, 0.9)
+        assert not equal and largest > 0.0
+    finally:
+        for trainer in trainers.values():
+            trainer.close()

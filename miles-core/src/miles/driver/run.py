@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from miles.transport.base import WeightTransport
 
 __all__ = ["ROLLOUT_KINDS", "Resolved", "Run", "build_run"]
+
+log = logging.getLogger(__name__)
 
 ROLLOUT_KINDS = (
     ComponentKind.LAUNCHER,
@@ -189,7 +192,7 @@ class Run:
         resolved = str(materialize(path))
         if resolved != path:
             self.settings.train.model_path = resolved
-            for cached in ("tokenizer", "is_moe", "eos_token_ids"):
+            for cached in ("tokenizer", "is_moe", "eos_token_ids", "records_routed_experts"):
                 self.__dict__.pop(cached, None)
         return resolved
 
@@ -313,7 +316,7 @@ class Run:
             algorithm=self.algorithm if filter_groups else None,
             rollout_function=self.rollout_function,
             seed=self.settings.train.seed + seed_offset,
-            return_routed_experts=self.settings.train.routing_replay or self.is_moe,
+            return_routed_experts=self.records_routed_experts,
             eos_token_ids=self.eos_token_ids,
         )
 
@@ -326,6 +329,23 @@ class Run:
 
         path = self.settings.train.model_path
         return path is not None and (Path(path) / "config.json").is_file() and is_moe_model(path)
+
+    @functools.cached_property
+    def records_routed_experts(self) -> bool:
+        """Whether rollouts ask the engines for the experts they routed each token to: MoE policies (or
+        ``train.routing_replay``) on an engine whose capabilities say it reports them."""
+        if not (self.settings.train.routing_replay or self.is_moe):
+            return False
+        entry = self.resolved.get("rollout.engine")
+        capabilities = getattr(entry.registration.component, "capabilities", None) if entry else None
+        if capabilities is None or capabilities.routed_experts:
+            return True
+        log.warning(
+            "rollout.engine %r does not report routed experts: no routing replay or routing agreement this run%s",
+            entry.registration.name if entry else "?",
+            " (train.routing_replay has nothing to replay)" if self.settings.train.routing_replay else "",
+        )
+        return False
 
     @functools.cached_property
     def eos_token_ids(self) -> list[int]:

@@ -63,6 +63,12 @@ class MegatronTrainer(Trainer[MegatronSettings]):
     def check_settings(cls, options: MegatronSettings, settings: MilesSettings) -> None:
         """Check the parallel layout against ``cluster.trainer_ranks`` and the model's config, before any
         process starts (``build_run`` calls it). Raises :class:`~miles.errors.SettingsError` naming the field."""
+        for field in ("true_on_policy", "routing_replay"):
+            if getattr(settings.train, field):
+                raise SettingsError(
+                    f'train.{field}: the megatron trainer does not implement it yet; use train.backend = "fsdp" '
+                    f"or set train.{field} = false"
+                )
         config = read_hf_config(settings.train.model_path) if settings.train.model_path else None
         try:
             check_parallel_layout(options, settings.cluster.trainer_ranks, config)

@@ -8,6 +8,7 @@ __all__ = [
     "EngineError",
     "LaunchError",
     "MilesError",
+    "NonFiniteStepError",
     "PluginLoadError",
     "SettingsError",
     "UnknownComponentError",
@@ -71,3 +72,8 @@ class LaunchError(MilesError):
         """Its exit code (negative: killed by that signal), when it exited."""
         self.log_tail = log_tail
         """The last lines of its log file."""
+
+
+class NonFiniteStepError(MilesError):
+    """A training step's loss or gradient norm is NaN or infinite: the optimizer step was refused, so the
+    weights (and what the engines serve) stay those of the step before. Names the step and the value."""

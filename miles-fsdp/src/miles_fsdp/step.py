@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 from miles.algorithms.aggregation import StepDenominators, aggregate_loss
 from miles.algorithms.base import LossInputs
+from miles.errors import NonFiniteStepError
 from miles.training.batch import TOKEN_FIELDS
 from miles.training.comm import all_gather_json
+from miles.training.guards import refuse_non_finite
 from miles.training.logprobs import token_logprobs, topk_logprobs
 from miles_fsdp.microbatch import PackedMicroBatch
 from miles_fsdp.optim import clip_grad_norm
@@ -51,6 +53,8 @@ class StepContext:
     micro_batches: Callable[[TrainBatch], Iterator[PackedMicroBatch]]
     logits: Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
     values: Callable[[PackedMicroBatch], torch.Tensor]
+    step: int = 0
+    """Optimizer steps taken before this one."""
     exact_logprobs: list[torch.Tensor] | None = None
     """``train.true_on_policy``: per sequence, the engine's logprobs (the loss sees these values exactly, with
     the gradient of the trainer's own forward: :func:`miles_fsdp.true_on_policy.with_exact_values`)."""
@@ -162,7 +166,13 @@ def run_train_step(
     for key, (model, optimizer, scheduler) in parts.items():
         if key == "critic" and not needs_values:
             continue
-        norm = clip_grad_norm(model.parameters(), train.grad_clip, device)
+        norm = clip_grad_norm(model.parameters(), train.grad_clip, device)  # reduced over the world
+        try:
+            refuse_non_finite(ctx.step + 1, **{f"{key} grad_norm": norm})
+        except NonFiniteStepError:
+            for _, opt, _ in parts.values():  # the refused gradients must not leak into the next step
+                opt.zero_grad(set_to_none=True)
+            raise
         metrics["grad_norm" if key == "actor" else f"{key}_grad_norm"] = norm
         metrics["lr" if key == "actor" else f"{key}_lr"] = float(optimizer.param_groups[0]["lr"])
         optimizer.step()

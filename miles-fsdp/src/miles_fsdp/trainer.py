@@ -257,6 +257,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             micro_batches=self._micro_batches,
             logits=self._logits,
             values=self._values,
+            step=self.step,
             exact_logprobs=exact,
         )
         if self._routing is not None:

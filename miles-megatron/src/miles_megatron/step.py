@@ -26,6 +26,7 @@ from miles.algorithms.aggregation import StepDenominators, aggregate_loss
 from miles.algorithms.base import LossInputs, LossOutput
 from miles.training.batch import TOKEN_FIELDS
 from miles.training.comm import all_gather_json
+from miles.training.guards import refuse_non_finite
 from miles.training.logprobs import token_logprobs, topk_logprobs
 from miles_megatron.microbatch import MicroBatch
 
@@ -297,6 +298,8 @@ def run_train_step(
     run_micro_batches(actor.module, micro_batches, on_logits, vocab_size=actor.vocab_size, forward_only=False)
     if critic is not None:
         run_micro_batches(critic.module, micro_batches, on_values, vocab_size=None, forward_only=False)
+    # the loss summed over every rank (pipeline stages without a loss add 0): a NaN anywhere refuses the step
+    refuse_non_finite(trainer.step + 1, loss=float(_all_reduce_sum(loss_sum.reshape(1).to(device))[0].item()))
     metrics: dict[str, float] = {}
     for parts, optimizer, is_critic in trained:
         finalize_model_grads([parts.module])

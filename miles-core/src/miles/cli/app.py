@@ -57,7 +57,7 @@ def _root(
 
 def _register_commands() -> None:
     # imported here so that each command module can import `app` from this one
-    from miles.cli import bench, convert, generate, plot, plugins, serve, train  # noqa: F401
+    from miles.cli import bench, convert, generate, plot, plugins, serve, sessions, train  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

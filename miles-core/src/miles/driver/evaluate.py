@@ -123,6 +123,7 @@ async def generate_rollouts(
                 json.dumps({k: round(v, 4) for k, v in result.metrics.items()}),
             )
     finally:
+        await manager.close()
         await close_rewards(rewards)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

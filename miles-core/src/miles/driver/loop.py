@@ -158,6 +158,8 @@ class TrainingLoop:
             from miles.rewards.scoring import close_rewards
 
             await close_rewards(self.rewards)
+            if self.manager is not None:
+                await self.manager.close()  # the rollout function's services (a session server)
             if self.client is not None:
                 await self.client.close()
             for logger in self.loggers:

@@ -143,6 +143,7 @@ class RolloutManager:
         self.max_rounds = max_rounds
         self.return_routed_experts = return_routed_experts
         self.next_group_id = 0
+        self._function_started = False
 
     @staticmethod
     def _with_teacher(scorer: Scorer, teacher: TeacherScorer) -> Scorer:
@@ -193,8 +194,26 @@ class RolloutManager:
             for i in range(self.settings.n_samples_per_prompt)
         ]
 
+    async def start(self) -> None:
+        """Start what the rollout function serves from (its optional ``start(client, settings)``, e.g. a
+        session server); idempotent, and called before the first sample."""
+        if self._function_started:
+            return
+        start = getattr(self.rollout_function, "start", None)
+        if start is not None:
+            await start(self.client, self.settings)
+        self._function_started = True
+
+    async def close(self) -> None:
+        """Stop what :meth:`start` started (the rollout function's optional ``aclose()``)."""
+        aclose = getattr(self.rollout_function, "aclose", None)
+        if aclose is not None and self._function_started:
+            await aclose()
+        self._function_started = False
+
     async def generate_sample(self, sample: Sample, *, retries: int = 2) -> Sample:
         """Run the rollout function for one sample; an aborted sample is retried from scratch."""
+        await self.start()
         seed = derive_seed(self.seed, sample.group_id, sample.index)
         result = sample
         for attempt in range(retries + 1):
@@ -276,6 +295,9 @@ class RolloutManager:
                 parts.setdefault(name, []).append(float(value))
         for name, values in parts.items():
             metrics[f"rollout/reward_{name}_mean"] = sum(values) / len(values)
+        from miles.sessions.metrics import session_metrics
+
+        metrics.update(session_metrics(samples))  # agent episodes: turns, append-only violations, branches
         versions = [v for s in samples if (v := s.oldest_weight_version) is not None]
         if versions:
             metrics["rollout/weight_version_min"] = float(min(versions))

@@ -10,7 +10,9 @@ one by one was slime#2263). For every turn it asserts, on token ids:
 
 1. the generation prompt is a prefix of the assistant turn it starts;
 2. the conversation through an assistant turn is a prefix of the next request's prompt (the history
-   plus the new messages plus the generation prompt).
+   plus the new messages plus the generation prompt);
+3. where a probe has two non-reply turns in a row (a caller that splits one request's messages), the
+   first renders as a prefix of both (what per-message tokenisation assumes).
 
 The first violation is reported with the probe, the message that made the history render differently
 and the text on both sides of the first differing token. A probe the template refuses to render (e.g.
@@ -246,14 +248,28 @@ def _check_probe(renderer: ChatRenderer, probe: Probe, report: TemplateReport) -
             report.checked += 1
             i = first_difference(prompt, full)
             if i < len(prompt):
+                m = offending_message(renderer, history[:-1], full, tools)
+                m = m if renderer.ids(history[: m + 1], tools=tools) != full[: i + 1] else len(history) - 1
                 return TemplateFailure(
-                    probe.name, t, len(history) - 1, "assistant",
+                    probe.name, t, m, history[m]["role"],
                     "the generation prompt is not a prefix of the assistant turn it starts",
                     _excerpt(renderer, prompt, i), _excerpt(renderer, full, i),
                 )  # fmt: skip
             previous = full
             continue
-        history = [*history, *turn]
+        before, history = history, [*history, *turn]
+        if t and not probe.turns[t - 1][0]["role"] == "assistant":
+            # two non-reply turns in a row (messages a caller split): each must extend the last
+            earlier = renderer.ids(before, tools=tools)
+            now = renderer.ids(history, tools=tools)
+            report.checked += 1
+            i = first_difference(earlier, now)
+            if i < len(earlier):
+                return TemplateFailure(
+                    probe.name, t, len(before) - 1, before[-1]["role"],
+                    "messages of one turn do not render as a prefix of each other when split into turns",
+                    _excerpt(renderer, earlier, i), _excerpt(renderer, now, i),
+                )  # fmt: skip
         if previous is None:
             continue
         later = renderer.ids(history, tools=tools, add_generation_prompt=True)

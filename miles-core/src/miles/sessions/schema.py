@@ -139,7 +139,7 @@ class ChatRequest(_Model):
 
     @property
     def stop_list(self) -> list[str]:
-        return list(self.stop or [])  # type: ignore[arg-type]
+        return list(self.stop or [])
 
     @property
     def limit(self) -> int | None:
@@ -176,7 +176,7 @@ _EXPLAIN = {
 def parse_chat_request(body: Any) -> ChatRequest:
     """Validate a request body; :class:`RequestError` names the first bad field."""
     if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", param="body")
+        raise RequestError("body: the request body must be a JSON object", param="body")
     try:
         return ChatRequest.model_validate(body)
     except ValidationError as exc:

@@ -32,12 +32,11 @@ from miles.errors import EngineError, SettingsError
 from miles.rollout.protocol import SamplingParams
 from miles.sessions.append_only import TemplateReport, check_append_only
 from miles.sessions.messages import template_messages, tools_key
-from miles.sessions.parsers import choose_parsers, parse_reply
+from miles.sessions.parsers import choose_parsers
 from miles.sessions.schema import RequestError, completion, error_body, parse_chat_request
 from miles.sessions.session import AppendOnlyViolation, Session, SessionSampling, Turn
 from miles.sessions.settings import SessionSettings
 from miles.sessions.templates import ChatRenderer, TemplateRenderError, resolve_template
-from miles.types import WeightSpan
 
 if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
@@ -65,13 +64,6 @@ def _seed(base: int, turn: int) -> int:
     from miles.rollout.manager import derive_seed
 
     return derive_seed(base, turn)
-
-
-def _version(value: str | None) -> int:
-    try:
-        return int(value) if value is not None else 0
-    except ValueError:
-        return 0
 
 
 class _EmbeddedUvicorn:
@@ -169,7 +161,15 @@ class SessionServer:
         if len(self.sessions) >= self.settings.max_sessions:
             raise RequestError(f"too many open sessions ({len(self.sessions)}); delete finished ones", status=503)
         sid = uuid.uuid4().hex
-        session = Session(self.renderer, session_id=sid, sampling=sampling, routing_key=routing_key, metadata=metadata)
+        session = Session(
+            self.renderer,
+            session_id=sid,
+            sampling=sampling,
+            routing_key=routing_key,
+            metadata=metadata,
+            tool_parser=self.tool_parser,
+            reasoning_parser=self.reasoning_parser,
+        )
         self.sessions[sid] = session
         return session
 
@@ -238,7 +238,7 @@ class SessionServer:
                 if branch:
                     session.branches -= 1
                 raise
-            self._record(turn, output)
+            session.record(turn, output)
         return self._answer(session, request, turn, prompt, output, branch)
 
     def _params(self, session: Session, request: Any, room: int, index: int) -> SamplingParams:
@@ -278,40 +278,6 @@ class SessionServer:
                 kind="engine_error",
             )
         return output
-
-    def _record(self, turn: Turn, output: GenerateOutput) -> None:
-        ids = list(output.output_ids)
-        turn.output_ids = ids
-        turn.output_logprobs = [float(v) for v in output.output_logprobs]
-        turn.finish = "length" if output.finish_reason.type == "length" else "stop"
-        turn.cached_tokens = output.cached_tokens
-        if output.weight_version_spans:
-            turn.weight_spans = [WeightSpan(a, b, _version(v)) for a, b, v in output.weight_version_spans]
-        elif ids:
-            turn.weight_spans = [WeightSpan(0, len(ids), _version(output.weight_version))]
-        shape = output.meta_info.get("routed_experts_shape")
-        if output.routed_experts is not None and shape is not None:
-            turn.routed = output.routed_experts
-            turn.routed_shape = (int(shape[0]), int(shape[1]), int(shape[2]))
-        text_ids = ids[:-1] if ids and ids[-1] in self.renderer.end_ids else ids
-        text = self.renderer.decode(text_ids)
-        matched = output.finish_reason.matched
-        if isinstance(matched, str) and matched in text:
-            text = text[: text.find(matched)]
-        parsed = parse_reply(text, tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser)
-        reply: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-        if parsed.tool_calls:
-            reply["tool_calls"] = [
-                {
-                    "id": f"call_{turn.id}_{i}",
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for i, c in enumerate(parsed.tool_calls)
-            ]
-        if parsed.reasoning:
-            reply["reasoning_content"] = parsed.reasoning
-        turn.reply = reply
 
     def _answer(
         self, session: Session, request: Any, turn: Turn, prompt: list[int], output: GenerateOutput, branch: bool

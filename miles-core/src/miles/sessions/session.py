@@ -18,12 +18,16 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.sessions.append_only import first_difference, offending_message
 from miles.sessions.messages import Message, same_message
+from miles.sessions.parsers import ReasoningParser, ToolParser, parse_reply
 from miles.sessions.templates import ChatRenderer
 from miles.types import Sample, SampleStatus, WeightSpan
+
+if TYPE_CHECKING:
+    from miles.rollout.protocol import GenerateOutput
 
 __all__ = ["AppendOnlyViolation", "Session", "SessionSampling", "Turn"]
 
@@ -107,6 +111,13 @@ class Turn:
 _ids = itertools.count()
 
 
+def _version(value: str | None) -> int:
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
+
+
 class Session:
     """One agent episode (or a tree of them): see the module docstring."""
 
@@ -118,9 +129,13 @@ class Session:
         sampling: SessionSampling | None = None,
         routing_key: str | None = None,
         metadata: dict[str, Any] | None = None,
+        tool_parser: ToolParser = "hermes",
+        reasoning_parser: ReasoningParser = "none",
     ) -> None:
         self.id = session_id
         self.renderer = renderer
+        self.tool_parser: ToolParser = tool_parser
+        self.reasoning_parser: ReasoningParser = reasoning_parser
         self.sampling = sampling or SessionSampling()
         self.routing_key = routing_key if routing_key is not None else session_id
         self.metadata = dict(metadata or {})
@@ -217,6 +232,41 @@ class Session:
         if branch:
             self.branches += 1
         return turn
+
+    def record(self, turn: Turn, output: GenerateOutput) -> None:
+        """Fill a turn with what the engine sampled, and read it as the assistant message to return."""
+        ids = list(output.output_ids)
+        turn.output_ids = ids
+        turn.output_logprobs = [float(v) for v in output.output_logprobs]
+        turn.finish = "length" if output.finish_reason.type == "length" else "stop"
+        turn.cached_tokens = output.cached_tokens
+        if output.weight_version_spans:
+            turn.weight_spans = [WeightSpan(a, b, _version(v)) for a, b, v in output.weight_version_spans]
+        elif ids:
+            turn.weight_spans = [WeightSpan(0, len(ids), _version(output.weight_version))]
+        shape = output.meta_info.get("routed_experts_shape")
+        if output.routed_experts is not None and shape is not None:
+            turn.routed = output.routed_experts
+            turn.routed_shape = (int(shape[0]), int(shape[1]), int(shape[2]))
+        text_ids = ids[:-1] if ids and ids[-1] in self.renderer.end_ids else ids
+        text = self.renderer.decode(text_ids)
+        matched = output.finish_reason.matched
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.find(matched)]
+        parsed = parse_reply(text, tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser)
+        reply: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            reply["tool_calls"] = [
+                {
+                    "id": f"call_{turn.id}_{i}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for i, c in enumerate(parsed.tool_calls)
+            ]
+        if parsed.reasoning:
+            reply["reasoning_content"] = parsed.reasoning
+        turn.reply = reply
 
     def discard(self, turn: Turn) -> None:
         """Remove a turn whose generation failed (it has no children)."""

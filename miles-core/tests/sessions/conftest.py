@@ -32,10 +32,7 @@ def smollm2_tok() -> Any:
 
 def make_renderer(name: str, smollm2: Any = None, **template_kwargs: Any) -> ChatRenderer:
     """``qwen2.5``, ``qwen3`` (official), ``qwen3-fixed``, ``llama3.1`` or ``smollm2``."""
-    if name == "smollm2":
-        tok = smollm2
-    else:
-        tok = build_chat_tokenizer(name.removesuffix("-fixed"))
+    tok = smollm2 if name == "smollm2" else build_chat_tokenizer(name.removesuffix("-fixed"))
     template, label = resolve_template("qwen3" if name == "qwen3-fixed" else None, tok)
     return ChatRenderer(tok, template, name=name if name != "qwen3-fixed" else label, template_kwargs=template_kwargs)
 

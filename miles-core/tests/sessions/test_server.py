@@ -94,7 +94,7 @@ def test_openai_client_drives_a_session_and_the_samples_are_exact(engine: Engine
             assert sample.tokens == last_prompt + last_out  # the last request's prompt held every earlier token
             mask = [0] * len(sample.tokens)
             logprobs = [0.0] * len(sample.tokens)
-            for k, (prompt, out, lps) in enumerate(turns):
+            for k, (prompt, _out, lps) in enumerate(turns):
                 if k:
                     previous = turns[k - 1][0] + turns[k - 1][1]
                     assert prompt[: len(previous)] == previous  # each prompt extends the last, exactly

@@ -258,7 +258,7 @@ def _check_probe(renderer: ChatRenderer, probe: Probe, report: TemplateReport) -
             previous = full
             continue
         before, history = history, [*history, *turn]
-        if t and not probe.turns[t - 1][0]["role"] == "assistant":
+        if t and probe.turns[t - 1][0]["role"] != "assistant":
             # two non-reply turns in a row (messages a caller split): each must extend the last
             earlier = renderer.ids(before, tools=tools)
             now = renderer.ids(history, tools=tools)

@@ -108,7 +108,7 @@ def test_turns_append_only_the_new_messages_and_keep_the_models_tokens(
         assert not branch
         assert turn.prompt_ids == suffix  # only the new messages (and the closing) were tokenised
         expected += suffix
-        assert turn.output_ids == r.encode(step) + [r.tokenizer.eos_token_id]  # the model's tokens, exactly
+        assert turn.output_ids == [*r.encode(step), r.tokenizer.eos_token_id]  # the model's tokens, exactly
         expected += turn.output_ids
         mask += [0] * len(suffix) + [1] * len(turn.output_ids)
         outputs.append(turn.output_ids)

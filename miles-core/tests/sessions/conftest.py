@@ -102,3 +102,29 @@ def openai_reply(turn: Turn) -> dict[str, Any]:
     if turn.reply.get("reasoning_content"):
         message["reasoning_content"] = turn.reply["reasoning_content"]
     return message
+
+
+def expected_suffix(
+    r: ChatRenderer,
+    history: list[dict[str, Any]],
+    new: list[dict[str, Any]],
+    prev_output: list[int],
+    tools: Sequence[Any] | None,
+) -> list[int]:
+    """What the session must append, computed straight from ``apply_chat_template``: the template's
+    closing of the last reply after what the model wrote, then the template's rendering of ``new``."""
+    tok = r.tokenizer
+
+    def ids(messages: list[dict[str, Any]], gen: bool) -> list[int]:
+        text = tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=gen, chat_template=r.template
+        )
+        return tok.encode(text, add_special_tokens=False)
+
+    old, later = ids(history, False), ids(history + new, True)
+    assert later[: len(old)] == old
+    prompt = ids(history[:-1], True)
+    turn = old[len(prompt) :]
+    ends = [i for i, t in enumerate(turn) if t in r.end_ids]
+    closing = turn[ends[-1] + 1 :] if prev_output[-1] in r.end_ids else turn[ends[-1] :]
+    return closing + later[len(old) :]

@@ -18,7 +18,7 @@ from miles.sessions.templates import ChatRenderer
 from miles.testing.chat_templates import build_chat_tokenizer
 from miles.types import SampleStatus
 
-from .conftest import TEMPLATES, new_session, openai_reply, play
+from .conftest import TEMPLATES, expected_suffix, new_session, openai_reply, play
 
 TOOLS = [CALCULATOR_TOOL]
 
@@ -40,28 +40,6 @@ def tool_reply(name: str, *expressions: str) -> str:
 
 def answer(name: str, text: str) -> str:
     return f"<think>\nDone.\n</think>\n\n{text}" if name == "qwen3-fixed" else text
-
-
-def expected_suffix(
-    r: ChatRenderer, history: list[dict[str, Any]], new: list[dict[str, Any]], prev_output: list[int]
-) -> list[int]:
-    """What the session must append, computed straight from ``apply_chat_template``: the template's
-    closing of the last reply after what the model wrote, then the template's rendering of ``new``."""
-    tok = r.tokenizer
-
-    def ids(messages: list[dict[str, Any]], gen: bool) -> list[int]:
-        text = tok.apply_chat_template(
-            messages, tools=TOOLS, tokenize=False, add_generation_prompt=gen, chat_template=r.template
-        )
-        return tok.encode(text, add_special_tokens=False)
-
-    old, later = ids(history, False), ids(history + new, True)
-    assert later[: len(old)] == old
-    prompt = ids(history[:-1], True)
-    turn = old[len(prompt) :]
-    ends = [i for i, t in enumerate(turn) if t in r.end_ids]
-    closing = turn[ends[-1] + 1 :] if prev_output[-1] in r.end_ids else turn[ends[-1] :]
-    return closing + later[len(old) :]
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -100,7 +78,7 @@ def test_turns_append_only_the_new_messages_and_keep_the_models_tokens(
             pending += [{"role": "tool", "content": str(10 + i), "tool_call_id": c["id"]} for i, c in enumerate(calls)]
             continue
         if outputs:
-            suffix = expected_suffix(r, template_messages(client), template_messages(pending), outputs[-1])
+            suffix = expected_suffix(r, template_messages(client), template_messages(pending), outputs[-1], TOOLS)
         else:
             suffix = r.ids(template_messages(pending), tools=TOOLS, add_generation_prompt=True)
         client += pending

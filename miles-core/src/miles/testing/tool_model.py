@@ -62,8 +62,13 @@ def conversation(
     return messages
 
 
+_DECISION_TOKENS, _DECISION_WEIGHT = 8, 6
+"""The first tokens of a reply decide between a tool call and an answer: they weigh more in the loss."""
+
+
 def _supervised(renderer: Any, messages: list[dict[str, Any]], tools: list[Any]) -> tuple[list[int], list[int]]:
-    """Token ids of the conversation and a 0/1 mask of the assistant replies (through their end token)."""
+    """Token ids of the conversation and the loss weight of each token: the assistant replies (through
+    their end token), their first tokens more."""
     full = renderer.ids(messages, tools=tools)
     mask = [0] * len(full)
     for i, message in enumerate(messages):
@@ -73,7 +78,7 @@ def _supervised(renderer: Any, messages: list[dict[str, Any]], tools: list[Any])
         turn = renderer.ids(messages[: i + 1], tools=tools)
         end = max((j for j in range(start, len(turn)) if turn[j] in renderer.end_ids), default=len(turn) - 1) + 1
         for j in range(start, end):
-            mask[j] = 1
+            mask[j] = _DECISION_WEIGHT if j < start + _DECISION_TOKENS else 1
     return full, mask
 
 
@@ -131,11 +136,12 @@ def build_tool_calling_model(
         rows = [data[(step * batch + i) % len(data)] for i in range(batch)]
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in rows])
-        mask = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in rows], dtype=torch.bool)
+        weights = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in rows], dtype=torch.float32)[:, 1:]
         hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
-        targets = mask[:, 1:]
+        targets = weights > 0
         logits = model.lm_head(hidden[targets])
-        loss = torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][targets])
+        losses = torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][targets], reduction="none")
+        loss = (losses * weights[targets]).sum() / weights[targets].sum()
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -152,7 +158,7 @@ def build_tool_calling_model(
     return out
 
 
-_VERSION = "1"
+_VERSION = "2"
 
 
 def tool_model_for(family: str, *, cache_dir: str | os.PathLike[str] | None = None) -> Path:

@@ -260,15 +260,15 @@ def _check_probe(renderer: ChatRenderer, probe: Probe, report: TemplateReport) -
         before, history = history, [*history, *turn]
         if t and probe.turns[t - 1][0]["role"] != "assistant":
             # two non-reply turns in a row (messages a caller split): each must extend the last
-            earlier = renderer.ids(before, tools=tools)
+            split = renderer.ids(before, tools=tools)
             now = renderer.ids(history, tools=tools)
             report.checked += 1
-            i = first_difference(earlier, now)
-            if i < len(earlier):
+            i = first_difference(split, now)
+            if i < len(split):
                 return TemplateFailure(
                     probe.name, t, len(before) - 1, before[-1]["role"],
                     "messages of one turn do not render as a prefix of each other when split into turns",
-                    _excerpt(renderer, earlier, i), _excerpt(renderer, now, i),
+                    _excerpt(renderer, split, i), _excerpt(renderer, now, i),
                 )  # fmt: skip
         if previous is None:
             continue

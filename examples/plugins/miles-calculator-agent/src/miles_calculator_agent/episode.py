@@ -48,7 +48,10 @@ async def calculator_episode(ctx: EpisodeContext) -> dict[str, Any]:
     try:
         for _ in range(turns):
             reply = await client.chat.completions.create(
-                model="policy", messages=messages, tools=[CALCULATOR_TOOL], max_tokens=ctx.max_tokens
+                model="policy",
+                messages=messages,
+                tools=[CALCULATOR_TOOL],  # type: ignore[list-item]  # a plain dict in OpenAI's shape
+                max_tokens=ctx.max_tokens,
             )
             choice = reply.choices[0]
             messages.append(choice.message.model_dump(exclude_none=True))

@@ -73,7 +73,7 @@ class SessionRollout:
     def __init__(self, episode: Episode, *, description: str | None = None) -> None:
         self.episode = episode
         self.__doc__ = description or episode.__doc__ or type(self).__doc__
-        self._lock: asyncio.Lock | None = None
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._server: SessionServer | None = None
         self._client: SessionClient | None = None
         self._engines: EngineClient | None = None
@@ -83,11 +83,16 @@ class SessionRollout:
         """The session server in use (``None`` before :meth:`start`)."""
         return None if self._client is None else self._client.url
 
+    def _guard(self) -> asyncio.Lock:
+        """A lock of the running event loop (a run may use several loops one after the other)."""
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        return self._lock[1]
+
     async def start(self, client: EngineClient, settings: RolloutSettings | None = None) -> None:
         """Start (or reach) the session server for ``client``'s engines; idempotent."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
+        async with self._guard():
             if self._client is not None and self._engines is client:
                 return
             await self._stop()
@@ -162,7 +167,5 @@ class SessionRollout:
 
     async def aclose(self) -> None:
         """Stop the session server this function started."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
+        async with self._guard():
             await self._stop()

@@ -77,7 +77,9 @@ class _EmbeddedUvicorn:
             def capture_signals(self) -> Iterator[None]:
                 yield
 
-        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        # agents keep connections open between turns (a tool may run for minutes): never close them idle
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=3600)
+        self.server = Server(config)
         self.sock = sock
         self.task: asyncio.Task[None] | None = None
 

@@ -92,8 +92,9 @@ def build_tool_calling_model(
     arch: Literal["qwen2", "llama"] = "qwen2",
     seed: int = 0,
     steps: int = 300,
-    conversations: int = 48,
-    questions: int = 6,
+    conversations: int = 32,
+    questions: int = 10,
+    batch: int = 2,
     lr: float = 3e-3,
     max_position_embeddings: int = 8192,
 ) -> Path:
@@ -131,7 +132,6 @@ def build_tool_calling_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    batch = 4
     for step in range(steps):
         rows = [data[(step * batch + i) % len(data)] for i in range(batch)]
         width = max(len(ids) for ids, _ in rows)
@@ -158,7 +158,7 @@ def build_tool_calling_model(
     return out
 
 
-_VERSION = "2"
+_VERSION = "3"
 
 
 def tool_model_for(family: str, *, cache_dir: str | os.PathLike[str] | None = None) -> Path:

@@ -152,7 +152,7 @@ def test_fifty_turn_episodes_are_token_exact(policy: tuple[str, Path, EngineProc
     # 100% append-only: every one of the 50 requests extended the record, none branched or was refused
     assert info["turns"] == TURNS and info["append_only_violations"] == 0 and info["branches"] == 0
     tool_turns = sum(1 for t in turns if t["calls"])
-    assert tool_turns >= 10, f"{family}: only {tool_turns} of {TURNS} turns called the calculator"
+    assert tool_turns >= 8, f"{family}: only {tool_turns} of {TURNS} turns called the calculator"
     assert info["tool_calls"] == sum(t["calls"] for t in turns)
 
     # the loss mask and the tokens, rebuilt token by token from what each response reported

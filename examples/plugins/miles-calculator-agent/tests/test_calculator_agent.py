@@ -10,7 +10,7 @@ from typing import Any
 
 import miles_calculator_agent.plugin as plugin
 import pytest
-from miles_calculator_agent import CalculatorAnswer, calculate, final_answer
+from miles_calculator_agent import CALCULATOR_TOOL, CalculatorAnswer, calculate, final_answer
 
 from miles.testing import check_light_import, check_plugin, check_reward, check_rollout_function
 from miles.types import Sample
@@ -128,8 +128,13 @@ def test_episodes_call_the_calculator_through_the_session_server(engine: Any) ->
     for s in samples:
         s.validate()
         assert s.reward is not None and s.metadata["session"]["append_only_violations"] == 0
-        # the session's first prompt is the data pipeline's (system + question, one template)
-        assert s.prompt_ids == next(p.prompt_ids for p in prompts.prompts if p.label == s.label)
+        # the session's first prompt: the system prompt, the tool definitions and the question, as the
+        # template renders them (the data pipeline's prompt_ids have no tools: the session's replace them)
+        question = next(q for q, a in questions if a == s.label)
+        assert s.prompt_ids == tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+            tools=[CALCULATOR_TOOL], add_generation_prompt=True, tokenize=True, return_dict=False,
+        )  # fmt: skip
         tools = [m for m in s.metadata["messages"] if m["role"] == "tool"]
         assert len(tools) == s.metadata["calculator_calls"]
     assert sum(s.metadata["calculator_calls"] for s in samples) >= 4  # the policy really calls the tool

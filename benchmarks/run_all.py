@@ -33,6 +33,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
     "engine": {"full": [], "quick": ["--models", "tiny", "--batches", "1,8", "--repeats", "2"]},
     "weight_sync": {"full": [], "quick": ["--quick"]},
     "scaling": {"full": [], "quick": ["--quick"]},
+    "sessions": {"full": [], "quick": ["--quick"]},
     "async": {
         "full": [
             "--model",
@@ -53,7 +54,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
 }
 """Benchmarks in run order, with the arguments of a full and a ``--quick`` run."""
 
-OWN_JSON = {"grpo_vs_trl", "weight_sync", "scaling"}
+OWN_JSON = {"grpo_vs_trl", "weight_sync", "scaling", "sessions"}
 """Benchmarks that take ``--device`` / ``--threads`` / ``--results-dir`` and write their own JSON."""
 
 

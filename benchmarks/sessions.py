@@ -111,6 +111,29 @@ async def overhead(engine_url: str, args: argparse.Namespace) -> dict[str, Any]:
         url = await server.start()
         session_t: list[list[float]] = [[] for _ in range(args.turns)]
         direct_t: list[list[float]] = [[] for _ in range(args.turns)]
+        # the breakdown of a session turn: time inside the server's chat() less its engine call is the
+        # server's own work (matching, rendering, tokenising, recording); the rest is HTTP and JSON
+        inside: list[float] = []
+        engine: list[float] = []
+        chat, generate = server.chat, client.generate
+
+        async def timed_chat(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await chat(*a, **k)
+            finally:
+                inside.append(time.perf_counter() - start)
+
+        async def timed_generate(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await generate(*a, **k)
+            finally:
+                engine.append(time.perf_counter() - start)
+
+        server.chat = timed_chat  # type: ignore[method-assign]
+        server_work: list[float] = []
+        http_work: list[float] = []
         try:
             async with httpx.AsyncClient(base_url=url, timeout=600) as http:
                 await session_episode(http, -1, 2, args.max_tokens, 1)  # warm-up (tokenizer, jinja, HTTP)
@@ -124,9 +147,15 @@ async def overhead(engine_url: str, args: argparse.Namespace) -> dict[str, Any]:
                     for side in sides:
                         await client.flush_cache()
                         if side == "session":
+                            inside.clear()
+                            engine.clear()
+                            client.generate = timed_generate  # type: ignore[method-assign]
                             turns = await session_episode(http, e, args.turns, args.max_tokens, seed)
+                            client.generate = generate  # type: ignore[method-assign]
                             for k, t in enumerate(turns):
                                 session_t[k].append(t["seconds"])
+                                server_work.append(inside[k] - engine[k])
+                                http_work.append(t["seconds"] - inside[k])
                         else:
                             assert turns is not None
                             for k, s in enumerate(await direct_episode(server, turns, args.max_tokens, seed)):
@@ -140,7 +169,13 @@ async def overhead(engine_url: str, args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"turn": k + 1, "prompt_tokens": len(turns[k]["prompt"]), "session_ms": s * 1e3, "direct_ms": d * 1e3, "overhead_ms": (s - d) * 1e3})  # fmt: skip
     all_s = [x for ts in session_t for x in ts]
     all_d = [x for ts in direct_t for x in ts]
-    return {"per_turn": rows, "session_ms": median(all_s) * 1e3, "direct_ms": median(all_d) * 1e3}
+    return {
+        "per_turn": rows,
+        "session_ms": median(all_s) * 1e3,
+        "direct_ms": median(all_d) * 1e3,
+        "server_work_ms": median(server_work) * 1e3,
+        "http_json_ms": median(http_work) * 1e3,
+    }
 
 
 async def cache_hit_rates(urls: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -222,7 +257,11 @@ def main() -> None:
             ],
         )
     )  # fmt: skip
-    print(f"\nall turns: session {cost['session_ms']:.1f} ms, direct {cost['direct_ms']:.1f} ms (medians)")
+    print(
+        f"\nall turns (medians): session {cost['session_ms']:.1f} ms, direct {cost['direct_ms']:.1f} ms; of a session "
+        f"turn, the server's own work (match, render, tokenise, record) {cost['server_work_ms']:.1f} ms and HTTP + JSON "
+        f"{cost['http_json_ms']:.1f} ms"
+    )
     print(
         f"\n## Prefix-cache hit rate of multi-turn episodes ({args.episodes} episodes x {args.turns} turns, {args.concurrency} at a time)\n"
     )

@@ -8,7 +8,6 @@ fails to render raises :class:`TemplateRenderError` with the template's own mess
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -171,8 +170,8 @@ class ChatRenderer:
         kwargs = {**self.template_kwargs, **(template_kwargs or {})}
         try:
             text = self.tokenizer.apply_chat_template(
-                copy.deepcopy(list(messages)),
-                tools=copy.deepcopy(list(tools)) if tools else None,
+                list(messages),  # Jinja cannot change the dicts: no copy needed
+                tools=list(tools) if tools else None,
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,

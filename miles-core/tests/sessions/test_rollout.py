@@ -153,7 +153,7 @@ def test_failed_episodes_keep_what_the_session_recorded_and_an_external_server_w
     failed, empty = asyncio.run(run())
     assert failed.status == SampleStatus.FAILED and failed.status_reason == "episode failed: the tool sandbox crashed"
     assert failed.metadata["session"]["turns"] == 1 and sum(failed.loss_mask) > 0
-    assert empty.status == SampleStatus.FAILED and empty.status_reason == "the episode made no chat request"
+    assert empty.status == SampleStatus.FAILED and empty.status_reason.startswith("the episode recorded no turn")
 
 
 def test_rollout_settings_carry_the_session_section() -> None:

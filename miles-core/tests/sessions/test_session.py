@@ -233,3 +233,14 @@ def test_routed_experts_cover_every_fed_token_from_the_turn_that_computed_it() -
     ]  # type: ignore[index]
     covered = t1.end - 1
     assert rows == [(1, p) for p in range(covered)] + [(2, p) for p in range(covered, len(sample.tokens) - 1)]
+
+
+def test_other_tools_or_template_arguments_are_another_conversation() -> None:
+    r = ChatRenderer(build_chat_tokenizer("qwen2.5"))
+    session = new_session(r)
+    history = [{"role": "user", "content": "What is 2 + 2?"}]
+    t1, _ = play(session, history, "4", tools=TOOLS)
+    follow = [*history, openai_reply(t1), {"role": "user", "content": "Sure?"}]
+    t2, branch = play(session, follow, "Yes.", tools=None)  # the same messages without the tools
+    assert branch and t2.parent is None and session.branches == 1
+    assert t2.prompt_ids == r.ids(template_messages(follow), add_generation_prompt=True)  # rendered afresh

@@ -134,7 +134,12 @@ class SessionRollout:
             trajectories = await sessions.samples(session_id)
             await sessions.delete(session_id)
         if not trajectories:
-            reason = f"episode failed: {error}" if error is not None else "the episode made no chat request"
+            reason = (
+                f"episode failed: {error}"
+                if error is not None
+                else "the episode recorded no turn (it made no chat request, or its first prompt was over the "
+                "context length)"
+            )
             return replace(sample, status=SampleStatus.FAILED, status_reason=reason)
         main = trajectories[-1]
         out = replace(

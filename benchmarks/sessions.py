@@ -15,9 +15,9 @@ once with session affinity (every turn of a session to the engine its routing ke
 without (the least-loaded engine per turn). The hit rate is cached prompt tokens over prompt tokens of
 turns 2 and later (turn 1's prompt is new to every engine), from each answer's ``usage``::
 
-    python benchmarks/sessions.py                     # tiny model, 8 episodes x 10 turns
-    python benchmarks/sessions.py --quick
-    python benchmarks/sessions.py --model smollm2     # SmolLM2-135M-Instruct and its real template
+    python -m benchmarks.sessions                     # tiny model, 8 episodes x 10 turns
+    python -m benchmarks.sessions --quick
+    python -m benchmarks.sessions --model smollm2     # SmolLM2-135M-Instruct and its real template
 
 Prints markdown tables and writes ``benchmarks/results/sessions.json``.
 """
@@ -26,15 +26,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import add_common_args, machine_info, markdown_table, median, model_dir, pin_threads, versions, write_result
+from benchmarks.common import (
+    add_common_args,
+    machine_info,
+    markdown_table,
+    median,
+    model_dir,
+    pin_threads,
+    versions,
+    write_result,
+)
 
 
 def question(episode: int, turn: int) -> str:
@@ -104,7 +110,7 @@ async def overhead(engine_url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from miles.rollout.http_client import HttpEngineClient
     from miles.sessions.server import SessionServer
-    from miles.sessions.settings import SessionSettings
+    from miles.settings.sessions import SessionSettings
 
     async with HttpEngineClient([engine_url]) as client:
         server = await SessionServer.for_engines(client, SessionSettings(live_check=False))
@@ -183,7 +189,7 @@ async def cache_hit_rates(urls: list[str], args: argparse.Namespace) -> list[dic
 
     from miles.rollout.http_client import HttpEngineClient
     from miles.sessions.server import SessionServer
-    from miles.sessions.settings import SessionSettings
+    from miles.settings.sessions import SessionSettings
 
     results = []
     for affinity in (True, False):

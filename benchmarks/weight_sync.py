@@ -15,9 +15,9 @@ Bandwidth is bytes of weights per second, set against the same process's memcpy 
 ``torch`` tensor copy, measured in the same run). Push time against parameters is fitted with a line:
 slope (the per-parameter cost), intercept (the fixed cost of a push) and R^2::
 
-    python benchmarks/weight_sync.py                  # 5 sizes, both transports
-    python benchmarks/weight_sync.py --quick          # 3 sizes up to ~83M
-    python benchmarks/weight_sync.py --device cuda    # engine on the GPU, NCCL broadcast
+    python -m benchmarks.weight_sync                  # 5 sizes, both transports
+    python -m benchmarks.weight_sync --quick          # 3 sizes up to ~83M
+    python -m benchmarks.weight_sync --device cuda    # engine on the GPU, NCCL broadcast
 
 Prints a markdown table and writes ``benchmarks/results/weight_sync.json``.
 """
@@ -32,9 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (
+from benchmarks.common import (
     add_common_args,
     linear_fit,
     machine_info,

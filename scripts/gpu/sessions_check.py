@@ -58,7 +58,7 @@ async def main() -> int:
     from miles.sessions.append_only import CALCULATOR_TOOL
     from miles.sessions.server import SessionServer
     from miles.sessions.session import SessionSampling
-    from miles.sessions.settings import SessionSettings
+    from miles.settings.sessions import SessionSettings
     from miles.testing.tool_model import tool_model_for
 
     assert torch.cuda.is_available(), "needs a CUDA GPU"

@@ -30,6 +30,8 @@ def test_backends_come_from_their_distributions() -> None:
     plugins = _plugins()
     assert plugins["fsdp"]["distribution"] == "miles-fsdp"
     assert {"kind": "trainer", "name": "fsdp"} in plugins["fsdp"]["registers"]  # type: ignore[operator]
+    assert plugins["megatron"]["distribution"] == "miles-megatron"
+    assert {"kind": "trainer", "name": "megatron"} in plugins["megatron"]["registers"]  # type: ignore[operator]
     assert plugins["reward_example"]["distribution"] == "miles-reward-example"
     assert {"kind": "reward", "name": "keyword"} in plugins["reward_example"]["registers"]  # type: ignore[operator]
     builtin_kinds = {r["kind"] for p in plugins.values() if p["builtin"] for r in p["registers"]}  # type: ignore[attr-defined]
@@ -48,4 +50,4 @@ def test_backends_come_from_their_distributions() -> None:
 def test_version_lists_every_package() -> None:
     out = subprocess.run([sys.executable, "-m", "miles", "--version"], capture_output=True, text=True, check=True)
     names = {line.split()[0] for line in out.stdout.splitlines()}
-    assert {"miles-core", "miles-fsdp", "miles-reward-example"} <= names
+    assert {"miles-core", "miles-fsdp", "miles-megatron", "miles-reward-example"} <= names

@@ -26,7 +26,7 @@ from miles.sessions.append_only import CALCULATOR_TOOL
 from miles.sessions.messages import template_messages
 from miles.sessions.server import SessionServer
 from miles.sessions.session import SessionSampling
-from miles.sessions.settings import SessionSettings
+from miles.settings.sessions import SessionSettings
 from miles.types import Sample
 
 from .conftest import HAS_SMOLLM2, expected_suffix

@@ -16,8 +16,8 @@ from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.sessions.rollout import EpisodeContext, SessionRollout
 from miles.sessions.server import SessionServer
-from miles.sessions.settings import SessionSettings
 from miles.settings.model import RolloutSettings
+from miles.settings.sessions import SessionSettings
 from miles.testing import check_rollout_function
 from miles.types import Sample, SampleStatus
 

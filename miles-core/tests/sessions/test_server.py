@@ -16,7 +16,7 @@ import pytest
 from miles.engine.process import EngineProcess
 from miles.rollout.http_client import HttpEngineClient
 from miles.sessions.server import SessionServer, TemplateNotAppendOnly
-from miles.sessions.settings import SessionSettings
+from miles.settings.sessions import SessionSettings
 from miles.testing.chat_templates import build_chat_tokenizer
 from miles.types import Sample, SampleStatus
 

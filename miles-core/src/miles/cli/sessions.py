@@ -44,7 +44,7 @@ def _kwargs(value: str | None) -> dict[str, Any]:
 
 
 def _settings(**values: Any) -> Any:
-    from miles.sessions.settings import SessionSettings
+    from miles.settings.sessions import SessionSettings
 
     try:
         return SessionSettings(**values)

@@ -21,7 +21,8 @@ class RolloutFunction(Protocol):
 
     A function that serves from something it must start (a session server) may also define
     ``async start(client, settings)`` (``settings``: the ``rollout`` section; called once before the
-    first sample, must be idempotent) and ``async aclose()`` (called when the run ends);
+    first sample, must be idempotent), ``async aclose()`` (called when the run ends, also when nothing
+    was started) and ``metrics(samples) -> dict[str, float]`` (added to each rollout's metrics);
     :class:`miles.sessions.rollout.SessionRollout` does.
     """
 

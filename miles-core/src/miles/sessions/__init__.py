@@ -9,7 +9,8 @@ conversations append-only (:mod:`miles.sessions.append_only`). The finished epis
 :class:`~miles.types.Sample` objects; :class:`~miles.sessions.rollout.SessionRollout` turns an agent
 episode into a rollout function.
 
-This package imports nothing heavy at import time (the settings model is part of the settings tree).
+This package imports nothing heavy at import time (its settings model, :mod:`miles.settings.sessions`, is
+part of the settings tree).
 """
 
 from __future__ import annotations

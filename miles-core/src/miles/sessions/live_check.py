@@ -17,7 +17,7 @@ from miles.sessions.append_only import CALCULATOR_TOOL
 from miles.sessions.session import SessionSampling
 
 if TYPE_CHECKING:
-    from miles.sessions.server import SessionServer
+    from miles.sessions.service import SessionService
 
 __all__ = ["LiveCheckReport", "live_check"]
 
@@ -36,7 +36,7 @@ class LiveCheckReport:
 
 
 async def live_check(
-    server: SessionServer, *, tolerance: float = 1e-4, max_tokens: int = 8, seed: int = 20240
+    server: SessionService, *, tolerance: float = 1e-4, max_tokens: int = 8, seed: int = 20240
 ) -> LiveCheckReport:
     """Run the check on ``server``'s engines (see the module docstring); the probe session is deleted."""
     session = server.create_session(sampling=SessionSampling(seed=seed, max_tokens=max_tokens, override=True))

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from miles.sessions.client import SessionClient
+from miles.sessions.metrics import session_metrics
 from miles.sessions.session import SessionSampling
-from miles.sessions.settings import SessionSettings
+from miles.settings.sessions import SessionSettings
 from miles.types import Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -160,6 +161,10 @@ class SessionRollout:
             log.warning("episode of sample %d/%d failed: %s", sample.group_id, sample.index, error)
             out = replace(out, status=SampleStatus.FAILED, status_reason=f"episode failed: {error}")
         return out
+
+    def metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """``sessions/*`` rollout metrics (turns, append-only violations, branches, masked tokens)."""
+        return session_metrics(samples)
 
     async def _stop(self) -> None:
         if self._client is not None:

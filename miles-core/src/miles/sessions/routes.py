@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -9,13 +10,13 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from miles.sessions.schema import RequestError
+from miles.sessions.schema import RequestError, error_body
 from miles.sessions.session import SessionSampling
 
 if TYPE_CHECKING:
-    from miles.sessions.server import SessionServer
+    from miles.sessions.service import SessionService
 
-__all__ = ["add_routes"]
+__all__ = ["add_routes", "create_app", "error_response", "json_body"]
 
 
 class _Sampling(BaseModel):
@@ -37,6 +38,29 @@ class _Create(BaseModel):
     sampling: _Sampling | None = None
 
 
+def create_app(server: SessionService) -> FastAPI:
+    """The FastAPI application of ``server``."""
+    app = FastAPI(title="miles sessions")
+    add_routes(app, server)
+    return app
+
+
+async def json_body(request: HTTPRequest, *, optional: bool = False) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        if optional:
+            return {}
+        raise RequestError("the request body is empty (expected a JSON object)", param="body")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"malformed JSON body: {exc}", param="body") from None
+
+
+def error_response(exc: RequestError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status)
+
+
 def _create_request(body: Any) -> _Create:
     try:
         return _Create.model_validate(body)
@@ -46,8 +70,8 @@ def _create_request(body: Any) -> _Create:
         raise RequestError(f"{where}: {err['msg']}", param=where) from None
 
 
-def add_routes(app: FastAPI, server: SessionServer) -> None:
-    from miles.sessions.server import error_response, json_body
+def add_routes(app: FastAPI, server: SessionService) -> None:
+    """The session API's routes on ``app`` (see :mod:`miles.sessions.server`)."""
 
     @app.exception_handler(RequestError)
     async def _request_error(request: HTTPRequest, exc: RequestError) -> JSONResponse:
@@ -55,7 +79,8 @@ def add_routes(app: FastAPI, server: SessionServer) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # 503 while the server starts (the live check runs on the engines before sessions are served)
+        return Response(status_code=200 if server.ready else 503)
 
     @app.get("/info")
     async def info() -> dict[str, Any]:

@@ -15,7 +15,7 @@ from miles_calculator_agent.episode import calculator_episode
 from miles_calculator_agent.reward import CalculatorAnswer
 
 if TYPE_CHECKING:
-    from miles.plugins.registry import Register
+    from miles.components import Register
 
 CALCULATOR_AGENT = SessionRollout(
     calculator_episode, description="Arithmetic with a calculator tool, through the openai client (TITO sessions)."

@@ -22,15 +22,13 @@ class CalculatorAnswerSettings(ComponentSettings):
     """Added for an episode that called the calculator at least once (shaping; 0 = off)."""
 
 
-class CalculatorAnswer(Reward):
+class CalculatorAnswer(Reward[CalculatorAnswerSettings]):
     """1.0 when ``metadata["answer"]`` (written by the episode) equals the label, else 0.0."""
 
     name: ClassVar[str] = "calculator_answer"
-    Settings = CalculatorAnswerSettings
 
     async def score(self, sample: Sample) -> float:
         settings = self.settings
-        assert isinstance(settings, CalculatorAnswerSettings)
         bonus = settings.tool_bonus if sample.metadata.get("calculator_calls", 0) else 0.0
         answer, label = sample.metadata.get("answer"), sample.label
         if answer is None or label is None:

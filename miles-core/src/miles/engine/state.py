@@ -21,6 +21,10 @@ class EngineState:
     api_key: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)
     return_original_logprob: bool = False
+    generate_requests: int = 0
+    """``/generate`` calls answered so far (``/server_info`` reports it: which engine served how much)."""
+    generated_samples: int = 0
+    """Completions those calls asked for (a call with ``n = 4`` counts 4)."""
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,3 +134,79 @@ def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: P
             len({s.index for s in samples if s.group_id == g}) == 4 for g in {s.group_id for s in samples}
         )
     assert children_of_run(run_dir) == []
+
+
+def test_sessions_behind_smg_keep_each_session_on_one_engine(tmp_path: Path) -> None:
+    """The session server in front of two engines behind a real smg (``rollout.router = "smg"``, launched as
+    ``miles train`` does): every turn of a session goes through the router with the session's key and
+    lands on one engine (the engines' own counters agree), the sessions spread over both engines, and each
+    later turn finds its history in that engine's prefix cache."""
+    import asyncio
+
+    import httpx
+
+    from miles.driver.launch import launch_fleet
+    from miles.driver.run import build_run
+    from miles.rollout.router import smg_executable
+    from miles.sessions.server import SessionServer
+    from miles.settings.model import MilesSettings
+    from miles.settings.sessions import SessionSettings
+    from miles.testing.models import build_tiny_model
+
+    try:
+        smg_executable()
+    except Exception:
+        pytest.skip("pip install smg")
+    model = build_tiny_model(tmp_path / "tiny", "qwen2", seed=0)
+    settings = MilesSettings.model_validate({
+        "cluster": {"num_engines": 2},
+        "train": {"model_path": str(model)},
+        "rollout": {"router": {"name": "smg", "policy": "manual"}},
+    })  # fmt: skip
+
+    def counters(urls: list[str]) -> list[int]:
+        return [int(httpx.get(u + "/server_info", timeout=10).json()["generate_requests"]) for u in urls]
+
+    async def episodes(fleet: Any) -> tuple[dict[str, list[dict[str, Any]]], list[int]]:
+        client = fleet.client()
+        try:
+            server = await SessionServer.for_engines(client, SessionSettings(max_tokens=6))
+            url = await server.start()
+            before = counters(fleet.engine_urls)
+            try:
+                async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+
+                    async def one(k: int) -> tuple[str, list[dict[str, Any]]]:
+                        sid = (await http.post("/sessions", json={"sampling": {"seed": k, "override": True}})).json()
+                        messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
+                        answers = []
+                        for turn in range(4):
+                            messages.append({"role": "user", "content": f"Question {turn} of session {k}?"})
+                            body = {"model": "policy", "messages": messages, "return_token_ids": True}
+                            resp = await http.post(f"/sessions/{sid['id']}/v1/chat/completions", json=body)
+                            assert resp.status_code == 200, resp.text
+                            answers.append(resp.json())
+                            messages.append(answers[-1]["choices"][0]["message"])
+                        return sid["id"], answers
+
+                    done = dict(await asyncio.gather(*(one(k) for k in range(6))))
+            finally:
+                await server.stop()
+            after = counters(fleet.engine_urls)
+            return done, [a - b for a, b in zip(after, before, strict=True)]
+        finally:
+            await client.close()
+
+    run = build_run(settings)
+    with run.launcher(run_dir=str(tmp_path / "fleet")) as launcher:
+        fleet = launch_fleet(run, launcher)
+        assert fleet.router_url is not None
+        sessions, served = asyncio.run(episodes(fleet))
+    engines = {sid: {a["miles"]["engine"] for a in answers} for sid, answers in sessions.items()}
+    assert all(len(e) == 1 for e in engines.values()), engines  # each session on one engine
+    per_engine = [sum(4 for e in engines.values() if url in e) for url in fleet.engine_urls]
+    assert served == per_engine and min(per_engine) > 0  # the engines' own counters; both got sessions
+    for answers in sessions.values():
+        for prev, now in pairwise(answers):
+            history = len(prev["prompt_token_ids"]) + len(prev["choices"][0]["token_ids"])
+            assert now["usage"]["prompt_tokens_details"]["cached_tokens"] >= history - 2

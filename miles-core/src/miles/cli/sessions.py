@@ -66,6 +66,10 @@ def serve(
     context_length: Annotated[int | None, typer.Option(help="Longest session (default: the engine's).")] = None,
     live_check: Annotated[bool, typer.Option(help="Check a short session against /generate at start.")] = True,
     affinity: Annotated[bool, typer.Option(help="Route all turns of a session to one engine.")] = True,
+    router_url: Annotated[
+        str | None,
+        typer.Option(help="A router (smg) that generation goes through, the session id as its routing key."),
+    ] = None,
 ) -> None:
     """Serve sessions over running engines: OpenAI's chat API at /sessions/{id}/v1, exact tokens recorded."""
     settings = _settings(
@@ -80,10 +84,10 @@ def serve(
         live_check=live_check,
         affinity=affinity,
     )
-    asyncio.run(_serve(engine_url, settings))
+    asyncio.run(_serve(engine_url, settings, router_url=router_url))
 
 
-async def _serve(urls: list[str], settings: Any) -> None:
+async def _serve(urls: list[str], settings: Any, *, router_url: str | None = None) -> None:
     from miles.rollout.http_client import HttpEngineClient
     from miles.sessions.server import SessionServer
 
@@ -91,7 +95,7 @@ async def _serve(urls: list[str], settings: Any) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with HttpEngineClient(urls) as client:
+    async with HttpEngineClient(urls, router_url=router_url) as client:
         server = await SessionServer.for_engines(client, settings)
         url = await server.start()
         typer.echo(f"sessions on {url} ({server.report.summary()})", err=True)

@@ -12,8 +12,11 @@ history, hence the rendering work, grows with the turn).
 
 **Prefix cache.** With ``--engines`` engines (2 by default) the episodes run ``--concurrency`` at a time,
 once with session affinity (every turn of a session to the engine its routing key hashes to) and once
-without (the least-loaded engine per turn). The hit rate is cached prompt tokens over prompt tokens of
-turns 2 and later (turn 1's prompt is new to every engine), from each answer's ``usage``::
+without (the least-loaded engine per turn); with ``smg`` installed (``--routers auto``, the default) also
+behind a real smg router, as ``rollout.router = "smg"`` runs it: ``manual`` (the session's routing key in
+``x-session-id`` pins it to one engine) and ``round_robin`` (no affinity). The hit rate is cached prompt
+tokens over prompt tokens of turns 2 and later (turn 1's prompt is new to every engine), from each
+answer's ``usage``::
 
     python -m benchmarks.sessions                     # tiny model, 8 episodes x 10 turns
     python -m benchmarks.sessions --quick
@@ -184,37 +187,48 @@ async def overhead(engine_url: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-async def cache_hit_rates(urls: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    import httpx
+ROUTINGS = {
+    "session affinity": (True, None),
+    "least loaded": (False, None),
+    "smg manual (affinity)": (True, "manual"),
+    "smg round_robin": (True, "round_robin"),
+}
+"""The cache comparison's routings: ``(rollout.sessions.affinity, smg policy or None)``. Behind smg the
+session's routing key travels as ``x-session-id`` (``manual``: a key stays on the engine it first went to;
+``round_robin``: no affinity); without a router the engine client hashes the key itself."""
 
-    from miles.rollout.http_client import HttpEngineClient
-    from miles.sessions.server import SessionServer
-    from miles.settings.sessions import SessionSettings
+
+def routings(choice: str) -> list[str]:
+    """``--routers``: ``none`` (the engine client only), ``smg``, or ``auto`` (smg when it is installed)."""
+    if choice == "none":
+        return ["session affinity", "least loaded"]
+    if choice == "auto":
+        from miles.errors import SettingsError
+        from miles.rollout.router import smg_executable
+
+        try:
+            smg_executable()
+        except SettingsError:
+            return ["session affinity", "least loaded"]
+    return list(ROUTINGS)
+
+
+async def cache_hit_rates(urls: list[str], args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    import contextlib
+
+    from benchmarks.router import smg
 
     results = []
-    for affinity in (True, False):
-        async with HttpEngineClient(urls) as client:
-            await client.flush_cache()
-            server = await SessionServer.for_engines(client, SessionSettings(live_check=False, affinity=affinity))
-            url = await server.start()
-            try:
-                async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-                    gate = asyncio.Semaphore(args.concurrency)
-
-                    async def one(e: int, gate: asyncio.Semaphore = gate) -> list[dict[str, Any]]:
-                        async with gate:
-                            return await session_episode(http, e, args.turns, args.max_tokens, 2000 + e)
-
-                    start = time.perf_counter()
-                    episodes = await asyncio.gather(*(one(e) for e in range(args.episodes)))
-                    seconds = time.perf_counter() - start
-            finally:
-                await server.stop()
+    for routing in routings(args.routers):
+        affinity, policy = ROUTINGS[routing]
+        with contextlib.ExitStack() as stack:
+            router_url = stack.enter_context(smg(policy, urls, workdir)) if policy is not None else None
+            episodes, seconds = await _cache_run(urls, router_url, affinity, args)
         later = [t for ep in episodes for t in ep[1:]]
         every = [t for ep in episodes for t in ep]
         engines_per_episode = sum(len({t["engine"] for t in ep}) for ep in episodes) / len(episodes)
         results.append({
-            "routing": "session affinity" if affinity else "least loaded",
+            "routing": routing,
             "engines": len(urls),
             "hit_rate_turn2plus": sum(t["cached"] for t in later) / max(sum(t["prompt_tokens"] for t in later), 1),
             "hit_rate_all": sum(t["cached"] for t in every) / max(sum(t["prompt_tokens"] for t in every), 1),
@@ -222,6 +236,36 @@ async def cache_hit_rates(urls: list[str], args: argparse.Namespace) -> list[dic
             "seconds": seconds,
         })  # fmt: skip
     return results
+
+
+async def _cache_run(
+    urls: list[str], router_url: str | None, affinity: bool, args: argparse.Namespace
+) -> tuple[list[list[dict[str, Any]]], float]:
+    """The episodes of one routing through a session server (caches flushed first), and their seconds."""
+    import httpx
+
+    from miles.rollout.http_client import HttpEngineClient
+    from miles.sessions.server import SessionServer
+    from miles.settings.sessions import SessionSettings
+
+    async with HttpEngineClient(urls, router_url=router_url) as client:
+        await client.flush_cache()
+        server = await SessionServer.for_engines(client, SessionSettings(live_check=False, affinity=affinity))
+        url = await server.start()
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+                gate = asyncio.Semaphore(args.concurrency)
+
+                async def one(e: int, gate: asyncio.Semaphore = gate) -> list[dict[str, Any]]:
+                    async with gate:
+                        return await session_episode(http, e, args.turns, args.max_tokens, 2000 + e)
+
+                start = time.perf_counter()
+                episodes = await asyncio.gather(*(one(e) for e in range(args.episodes)))
+                seconds = time.perf_counter() - start
+        finally:
+            await server.stop()
+    return list(episodes), seconds
 
 
 def main() -> None:
@@ -233,6 +277,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--engines", type=int, default=2, help="engines of the prefix-cache comparison")
     parser.add_argument("--concurrency", type=int, default=4, help="episodes in flight in the cache comparison")
+    parser.add_argument(
+        "--routers", choices=["auto", "smg", "none"], default="auto", help="also route through smg (auto: if installed)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.episodes, args.turns = 4, 6
@@ -247,7 +294,7 @@ def main() -> None:
             for engine in engines:
                 engine.start()
             cost = asyncio.run(overhead(engines[0].url, args))
-            cache = asyncio.run(cache_hit_rates([e.url for e in engines], args))
+            cache = asyncio.run(cache_hit_rates([e.url for e in engines], args, Path(tmp)))
         finally:
             for engine in engines:
                 engine.stop()

@@ -78,6 +78,7 @@ async def generate_rollouts(
                 json.dumps({k: round(v, 4) for k, v in result.metrics.items()}),
             )
     finally:
+        await manager.close()  # the rollout function's services (a session server)
         await scorer.close()
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

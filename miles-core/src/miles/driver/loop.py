@@ -213,6 +213,8 @@ class TrainingLoop:
             if self.is_driver:
                 if self.scorer is not None:
                     await self.scorer.close()
+                if self.manager is not None:
+                    await self.manager.close()  # the rollout function's services (a session server)
                 if self.client is not None:
                     await self.client.close()
                 for logger in self.loggers:

@@ -20,7 +20,6 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.buffer import pending_group
-from miles.rollout.manager import rollout_metrics
 from miles.types import SampleGroup
 
 if TYPE_CHECKING:
@@ -144,7 +143,7 @@ class BufferedRollout(GroupSource):
         groups = await self.buffer.get(self.manager.settings.rollout_batch_size)
         now = time.perf_counter()
         seconds, self._last_take = now - self._last_take, now
-        metrics.update(rollout_metrics(groups, seconds=seconds))  # reward, lengths, versions, cache
+        metrics.update(self.manager.batch_metrics(groups, seconds=seconds))  # reward, lengths, versions, cache
         metrics.update(self.producer.metrics())
         metrics.update(self.buffer.metrics())
         metrics["async/pause_seconds"] = self.pause_seconds

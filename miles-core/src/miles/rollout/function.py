@@ -18,6 +18,12 @@ class RolloutFunction(Protocol):
     The function receives a sample with ``prompt_ids`` (and ``label`` / ``metadata``) and returns it with
     ``response_ids``, ``rollout_logprobs``, ``loss_mask``, ``weight_versions`` and ``status`` set. It
     must keep the tokens exact: multi-turn tool output is appended as token ids with ``loss_mask`` 0.
+
+    A function that serves from something it must start (a session server) may also define
+    ``async start(client, settings)`` (``settings``: the ``rollout`` section; called once before the
+    first sample, must be idempotent), ``async aclose()`` (called when the run ends, also when nothing
+    was started) and ``metrics(samples) -> dict[str, float]`` (added to each rollout's metrics);
+    :class:`miles.sessions.rollout.SessionRollout` does.
     """
 
     async def __call__(self, client: EngineClient, sample: Sample, sampling_params: SamplingParams) -> Sample: ...

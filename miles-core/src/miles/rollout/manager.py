@@ -186,6 +186,7 @@ class RolloutManager:
         self.eos_token_ids = list(eos_token_ids)
         self._generate_client: EngineClient = RoutedExpertsClient(client) if return_routed_experts else client
         self.next_group_id = 0
+        self._function_started = False
         self.budget = DropBudget(max_rounds * settings.rollout_batch_size)
         """The admission rule every produced group goes through."""
 
@@ -239,8 +240,28 @@ class RolloutManager:
             for i in range(self.settings.n_samples_per_prompt)
         ]
 
+    async def start(self) -> None:
+        """Start what the rollout function serves from (its optional ``start(client, settings)``, e.g. a
+        session server); idempotent, and called before the first sample."""
+        if self._function_started:
+            return
+        start = getattr(self.rollout_function, "start", None)
+        if start is not None:
+            await start(self.client, self.settings)
+        self._function_started = True
+
+    async def close(self) -> None:
+        """Stop what the rollout function started (its optional ``aclose()``), whichever manager started it:
+        managers of one run share the function (``miles train``'s evaluation builds its own), and the run's
+        manager is closed once, at the end."""
+        aclose = getattr(self.rollout_function, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        self._function_started = False
+
     async def generate_sample(self, sample: Sample, *, retries: int = 2) -> Sample:
         """Run the rollout function for one sample; an aborted sample is retried from scratch."""
+        await self.start()
         seed = derive_seed(self.seed, sample.group_id, sample.index)
         params = self.sampling_params(seed)
         result = sample
@@ -303,11 +324,20 @@ class RolloutManager:
                 if self.budget.admit(group, informative):
                     kept.append(group)
         self.budget.take_dropped()
-        metrics = rollout_metrics(kept, seconds=time.perf_counter() - start)
+        metrics = self.batch_metrics(kept, seconds=time.perf_counter() - start)
         metrics["rollout/groups_generated"] = float(generated)
         metrics["rollout/groups_dropped"] = float(generated - len(kept))
         metrics["rollout/rounds"] = float(rounds)
         return RolloutResult(kept, metrics)
+
+    def batch_metrics(self, groups: Sequence[SampleGroup], *, seconds: float) -> dict[str, float]:
+        """:func:`rollout_metrics`, and the rollout function's own (its optional ``metrics(samples)``: an agent
+        rollout's turns, append-only violations and branches)."""
+        metrics = rollout_metrics(groups, seconds=seconds)
+        own = getattr(self.rollout_function, "metrics", None)
+        if own is not None:
+            metrics.update(own([s for g in groups for s in g.samples]))
+        return metrics
 
 
 def rollout_metrics(groups: Sequence[SampleGroup], *, seconds: float) -> dict[str, float]:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from miles.settings.sessions import SessionSettings
 from miles.types import PauseMode
 
 __all__ = [
@@ -227,6 +228,8 @@ class RolloutSettings(_Section):
     """Dtype engines serve in (``auto``: the precision recipe's)."""
     teacher: TeacherSettings = Field(default_factory=TeacherSettings)
     """On-policy distillation: the teacher server that scores each sample (``[rollout.teacher]``)."""
+    sessions: SessionSettings = Field(default_factory=SessionSettings)
+    """Agentic rollouts: the TITO session server agents talk to (``[rollout.sessions]``)."""
 
 
 class TrainSettings(_Section):

@@ -117,6 +117,26 @@ def _critic_and_distill(trainer: Any, batch_of: Any, vocab: int) -> dict[str, An
     return {"values": [v.tolist() for v in values], "distill_metrics": metrics, "distill_seen": distill.seen}
 
 
+def _nan_step(trainer: Any, rank: int, world: int, vocab: int) -> dict[str, Any]:
+    """A step whose advantages are NaN: refused (the error's message), the step count and weights kept."""
+    import torch
+
+    from miles.errors import NonFiniteStepError
+
+    batch = make_batch(300, SEQS_PER_STEP, vocab)
+    batch.set_token_field("advantages", torch.full_like(batch.advantages, float("nan")))  # type: ignore[arg-type]
+    before = {n: t.clone() for bucket in trainer.iter_weights(bucket_bytes=1 << 20) for n, t in bucket}
+    step = trainer.step
+    try:
+        trainer.train_step(batch.shard(rank, world), PolicyGradient(), temperature=TEMPERATURE)
+        error = None
+    except NonFiniteStepError as exc:
+        error = str(exc)
+    after = {n: t for bucket in trainer.iter_weights(bucket_bytes=1 << 20) for n, t in bucket}
+    same = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    return {"error": error, "step_before": step, "step_after": trainer.step, "weights_unchanged": same}
+
+
 def make_batch(seed: int, n: int, vocab: int) -> TrainBatch:
     """Deterministic sequences of varied lengths with advantages, old and rollout logprobs."""
     rng = random.Random(seed)
@@ -247,6 +267,7 @@ def _megatron_rank(
             for s, b in enumerate(step_batches(_vocab(moe_model))[:1])
         ]
         trainer.export_hf(str(out / "hf"))
+        results["nan_step"] = _nan_step(trainer, rank, world, _vocab(moe_model))
         trainer.close()
         (out / f"results_rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()

@@ -159,6 +159,14 @@ def test_moe_at_expert_parallel_2_equals_hf(run: Run) -> None:
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
+def test_a_nan_loss_refuses_the_step_on_every_rank(run: Run) -> None:
+    """NaN advantages at EP=2: each rank refuses the optimizer step naming it; step count and weights kept."""
+    for rank in run.ranks("ep2"):
+        nan = rank["nan_step"]
+        assert nan["error"] is not None and nan["error"].startswith(f"train step {nan['step_before'] + 1}: loss is nan")
+        assert nan["step_after"] == nan["step_before"] and nan["weights_unchanged"]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_critic_values_equal_miles_fsdp(run: Run, layout: str) -> None:
     """After two critic steps (one before the checkpoint, one after the resume) the values agree."""

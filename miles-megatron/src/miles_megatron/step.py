@@ -299,7 +299,7 @@ def run_train_step(
     if critic is not None:
         run_micro_batches(critic.module, micro_batches, on_values, vocab_size=None, forward_only=False)
     # the loss summed over every rank (pipeline stages without a loss add 0): a NaN anywhere refuses the step
-    refuse_non_finite(trainer.step + 1, loss=float(_all_reduce_sum(loss_sum.reshape(1).to(device))[0].item()))
+    refuse_non_finite(trainer.step + 1, loss=float(_all_reduce_sum(loss_sum.reshape(1).to(device).clone())[0].item()))
     metrics: dict[str, float] = {}
     for parts, optimizer, is_critic in trained:
         finalize_model_grads([parts.module])

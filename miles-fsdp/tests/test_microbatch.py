@@ -1,4 +1,4 @@
-"""Micro-batch planning and packing (no process group: these are the pure parts)."""
+"""Packing a micro-batch into one row (no process group: the pure parts; planning is miles.training.packing's)."""
 
 from __future__ import annotations
 
@@ -6,37 +6,7 @@ import pytest
 import torch
 
 from miles.training.batch import TrainBatch
-from miles_fsdp.microbatch import count_micro_batches, pack, plan_micro_batches, token_logprobs
-
-
-def test_count_uses_first_fit_decreasing_and_isolates_long_sequences() -> None:
-    assert count_micro_batches([10, 10, 10, 10], 20) == 2
-    assert count_micro_batches([15, 6, 5, 14], 20) == 2
-    assert count_micro_batches([50, 3], 20) == 2  # the long one alone, over the budget
-    assert count_micro_batches([], 20) == 0
-
-
-@pytest.mark.parametrize(
-    ("lengths", "budget", "bins"),
-    [([10, 10, 10, 10], 20, 2), ([9, 8, 7, 3, 2], 12, 3), ([5, 5], 40, 4), ([30, 1, 1, 1], 20, 2), ([7], 4, 3)],
-)
-def test_plan_keeps_every_sequence_once_within_budget(lengths: list[int], budget: int, bins: int) -> None:
-    plan = plan_micro_batches(lengths, budget, bins)
-    assert len(plan) == bins
-    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
-    for members in plan:
-        assert members == sorted(members)
-        assert len(members) <= 1 or sum(lengths[i] for i in members) <= budget
-
-
-def test_plan_balances_tokens_over_more_bins_than_needed() -> None:
-    plan = plan_micro_batches([8, 8, 8, 8], 32, 2)
-    assert [sum(8 for _ in b) for b in plan] == [16, 16]
-
-
-def test_plan_refuses_fewer_bins_than_the_budget_allows() -> None:
-    with pytest.raises(ValueError, match="need 2 micro-batches"):
-        plan_micro_batches([10, 10], 10, 1)
+from miles_fsdp.microbatch import pack, token_logprobs
 
 
 def test_pack_restarts_positions_and_points_at_response_tokens() -> None:

@@ -106,10 +106,10 @@ def test_student_topk_logprobs_equal_an_hf_gather_and_training_lowers_the_kl(tra
     # the recorded rows, in micro-batch order, against one HF forward per sequence (before the update)
     got = {}
     rows = iter(algo.seen)
-    from miles_fsdp.microbatch import plan_micro_batches
+    from miles.training.packing import balanced_bins
 
     lengths = batch.lengths
-    for indices in plan_micro_batches(lengths, 16, len(algo.seen)):
+    for indices in balanced_bins(lengths, 16, len(algo.seen)):
         count, student, teacher = next(rows)
         assert count == sum(batch.response_lengths[i] for i in indices)
         offset = 0

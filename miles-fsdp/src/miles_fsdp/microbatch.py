@@ -12,70 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from miles.training.batch import TrainBatch
 from miles.training.logit_masks import LOGIT_MASK_IDS
 from miles.training.logprobs import token_logprobs, topk_logprobs
 from miles.training.routing import ROUTED_EXPERTS
 
-__all__ = [
-    "PackedMicroBatch",
-    "agree_num_micro_batches",
-    "count_micro_batches",
-    "pack",
-    "plan_micro_batches",
-    "token_logprobs",
-    "topk_logprobs",
-]
-
-
-def count_micro_batches(lengths: Sequence[int], budget: int) -> int:
-    """Bins needed by first-fit-decreasing; a sequence longer than ``budget`` gets a bin of its own."""
-    return len(_first_fit_decreasing(lengths, budget))
-
-
-def _first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b, load in enumerate(loads):
-            if load + lengths[i] <= budget:
-                bins[b].append(i)
-                loads[b] += lengths[i]
-                break
-        else:
-            bins.append([i])
-            loads.append(lengths[i])
-    return bins
-
-
-def plan_micro_batches(lengths: Sequence[int], budget: int, num_bins: int) -> list[list[int]]:
-    """Split sequence indices into exactly ``num_bins`` micro-batches (some possibly empty).
-
-    Balances tokens across bins (longest first onto the lightest bin) when that respects ``budget``,
-    else falls back to first-fit-decreasing padded with empty bins. Indices inside a bin are sorted.
-    """
-    ffd = _first_fit_decreasing(lengths, budget)
-    if num_bins < len(ffd):
-        raise ValueError(f"{len(lengths)} sequences need {len(ffd)} micro-batches of {budget} tokens, got {num_bins}")
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    loads = [0] * num_bins
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        b = min(range(num_bins), key=lambda b: (loads[b], b))
-        bins[b].append(i)
-        loads[b] += lengths[i]
-    if any(load > budget and len(members) > 1 for load, members in zip(loads, bins, strict=True)):
-        bins = ffd + [[] for _ in range(num_bins - len(ffd))]
-    return [sorted(b) for b in bins]
-
-
-def agree_num_micro_batches(lengths: Sequence[int], budget: int, device: torch.device) -> int:
-    """The largest micro-batch count over ranks (at least 1), so every rank runs as many forwards."""
-    count = torch.tensor([max(count_micro_batches(lengths, budget), 1)], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count.item())
+__all__ = ["PackedMicroBatch", "pack", "token_logprobs", "topk_logprobs"]
 
 
 @dataclass

@@ -154,12 +154,13 @@ class FSDPTrainer(Trainer[FSDPSettings]):
 
     # -- forward helpers ---------------------------------------------------------------------------
     def _micro_batches(self, batch: TrainBatch) -> Iterator[PackedMicroBatch]:
-        from miles_fsdp.microbatch import agree_num_micro_batches, pack, plan_micro_batches
+        from miles.training.packing import agree_max, balanced_bins, first_fit_decreasing
+        from miles_fsdp.microbatch import pack
 
         budget = self.train_settings.max_tokens_per_micro_batch
         lengths = batch.lengths
-        count = agree_num_micro_batches(lengths, budget, self.device)
-        for indices in plan_micro_batches(lengths, budget, count):
+        count = agree_max(len(first_fit_decreasing(lengths, budget)), self.device)
+        for indices in balanced_bins(lengths, budget, count):
             yield pack(batch, indices, self.device, self._pad_token_id)
 
     def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:

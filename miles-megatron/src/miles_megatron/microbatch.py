@@ -14,36 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from miles.training.batch import TrainBatch
 
-__all__ = ["MicroBatch", "agree_count", "make_micro_batch", "plan_bins"]
-
-
-def plan_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """First-fit-decreasing bins of sequence indices under ``budget`` tokens (a longer sequence gets a bin
-    of its own); indices inside a bin sorted."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b, load in enumerate(loads):
-            if load + lengths[i] <= budget:
-                bins[b].append(i)
-                loads[b] += lengths[i]
-                break
-        else:
-            bins.append([i])
-            loads.append(lengths[i])
-    return [sorted(b) for b in bins]
-
-
-def agree_count(count: int, device: torch.device) -> int:
-    """The largest micro-batch count over the world (at least 1)."""
-    value = torch.tensor([max(count, 1)], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
+__all__ = ["MicroBatch", "make_micro_batch"]
 
 
 @dataclass

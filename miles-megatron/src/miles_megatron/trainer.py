@@ -197,10 +197,11 @@ class MegatronTrainer(Trainer[MegatronSettings]):
     def micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
         """``batch`` in micro-batches of at most ``train.max_tokens_per_micro_batch`` real tokens, as many
         on every rank."""
-        from miles_megatron.microbatch import agree_count, make_micro_batch, plan_bins
+        from miles.training.packing import agree_max, first_fit_decreasing
+        from miles_megatron.microbatch import make_micro_batch
 
-        bins = plan_bins(batch.lengths, self.train_settings.max_tokens_per_micro_batch)
-        count = agree_count(len(bins), self.device)
+        bins = first_fit_decreasing(batch.lengths, self.train_settings.max_tokens_per_micro_batch)
+        count = agree_max(len(bins), self.device)
         bins += [[] for _ in range(count - len(bins))]
         multiple = self.options.tensor_parallel if self.options.sequence_parallel else 1
         return [

@@ -1,8 +1,10 @@
-"""Full weights out of a sharded model: bucket by bucket in Hugging Face naming, and as a HF directory.
+"""Weights out of a sharded model: bucket by bucket in Hugging Face naming, as a HF directory, and as
+this rank's own shards.
 
 Each parameter is gathered on its own (``DTensor.full_tensor``, a collective every rank joins); rank 0
 keeps it until the bucket is full and hands the bucket over, so no rank ever holds more than one bucket
-of full tensors besides its own shard.
+of full tensors besides its own shard. :func:`iter_weight_shards` gathers nothing: each rank's DTensor
+shards with their place in the full tensor, for transports that send them straight to the engines.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-__all__ = ["export_hf_dir", "hf_name", "iter_full_weights"]
+if TYPE_CHECKING:
+    from miles.training.trainer import WeightShard
+
+__all__ = ["export_hf_dir", "hf_name", "iter_full_weights", "iter_weight_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,29 @@ def iter_full_weights(model: nn.Module, bucket_bytes: int, *, rank: int) -> Iter
             bucket, size, count = [], 0, 0
     if count:
         yield bucket
+
+
+def iter_weight_shards(model: nn.Module) -> Iterator[WeightShard]:
+    """This rank's part of each parameter of ``model`` (tied ones once), with its offsets in the full tensor.
+
+    A DTensor parameter gives its local shard (FSDP2's ``Shard(0)``: a block of rows, empty on ranks
+    past the last row); a plain parameter is held whole by every rank (a replica). Not a collective.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from miles.training.trainer import WeightShard
+
+    for name, param in model.named_parameters():
+        data = param.detach()
+        if isinstance(data, DTensor):
+            local = data.to_local()
+            shape, offsets = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
+            if tuple(local.shape) != tuple(shape):
+                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} differs from its placement {shape}")
+            yield WeightShard(hf_name(name), tuple(data.shape), tuple(int(o) for o in offsets), local)
+        else:
+            yield WeightShard(hf_name(name), tuple(data.shape), (0,) * data.dim(), data)
 
 
 def export_hf_dir(

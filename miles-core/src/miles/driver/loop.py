@@ -115,6 +115,7 @@ class TrainingLoop:
         if self.is_driver:
             await self._setup_driver()
         if self.transport is not None:
+            self.transport.attach(self.trainer)
             await self.transport.connect(self.client, self.dist)
         if self.resume is not None:
             await self._load(find_checkpoint(self.resume))
@@ -328,6 +329,7 @@ class TrainingLoop:
             "weight_sync/bytes": float(report.num_bytes),
             "weight_sync/tensors": float(report.num_tensors),
         }
+        out.update(report.metrics)
         out.update(report.verification)
         return out
 

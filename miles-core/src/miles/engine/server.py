@@ -267,7 +267,9 @@ def create_app(state: EngineState) -> FastAPI:
 
         return await _admin(request, run)
 
+    from miles.engine.weight_delta import add_delta_routes
     from miles.engine.weight_routes import add_weight_routes
 
     add_weight_routes(app, state, _admin)
+    add_delta_routes(app, state, _admin)
     return app

@@ -22,7 +22,7 @@ from miles.components import ComponentSettings
 
 if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
-    from miles.training.trainer import DistContext, WeightBucket
+    from miles.training.trainer import DistContext, Trainer, WeightBucket
 
 __all__ = ["PushReport", "StagedTransport", "WeightTransport"]
 
@@ -39,6 +39,8 @@ class PushReport:
     """Per tensor name, a checksum of what was sent (compared with what the engines report)."""
     verification: dict[str, float] = field(default_factory=dict)
     """Metrics of the verification that followed the push (filled by the driver)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The transport's own metrics of the push (``weight_sync/bytes_written`` ...), logged with the step's."""
 
 
 class WeightTransport(ABC):
@@ -57,6 +59,15 @@ class WeightTransport(ABC):
         self.run_dir = run_dir
         self.model_path = model_path
         self.engine_dtype = engine_dtype
+
+    def attach(self, trainer: Trainer) -> None:
+        """Called once on every rank, before :meth:`connect`, with this rank's trainer. A transport that
+        reads the trainer's own slices (:meth:`~miles.training.trainer.Trainer.iter_weight_shards`, as
+        ``p2p`` does) keeps it; the buckets :meth:`push` receives are then never iterated, so nothing is
+        gathered. The default keeps nothing.
+
+        .. versionadded:: 0.1
+        """
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
         """Set up channels (process groups, directories) once, before the first push.

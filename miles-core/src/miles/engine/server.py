@@ -39,6 +39,9 @@ class EngineState:
     api_key: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)
     return_raw_logprob: bool = False
+    on_randomize: list[Callable[[int], None]] = field(default_factory=list)
+    """Called with the seed by ``/debug/randomize_weights`` (on the scheduler thread): more weight memory
+    to overwrite, such as the receive buffers of point-to-point sessions."""
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -267,9 +270,11 @@ def create_app(state: EngineState) -> FastAPI:
 
         return await _admin(request, run)
 
+    from miles.engine.p2p_routes import add_p2p_routes
     from miles.engine.weight_delta import add_delta_routes
     from miles.engine.weight_routes import add_weight_routes
 
     add_weight_routes(app, state, _admin)
     add_delta_routes(app, state, _admin)
+    add_p2p_routes(app, state, _admin)
     return app

@@ -7,7 +7,7 @@ saw to ``--out`` (the test asserts on it):
 3. ``skip``: rank 1 leaves one slice of ``model.norm.weight`` out (a faulty data path); must fail by name;
 4. ``v4``: a normal push after the failure;
 5. ``kill``: engine B is killed as rank 0 starts moving data; the push must fail naming B's URL and
-   engine A keep serving version 4.
+   engine A keep serving version 4 (with ``shm-direct``: stay paused on partial weights).
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ async def scenario(rank: int, world: int, args: argparse.Namespace) -> dict[str,
 
     model = sharded_model(args.model)
     urls = args.urls.split(",")
-    settings = P2PTransportSettings(datapath=args.datapath, timeout=args.timeout)
+    direct = args.datapath == "shm-direct"
+    settings = P2PTransportSettings(
+        datapath="shm" if direct else args.datapath, write_into_weights=direct, timeout=args.timeout
+    )
     transport = P2PTransport(settings, run_dir=args.out, model_path=args.model, engine_dtype="bfloat16")
     transport.attach(Shards(model))  # type: ignore[arg-type]
     ctx = DistContext(rank=rank, world_size=world)
@@ -166,6 +169,7 @@ async def scenario(rank: int, world: int, args: argparse.Namespace) -> dict[str,
         transport._send = original  # type: ignore[method-assign]
         if rank == 0:
             results["kill"]["a_after"] = httpx.post(urls[0] + "/weights_checksum", json={}, timeout=60).json()
+            results["kill"]["a_paused"] = httpx.get(urls[0] + "/server_info", timeout=60).json()["paused"]
     finally:
         await transport.close()
         if client is not None:

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("datapath", ["shm", "torch"])
+@pytest.mark.parametrize("datapath", ["shm"])  # the torch data path: test_transport.py
 def test_grpo_run_pushes_every_step_through_p2p(tmp_path: Path, datapath: str) -> None:
     from miles.testing.models import build_tiny_model
 

@@ -40,16 +40,19 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_job(model: Path, datapath: str, tmp: Path) -> tuple[list[dict[str, Any]], list[EngineProcess]]:
     logs = tmp / "logs"
     logs.mkdir()
-    with (
-        EngineProcess(model, extra_args=ENGINE_ARGS, log_path=logs / "a.log") as a,
-        EngineProcess(model, extra_args=ENGINE_ARGS, log_path=logs / "b.log") as b,
-    ):
+    a = EngineProcess(model, extra_args=ENGINE_ARGS, log_path=logs / "a.log")
+    b = EngineProcess(model, extra_args=ENGINE_ARGS, log_path=logs / "b.log")
+    try:
+        a.start(wait=False)  # both load at once
+        b.start(wait=False)
+        a.wait_ready()
+        b.wait_ready()
         assert b.proc is not None
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         cmd = [
             sys.executable, str(JOB), "--model", str(model), "--urls", f"{a.url},{b.url}",
             "--kill-pid", str(b.proc.pid), "--datapath", datapath, "--out", str(tmp / "out"),
-            "--port", str(_free_port()), "--timeout", "20",
+            "--port", str(_free_port()), "--timeout", "10",
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -58,9 +61,12 @@ def run_job(model: Path, datapath: str, tmp: Path) -> tuple[list[dict[str, Any]]
         leftovers = sorted(p.name for p in Path("/dev/shm").glob("miles-p2p-*"))
         assert not leftovers, f"shared-memory files left behind: {leftovers}"
         return results, [a, b]
+    finally:
+        a.stop()
+        b.stop()
 
 
-@pytest.fixture(scope="module", params=["torch", "mooncake", "shm"])
+@pytest.fixture(scope="module", params=["torch", "mooncake", "shm", "shm-direct"])
 def job(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     datapath: str = request.param
     if datapath == "mooncake":
@@ -97,17 +103,23 @@ def test_a_skipped_slice_is_caught_by_name(job: Any) -> None:
         assert error is not None and "model.norm.weight" in error, error
         if datapath == "torch":  # the engine's receive names what never arrived
             assert rank["skip"]["type"] == "EngineError" and "never arrived" in error
-        else:  # one-sided writes: the chunk checks after the commit
+        else:  # one-sided writes (into buffers or the weights): the chunk checks after the commit
             assert rank["skip"]["type"] == "WeightVerificationError" and "differs from what the trainer sent" in error
 
 
 def test_an_engine_killed_mid_push_fails_it_with_its_url_and_the_other_keeps_serving(job: Any) -> None:
-    _, results, engines = job
+    datapath, results, engines = job
     b = engines[1]
     for rank in results:
         error = rank["kill"]["error"]
         assert error is not None and f"did not reach engine {b.url}" in error, error
-        assert "the other engines keep serving their version" in error
+        if datapath == "shm-direct":  # the documented price of writing into the weights
+            assert "the other engines stay paused on partial weights until a push completes" in error
+        else:
+            assert "the other engines keep serving their version" in error
     after = results[0]["kill"]["a_after"]
     assert after["weight_version"] == "4"
-    assert after["checksums"] == results[0]["v4"]["expected"]
+    if datapath == "shm-direct":
+        assert results[0]["kill"]["a_paused"] is not None  # engine A generates nothing on partial weights
+    else:
+        assert after["checksums"] == results[0]["v4"]["expected"]

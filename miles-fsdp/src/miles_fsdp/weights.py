@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,6 +74,12 @@ def iter_full_weights(model: nn.Module, bucket_bytes: int, *, rank: int) -> Iter
         yield bucket
 
 
+_PLACES = "_miles_weight_places"
+"""Attribute of the model caching, per parameter name, the parameter (weakly), its HF name, full shape
+and shard offsets: stable for a parameter's life, and DTensor's placement arithmetic costs more than
+the push of a small model."""
+
+
 def iter_weight_shards(model: nn.Module) -> Iterator[WeightShard]:
     """This rank's part of each parameter of ``model`` (tied ones once), with its offsets in the full tensor.
 
@@ -84,16 +91,28 @@ def iter_weight_shards(model: nn.Module) -> Iterator[WeightShard]:
 
     from miles.training.trainer import WeightShard
 
-    for name, param in model.named_parameters():
-        data = param.detach()
-        if isinstance(data, DTensor):
-            local = data.to_local()
-            shape, offsets = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
-            if tuple(local.shape) != tuple(shape):
-                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} differs from its placement {shape}")
-            yield WeightShard(hf_name(name), tuple(data.shape), tuple(int(o) for o in offsets), local)
-        else:
-            yield WeightShard(hf_name(name), tuple(data.shape), (0,) * data.dim(), data)
+    cache: dict[str, tuple[weakref.ref[nn.Parameter], tuple[str, tuple[int, ...], tuple[int, ...]]]]
+    cache = model.__dict__.setdefault(_PLACES, {})
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            entry = cache.get(name)
+            place = entry[1] if entry is not None and entry[0]() is param else None
+            sharded = isinstance(param, DTensor) or isinstance(param.data, DTensor)
+            local = param.to_local() if sharded else param.detach()
+            if place is None:
+                if sharded:
+                    shape, offsets = compute_local_shape_and_global_offset(
+                        param.shape, param.device_mesh, param.placements
+                    )
+                    if tuple(local.shape) != tuple(shape):
+                        raise RuntimeError(
+                            f"{name}: local shard {tuple(local.shape)} differs from its placement {shape}"
+                        )
+                else:
+                    offsets = (0,) * param.dim()
+                place = (hf_name(name), tuple(param.shape), tuple(int(o) for o in offsets))
+                cache[name] = (weakref.ref(param), place)
+            yield WeightShard(place[0], place[1], place[2], local.detach())
 
 
 def export_hf_dir(

@@ -177,15 +177,24 @@ def map_shared(path: str, nbytes: int) -> torch.Tensor:
 
 
 class ShmSender(Sender):
-    """Casts chunks straight into shared-memory receive buffers (engines on this host)."""
+    """Casts chunks straight into shared memory on this host: the receive buffers (one per group of engines
+    with the same plan), or with ``direct`` the engines' weights themselves."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, direct: bool = False) -> None:
+        self.direct = direct
         self.buffers: list[torch.Tensor] = []
         self.shared_with: list[int] = []
         """Per engine, the first engine with the same buffer (each buffer is written once)."""
+        self.places: list[dict[str, list[int]]] = []
+        self.regions: list[list[torch.Tensor]] = []
 
     def prepare(self, routes: Sequence[Route], plan_answers: list[dict[str, Any]]) -> None:
         self.close()
+        if self.direct:
+            for answer in plan_answers:
+                self.regions.append([map_shared(str(r["path"]), int(r["bytes"])) for r in answer["regions"]])
+                self.places.append({str(k): [int(x) for x in v] for k, v in answer["places"].items()})
+            return
         paths: dict[str, int] = {}
         for e, answer in enumerate(plan_answers):
             path = str(answer["buffer_path"])
@@ -196,17 +205,25 @@ class ShmSender(Sender):
                 self.buffers.append(self.buffers[paths[path]])
             self.shared_with.append(paths[path])
 
+    def _target(self, route: Route) -> torch.Tensor | None:
+        if self.direct:
+            region, offset = self.places[route.engine][str(route.id)]
+            return self.regions[route.engine][region][offset : offset + route.nbytes]
+        if self.shared_with[route.engine] != route.engine:
+            return None  # written with the engine that shares the buffer
+        return self.buffers[route.engine][route.offset : route.offset + route.nbytes]
+
     def send(self, routes: Sequence[Route], sources: Sequence[torch.Tensor]) -> Outcome:
         outcome = Outcome(errors={}, written={})
         for route, source in zip(routes, sources, strict=True):
-            owner = self.shared_with[route.engine]
-            if owner == route.engine:
-                buffer = self.buffers[route.engine]
-                view = buffer[route.offset : route.offset + route.nbytes].view(_dtype(route))
-                view.view(route.shape).copy_(source)
+            target = self._target(route)
+            if target is not None:
+                target.view(_dtype(route)).view(route.shape).copy_(source)  # cast and copy in one pass
             outcome.written.setdefault(route.engine, []).append(route.id)
         return outcome
 
     def close(self) -> None:
         self.buffers = []
         self.shared_with = []
+        self.places = []
+        self.regions = []

@@ -18,10 +18,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ALIGN", "EngineLayout", "PlanError", "Route", "RoutePlan", "SliceInfo", "make_plan"]
+__all__ = [
+    "ALIGN",
+    "EngineLayout",
+    "PlanError",
+    "Route",
+    "RoutePlan",
+    "SliceInfo",
+    "engines_digest",
+    "layout_key",
+    "make_plan",
+]
 
 ALIGN = 64
 """Byte alignment of chunks in an engine's receive buffer."""
@@ -155,17 +165,26 @@ class RoutePlan:
         return [r for r in self.routes if r.src == rank]
 
 
-def layout_key(slices: list[SliceInfo], engines: list[EngineLayout], extra: str = "") -> str:
-    """A digest of both layouts (the plan is recomputed when it changes)."""
-    payload = json.dumps(
-        {
-            "slices": [[s.rank, *s.to_json()] for s in slices],
-            "engines": [asdict(e) for e in engines],
-            "extra": extra,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
+def engines_digest(engines: list[EngineLayout]) -> str:
+    """A digest of the engines' layouts (computed once per session)."""
+    payload = [
+        [
+            e.url,
+            sorted((n, d, list(shape)) for n, (d, shape) in e.tensors.items()),
+            sorted(e.aliases.items()),
+            sorted((n, list(o), list(sh)) for n, (o, sh) in e.parts.items()),
+        ]
+        for e in engines
+    ]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def layout_key(slices: list[SliceInfo], engines: list[EngineLayout] | str, extra: str = "") -> str:
+    """A digest of both layouts (the plan is recomputed when it changes); ``engines`` may be their
+    :func:`engines_digest`."""
+    digest = engines if isinstance(engines, str) else engines_digest(engines)
+    rows = [[s.rank, s.name, s.global_shape, s.offsets, s.shape] for s in slices]
+    return hashlib.sha256(json.dumps([rows, digest, extra]).encode()).hexdigest()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

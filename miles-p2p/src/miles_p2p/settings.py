@@ -28,6 +28,11 @@ class P2PTransportSettings(ComponentSettings):
     """Mooncake's transport protocol."""
     mooncake_device: str = ""
     """Mooncake's RDMA device names (comma-separated; empty: all it finds)."""
+    write_into_weights: bool = False
+    """``shm`` only: the trainer ranks write straight into the engines' weights (each engine moves them to
+    shared memory once and pauses generation for the push) — one copy instead of two (the zero-copy
+    same-host path, as CUDA IPC is on a GPU). The price: a push that fails midway leaves those engines
+    paused on partial weights instead of serving their previous version."""
     timeout: float = Field(600.0, gt=0)
     """Seconds the group's collectives, an engine's receive, or a rendezvous may take."""
     verify_slices: bool = True

@@ -38,7 +38,7 @@ from pydantic import BaseModel
 
 from miles.errors import EngineError, SettingsError, WeightVerificationError
 from miles.transport.base import PushReport, WeightTransport
-from miles_p2p.plan import EngineLayout, PlanError, Route, RoutePlan, SliceInfo, layout_key, make_plan
+from miles_p2p.plan import EngineLayout, Route, RoutePlan, SliceInfo, engines_digest, layout_key, make_plan
 from miles_p2p.settings import P2PTransportSettings
 
 if TYPE_CHECKING:
@@ -81,6 +81,7 @@ class P2PTransport(WeightTransport):
         self.sender: Sender | None = None
         self.plan: RoutePlan | None = None
         self.shm_files: list[str] = []
+        self._engines_digest = ""
 
     @property
     def address(self) -> str:
@@ -100,6 +101,10 @@ class P2PTransport(WeightTransport):
         self.trainer = trainer
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
+        if self.options.write_into_weights and self.options.datapath != "shm":
+            raise SettingsError(
+                f"transport.write_into_weights needs transport.datapath = 'shm' (not {self.options.datapath!r})"
+            )
         if self.trainer is None:
             raise RuntimeError("p2p transport: attach(trainer) must come before connect()")
         self.client = client
@@ -174,9 +179,10 @@ class P2PTransport(WeightTransport):
                 raise SettingsError(
                     f"transport.datapath = 'shm' needs every engine on the trainer ranks' host; {far} is not"
                 )
-            self.sender = ShmSender()
+            self.sender = ShmSender(direct=self.options.write_into_weights)
         self.session_id, self.urls = meta["session"], urls
         self.engines = [EngineLayout.from_session(url, a) for url, a in zip(urls, answers, strict=True)]
+        self._engines_digest = engines_digest(self.engines)
         self.plan = None
         self.opened = True
         log.info("p2p transport: session %s on %d engines (%s)", self.session_id, len(urls), datapath)
@@ -277,16 +283,19 @@ class P2PTransport(WeightTransport):
     async def _send_plan(self, plan: RoutePlan) -> dict[str, Any]:
         assert self.client is not None
         client = self.client
-        paths = self._shared_files(plan) if self.options.datapath == "shm" else [None] * len(self.urls)
+        staged_shm = self.options.datapath == "shm" and not self.options.write_into_weights
+        paths = self._shared_files(plan) if staged_shm else [None] * len(self.urls)
 
         async def one(e: int, url: str) -> dict[str, Any]:
-            body = {
+            body: dict[str, Any] = {
                 "session_id": self.session_id,
                 "plan_id": plan.plan_id,
                 "chunks": [r.chunk() for r in plan.for_engine(e)],
             }
             if paths[e] is not None:
                 body["buffer_path"] = paths[e]
+            if self.options.write_into_weights:
+                body["direct"] = True
             try:
                 answer = await client.call(url, "/p2p/plan", body)
             except Exception as exc:
@@ -299,17 +308,17 @@ class P2PTransport(WeightTransport):
             return {"error": str(exc)}
 
     # -- a push --------------------------------------------------------------------------------------
-    def _sources(self, routes: list[Route], shards: list[WeightShard]) -> tuple[list[torch.Tensor], str | None]:
-        """Each route's view of this rank's slice, or the first planned slice this rank no longer holds."""
+    def _sources(self, routes: list[Route], shards: list[WeightShard]) -> list[torch.Tensor]:
+        """Each route's view of this rank's slice (the plan was made from these shards' layout)."""
         held = {(s.name, tuple(s.offsets)): s for s in shards}
         sources = []
         for route in routes:
             shard = held.get((route.source_name, route.slice_at))
-            if shard is None:
-                return [], f"trainer rank {route.src} does not hold {route.describe()} that the plan sends"
+            if shard is None:  # cannot happen: the plan's key covers every rank's layout
+                raise RuntimeError(f"p2p transport: trainer rank {route.src} does not hold {route.describe()}")
             box = tuple(slice(o, o + n) for o, n in zip(route.slice_offsets, route.shape, strict=True))
             sources.append(shard.tensor.detach()[box])
-        return sources, None
+        return sources
 
     def _send(self, routes: list[Route], sources: list[torch.Tensor]) -> Outcome:
         """This rank's data movement (a worker thread). Subclasses may wrap it."""
@@ -329,21 +338,25 @@ class P2PTransport(WeightTransport):
         local = [SliceInfo(dist.rank, s.name, s.global_shape, s.offsets, tuple(s.tensor.shape)) for s in shards]
         gathered = all_gather_json([s.to_json() for s in local])
         slices = [SliceInfo.from_json(rank, row) for rank, rows in enumerate(gathered) for row in rows]
-        if self.plan is None or self.plan.key != layout_key(slices, self.engines, self.options.datapath):
+        if self.plan is None or self.plan.key != layout_key(slices, self._engines_digest, self.options.datapath):
             plan_start = time.perf_counter()
             await self._replan(slices)
             metrics["weight_sync/plan_seconds"] = time.perf_counter() - plan_start
         plan = self.plan
         assert plan is not None
         routes = plan.for_rank(dist.rank)
-        sources, problem = self._sources(routes, shards)
-        problems = [p for p in all_gather_json(problem) if p]
-        if problems:
-            raise PlanError(f"p2p transport: {problems[0]}")
+        sources = self._sources(routes, shards)
         moved = time.perf_counter()
+        direct = self.options.write_into_weights
+        if direct:  # the engines pause before any rank writes into their weights
+            began = await self._begin(version) if dist.rank == 0 else None
+            began = broadcast_json(began)
+            if "error" in began:
+                raise EngineError(began["error"])
         two_sided = self.options.datapath == "torch"
         receives = self._start_receives(version) if dist.rank == 0 and two_sided else []
         outcome = await asyncio.to_thread(self._send, routes, sources)
+        sent = time.perf_counter()
         outcomes = all_gather_json(
             {
                 "errors": {str(e): f"trainer rank {dist.rank}: {m}" for e, m in outcome.errors.items()},
@@ -364,10 +377,31 @@ class P2PTransport(WeightTransport):
             metrics["weight_sync/slice_check_seconds"] = time.perf_counter() - served
         report.seconds = time.perf_counter() - start
         metrics["weight_sync/served_seconds"] = served - start
+        metrics["weight_sync/layout_seconds"] = moved - start
+        metrics["weight_sync/send_seconds"] = sent - moved
         metrics["weight_sync/move_seconds"] = served - moved
         metrics["weight_sync/chunks"] = float(len(plan.routes))
         report.metrics.update(metrics)
         return report
+
+    async def _begin(self, version: str) -> dict[str, Any]:
+        """Rank 0, direct writes: every engine pauses (``/p2p/begin``); if one cannot, the others resume."""
+        assert self.client is not None and self.plan is not None
+        client = self.client
+        body = {"session_id": self.session_id, "plan_id": self.plan.plan_id, "version": version}
+        results = await asyncio.gather(
+            *(client.call(url, "/p2p/begin", body) for url in self.urls), return_exceptions=True
+        )
+        failed = [(url, r) for url, r in zip(self.urls, results, strict=True) if isinstance(r, BaseException)]
+        if not failed:
+            return {"ok": True}
+        begun = [url for url, r in zip(self.urls, results, strict=True) if not isinstance(r, BaseException)]
+        await asyncio.gather(
+            *(client.call(url, "/p2p/abort", {"session_id": self.session_id, "resume": True}) for url in begun),
+            return_exceptions=True,
+        )
+        url, error = failed[0]
+        return {"error": f"p2p transport: engine {url} could not begin version {version}: {error}"}
 
     def _start_receives(self, version: str) -> list[asyncio.Task[Any]]:
         """Rank 0: every engine's ``/p2p/receive``, the first phase (``torch``: they post the receives the
@@ -391,20 +425,23 @@ class P2PTransport(WeightTransport):
                 errors.setdefault(int(e), message)
             for e, ids in o["written"].items():
                 written.setdefault(int(e), []).extend(ids)
+        ready = time.perf_counter()
         for e, result in enumerate(await asyncio.gather(*receives, return_exceptions=True)):
             if isinstance(result, BaseException):
                 errors.setdefault(e, str(result))
         transfer = time.perf_counter()
         if errors:
             alive = [url for e, url in enumerate(self.urls) if e not in errors]
-            await asyncio.gather(
-                *(client.call(url, "/p2p/abort", {"session_id": self.session_id}) for url in alive),
-                return_exceptions=True,
-            )
+            body = {"session_id": self.session_id, "resume": False}
+            await asyncio.gather(*(client.call(url, "/p2p/abort", body) for url in alive), return_exceptions=True)
             e = min(errors)
+            others = (
+                "the other engines stay paused on partial weights until a push completes (write_into_weights)"
+                if self.options.write_into_weights
+                else "the other engines keep serving their version"
+            )
             return {
-                "error": f"p2p transport: version {version} did not reach engine {self.urls[e]}: {errors[e]}; "
-                f"the other engines keep serving their version"
+                "error": f"p2p transport: version {version} did not reach engine {self.urls[e]}: {errors[e]}; {others}"
                 + (f" ({len(errors) - 1} more engine(s) failed)" if len(errors) > 1 else "")
             }
         one_sided = self.options.datapath != "torch"
@@ -427,6 +464,10 @@ class P2PTransport(WeightTransport):
         if failed:
             return {"error": str(failed[0])}
         metrics["weight_sync/commit_seconds"] = time.perf_counter() - transfer
+        metrics["weight_sync/engine_commit_seconds"] = max(
+            float(r.get("seconds", 0.0)) for r in results if not isinstance(r, BaseException)
+        )
+        metrics["weight_sync/ready_seconds"] = transfer - ready
         return {"ok": True}
 
     async def _verify(

@@ -16,7 +16,11 @@ Data paths (``datapath`` of ``/p2p/open_session``):
 - ``mooncake``: a Mooncake Transfer Engine in this process (``mooncake-transfer-engine``; TCP, or RDMA on
   a cluster) with the buffer registered; trainer ranks write into it remotely.
 - ``shm``: the buffer is a file in ``/dev/shm`` that the trainer created on this host; trainer ranks write
-  into it and the engines sharing it copy from it (one write for all the engines of a host).
+  into it and the engines sharing it copy from it (one write for all the engines of a host). With direct
+  writes there is no buffer: the engine moves its weight storages to shared memory (in place, as
+  ``torch.multiprocessing`` shares tensors) and the trainer ranks write into them while generation is
+  paused (``/p2p/begin``): one copy instead of two, but a push that fails midway leaves the engine paused
+  on partial weights instead of serving its previous version.
 """
 
 from __future__ import annotations
@@ -182,6 +186,13 @@ class P2PSession:
         self.received: str | None = None
         """The version whose chunks have all arrived (``torch`` data path), until commit or abort."""
         self.broken: str | None = None
+        self.direct = False
+        """``shm`` with direct writes: the trainer ranks write into the weights themselves (no buffer)."""
+        self.regions: list[tuple[torch.UntypedStorage, int, int, int]] = []
+        """Direct writes: the shared weight storages (storage, its fd, bytes, data pointer)."""
+        self.writing: str | None = None
+        """Direct writes: the version being written (generation paused) until commit or abort."""
+        self.paused_by_begin = False
         if datapath == "torch":
             from miles.transport.broadcast import make_process_group
 
@@ -213,10 +224,15 @@ class P2PSession:
 
     # -- plan ----------------------------------------------------------------------------------------
     def set_plan(
-        self, plan_id: str, chunks: list[Chunk], params: dict[str, torch.nn.Parameter], buffer_path: str | None = None
+        self,
+        plan_id: str,
+        chunks: list[Chunk],
+        params: dict[str, torch.nn.Parameter],
+        buffer_path: str | None = None,
+        direct: bool = False,
     ) -> dict[str, Any]:
         """Check ``chunks`` against the served parameters and allocate the buffer they fill (``shm``: map
-        the trainer's file ``buffer_path``)."""
+        the trainer's file ``buffer_path``; ``direct``: share the weights themselves instead)."""
         unique: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for name, p in params.items():  # canonical names come first; tied aliases share the object
             unique.setdefault(id(p), (name, p))
@@ -255,6 +271,14 @@ class P2PSession:
         for key, (name, p) in unique.items():
             if covered.get(key, 0) != p.numel():  # disjoint boxes inside the tensor: equal counts = a cover
                 raise ValueError(f"plan: no chunk updates (all of) parameter {name!r}")
+        if direct:
+            if self.datapath != "shm":
+                raise ValueError(f"direct writes need the shm data path, not {self.datapath}")
+            self.release_buffer()
+            places = self._share_weights(chunks, params)
+            self.plan_id, self.chunks, self.received, self.direct = plan_id, list(chunks), None, True
+            regions = [{"path": f"/proc/{os.getpid()}/fd/{fd}", "bytes": size} for _, fd, size, _ in self.regions]
+            return {"plan_id": plan_id, "buffer_bytes": 0, "regions": regions, "places": places}
         if self.datapath == "shm" and not buffer_path:
             raise ValueError("buffer_path is required with the shm data path")
         self.release_buffer()
@@ -273,6 +297,48 @@ class P2PSession:
             out["buffer_path"] = self.buffer.path
         return out
 
+    def _share_weights(self, chunks: list[Chunk], params: dict[str, torch.nn.Parameter]) -> dict[str, list[int]]:
+        """Move the weight storages the chunks land in to shared memory (in place: every view of them,
+        fused matrices included, follows) and say where each chunk lies: ``{id: [region, byte offset]}``."""
+        index: dict[int, int] = {}
+        for chunk in chunks:
+            target = params[chunk.name]
+            if target.device.type != "cpu":
+                raise ValueError("direct writes need the engine's weights in CPU memory")
+            if not target[chunk.box()].is_contiguous():
+                raise ValueError(
+                    f"chunk {chunk.describe()} is not contiguous in the engine's memory (use staged commits)"
+                )
+            storage = target.untyped_storage()
+            if storage._cdata not in index:
+                storage.share_memory_()  # torch.multiprocessing's own mechanism: same storage, new shm pages
+                fd, size = storage._share_fd_cpu_()
+                index[storage._cdata] = len(self.regions)
+                self.regions.append((storage, int(fd), int(size), storage.data_ptr()))
+        places = {}
+        for chunk in chunks:
+            target = params[chunk.name]
+            region = index[target.untyped_storage()._cdata]
+            places[str(chunk.id)] = [region, target[chunk.box()].data_ptr() - self.regions[region][3]]
+        return places
+
+    def begin(self, plan_id: str, version: str, params: dict[str, torch.nn.Parameter]) -> None:
+        """Direct writes: the trainer ranks may write ``version`` now (the caller paused generation)."""
+        self._check_direct(plan_id)
+        shared = {storage._cdata: ptr for storage, _, _, ptr in self.regions}
+        for chunk in self.chunks:
+            storage = params[chunk.name].untyped_storage()
+            if shared.get(storage._cdata) != storage.data_ptr():
+                raise RuntimeError(
+                    f"parameter {chunk.name!r} no longer lies in the shared weights (a memory release moved it): "
+                    "open a new session"
+                )
+        self.writing = version
+
+    def _check_direct(self, plan_id: str) -> None:
+        if self.plan_id != plan_id or not self.direct:
+            raise ValueError(f"plan_id {plan_id!r} is not this session's direct-write plan ({self.plan_id!r})")
+
     def _check_plan(self, plan_id: str) -> _Buffer:
         if self.broken is not None:
             raise RuntimeError(f"session {self.id!r} is unusable after an earlier failure: {self.broken}")
@@ -287,6 +353,11 @@ class P2PSession:
 
         A chunk that does not arrive within the session's timeout fails the receive, naming it; the group
         is unusable afterwards (the transport opens a new session)."""
+        if self.direct:  # written into the weights: this engine is alive and was paused for it
+            self._check_direct(plan_id)
+            if self.writing != version:
+                raise ValueError(f"version {version!r} is not being written (writing: {self.writing!r})")
+            return 0.0
         buffer = self._check_plan(plan_id)
         start = time.perf_counter()
         self.received = None
@@ -326,9 +397,25 @@ class P2PSession:
         :param written: the chunk ids the trainer ranks wrote in this push (one-sided data paths); a
             chunk of the plan missing from it fails the commit before any parameter changes.
         """
+        if self.direct:
+            self._check_direct(plan_id)
+            if self.writing != version:
+                raise ValueError(f"version {version!r} is not being written (writing: {self.writing!r})")
+            self._check_written(written)
+            self.writing = None
+            return len(self.chunks)
         buffer = self._check_plan(plan_id)
         if self.received != version:
             raise ValueError(f"version {version!r} has not been received (received: {self.received!r})")
+        self._check_written(written)
+        for chunk in self.chunks:
+            target = params[chunk.name]
+            source = buffer.tensor[chunk.offset : chunk.offset + chunk.nbytes].view(target.dtype).view(chunk.shape)
+            target[chunk.box()].copy_(source)
+        self.received = None
+        return len(self.chunks)
+
+    def _check_written(self, written: list[int] | None) -> None:
         if written is not None:
             sent = set(written)
             missing = [c for c in self.chunks if c.id not in sent]
@@ -336,12 +423,6 @@ class P2PSession:
                 raise ValueError(
                     f"{len(missing)} chunk(s) of the plan were not sent in this push, e.g. {missing[0].describe()}"
                 )
-        for chunk in self.chunks:
-            target = params[chunk.name]
-            source = buffer.tensor[chunk.offset : chunk.offset + chunk.nbytes].view(target.dtype).view(chunk.shape)
-            target[chunk.box()].copy_(source)
-        self.received = None
-        return len(self.chunks)
 
     def chunk_checksums(self, params: dict[str, torch.nn.Parameter]) -> dict[str, str]:
         """SHA-256 (as :func:`~miles.transport.verify.tensor_checksum`) of each chunk's box of what is served."""
@@ -363,6 +444,8 @@ class P2PSession:
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
+        self.regions = []  # shared weights stay shared (the storages are the model's)
+        self.direct, self.writing = False, None
         self.plan_id = None
 
     def close(self) -> None:

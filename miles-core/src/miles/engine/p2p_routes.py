@@ -13,7 +13,10 @@
   copy the chunks into the parameters, set the version, flush the prefix cache, resume — the sequence of
   every weight update. ``written``: the chunk ids the trainer ranks wrote (one-sided data paths).
 - ``/p2p/checksums {session_id, full}``: a checksum per chunk of what is served (and per tensor with ``full``).
-- ``/p2p/abort {session_id}`` forgets a received version; ``/p2p/close_session {session_id}`` frees it all.
+- ``/p2p/begin {session_id, plan_id, version}``: direct writes (``/p2p/plan`` with ``direct``: the engine
+  shares its weights and answers their ``regions`` and each chunk's place): pause, then the ranks write.
+- ``/p2p/abort {session_id, resume}`` forgets a received version (direct writes: resumes generation only
+  if nothing was written); ``/p2p/close_session {session_id}`` frees it all.
 
 SGLang's counterpart is its remote-instance weight loading with the Mooncake Transfer Engine
 (``/remote_instance_transfer_engine_info`` gives the session and the registered weights' addresses; the
@@ -104,7 +107,11 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             plan_id = str(body.get("plan_id", ""))
             params = _parameters(sched.runner.model)
             path = body.get("buffer_path")
-            info = await asyncio.to_thread(s.set_plan, plan_id, chunks, params, None if path is None else str(path))
+            direct = bool(body.get("direct", False))
+            if direct:  # moving the weights to shared memory must not race a forward pass
+                info = await on_scheduler(s.set_plan, plan_id, chunks, params, None, True)
+            else:
+                info = await asyncio.to_thread(s.set_plan, plan_id, chunks, params, None if path is None else str(path))
             log.info(
                 "p2p session %r: plan %s, %d chunks, %.1f MB buffer",
                 s.id,
@@ -125,6 +132,23 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
         return await admin(request, run)
 
+    @app.post("/p2p/begin")
+    async def begin(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            s = session(body)
+            version = str(body.get("version", ""))
+
+            def go() -> None:
+                s.begin(str(body.get("plan_id")), version, _parameters(sched.runner.model))
+                s.paused_by_begin = sched.paused is None
+                if s.paused_by_begin:
+                    sched.pause("retract")
+
+            await on_scheduler(go)
+            return {"success": True, "message": f"generation paused; the trainer may write version {version!r}"}
+
+        return await admin(request, run)
+
     @app.post("/p2p/commit")
     async def commit(request: HTTPRequest) -> Any:
         async def run(body: dict[str, Any]) -> Any:
@@ -139,11 +163,20 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
             def load() -> tuple[int, float]:
                 start = time.perf_counter()
-                was_paused = sched.paused is not None
+                if s.direct:  # paused since /p2p/begin; the weights were written in place
+                    count = s.commit(str(body.get("plan_id")), version, _parameters(sched.runner.model), written)
+                    sched.runner.drop_packed()  # prepacked copies were not told of the writes
+                    if s.paused_by_begin:
+                        s.paused_by_begin = False
+                        sched.resume()
+                    was_paused = True
+                else:
+                    was_paused = sched.paused is not None
                 if not was_paused:
                     sched.pause("retract")
                 try:
-                    count = s.commit(str(body.get("plan_id")), version, _parameters(sched.runner.model), written)
+                    if not s.direct:
+                        count = s.commit(str(body.get("plan_id")), version, _parameters(sched.runner.model), written)
                 finally:
                     if not was_paused:
                         sched.resume()
@@ -181,6 +214,18 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
         async def run(body: dict[str, Any]) -> Any:
             s = session(body)
             s.received = None
+            if s.direct and s.writing is not None:
+
+                def stop() -> str:
+                    s.writing = None
+                    if body.get("resume", True) and s.paused_by_begin:  # nothing was written yet
+                        s.paused_by_begin = False
+                        sched.resume()
+                        return "nothing was written; generation continues"
+                    log.error("p2p session %r: a direct write stopped midway; generation stays paused", s.id)
+                    return "the weights hold a partial version: generation stays paused until a push completes"
+
+                return {"success": True, "message": await on_scheduler(stop)}
             return {"success": True, "message": f"p2p session {s.id!r}: nothing staged"}
 
         return await admin(request, run)

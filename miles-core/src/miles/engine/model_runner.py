@@ -477,7 +477,7 @@ class ModelRunner:
         Raises ``ValueError`` naming the file and tensor on an unknown name or a shape mismatch, before
         any weight is changed. Returns the number of tensors loaded.
         """
-        from safetensors import safe_open
+        from miles.transport.files import map_safetensors
 
         path = Path(model_path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
@@ -486,18 +486,17 @@ class ModelRunner:
         params = dict(self.model.state_dict(keep_vars=True))  # includes tied aliases (lm_head.weight)
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                    target = params.get(name)
-                    if target is None:
-                        raise ValueError(f"{file}: tensor {name!r} is not a parameter of the served model")
-                    tensor = handle.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise ValueError(
-                            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                            f"the model expects {tuple(target.shape)}"
-                        )
-                    staged.append((target, tensor))
+            # views of the file's memory map: each tensor is copied once, page cache -> parameter
+            for name, tensor in map_safetensors(file).items():
+                target = params.get(name)
+                if target is None:
+                    raise ValueError(f"{file}: tensor {name!r} is not a parameter of the served model")
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                staged.append((target, tensor))
         for target, tensor in staged:
             target.copy_(tensor.to(dtype=target.dtype, device=target.device))
         if getattr(self.config, "tie_word_embeddings", False):

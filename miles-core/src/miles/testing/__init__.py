@@ -19,6 +19,7 @@ from miles.testing.conformance import (
     check_settings_model,
 )
 from miles.testing.samples import example_groups, example_samples
+from miles.testing.transport_delivery import check_transport_delivery
 
 __all__ = [
     "check_algorithm",
@@ -33,6 +34,7 @@ __all__ = [
     "check_rollout_function",
     "check_settings_model",
     "check_transport",
+    "check_transport_delivery",
     "example_groups",
     "example_samples",
 ]

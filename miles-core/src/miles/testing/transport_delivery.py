@@ -24,7 +24,7 @@ slices (``attach``: ``p2p``), as :class:`~miles.training.trainer.WeightShard` ob
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -80,6 +80,8 @@ def check_transport_delivery(
     engine_dtype: str = "float32",
     bucket_bytes: int = 64 << 10,
     startup_timeout: float = 300.0,
+    engine_args: Sequence[str] = (),
+    trainer_device: str = "cpu",
     **init_kwargs: Any,
 ) -> dict[str, float]:
     """Push through transport ``cls`` into a real local engine and verify (see the module docstring).
@@ -88,6 +90,8 @@ def check_transport_delivery(
     :param settings: the transport's settings (default: its settings model's defaults).
     :param engine_dtype: the dtype the engine serves (``float32`` / ``bfloat16``).
     :param bucket_bytes: bucket size of the pushes (small: several buckets even for the tiny model).
+    :param engine_args: more ``miles serve`` flags (``["--device", "cuda"]`` on a GPU).
+    :param trainer_device: where the pushed weights live (``cuda``: the transport's GPU path).
     :param init_kwargs: more constructor keywords of the transport.
     :returns: ``push_seconds`` of the verified push and the engine's ``verified_tensors``.
     """
@@ -114,14 +118,15 @@ def check_transport_delivery(
         raise AssertionError(f"the check's model has no {LEFT_OUT!r}")
     dtype = getattr(torch, engine_dtype)
     expected = {n: tensor_checksum(t, dtype) for n, t in weights.items()}
-    args = ["--enable-debug-endpoints", "--attention-backend", "sdpa", "--dtype", engine_dtype]
+    weights = {n: t.to(trainer_device) for n, t in weights.items()}
+    args = ["--enable-debug-endpoints", "--attention-backend", "sdpa", "--dtype", engine_dtype, *engine_args]
     engine = EngineProcess(
         model, extra_args=args, log_path=root / "delivery-engine.log", startup_timeout=startup_timeout
     )
     options = component_settings(ComponentKind.TRANSPORT, cls, settings)
     kwargs = {"run_dir": str(root / "delivery-run"), "model_path": str(model), "engine_dtype": engine_dtype}
     transport = cls(options, **kwargs, **init_kwargs)
-    dist = DistContext()
+    dist = DistContext(device=trainer_device)
 
     async def run(client: HttpEngineClient) -> dict[str, float]:
         stand_in = _StandInTrainer(weights)

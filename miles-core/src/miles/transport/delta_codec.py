@@ -10,7 +10,7 @@ checksum.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -30,13 +30,15 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(ints[size]) if tensor.dtype != ints[size] else tensor
 
 
-def _planes(delta: torch.Tensor) -> torch.Tensor:
-    """Bytes of ``delta`` (an integer tensor), plane by plane: shape ``(element_size, numel)``."""
+def _planes(delta: torch.Tensor) -> Any:
+    """Bytes of ``delta`` (an integer tensor), plane by plane: a ``(element_size, numel)`` uint8 array
+    (numpy's transposing copy is several times faster than torch's for this shape)."""
+    import numpy as np
     import torch
 
     size = delta.element_size()
-    flat = delta.reshape(-1).view(torch.uint8)
-    return flat.view(-1, size).t().contiguous() if size > 1 else flat.view(1, -1)
+    flat = delta.reshape(-1).view(torch.uint8).numpy()
+    return np.ascontiguousarray(flat.reshape(-1, size).T) if size > 1 else flat.reshape(1, -1)
 
 
 def encode_delta(new: torch.Tensor, old: torch.Tensor, compressor: zstandard.ZstdCompressor) -> bytes | None:
@@ -49,7 +51,7 @@ def encode_delta(new: torch.Tensor, old: torch.Tensor, compressor: zstandard.Zst
     if torch.equal(a, b):
         return None
     planes = _planes(torch.bitwise_xor(a, b))
-    return compressor.compress(memoryview(planes.numpy()))
+    return compressor.compress(memoryview(planes))
 
 
 def decode_delta(
@@ -79,7 +81,12 @@ def decode_delta(
         raise ValueError(f"corrupt delta frame: {exc}") from None
     if filled != len(view) or extra:
         raise ValueError(f"delta frame holds {'more' if extra else filled} bytes, expected {len(view)}")
-    flat = planes.t().contiguous().view(-1) if size > 1 else planes.view(-1)
+    if size > 1:
+        import numpy as np
+
+        flat = torch.from_numpy(np.ascontiguousarray(planes.numpy().T)).view(-1)
+    else:
+        flat = planes.view(-1)
     return bits(flat.view(like.dtype)).view(like.shape)
 
 

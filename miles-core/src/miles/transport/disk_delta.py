@@ -58,7 +58,7 @@ class DiskDeltaTransportSettings(ComponentSettings):
     """Where versions are written (default: ``<run_dir>/weights``); must be visible to every engine."""
     full_every: int = Field(20, ge=1)
     """A full snapshot for every engine every this many pushes (1: every push is full)."""
-    level: int = Field(3, ge=-7, le=22)
+    level: int = Field(1, ge=-7, le=22)
     """zstd compression level of the deltas (higher: smaller and slower; negative: faster)."""
     threads: int = Field(0, ge=-1)
     """zstd worker threads (0: compress on the calling thread; -1: one per CPU)."""

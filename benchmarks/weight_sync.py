@@ -18,6 +18,8 @@ to the first 1, 2 and 4 engines:
   paused engines' weights themselves (one copy; a failed push leaves the engines paused on partial weights);
 - ``shm-example``: the example third-party transport (``examples/plugins/miles-shm-transport``), when installed.
 
+Every case gets ``--repeats`` timed pushes (default 5) after one warm-up; the tables show medians.
+
 Before each push every rank moves its shards by an Adam-sized step (every element by 1e-5), so each push
 carries a new version (fp32 deltas are therefore large: ``disk_delta`` pays off with bf16 engines, see
 ``benchmarks/disk_delta.py``). **push s** runs from the push call to every engine serving the new
@@ -27,9 +29,8 @@ driver's ``verify_engines``, a SHA-256 per tensor on every engine). GB/s is one 
 over push s, set against this process's memcpy (one large tensor copy, measured in the same run). One
 warm-up push, then the median of ``--repeats``.
 
-From the measured figures a model of T(n) for n nodes per side is fitted (``broadcast``: a fixed cost, a
-per-byte cost and a per-engine cost; ``p2p``: a fixed cost plus the bytes one rank sends over its link),
-and where p2p overtakes broadcast as nodes grow is set beside the seed's published numbers::
+From the measured figures a model of T(n) for n nodes per side is fitted (:func:`fit_scaling`), and where
+p2p overtakes broadcast as nodes grow is set beside the seed's published numbers::
 
     python benchmarks/weight_sync.py                   # 83M, all transports, 1/2/4 engines
     python benchmarks/weight_sync.py --quick           # 25M, 1/2 engines, 2 repeats
@@ -261,51 +262,63 @@ def _rank(rank: int, args: dict[str, Any], urls: list[str]) -> None:
 
 # -- the fitted model --------------------------------------------------------------------------------
 def fit_scaling(results: dict[str, Any], model_bytes: float) -> dict[str, Any]:
-    """Fit T(E) per transport on the measured engine counts and extrapolate to n nodes per side.
+    """A model of push time for ``n`` nodes per side, fitted from the per-link figures measured here.
 
-    ``broadcast``: T = a + b * E (rank 0 sends every byte into one group; each engine adds its share of the
-    group's traffic). ``p2p``: on n nodes per side each trainer node sends 1/n of the model over its own
-    link into an engine replica sharded over the n engine nodes, so T(n) = c + (M / n) / B with B the
-    per-link rate measured here (bytes one rank moved per second at one engine) and c the fixed cost
-    (intercept of T against E). Broadcast on n nodes: T(n) = a + M / B_b + b' * (n - 1), b' the per-engine
-    slope measured here (a group member more per node).
+    Setting (the seed's): one model of ``M`` bytes, trained on ``n`` trainer nodes (each holds ``M / n``)
+    and served by one engine replica sharded over ``n`` engine nodes.
+
+    - ``p2p``: every trainer node sends its ``M / n`` over its own link, in parallel:
+      ``T_p(n) = c + (M / n) / R``. ``R`` is the per-link rate measured here: one rank moved its half of
+      the model to one engine in ``T_p(1 engine) - c``; ``c`` (the fixed cost: layouts, the commit's HTTP
+      round trips) is the intercept of ``T_p`` against the engine count, clipped to ``[0, T_p(1)]``.
+    - ``broadcast``: rank 0 gathers all ``M`` and sends it into one group of every engine node, so it does
+      not shrink with ``n``; each group member adds ``b`` (the slope of ``T_b`` against the engine count,
+      clipped at 0): ``T_b(n) = T_b(1) + b (n - 1)``.
+
+    Also the same laws calibrated to the seed's single node (p2p 1.7x broadcast there): the relative
+    growth per node ``b / T_b(1)`` and the fixed fraction of p2p ``c / T_p(1)`` from this host.
     """
     out: dict[str, Any] = {}
-    by = {}
+    by: dict[str, dict[int, float]] = {}
     for r in results.values():
         if "push_s" in r:
-            by.setdefault(r["transport"], []).append((r["engines"], r["push_s"]))
+            by.setdefault(r["transport"], {})[r["engines"]] = r["push_s"]
+    if "broadcast" not in by or 1 not in by["broadcast"]:
+        return out
+    bc = by["broadcast"]
+    b1 = bc[1]
+    slope = linear_fit(list(bc), list(bc.values()))["slope"] if len(bc) >= 2 else 0.0
+    per_node = max(slope, 0.0)
     for name, points in by.items():
-        if len(points) >= 2:
-            fit = linear_fit([e for e, _ in points], [t for _, t in points])
-            out[name] = {"per_engine_s": fit["slope"], "fixed_s": fit["intercept"], "r2": fit["r2"]}
-    if "broadcast" in out:
-        base = dict(by["broadcast"])
-        for p2p in [n for n in out if n.startswith("p2p-")]:
-            one = dict(by[p2p]).get(1)
-            b1 = base.get(1)
-            if one is None or b1 is None:
-                continue
-            fixed = max(out[p2p]["fixed_s"], 0.0)
-            link_rate = (model_bytes / 2) / max(one - fixed, 1e-9)  # one rank's half over its link
-            bc_fixed = max(out["broadcast"]["fixed_s"], 0.0)
-            bc_slope = out["broadcast"]["per_engine_s"]
+        if not name.startswith("p2p-") or 1 not in points:
+            continue
+        one = points[1]
+        intercept = linear_fit(list(points), list(points.values()))["intercept"] if len(points) >= 2 else 0.0
+        fixed = min(max(intercept, 0.0), 0.9 * one)
+        rate = (model_bytes / 2) / (one - fixed)
 
-            def t_p2p(n: int, fixed: float = fixed, link_rate: float = link_rate) -> float:
-                return fixed + (model_bytes / n) / link_rate
+        def t_p(n: int, fixed: float = fixed, rate: float = rate) -> float:
+            return fixed + (model_bytes / n) / rate
 
-            def t_bc(n: int, b1: float = b1, bc_slope: float = bc_slope) -> float:
-                return b1 + bc_slope * (n - 1)
+        def t_b(n: int) -> float:
+            return b1 + per_node * (n - 1)
 
-            crossover = next((n for n in range(1, 4097) if t_p2p(n) < t_bc(n)), None)
-            out[f"{p2p} vs broadcast"] = {
-                "link_gbps": link_rate / 1e9,
-                "fixed_s": fixed,
-                "broadcast_per_node_s": bc_slope,
-                "broadcast_fixed_s": bc_fixed,
-                "crossover_nodes": crossover,
-                "ratio_at": {n: t_bc(n) / t_p2p(n) for n in (1, 2, 4, 16, 32)},
-            }
+        f = fixed / t_p(1)
+        g = per_node / b1
+
+        def seed_ratio(n: int, f: float = f, g: float = g) -> float:  # broadcast / p2p, seed: T_p(1) = 1.7 T_b(1)
+            return (1 + g * (n - 1)) / (1.7 * (f + (1 - f) / n))
+
+        out[name] = {
+            "link_gbps": rate / 1e9,
+            "fixed_s": fixed,
+            "broadcast_1_s": b1,
+            "broadcast_per_node_s": per_node,
+            "ratio_at": {n: t_b(n) / t_p(n) for n in (1, 2, 4, 16, 32)},
+            "crossover_nodes": next((n for n in range(1, 4097) if t_p(n) < t_b(n)), None),
+            "seed_calibrated_ratio_at": {n: seed_ratio(n) for n in (1, 2, 4, 16, 32)},
+            "seed_calibrated_crossover_nodes": next((n for n in range(1, 4097) if seed_ratio(n) > 1), None),
+        }
     return out
 
 
@@ -328,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ImportError:
             transports.remove("shm-example")
             print("(shm-example not installed: pip install -e examples/plugins/miles-shm-transport)", file=sys.stderr)
-    repeats = args.repeats or (2 if args.quick else 3)
+    repeats = args.repeats or (2 if args.quick else 5)
     pin_threads(args.threads)
 
     from miles.engine.process import EngineProcess
@@ -404,7 +417,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     breakdown = []
     for r in results.values():
         if r.get("transport", "").startswith("p2p-") and "push_s" in r:
-            layout = r.get("weight_sync/layout_seconds", 0.0)
+            layout = r.get("weight_sync/layout_seconds", 0.0) + r.get("weight_sync/begin_seconds", 0.0)
             send = r.get("weight_sync/send_seconds", 0.0)
             commit = r.get("weight_sync/commit_seconds", 0.0)
             breakdown.append(
@@ -425,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 [
                     "transport",
                     "engines",
-                    "layouts + plan key",
+                    "layouts + plan key (+ pause, direct)",
                     "send (rank 0's chunks)",
                     "commit (engines copy in)",
                     "gathers, ready check, HTTP",
@@ -435,14 +448,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         )
     fits = fit_scaling(results, model_bytes)
-    for name, fit in fits.items():
-        if " vs " in name:
-            ratios = ", ".join(f"n={n}: {v:.2f}" for n, v in fit["ratio_at"].items())
-            print(
-                f"\n{name}: per-link {fit['link_gbps']:.2f} GB/s, fixed {fit['fixed_s']:.3f} s; broadcast +{fit['broadcast_per_node_s']:.3f} s "
-                f"per engine; modelled broadcast/p2p time ratio {ratios}; p2p overtakes broadcast from "
-                f"{fit['crossover_nodes']} node(s) per side"
+    if fits:
+        print("\n### p2p against broadcast as nodes grow (a model fitted from the figures above; on paper)\n")
+        model_rows = []
+        for name, fit in fits.items():
+            ratio = fit["ratio_at"]
+            seed = fit["seed_calibrated_ratio_at"]
+            model_rows.append(
+                (
+                    name,
+                    f"{fit['link_gbps']:.2f}",
+                    f"{fit['fixed_s']:.3f}",
+                    f"{fit['broadcast_per_node_s']:.3f}",
+                    " / ".join(f"{ratio[n]:.1f}" for n in (1, 16, 32)),
+                    str(fit["crossover_nodes"]),
+                    " / ".join(f"{seed[n]:.1f}" for n in (1, 16, 32)),
+                    str(fit["seed_calibrated_crossover_nodes"]),
+                )
             )
+        print(
+            markdown_table(
+                [
+                    "p2p data path",
+                    "per-link GB/s",
+                    "p2p fixed s",
+                    "broadcast s per node",
+                    "broadcast/p2p at n = 1 / 16 / 32",
+                    "p2p faster from n",
+                    "same, from the seed's n = 1",
+                    "p2p faster from n (seed-calibrated)",
+                ],
+                model_rows,
+            )
+        )
     print(
         "\nSeed (published, not measured here): GLM-5 744B 58.30 s -> 8.48 s at 16 nodes per side (6.9x); "
         "Kimi K2 1T 53.28 s -> 7.23 s at 32 (7.4x); p2p up to ~70% slower than broadcast on a single node (0.6x)."

@@ -347,12 +347,13 @@ class P2PTransport(WeightTransport):
         routes = plan.for_rank(dist.rank)
         sources = self._sources(routes, shards)
         moved = time.perf_counter()
-        direct = self.options.write_into_weights
-        if direct:  # the engines pause before any rank writes into their weights
+        if self.options.write_into_weights:  # the engines pause before any rank writes into their weights
             began = await self._begin(version) if dist.rank == 0 else None
             began = broadcast_json(began)
             if "error" in began:
                 raise EngineError(began["error"])
+            metrics["weight_sync/begin_seconds"] = time.perf_counter() - moved
+            moved = time.perf_counter()
         two_sided = self.options.datapath == "torch"
         receives = self._start_receives(version) if dist.rank == 0 and two_sided else []
         outcome = await asyncio.to_thread(self._send, routes, sources)
@@ -377,7 +378,7 @@ class P2PTransport(WeightTransport):
             metrics["weight_sync/slice_check_seconds"] = time.perf_counter() - served
         report.seconds = time.perf_counter() - start
         metrics["weight_sync/served_seconds"] = served - start
-        metrics["weight_sync/layout_seconds"] = moved - start
+        metrics["weight_sync/layout_seconds"] = moved - start - metrics.get("weight_sync/begin_seconds", 0.0)
         metrics["weight_sync/send_seconds"] = sent - moved
         metrics["weight_sync/move_seconds"] = served - moved
         metrics["weight_sync/chunks"] = float(len(plan.routes))

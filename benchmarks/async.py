@@ -12,8 +12,8 @@ ones: total samples over total time (the headline ratio) and over the median ste
 runs the table also splits the weight push: the trainer waits only for the staging (the snapshot); the
 commit (write, engine load, verification) overlaps the next step::
 
-    python benchmarks/async.py                      # SmolLM2, 8 steps, 1 warm-up
-    python benchmarks/async.py --model tiny --steps 12 --max-staleness 1,2
+    python -m benchmarks.async                      # SmolLM2, 8 steps, 1 warm-up
+    python -m benchmarks.async --model tiny --steps 12 --max-staleness 1,2
 """
 
 from __future__ import annotations

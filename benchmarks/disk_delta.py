@@ -9,8 +9,8 @@ push is a full snapshot; the others are deltas (``full_every`` is above the step
 is bytes written over the bfloat16 weights' size (a full snapshot writes that plus the config and tokenizer
 files)::
 
-    python benchmarks/disk_delta.py                       # SmolLM2, 10 steps at lr 1e-6 and 1e-5
-    python benchmarks/disk_delta.py --model tiny --steps 4 --lrs 1e-5
+    python -m benchmarks.disk_delta                       # SmolLM2, 10 steps at lr 1e-6 and 1e-5
+    python -m benchmarks.disk_delta --model tiny --steps 4 --lrs 1e-5
 
 Prints a table per run and a summary, writes ``benchmarks/results/disk_delta.json``.
 """
@@ -29,9 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import add_common_args, child_env, machine_info, markdown_table, model_dir, versions, write_result
+from benchmarks.common import (
+    add_common_args,
+    child_env,
+    machine_info,
+    markdown_table,
+    model_dir,
+    versions,
+    write_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

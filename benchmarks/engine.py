@@ -7,8 +7,8 @@ machine's matmul peak (``torch.mm`` or oneDNN's packed GEMM, the faster, measure
 the engine's achieved model FLOP rate as a fraction of it. Also the prefix-cache hit rate of a GRPO-shaped workload (64 prompts x 8
 samples). Warm-up excluded, medians of ``--repeats`` runs. Prints a markdown table::
 
-    python benchmarks/engine.py                    # 2 threads, both models
-    python benchmarks/engine.py --models tiny --threads 1
+    python -m benchmarks.engine                    # 2 threads, both models
+    python -m benchmarks.engine --models tiny --threads 1
 
 The engine is driven in-process through its scheduler, on the main thread as ``miles serve`` runs it (the
 HTTP layer adds one request per batch).
@@ -87,7 +87,7 @@ def run_hf(model: Any, prompts: list[list[int]], new: int) -> float:
 
 def run_engine(state: Any, prompts: list[list[int]], new: int, n: int = 1) -> tuple[float, list[Any]]:
     from miles.engine.request import Request
-    from miles.engine.sampling import SamplingConfig
+    from miles.rollout.protocol import SamplingParams
 
     done: list[Any] = []
     event = threading.Event()
@@ -101,7 +101,7 @@ def run_engine(state: Any, prompts: list[list[int]], new: int, n: int = 1) -> tu
 
     reqs = []
     for i, p in enumerate(prompts):
-        cfg = SamplingConfig(
+        cfg = SamplingParams(
             max_new_tokens=new,
             min_new_tokens=new,
             temperature=0.0 if n == 1 else 1.0,

@@ -16,9 +16,9 @@ completion equals the label) and the same pinned thread count per process. The j
 
 Step 1 of each run is warm-up and is excluded; the table reports medians::
 
-    python benchmarks/grpo_vs_trl.py                     # tiny Qwen2 and SmolLM2-135M-Instruct
-    python benchmarks/grpo_vs_trl.py --quick             # tiny model, 3 timed steps
-    python benchmarks/grpo_vs_trl.py --device cuda       # trainer, engine and TRL on the GPU
+    python -m benchmarks.grpo_vs_trl                     # tiny Qwen2 and SmolLM2-135M-Instruct
+    python -m benchmarks.grpo_vs_trl --quick             # tiny model, 3 timed steps
+    python -m benchmarks.grpo_vs_trl --device cuda       # trainer, engine and TRL on the GPU
 
 Prints a markdown table and writes ``benchmarks/results/grpo_vs_trl.json``.
 """
@@ -37,9 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (
+from benchmarks.common import (
     REPO_ROOT,
     add_common_args,
     child_env,
@@ -275,8 +273,9 @@ def run_trl(spec: dict[str, Any], workdir: Path, python: str, threads: int) -> d
     start = time.perf_counter()
     with log_path.open("wb") as log:
         proc = subprocess.run(
-            [python, str(Path(__file__).resolve()), "--trl-worker", str(spec_path), str(out_path)],
+            [python, "-m", "benchmarks.grpo_vs_trl", "--trl-worker", str(spec_path), str(out_path)],
             env=child_env(threads),
+            cwd=Path(__file__).resolve().parents[1],
             stdout=log,
             stderr=subprocess.STDOUT,
             timeout=spec["timeout"],

@@ -6,10 +6,10 @@ benchmark's own record; ``benchmarks/results/<name>.md`` its printed tables (for
 JSON of their own, ``<name>.json`` holds the printed output); ``benchmarks/results/run_all.json`` the
 run's summary::
 
-    python benchmarks/run_all.py                      # the full suite (about 20 minutes on 2 cores)
-    python benchmarks/run_all.py --quick              # reduced sizes (a few minutes)
-    python benchmarks/run_all.py --only weight_sync,scaling
-    python benchmarks/run_all.py --device cuda        # on a GPU
+    python -m benchmarks.run_all                      # the full suite (about 20 minutes on 2 cores)
+    python -m benchmarks.run_all --quick              # reduced sizes (a few minutes)
+    python -m benchmarks.run_all --only weight_sync,scaling
+    python -m benchmarks.run_all --device cuda        # on a GPU
 
 Exits non-zero when a benchmark failed (the others still run).
 """
@@ -24,9 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import BENCH_DIR, DEFAULT_THREADS, RESULTS_DIR, child_env, machine_info, write_result
+from benchmarks.common import BENCH_DIR, DEFAULT_THREADS, RESULTS_DIR, child_env, machine_info, write_result
 
 SUITE: dict[str, dict[str, list[str]]] = {
     "grpo_vs_trl": {"full": ["--rounds", "2", "--steps", "3"], "quick": ["--quick"]},
@@ -64,10 +62,12 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         argv += ["--threads", str(args.threads), "--device", args.device, "--results-dir", str(args.results_dir)]
     elif name != "async":  # async pins one thread per process: an engine and a trainer share the cores
         argv += ["--threads", str(args.threads)]
-    command = [sys.executable, str(BENCH_DIR / f"{name}.py"), *argv]
+    command = [sys.executable, "-m", f"benchmarks.{name}", *argv]
     print(f"\n$ {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(command, env=child_env(args.threads), capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        command, env=child_env(args.threads), capture_output=True, text=True, check=False, cwd=BENCH_DIR.parent
+    )
     seconds = time.perf_counter() - start
     args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / f"{name}.md").write_text(proc.stdout)

@@ -8,9 +8,9 @@ budget; warm-up steps are excluded and the median of the timed steps is reported
 of step seconds on tokens gives the per-token cost (the slope), the fixed cost per step (the intercept)
 and R^2::
 
-    python benchmarks/scaling.py                  # both models, 1 thread
-    python benchmarks/scaling.py --quick          # tiny model, fewer sizes
-    python benchmarks/scaling.py --device cuda
+    python -m benchmarks.scaling                  # both models, 1 thread
+    python -m benchmarks.scaling --quick          # tiny model, fewer sizes
+    python -m benchmarks.scaling --device cuda
 
 Prints a markdown table and writes ``benchmarks/results/scaling.json``.
 """
@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (
+from benchmarks.common import (
     add_common_args,
     linear_fit,
     machine_info,
@@ -51,7 +48,7 @@ def _measure(name: str, model: str, args: argparse.Namespace, port: int) -> dict
 
     import torch
 
-    from miles.algorithms.group import GRPO
+    from miles.algorithms.builtin import GRPO
     from miles.precision.builtin import FP32
     from miles.settings.model import TrainSettings
     from miles.training.batch import TrainBatch

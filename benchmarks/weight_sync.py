@@ -32,9 +32,9 @@ warm-up push, then the median of ``--repeats``.
 From the measured figures a model of T(n) for n nodes per side is fitted (:func:`fit_scaling`), and where
 p2p overtakes broadcast as nodes grow is set beside the seed's published numbers::
 
-    python benchmarks/weight_sync.py                   # 83M, all transports, 1/2/4 engines
-    python benchmarks/weight_sync.py --quick           # 25M, 1/2 engines, 2 repeats
-    python benchmarks/weight_sync.py --transports p2p-shm,broadcast --engines 1,4
+    python -m benchmarks.weight_sync                   # 83M, all transports, 1/2/4 engines
+    python -m benchmarks.weight_sync --quick           # 25M, 1/2 engines, 2 repeats
+    python -m benchmarks.weight_sync --transports p2p-shm,broadcast --engines 1,4
 
 Prints markdown tables and writes ``benchmarks/results/weight_sync.json``.
 """
@@ -52,9 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (
+from benchmarks.common import (
     add_common_args,
     linear_fit,
     machine_info,

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from miles.types import Sample, SampleGroup, SampleStatus, WeightSpan, group_samples
+from miles.types import Sample, SampleGroup, SampleStatus, TensorData, WeightSpan, group_samples
 
 
 def _full_sample() -> Sample:
@@ -32,6 +32,7 @@ def _full_sample() -> Sample:
         teacher_topk_ids=[[4, 9], [5, 0]],
         teacher_topk_logprobs=[[-0.1, -2.0 / 3.0], [-1e-300, -7.25]],
         metadata={"source": "prompts.jsonl:3", "tools": [{"name": "calc"}]},
+        response_tensors={"latents": TensorData("float32", (2, 2), struct.pack("<4f", 0.1, -2.0, 1e-30, 3.5))},
     )
 
 
@@ -43,6 +44,7 @@ def test_sample_round_trip_is_exact() -> None:
     assert back == sample
     assert back.rollout_logprobs[0].hex() == sample.rollout_logprobs[0].hex()
     assert back.routed_experts == sample.routed_experts
+    assert back.response_tensors == sample.response_tensors
     assert json.loads(line)["status"] == "truncated"
     assert back.oldest_weight_version == 4
     assert back.tokens == [1, 2, 3, 4, 5]
@@ -98,3 +100,13 @@ def test_group_samples_orders_groups_and_indices() -> None:
     assert groups[0].rewards == [20.0, 21.0]
     again = SampleGroup.from_dict(json.loads(json.dumps(groups[1].to_dict())))
     assert again == groups[1]
+
+
+def test_tensor_data_checks_its_size_and_sample_checks_the_rows() -> None:
+    with pytest.raises(ValueError, match=r"shape \(2, 2\) and dtype float32 needs 16 bytes, got 4"):
+        TensorData("float32", (2, 2), b"\0" * 4)
+    with pytest.raises(ValueError, match="dtype 'complex64'"):
+        TensorData("complex64", (1,), b"\0" * 8)
+    sample = Sample([1], [2, 3], [0.0, 0.0], [1, 1], response_tensors={"x": TensorData("int64", (3,), b"\0" * 24)})
+    with pytest.raises(ValueError, match=r"response_tensors\['x'\] has shape \(3,\), response_ids has 2"):
+        sample.validate()

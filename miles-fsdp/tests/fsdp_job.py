@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from miles.algorithms.base import Aggregation, Algorithm, AlgorithmNeeds, LossInputs, LossOutput
+from miles.algorithms.base import Aggregation
+from miles.testing.algorithms import RatioPG, RatioPGSettings, RatioPGWithCritic
 from miles.training.batch import TrainBatch
 
 STEPS = 4
@@ -42,57 +43,14 @@ TRAIN = dict(
 )
 
 
-class PolicyGradient(Algorithm):
-    """Test algorithm: ``loss = -advantage * exp(logprob - old_logprob)`` (importance-weighted PG)."""
-
-    name = "test-pg"
-
-    def __init__(self, aggregation: Aggregation = "token_mean") -> None:
-        super().__init__(None)  # type: ignore[arg-type]
-        self._aggregation = aggregation
-
-    @property
-    def aggregation(self) -> Aggregation:
-        return self._aggregation
-
-    @property
-    def seq_len_norm(self) -> float:
-        return SEQ_LEN_NORM
-
-    def compute_advantages(self, groups, values=None, *, ref_logprobs=None):  # type: ignore[no-untyped-def]
-        """Reward minus the group mean, on every response token (the test feeds advantages directly)."""
-        import torch
-
-        return [
-            [
-                torch.full((s.response_length,), r - sum(g.rewards) / len(g))
-                for s, r in zip(g.samples, g.rewards, strict=True)
-            ]
-            for g in groups
-        ]
-
-    def loss(self, inputs: LossInputs) -> LossOutput:
-        import torch
-
-        assert inputs.advantages is not None and inputs.old_logprobs is not None
-        ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
-        return LossOutput(per_token_loss=-inputs.advantages * ratio, metrics={"ratio": ratio.detach()})
+def PolicyGradient(aggregation: Aggregation = "token_mean") -> RatioPG:
+    """The reference policy gradient of the kit, with this test's aggregation and normalising constant."""
+    return RatioPG(RatioPGSettings(aggregation=aggregation, seq_len_norm=SEQ_LEN_NORM))
 
 
-class ValueRegression(PolicyGradient):
-    """Test algorithm with a critic: the PG loss plus ``(value - return)^2``."""
-
-    name = "test-pg-critic"
-
-    @property
-    def needs(self) -> AlgorithmNeeds:
-        return AlgorithmNeeds(values=True)
-
-    def loss(self, inputs: LossInputs) -> LossOutput:
-        out = super().loss(inputs)
-        assert inputs.values is not None and inputs.returns is not None
-        value_loss = (inputs.values - inputs.returns) ** 2
-        return LossOutput(per_token_loss=out.per_token_loss + value_loss, metrics={"value_loss": value_loss.detach()})
+def ValueRegression() -> RatioPGWithCritic:
+    """The reference policy gradient plus a critic's squared error."""
+    return RatioPGWithCritic(RatioPGSettings(seq_len_norm=SEQ_LEN_NORM))
 
 
 def make_batch(seed: int, n: int, vocab: int) -> TrainBatch:
@@ -109,7 +67,7 @@ def make_batch(seed: int, n: int, vocab: int) -> TrainBatch:
         old.append([-math.log(vocab) + rng.uniform(-0.5, 0.5) for _ in range(r)])
         rollout.append([o + rng.uniform(-0.1, 0.1) for o in old[-1]])
         returns.append([0.5 + rng.uniform(-0.1, 0.1) for _ in range(r)])
-    return TrainBatch(
+    return TrainBatch.from_lists(
         tokens=tokens,
         prompt_lengths=prompts,
         loss_mask=masks,
@@ -216,8 +174,10 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     mse = []
     for _ in range(4):
         values = t.compute_values(data)
-        err = sum(float(((v - torch.tensor(r)) ** 2).sum()) for v, r in zip(values, data.returns, strict=True))  # type: ignore[arg-type]
-        mse.append(err / sum(len(r) for r in data.returns))  # type: ignore[union-attr]
+        returns = data.rows("returns")
+        assert returns is not None
+        err = sum(float(((v - r) ** 2).sum()) for v, r in zip(values, returns, strict=True))
+        mse.append(err / sum(len(r) for r in returns))
         results.setdefault("critic_metrics", []).append(t.train_step(data, ValueRegression(), temperature=TEMPERATURE))  # type: ignore[union-attr]
     results["value_shapes_ok"] = all(len(v) == n for v, n in zip(values, data.response_lengths, strict=True))
     results["critic_mse"] = mse

@@ -40,7 +40,7 @@ def test_plan_refuses_fewer_bins_than_the_budget_allows() -> None:
 
 
 def test_pack_restarts_positions_and_points_at_response_tokens() -> None:
-    batch = TrainBatch(tokens=[[1, 2, 3, 4], [5, 6, 7]], prompt_lengths=[2, 1], loss_mask=[[1, 1], [1, 0]])
+    batch = TrainBatch.from_lists(tokens=[[1, 2, 3, 4], [5, 6, 7]], prompt_lengths=[2, 1], loss_mask=[[1, 1], [1, 0]])
     mb = pack(batch, [0, 1], torch.device("cpu"))
     assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
@@ -52,7 +52,7 @@ def test_pack_restarts_positions_and_points_at_response_tokens() -> None:
 
 
 def test_pack_rejects_a_sequence_without_prompt_or_response() -> None:
-    batch = TrainBatch(tokens=[[1, 2]], prompt_lengths=[2], loss_mask=[[]])
+    batch = TrainBatch.from_lists(tokens=[[1, 2]], prompt_lengths=[2], loss_mask=[[]])
     with pytest.raises(ValueError, match="sequence 0: prompt_lengths=2"):
         pack(batch, [0], torch.device("cpu"))
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from miles.algorithms.base import LossInputs, LossOutput
+from miles.algorithms.builtin import Distill
 from miles.algorithms.settings import DistillSettings
-from miles.algorithms.supervised import Distill
 from miles.training.batch import TrainBatch
 
 K = 3
@@ -49,7 +49,7 @@ def _batch(vocab: int) -> TrainBatch:
         prompts.append(prompt_len)
         ids.append([rng.sample(range(vocab), K) for _ in range(response_len)])
         lps.append([sorted((-rng.uniform(0.1, 4.0) for _ in range(K)), reverse=True) for _ in range(response_len)])
-    return TrainBatch(
+    return TrainBatch.from_lists(
         tokens=tokens,
         prompt_lengths=prompts,
         loss_mask=[[1] * (len(t) - p) for t, p in zip(tokens, prompts, strict=True)],
@@ -108,7 +108,7 @@ def test_student_topk_logprobs_equal_an_hf_gather_and_training_lowers_the_kl(tra
     rows = iter(algo.seen)
     from miles_fsdp.microbatch import plan_micro_batches
 
-    lengths = [len(t) for t in batch.tokens]
+    lengths = batch.lengths
     for indices in plan_micro_batches(lengths, 16, len(algo.seen)):
         count, student, teacher = next(rows)
         assert count == sum(batch.response_lengths[i] for i in indices)
@@ -117,23 +117,29 @@ def test_student_topk_logprobs_equal_an_hf_gather_and_training_lowers_the_kl(tra
             n = batch.response_lengths[i]
             got[i] = (student[offset : offset + n], teacher[offset : offset + n])
             offset += n
-    for i, tokens in enumerate(batch.tokens):
+    for i, tokens in enumerate(batch.sequences()):
         with torch.no_grad():
             logits = hf(torch.tensor([tokens])).logits[0].float()
-        p = batch.prompt_lengths[i]
+        p = int(batch.prompt_lengths[i])
         logp = torch.log_softmax(logits[p - 1 : -1] / TEMPERATURE, dim=-1)
-        ids = torch.tensor(batch.teacher_topk_ids[i])  # type: ignore[index]
+        span = slice(batch.response_offsets[i], batch.response_offsets[i + 1])
+        ids = batch.teacher_topk_ids[span]  # type: ignore[index]
         ref = logp.gather(1, ids)
         student, teacher = got[i]
         assert torch.allclose(student, ref, atol=1e-5), (student - ref).abs().max()
-        assert torch.equal(teacher, torch.tensor(batch.teacher_topk_logprobs[i]))  # type: ignore[index]
+        assert torch.equal(teacher, batch.teacher_topk_logprobs[span])  # type: ignore[index]
     first = metrics["distill_topk_reverse_kl"]
     assert first > 0.0
     for _ in range(3):
         metrics = trainer.train_step(batch, algo, temperature=TEMPERATURE)
     assert metrics["distill_topk_reverse_kl"] < first
     # a batch without the teacher's top-k is a clear error
-    plain = TrainBatch(tokens=batch.tokens, prompt_lengths=batch.prompt_lengths, loss_mask=batch.loss_mask)
+    plain = TrainBatch(
+        tokens=batch.tokens,
+        seq_offsets=batch.seq_offsets,
+        prompt_lengths=batch.prompt_lengths,
+        loss_mask=batch.loss_mask,
+    )
     plain.advantages = batch.advantages
     with pytest.raises(ValueError, match="needs the teacher's top-3 per response token, the batch has none"):
         trainer.train_step(plain, algo, temperature=TEMPERATURE)

@@ -92,6 +92,13 @@ def _hf_logprobs(model: Any, tokens: list[int], prompt: int, temperature: float)
     return logp.gather(-1, target[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
+def _row(batch: Any, name: str, i: int) -> torch.Tensor:
+    """Sequence ``i``'s values of a per-token field of a packed batch."""
+    rows = batch.rows(name)
+    assert rows is not None, name
+    return rows[i]
+
+
 def _reference_lr(step: int) -> float:
     t = job.TRAIN
     warmup, total = t["warmup_steps"], t["num_rollouts"]
@@ -118,12 +125,12 @@ def _reference_training(model_path: Path, vocab: int) -> tuple[dict[str, torch.T
         for group in opt.param_groups:
             group["lr"] = _reference_lr(step)
         mode = job.AGGREGATIONS[step]
-        n_tokens = sum(sum(m) for m in batch.loss_mask)
+        n_tokens = float(batch.loss_mask.sum())
         loss = torch.zeros(())
         for i in range(len(batch)):
-            lp, _ = _hf_logprobs(model, batch.tokens[i], batch.prompt_lengths[i], job.TEMPERATURE)
-            mask = torch.tensor(batch.loss_mask[i], dtype=torch.float32)
-            per_token = -torch.tensor(batch.advantages[i]) * torch.exp(lp - torch.tensor(batch.old_logprobs[i]))
+            lp, _ = _hf_logprobs(model, batch.sequence(i).tolist(), int(batch.prompt_lengths[i]), job.TEMPERATURE)
+            mask = _row(batch, "loss_mask", i)
+            per_token = -_row(batch, "advantages", i) * torch.exp(lp - _row(batch, "old_logprobs", i))
             total = (per_token * mask).sum()
             if mode == "token_mean":
                 loss = loss + total / n_tokens
@@ -179,9 +186,9 @@ def test_step_metrics_include_logprob_mismatch(run: JobResult) -> None:
     model = _hf_model(run.model)
     diff, count = 0.0, 0
     for i in range(len(batch)):
-        lp, _ = _hf_logprobs(model, batch.tokens[i], batch.prompt_lengths[i], job.TEMPERATURE)
-        mask = torch.tensor(batch.loss_mask[i], dtype=torch.float32)
-        diff += float(((lp.detach() - torch.tensor(batch.rollout_logprobs[i])).abs() * mask).sum())
+        lp, _ = _hf_logprobs(model, batch.sequence(i).tolist(), int(batch.prompt_lengths[i]), job.TEMPERATURE)
+        mask = _row(batch, "loss_mask", i)
+        diff += float(((lp.detach() - _row(batch, "rollout_logprobs", i)).abs() * mask).sum())
         count += int(mask.sum())
     first = run.results[0]["metrics"][0]
     assert first["train_rollout_logprob_abs_diff"] == pytest.approx(diff / count, rel=1e-5)
@@ -204,7 +211,9 @@ def test_compute_logprobs_equals_hf_forward(run: JobResult) -> None:
     logprobs, entropy, ref = run.tensors("lp0"), run.tensors("ent0"), run.tensors("ref")
     assert sorted(logprobs) == list(range(len(batch)))
     for i in range(len(batch)):
-        want_lp, want_ent = _hf_logprobs(model, batch.tokens[i], batch.prompt_lengths[i], job.EVAL_TEMPERATURE)
+        want_lp, want_ent = _hf_logprobs(
+            model, batch.sequence(i).tolist(), int(batch.prompt_lengths[i]), job.EVAL_TEMPERATURE
+        )
         assert logprobs[i].dtype == torch.float32 and logprobs[i].shape == want_lp.shape
         torch.testing.assert_close(logprobs[i], want_lp, atol=1e-5, rtol=0)
         torch.testing.assert_close(entropy[i], want_ent, atol=1e-5, rtol=0)
@@ -224,7 +233,7 @@ def test_hf_export_reloads_with_strict_keys_and_resumes(run: JobResult) -> None:
     batch = job.eval_batch(run.vocab, run.world_size)
     resumed = run.tensors("lp_hf")
     for i in range(len(batch)):
-        want, _ = _hf_logprobs(model, batch.tokens[i], batch.prompt_lengths[i], job.EVAL_TEMPERATURE)
+        want, _ = _hf_logprobs(model, batch.sequence(i).tolist(), int(batch.prompt_lengths[i]), job.EVAL_TEMPERATURE)
         torch.testing.assert_close(resumed[i], want, atol=1e-5, rtol=0)
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -183,7 +185,10 @@ def test_grpo_broadcast_checkpoint_and_exact_resume(tmp_path: Path, tiny_model: 
 def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
     """Engines free their KV cache and weights while the trainer trains; the push restores every tensor."""
     run_dir = tmp_path / "disk"
-    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2)
+    config = write_config(
+        tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2,
+        transport_options="keep_after_run = true",
+    )  # fmt: skip
     evaluation = [
         "--set",
         f"data.eval_path={json.dumps(str(prompts))}",
@@ -211,7 +216,7 @@ def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model:
 
 
 FAULTY = """
-from miles.plugins.manager import hookimpl
+from miles.markers import hookimpl
 from miles.transport.disk import DiskTransport
 
 
@@ -268,16 +273,26 @@ def test_skipped_tensor_is_caught_by_name(tmp_path: Path, tiny_model: Path, prom
     assert children_of_run(run_dir) == []
 
 
-def test_a_failure_on_the_driver_rank_ends_the_run_with_its_error(tmp_path: Path, tiny_model: Path) -> None:
-    """Rank 0 fails in set-up (the data file is missing) while rank 1 waits for its first batch: the run
-    exits non-zero naming the field, and no process is left behind (it used to hang in a teardown barrier)."""
-    run_dir = tmp_path / "missing-data"
-    config = write_config(tmp_path, tiny_model, tmp_path / "no-such.jsonl", run_dir, ranks=2)
+def test_a_failure_on_the_driver_rank_ends_the_run_with_its_error(
+    tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    """Rank 0 fails in set-up (the tokenised prompts are all over ``data.max_prompt_tokens``) while rank 1
+    waits for its first batch: the run exits non-zero naming the cause, and no process is left behind (it
+    used to hang in a teardown barrier). A missing data file is caught earlier: by the settings pass, before
+    any process starts."""
+    run_dir = tmp_path / "too-long"
+    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=2)
+    config.write_text(config.read_text().replace("[data]\npath", "[data]\nmax_prompt_tokens = 1\npath", 1))
     out = miles("train", str(config), timeout=240)
     assert out.returncode != 0
     log = (run_dir / "logs" / "trainer-0.log").read_text()
-    assert "no-such.jsonl: no such file or directory (data.path)" in log
+    assert "no prompts (all 24 dropped by the pipeline)" in log, log[-2000:]
     assert children_of_run(run_dir) == []
+    missing = tmp_path / "missing-data"
+    config = write_config(tmp_path, tiny_model, tmp_path / "no-such.jsonl", missing, ranks=2)
+    out = miles("train", str(config), timeout=240)
+    assert out.returncode == 2 and "no-such.jsonl: no such file or directory (data.path)" in out.stderr
+    assert not (missing / "logs").exists()  # nothing was started
 
 
 def test_sft_without_engines(tmp_path: Path, tiny_model: Path) -> None:
@@ -362,7 +377,10 @@ def test_custom_multi_turn_rollout_function_trains(tmp_path: Path, tiny_model: P
     run_dir = tmp_path / "agent"
     config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=1)
     env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    out = miles("train", str(config), "--set", 'rollout.function="my_agent:two_turns"', env=env)
+    out = miles(
+        "train", str(config), "--set", 'rollout.function="my_agent:two_turns"',
+        "--set", 'log.trainer_logprobs="always"', env=env,
+    )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     from miles.types import Sample
 
@@ -378,3 +396,157 @@ def test_custom_multi_turn_rollout_function_trains(tmp_path: Path, tiny_model: P
         assert s.metadata["second_turn_cached_tokens"] >= len(s.prompt_ids)  # the first turn's context was cached
     row = metrics(run_dir)[0]
     assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # tool tokens excluded from the comparison
+    # the trainer's own logprobs of every token, kept beside the samples: equal to the engine's on policy tokens
+    recorded = [
+        json.loads(line) for line in (run_dir / "samples" / "trainer_logprobs_000001.jsonl").read_text().splitlines()
+    ]
+    assert [(r["group_id"], r["index"]) for r in recorded] == [(s.group_id, s.index) for s in samples]
+    for r, s in zip(recorded, samples, strict=True):
+        assert len(r["logprobs"]) == s.response_length
+        diffs = [abs(a - b) for a, b, m in zip(r["logprobs"], s.rollout_logprobs, s.loss_mask, strict=True) if m]
+        assert max(diffs) < 1e-4
+    view_in_browser(run_dir, tmp_path, samples)
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def view_in_browser(run_dir: Path, tmp_path: Path, samples: list[object]) -> None:
+    """``miles view`` on the run, rendered by a real headless Chromium: the page shows the run's samples
+    (asserted on the DOM); a screenshot is kept in .test-artifacts/."""
+    browser = chromium()
+    if browser is None:
+        if os.environ.get("MILES_REQUIRE_BROWSER"):
+            pytest.fail("MILES_REQUIRE_BROWSER is set but no chromium is installed (apt-get install chromium)")
+        pytest.skip("no chromium (apt-get install chromium) to render miles view")
+    from miles.launch.rendezvous import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "miles", "view", str(run_dir), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.communicate()[0]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/run", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        flags = [
+            browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}", "--virtual-time-budget=20000",
+        ]  # fmt: skip
+        url = f"http://127.0.0.1:{port}/"
+        dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
+        artifacts = ROOT / ".test-artifacts"
+        artifacts.mkdir(exist_ok=True)
+        shot = artifacts / "miles-view.png"
+        subprocess.run(
+            [*flags, "--window-size=1400,1800", f"--screenshot={shot}", url], capture_output=True, timeout=180
+        )
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)  # reads and closes its output
+    assert 'data-ready="1"' in dom, dom[-3000:]
+    assert dom.count('class="sample"') == len(samples) == 16
+    assert dom.count('class="group"') == 4 and 'data-step="1"' in dom
+    assert dom.count('data-by="environment"') == 16  # every episode's tool turn, shaded
+    assert dom.count('class="tok masked"') == 16 * 3  # the tool tokens are loss-masked
+    assert "data-diff=" in dom and "reward " in dom
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_miles_train_resolves_each_component_once(
+    tmp_path: Path, tiny_model: Path, prompts: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The composition root: in the ``miles train`` process every selected component is looked up and its
+    settings validated exactly once (the trainer ranks build theirs from the resolved settings). Its output
+    is not a terminal here: progress is one plain line per step."""
+    from collections import Counter
+
+    from miles.cli import main
+    from miles.plugins.manager import PluginManager
+
+    seen: Counter[str] = Counter()
+    resolve = PluginManager.resolve
+
+    def counting(self: PluginManager, kind: object, spec: object, *, field: str, **kwargs: object) -> object:
+        seen[field] += 1
+        return resolve(self, kind, spec, field=field, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PluginManager, "resolve", counting)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run_dir = tmp_path / "once"
+    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=1)
+    with pytest.raises(SystemExit) as done:
+        main(["train", str(config), "--set", "checkpoint.save_final=false", "--set", "checkpoint.export_hf=false"])
+    assert done.value.code in (0, None)
+    assert [r["step"] for r in metrics(run_dir)] == [1]
+    printed = capsys.readouterr().out
+    assert "step 1/1  reward " in printed and " s/step" in printed, printed[-2000:]
+    expected = {
+        "cluster.launcher", "data.source", "rollout.engine", "train.backend", "algorithm", "transport",
+        "precision", "reward.functions[0]", "log.loggers[0]",
+    }  # fmt: skip
+    assert set(seen) == expected and set(seen.values()) == {1}, seen
+    assert children_of_run(run_dir) == []
+    # the disk transport's versions are scratch for the engines: gone with the run (nothing was exported or
+    # checkpointed: save_final and export_hf are off)
+    assert not (run_dir / "weights").exists() and not (run_dir / "hf").exists()
+
+
+PID_PROBE = """
+import os, threading
+from miles.rollout.manager import single_turn
+
+async def probe(client, sample, sampling_params):
+    out = await single_turn(client, sample, sampling_params)
+    out.metadata["pid"] = os.getpid()
+    out.metadata["threads"] = sorted({t.name for t in threading.enumerate()})
+    return out
+"""
+
+
+def test_debug_mode_runs_engine_driver_and_trainer_in_one_process(
+    tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    """``miles train --debug``: nothing is launched; the rollout function (like any plugin code) runs in the
+    process that was started, next to the in-process engine's threads, so a debugger stops there."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "pid_probe.py").write_text(PID_PROBE)
+    run_dir = tmp_path / "debug"
+    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles", "train", str(config), "--debug", "--set", 'rollout.function="pid_probe:probe"'],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    assert all(r["weight_sync/verified"] == 1.0 for r in metrics(run_dir))
+    from miles.types import Sample
+
+    samples = [
+        Sample.from_json(line) for line in (run_dir / "samples" / "rollout_000002.jsonl").read_text().splitlines()
+    ]
+    assert {s.metadata["pid"] for s in samples} == {proc.pid}
+    assert "miles-engine-http" in samples[0].metadata["threads"]
+    assert not (run_dir / "logs").exists()  # no process was launched
+    assert children_of_run(run_dir) == []
+    two_ranks = miles("train", str(config), "--debug", "--overwrite", "--set", "cluster.trainer_ranks=2")
+    assert two_ranks.returncode == 2 and "cluster.trainer_ranks: --debug runs one trainer rank" in two_ranks.stderr

@@ -4,7 +4,7 @@ The public facade: :data:`hookimpl` to write plugins, :data:`__version__`, and t
 """
 
 from miles._version import __version__
-from miles.plugins.manager import hookimpl
+from miles.markers import hookimpl
 from miles.types import Sample, SampleGroup, SampleStatus, WeightSpan
 
 __all__ = ["Sample", "SampleGroup", "SampleStatus", "WeightSpan", "__version__", "hookimpl"]

@@ -24,15 +24,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import pluggy
+from miles.markers import hookspec
 
 if TYPE_CHECKING:
-    from miles.plugins.registry import Register
-    from miles.settings.model import MilesSettings
-    from miles.transport.base import PushReport
-    from miles.types import SampleGroup
+    import typer
 
-hookspec = pluggy.HookspecMarker("miles")
+    from miles.components import Register
+    from miles.settings.model import MilesSettings
+    from miles.types import PushReport, SampleGroup
 
 # ----------------------------------------------------------------------------------------------------
 # rollout
@@ -185,6 +184,26 @@ def miles_register_launchers(register: Register) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_register_commands(app: typer.Typer) -> None:
+    """Add subcommands to the ``miles`` command line (a backend's conversion tools, a package's viewers).
+
+    Add a command with ``app.command("name")(function)`` or a group with ``app.add_typer(sub_app,
+    name="name")``. Import heavy modules inside the commands, not in the hook: it runs on every ``miles``
+    invocation. A name another command already has fails the plugin (``miles plugins list`` shows it) and
+    leaves its commands out; so does a hook that raises.
+
+    :param app: the ``miles`` typer application.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
 # lifecycle and metrics
 # ----------------------------------------------------------------------------------------------------
 
@@ -271,18 +290,4 @@ def miles_on_run_end(run_dir: str, status: str, error: str | None) -> None:
     """
 
 
-REGISTRATION_HOOKS: dict[str, str] = {
-    "miles_register_rollout_engines": "rollout_engine",
-    "miles_register_rollout_functions": "rollout_function",
-    "miles_register_trainers": "trainer",
-    "miles_register_transports": "transport",
-    "miles_register_precisions": "precision",
-    "miles_register_algorithms": "algorithm",
-    "miles_register_rewards": "reward",
-    "miles_register_data_sources": "data_source",
-    "miles_register_launchers": "launcher",
-    "miles_register_loggers": "logger",
-}
-"""Registration hook name -> registry (:class:`miles.components.ComponentKind` value)."""
-
-__all__ = ["REGISTRATION_HOOKS", "hookspec"] + [name for name in dir() if name.startswith("miles_")]
+__all__ = ["hookspec"] + [name for name in dir() if name.startswith("miles_")]

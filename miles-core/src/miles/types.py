@@ -13,15 +13,23 @@ import enum
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
+    "PauseMode",
+    "PushReport",
     "Sample",
     "SampleGroup",
     "SampleStatus",
+    "TensorData",
     "WeightSpan",
     "group_samples",
 ]
+
+
+PauseMode = Literal["abort", "retract", "in_place"]
+"""How ``/pause_generation`` treats requests in flight (SGLang's modes): ``abort`` them, ``retract`` them
+(their KV is recomputed after the pause) or keep them ``in_place``."""
 
 
 class SampleStatus(str, enum.Enum):
@@ -54,6 +62,54 @@ class WeightSpan:
     def from_list(cls, value: Sequence[int]) -> WeightSpan:
         start, end, version = value
         return cls(int(start), int(end), int(version))
+
+
+_TENSOR_DTYPES = {
+    "float32": 4,
+    "float64": 8,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """A tensor as raw bytes: C order, little-endian, its dtype name and shape (JSON: base64).
+
+    What a sample carries besides token lists (a diffusion trajectory's latents); built from and turned
+    back into a tensor by the code that uses it, so this module needs no torch.
+    """
+
+    dtype: str
+    """``float32``, ``bfloat16``, ``int64`` ... (torch's names without ``torch.``)."""
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        size = _TENSOR_DTYPES.get(self.dtype)
+        if size is None:
+            raise ValueError(f"TensorData.dtype {self.dtype!r} is not one of {', '.join(_TENSOR_DTYPES)}")
+        count = 1
+        for n in self.shape:
+            count *= int(n)
+        if count * size != len(self.data):
+            raise ValueError(
+                f"TensorData of shape {self.shape} and dtype {self.dtype} needs {count * size} bytes, got {len(self.data)}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "data": base64.b64encode(self.data).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorData:
+        try:
+            return cls(str(data["dtype"]), tuple(int(n) for n in data["shape"]), base64.b64decode(data["data"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"TensorData needs dtype, shape and data (base64): {exc}") from None
 
 
 @dataclass
@@ -106,6 +162,10 @@ class Sample:
     """The teacher's logprobs of ``teacher_topk_ids``, aligned with it."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free, JSON-serialisable data (data set row fields, tool traces, timings)."""
+    response_tensors: dict[str, TensorData] = field(default_factory=dict)
+    """Per response token tensors beyond the token lists, by name, each with the response length as its first
+    dimension (a diffusion trajectory's latents before and after each denoising step). They reach the
+    trainer as :attr:`miles.training.batch.TrainBatch.response_tensors`."""
 
     # -- derived ----------------------------------------------------------------------------------
     @property
@@ -132,6 +192,12 @@ class Sample:
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
             raise ValueError(f"Sample.teacher_logprobs has {len(self.teacher_logprobs)} entries, response_ids has {n}")
         self._validate_teacher_topk(n)
+        for name, tensor in self.response_tensors.items():
+            if not tensor.shape or tensor.shape[0] != n:
+                raise ValueError(
+                    f"Sample.response_tensors[{name!r}] has shape {tensor.shape}, response_ids has {n} entries "
+                    "(the first dimension must be the response length)"
+                )
         if self.routed_experts is not None:
             if self.routed_experts_shape is None:
                 raise ValueError("Sample.routed_experts is set but routed_experts_shape is not")
@@ -178,6 +244,8 @@ class Sample:
                 value = None if value is None else base64.b64encode(value).decode("ascii")
             elif f.name == "routed_experts_shape":
                 value = None if value is None else list(value)
+            elif f.name == "response_tensors":
+                value = {name: tensor.to_dict() for name, tensor in value.items()}
             elif isinstance(value, (list, dict)):
                 value = json.loads(json.dumps(value))  # detach from the sample
             out[f.name] = value
@@ -200,6 +268,8 @@ class Sample:
             kwargs["routed_experts"] = base64.b64decode(kwargs["routed_experts"])
         if kwargs.get("routed_experts_shape") is not None:
             kwargs["routed_experts_shape"] = tuple(int(v) for v in kwargs["routed_experts_shape"])
+        if "response_tensors" in kwargs:
+            kwargs["response_tensors"] = {n: TensorData.from_dict(t) for n, t in kwargs["response_tensors"].items()}
         if "rollout_logprobs" in kwargs:
             kwargs["rollout_logprobs"] = [float(v) for v in kwargs["rollout_logprobs"]]
         if kwargs.get("teacher_logprobs") is not None:
@@ -250,3 +320,19 @@ def group_samples(samples: Iterable[Sample]) -> list[SampleGroup]:
     for sample in samples:
         groups.setdefault(sample.group_id, []).append(sample)
     return [SampleGroup(gid, sorted(members, key=lambda s: s.index)) for gid, members in groups.items()]
+
+
+@dataclass
+class PushReport:
+    """What one weight push moved (rank 0's view); handed to ``miles_on_weights_pushed``."""
+
+    version: str
+    num_tensors: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    checksums: dict[str, str] = field(default_factory=dict)
+    """Per tensor name, a checksum of what was sent (compared with what the engines report)."""
+    verification: dict[str, float] = field(default_factory=dict)
+    """Metrics of the verification that followed the push (filled by the driver)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The transport's own metrics of the push (``weight_sync/bytes_written`` ...), logged with the step's."""

@@ -16,9 +16,8 @@ from miles.algorithms.advantages import (
     overlong_penalty,
     rloo,
 )
-from miles.algorithms.base import LossInputs
-from miles.algorithms.group import GRPO, RLOO, DrGRPO
-from miles.algorithms.reinforce import ReinforcePP, ReinforcePPBaseline
+from miles.algorithms.base import AdvantageInputs, LossInputs
+from miles.algorithms.builtin import GRPO, RLOO, DrGRPO, ReinforcePP, ReinforcePPBaseline
 from miles.algorithms.settings import DrGRPOSettings, GRPOSettings, ReinforcePPSettings, RLOOSettings
 from miles.types import Sample, SampleGroup
 
@@ -66,7 +65,7 @@ def test_grpo_algorithm_broadcasts_over_trained_tokens() -> None:
     # masks: a tool span in sample 0, a zero-length response in sample 3
     groups = [make_group(0, [2, 0, 1, 1], [[1, 0, 1], [1, 1], [1], []]), make_group(1, [0.3], [[1, 1]])]
     algo = GRPO(GRPOSettings(eps=0.0))
-    adv = algo.compute_advantages(groups)
+    adv = algo.compute_advantages(AdvantageInputs(groups)).advantages
     a = 1.224745
     assert adv[0][0].tolist() == pytest.approx([a, 0.0, a], abs=1e-6)
     assert adv[0][1].tolist() == pytest.approx([-a, -a], abs=1e-6)
@@ -78,10 +77,15 @@ def test_grpo_algorithm_broadcasts_over_trained_tokens() -> None:
 def test_dr_grpo_and_rloo_algorithms() -> None:
     groups = [make_group(0, [2, 0, 1, 1], [[1, 1], [1], [1], [1, 0]])]
     dr = DrGRPO(DrGRPOSettings(max_response_length=8))
-    assert [t.tolist() for t in dr.compute_advantages(groups)[0]] == [[1.0, 1.0], [-1.0], [0.0], [0.0, 0.0]]
+    assert [t.tolist() for t in dr.compute_advantages(AdvantageInputs(groups)).advantages[0]] == [
+        [1.0, 1.0],
+        [-1.0],
+        [0.0],
+        [0.0, 0.0],
+    ]
     assert dr.aggregation == "seq_mean_token_sum_norm" and dr.seq_len_norm == 8.0
     r = RLOO(RLOOSettings())
-    got = [t.tolist() for t in r.compute_advantages(groups)[0]]
+    got = [t.tolist() for t in r.compute_advantages(AdvantageInputs(groups)).advantages[0]]
     assert got[0] == pytest.approx([4 / 3, 4 / 3]) and got[1] == pytest.approx([-4 / 3])
 
 
@@ -103,7 +107,7 @@ def test_reinforce_pp_by_hand() -> None:
     # tokens 1, 1, 0: mean 2/3, var = ((1/3)^2 * 2 + (2/3)^2) / 3 = 2/9, std 0.471405
     # (1/3) / 0.471405 = 0.707107; (-2/3) / 0.471405 = -1.414214
     groups = [make_group(0, [1, 0], [[1, 1], [1]]), make_group(1, [1], [[]])]
-    adv = ReinforcePP(ReinforcePPSettings(eps=0.0)).compute_advantages(groups)
+    adv = ReinforcePP(ReinforcePPSettings(eps=0.0)).compute_advantages(AdvantageInputs(groups)).advantages
     assert adv[0][0].tolist() == pytest.approx([0.707107, 0.707107], abs=1e-6)
     assert adv[0][1].tolist() == pytest.approx([-1.414214], abs=1e-6)
     assert adv[1][0].shape == (0,)
@@ -114,7 +118,7 @@ def test_reinforce_pp_baseline_by_hand() -> None:
     # tokens 1, 1, -1, 0, 0: mean 0.2, var = (0.64*2 + 1.44 + 0.04*2) / 5 = 0.56, std 0.748331
     # (1 - 0.2) / 0.748331 = 1.069045; (-1.2) / 0.748331 = -1.603567; (-0.2) / 0.748331 = -0.267261
     groups = [make_group(0, [3, 1], [[1, 1], [1]]), make_group(1, [9], [[1, 1]])]
-    adv = ReinforcePPBaseline(ReinforcePPSettings(eps=0.0)).compute_advantages(groups)
+    adv = ReinforcePPBaseline(ReinforcePPSettings(eps=0.0)).compute_advantages(AdvantageInputs(groups)).advantages
     assert adv[0][0].tolist() == pytest.approx([1.069045, 1.069045], abs=1e-6)
     assert adv[0][1].tolist() == pytest.approx([-1.603567], abs=1e-6)
     assert adv[1][0].tolist() == pytest.approx([-0.267261, -0.267261], abs=1e-6)
@@ -137,10 +141,10 @@ def test_reinforce_pp_with_kl_in_reward() -> None:
     algo = ReinforcePP(ReinforcePPSettings(kl_coef=0.2, kl_in_reward=True, kl_estimator="k1", eps=0.0))
     assert algo.needs.ref_logprobs_for_advantages
     ref = [[torch.tensor([-1.5]), torch.tensor([-1.5])]]
-    adv = algo.compute_advantages(groups, ref_logprobs=ref)
+    adv = algo.compute_advantages(AdvantageInputs(groups, ref_logprobs=ref)).advantages
     assert [a.item() for a in adv[0]] == pytest.approx([1.0, -1.0])
     with pytest.raises(ValueError, match="ref_logprobs"):
-        algo.compute_advantages(groups)
+        algo.compute_advantages(AdvantageInputs(groups))
 
 
 def test_gae_by_hand() -> None:
@@ -189,11 +193,11 @@ def test_group_algorithms_with_kl_in_reward() -> None:
     algo = DrGRPO(DrGRPOSettings(kl_coef=0.2, kl_in_reward=True, kl_estimator="k1", max_response_length=4))
     assert algo.needs.ref_logprobs_for_advantages
     ref = [[torch.tensor([-1.5, -9.0, -1.5]), torch.tensor([-1.5])]]
-    adv = algo.compute_advantages(groups, ref_logprobs=ref)
+    adv = algo.compute_advantages(AdvantageInputs(groups, ref_logprobs=ref)).advantages
     assert adv[0][0].tolist() == pytest.approx([0.45, 0.0, 0.45])
     assert adv[0][1].tolist() == pytest.approx([-0.45])
     with pytest.raises(ValueError, match="ref_logprobs"):
-        algo.compute_advantages(groups)
+        algo.compute_advantages(AdvantageInputs(groups))
     # in the reward, the KL is not also added to the loss
     out = algo.loss(
         LossInputs(

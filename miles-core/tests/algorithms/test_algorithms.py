@@ -10,11 +10,9 @@ import torch
 from pydantic import ValidationError
 
 from miles.algorithms.aggregation import StepDenominators, aggregate_loss
-from miles.algorithms.base import LossInputs
-from miles.algorithms.group import DAPO, GRPO, GSPO, RLOO, DrGRPO
+from miles.algorithms.base import AdvantageInputs, LossInputs
+from miles.algorithms.builtin import DAPO, GRPO, GSPO, PPO, RLOO, SFT, Distill, DrGRPO, ReinforcePP, ReinforcePPBaseline
 from miles.algorithms.losses import kl_estimate, ppo_clip
-from miles.algorithms.ppo import PPO
-from miles.algorithms.reinforce import ReinforcePP, ReinforcePPBaseline
 from miles.algorithms.settings import (
     DAPOSettings,
     DistillSettings,
@@ -24,7 +22,6 @@ from miles.algorithms.settings import (
     PPOSettings,
     SFTSettings,
 )
-from miles.algorithms.supervised import SFT, Distill
 from miles.testing import check_algorithm
 from miles.types import Sample, SampleGroup
 
@@ -125,13 +122,21 @@ def test_ppo_gae_returns_and_value_loss_by_hand() -> None:
     algo = PPO(PPOSettings(gamma=0.9, lam=0.8, normalize_advantages=False))
     assert algo.needs.values
     # the GAE numbers of test_advantages.test_gae_by_hand
-    assert algo.compute_advantages(groups, values)[0][0].tolist() == pytest.approx([0.21712, 0.246, 0.3], abs=1e-6)
-    assert algo.compute_returns(groups, values)[0][0].tolist() == pytest.approx([0.71712, 0.846, 1.0], abs=1e-6)
-    whitened = PPO(PPOSettings(gamma=0.9, lam=0.8, eps=0.0)).compute_advantages(groups, values)[0][0]
+    assert algo.compute_advantages(AdvantageInputs(groups, values)).advantages[0][0].tolist() == pytest.approx(
+        [0.21712, 0.246, 0.3], abs=1e-6
+    )
+    assert algo.compute_advantages(AdvantageInputs(groups, values)).returns[0][0].tolist() == pytest.approx(
+        [0.71712, 0.846, 1.0], abs=1e-6
+    )
+    whitened = (
+        PPO(PPOSettings(gamma=0.9, lam=0.8, eps=0.0))
+        .compute_advantages(AdvantageInputs(groups, values))
+        .advantages[0][0]
+    )
     assert whitened.mean().item() == pytest.approx(0.0, abs=1e-6)
     assert whitened.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-5)
     with pytest.raises(ValueError, match="values"):
-        algo.compute_advantages(groups)
+        algo.compute_advantages(AdvantageInputs(groups))
 
     # loss: ratio 1 -> pg = -A = -1, +2; value: t0 0.5 * max((0.5-1)^2, (0.5-1)^2) = 0.125,
     # t1 0.5 * (1 - 0)^2 = 0.5 (clipped V = 1.0 + 0 = same); times value_coef 0.5 -> 0.0625, 0.25
@@ -271,7 +276,7 @@ def test_dapo_dynamic_sampling_and_overlong_shaping() -> None:
     # overlong: max 10, buffer 4 -> lengths 6 and 8 cost 0 and 0.5; rewards 1, 1 -> 1, 0.5
     # GRPO on (1, 0.5): mean 0.75, deviations +-0.25, unbiased std 0.353553 -> +-0.707107
     shaped = DAPO(DAPOSettings(max_response_length=10, overlong_buffer_length=4, eps=0.0))
-    adv = shaped.compute_advantages([group(0, [1.0, 1.0], [6, 8])])
+    adv = shaped.compute_advantages(AdvantageInputs([group(0, [1.0, 1.0], [6, 8])])).advantages
     assert adv[0][0][0].item() == pytest.approx(0.707107, abs=1e-6)
     assert adv[0][1][0].item() == pytest.approx(-0.707107, abs=1e-6)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles.algorithms.aggregation import StepDenominators, aggregate_loss
-from miles.algorithms.base import Algorithm, LossInputs
+from miles.algorithms.base import AdvantageInputs, Algorithm, LossInputs
 from miles.components import ComponentKind
 from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.manager import PluginManager
@@ -102,7 +102,7 @@ def test_steps_move_the_policy_toward_rewarded_responses(model_dir: Path, name: 
         )
         for i, (r, w) in enumerate(zip(RESPONSES, REWARDS, strict=True))
     ]
-    adv = algo.compute_advantages([SampleGroup(0, samples)])[0]
+    adv = algo.compute_advantages(AdvantageInputs([SampleGroup(0, samples)])).advantages[0]
     with torch.no_grad():
         before = [lp.sum().item() for lp in response_logprobs(model, RESPONSES)]
     old = [lp.detach() for lp in response_logprobs(model, RESPONSES)]

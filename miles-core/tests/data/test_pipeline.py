@@ -9,14 +9,15 @@ from typing import Any
 
 import pytest
 
+from miles.components import ComponentKind
 from miles.data.base import Prompt
 from miles.data.factory import create_data_source
 from miles.data.pipeline import PromptPipeline
 from miles.data.sources import JsonlDataSource
+from miles.driver.run import build_run
 from miles.errors import DataError, SettingsError
-from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.manager import PluginManager
-from miles.settings.model import DataSettings
+from miles.settings.model import DataSettings, MilesSettings
 
 CHAT = [{"role": "user", "content": "What is 2+3?"}]
 
@@ -96,8 +97,9 @@ def test_create_data_source_from_settings(tokenizer: Any, tmp_path: Path) -> Non
     settings = DataSettings(
         path=str(path), prompt_key="q", label_key="a", system_prompt="Answer.", max_prompt_tokens=40, seed=5
     )
-    manager = PluginManager(builtins=[b for b in BUILTIN_PLUGINS if b[0] == "data"], entry_points=False).load()
-    source = create_data_source(manager, settings, tokenizer=tokenizer)
+    manager = PluginManager(entry_points=False).load()
+    run = build_run(MilesSettings(data=settings), manager, kinds=[ComponentKind.DATA_SOURCE])
+    source = run.data_source(tokenizer)
     assert isinstance(source, JsonlDataSource) and len(source) == 6 and source.dropped == 1
     batch = source.next_batch(6)
     assert sorted(p.label for p in batch) == [1, 2, 3, 4, 5, 6]
@@ -105,8 +107,20 @@ def test_create_data_source_from_settings(tokenizer: Any, tmp_path: Path) -> Non
         expected = [{"role": "system", "content": "Answer."}, {"role": "user", "content": f"What is {p.label - 1}+1?"}]
         assert p.prompt_ids == reference_ids(tokenizer, expected)
     with pytest.raises(SettingsError, match="data.max_prompt_tokens: needs a tokenizer"):
-        create_data_source(manager, settings, tokenizer=None)
+        create_data_source(run["data.source"].create, settings, tokenizer=None)
     with pytest.raises(SettingsError, match="data.path: not set"):
-        create_data_source(manager, DataSettings(), tokenizer=tokenizer)
+        create_data_source(run["data.source"].create, DataSettings(), tokenizer=tokenizer)
     with pytest.raises(SettingsError, match="data.source: unknown data source 'csv'"):
-        create_data_source(manager, DataSettings(path=str(path), source="csv"), tokenizer=tokenizer)
+        build_run(
+            MilesSettings(data=DataSettings(path=str(path), source="csv")), manager, kinds=[ComponentKind.DATA_SOURCE]
+        )
+
+
+def test_the_run_reads_a_pipeline_directorys_prompt_tokenizer(tokenizer: Any, tmp_path: Path) -> None:
+    """A diffusers pipeline directory (``model_index.json``) keeps its prompt tokenizer in ``tokenizer/``."""
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    manager = PluginManager(entry_points=False).load()
+    settings = MilesSettings(train={"model_path": str(tmp_path)})
+    run = build_run(settings, manager, kinds=[ComponentKind.DATA_SOURCE])
+    assert run.tokenizer("What is 2+3?")["input_ids"] == tokenizer("What is 2+3?")["input_ids"]

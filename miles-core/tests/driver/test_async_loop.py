@@ -12,15 +12,15 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
-from miles.driver.async_loop import RolloutProducer, buffer_for
 from miles.engine.process import EngineProcess
 from miles.errors import SettingsError
 from miles.rollout.buffer import StalenessBuffer
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
+from miles.rollout.producer import RolloutProducer, buffer_for
 from miles.settings.model import MilesSettings, RolloutSettings
+from miles.testing.models import serve_tiny_model
 from miles.types import Sample, SampleStatus, WeightSpan
 
 pytestmark = pytest.mark.slow  # one engine process (~10-20 s to start on a loaded 2-core machine)
@@ -29,17 +29,14 @@ LENGTH = 400  # tokens per response: long enough that a pause always lands mid-g
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from miles.testing.models import build_tiny_model
-
-    torch.set_num_threads(1)
-    return build_tiny_model(tmp_path_factory.mktemp("async-model") / "qwen2", "qwen2", seed=0)
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    with serve_tiny_model(tmp_path_factory.mktemp("async"), seed=0) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
-def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    with EngineProcess(model, log_path=tmp_path_factory.mktemp("async-logs") / "engine.log") as proc:
-        yield proc
+def model(engine: EngineProcess) -> Path:
+    return Path(engine.model_path)
 
 
 async def length_scorer(samples: Any) -> None:
@@ -113,14 +110,16 @@ def test_producer_never_hands_out_groups_past_the_staleness_bound(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from miles.data.factory import create_data_source
+    from miles.components import ComponentKind
+    from miles.driver.run import build_run
     from miles.plugins.manager import PluginManager
-    from miles.settings.model import DataSettings
 
-    pm = PluginManager(entry_points=False).load()
-    data = create_data_source(
-        pm, DataSettings(path=str(data_file(tmp_path))), tokenizer=AutoTokenizer.from_pretrained(model)
+    run = build_run(
+        MilesSettings(data={"path": str(data_file(tmp_path))}),
+        PluginManager(entry_points=False),
+        kinds=[ComponentKind.DATA_SOURCE],
     )
+    data = run.data_source(AutoTokenizer.from_pretrained(model))
 
     async def main() -> tuple[list[Any], list[Any], StalenessBuffer, RolloutProducer]:
         async with HttpEngineClient([engine.url]) as client:
@@ -179,3 +178,48 @@ def test_settings_are_checked_by_name() -> None:
         num_rollouts=5,
     )
     assert (full.capacity, full.max_staleness, full.stale_policy, full.total_groups) == (12, 2, "retry", 20)
+
+
+def test_sync_rollout_and_producer_share_the_drop_budget(engine: EngineProcess, model: Path, tmp_path: Path) -> None:
+    """One admission rule for both modes: an uninformative group is dropped until ``max_rounds x
+    rollout_batch_size`` were dropped in a row, then kept anyway."""
+    from transformers import AutoTokenizer
+
+    from miles.algorithms.builtin import DAPO
+    from miles.algorithms.settings import DAPOSettings
+    from miles.components import ComponentKind
+    from miles.driver.run import build_run
+    from miles.plugins.manager import PluginManager
+
+    run = build_run(
+        MilesSettings(data={"path": str(data_file(tmp_path))}),
+        PluginManager(entry_points=False),
+        kinds=[ComponentKind.DATA_SOURCE],
+    )
+    data = run.data_source(AutoTokenizer.from_pretrained(model))
+    dapo = DAPO(DAPOSettings())  # dynamic sampling: groups whose rewards are all equal carry no signal
+
+    async def main() -> tuple[Any, Any]:
+        async with HttpEngineClient([engine.url]) as client:
+            # fixed lengths: every reward (length / 10) is equal, so every group is uninformative
+            settings = RolloutSettings(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=3, min_new_tokens=3)
+            manager = RolloutManager(client, settings, scorer=length_scorer, algorithm=dapo, seed=0, max_rounds=1)
+            assert manager.budget.limit == 2
+            result = await manager.rollout(data)
+            buffered = RolloutManager(client, settings, scorer=length_scorer, algorithm=dapo, seed=0, max_rounds=1)
+            buffer = StalenessBuffer(2, max_staleness=0)
+            producer = RolloutProducer(buffered, data, buffer)
+            task = asyncio.create_task(producer.run())
+            got = await buffer.get(1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.abort()
+            return result, (got, producer)
+
+    result, (got, producer) = asyncio.run(main())
+    # sync: rounds of the missing groups, admitted in order: drop, drop, keep anyway, drop, drop, keep anyway
+    assert len(result.groups) == 2
+    assert result.metrics["rollout/groups_generated"] == 6.0 and result.metrics["rollout/groups_dropped"] == 4.0
+    assert all(s.reward == 0.3 for g in result.groups for s in g.samples)
+    # async: the same rule as groups finish: the third uninformative group in a row is kept
+    assert len(got) == 1 and producer.budget is not None

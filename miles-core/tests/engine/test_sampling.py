@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from miles.engine.sampling import SamplingConfig, sample_rows
+from miles.engine.sampling import sample_rows
+from miles.rollout.protocol import SamplingParams
 
 
 def draw(
-    logits: torch.Tensor, cfg: SamplingConfig, seed: int, banned: list[int] | None = None
+    logits: torch.Tensor, cfg: SamplingParams, seed: int, banned: list[int] | None = None
 ) -> tuple[int, float, float]:
     gen = torch.Generator().manual_seed(seed)
     ids, lps, raws = sample_rows(logits[None].clone(), [cfg], [gen], [banned or []])
@@ -18,10 +19,10 @@ def draw(
 
 def test_logprob_conventions() -> None:
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 3
-    tok, lp, raw = draw(logits, SamplingConfig(temperature=0.6), seed=1)
+    tok, lp, raw = draw(logits, SamplingParams(temperature=0.6), seed=1)
     assert abs(lp - float(torch.log_softmax(logits / 0.6, -1)[tok])) < 1e-6
     assert abs(raw - float(torch.log_softmax(logits, -1)[tok])) < 1e-6
-    tok, lp, _ = draw(logits, SamplingConfig(temperature=0.0), seed=1)
+    tok, lp, _ = draw(logits, SamplingParams(temperature=0.0), seed=1)
     assert tok == int(logits.argmax()) and abs(lp - float(torch.log_softmax(logits, -1)[tok])) < 1e-6
 
 
@@ -33,15 +34,15 @@ def test_truncation_keeps_draws_inside_the_allowed_set() -> None:
     nucleus = set(order[: int((torch.cumsum(probs[order], 0) < 0.5).sum()) + 1].tolist())
     allowed_min_p = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
     for seed in range(200):
-        assert draw(logits, SamplingConfig(top_k=5), seed)[0] in top5
-        assert draw(logits, SamplingConfig(top_p=0.5), seed)[0] in nucleus
-        assert draw(logits, SamplingConfig(min_p=0.2), seed)[0] in allowed_min_p
-    assert draw(logits, SamplingConfig(top_k=1, temperature=1.0), 0)[0] == int(logits.argmax())
+        assert draw(logits, SamplingParams(top_k=5), seed)[0] in top5
+        assert draw(logits, SamplingParams(top_p=0.5), seed)[0] in nucleus
+        assert draw(logits, SamplingParams(min_p=0.2), seed)[0] in allowed_min_p
+    assert draw(logits, SamplingParams(top_k=1, temperature=1.0), 0)[0] == int(logits.argmax())
 
 
 def test_seeds_reproduce_and_banned_tokens_are_never_drawn() -> None:
     logits = torch.zeros(20)
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = SamplingParams(temperature=1.0)
     first = [draw(logits, cfg, seed=s)[0] for s in range(30)]
     assert first == [draw(logits, cfg, seed=s)[0] for s in range(30)]
     assert len(set(first)) > 5

@@ -12,7 +12,7 @@ import torch
 
 from miles.engine.launch import build_engine
 from miles.engine.request import Request
-from miles.engine.sampling import SamplingConfig
+from miles.rollout.protocol import SamplingParams
 
 from .conftest import hf_greedy
 
@@ -33,7 +33,7 @@ class Collector:
 
 
 def make(rid: str, prompt: list[int], n: int, sink: Collector, **kw: object) -> Request:
-    cfg = SamplingConfig(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+    cfg = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
     return Request(rid=rid, parent_rid=rid, index=0, prompt_ids=prompt, config=cfg, sink=sink.sink)
 
 
@@ -115,7 +115,7 @@ def test_deterministic_inference_is_batch_and_cache_invariant(engine_models: dic
     prompt = [(11 * j) % 400 + 3 for j in range(21)]
 
     def sampled(rid: str, p: list[int], n: int, col: Collector) -> Request:
-        cfg = SamplingConfig(max_new_tokens=n, temperature=0.8, ignore_eos=True, sampling_seed=1234)
+        cfg = SamplingParams(max_new_tokens=n, temperature=0.8, ignore_eos=True, sampling_seed=1234)
         req = Request(rid=rid, parent_rid=rid, index=0, prompt_ids=p, config=cfg, sink=col.sink)
         req.return_logprob = True
         return req

@@ -145,6 +145,34 @@ def test_engine_not_healthy_in_time(tmp_path: Path) -> None:
         assert gone(lau.engines[0].pid)
 
 
+def test_starting_engines_say_what_they_are_doing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """While an engine starts (weights, the CPU kernels' first build), the launcher says every few seconds
+    what it is doing — its latest log line — and the trainer ranks may start meanwhile (``wait=False``)."""
+    import logging
+
+    port = free_port()
+    slow = EngineLaunch(
+        argv=[
+            sys.executable,
+            "-c",
+            "import time, subprocess, sys\n"
+            "print('building the CPU kernels (once per machine; ~40 s on 2 cores)', flush=True)\n"
+            "time.sleep(2.5)\n"
+            f"subprocess.run([sys.executable, '-m', 'http.server', '{port}', '--bind', '127.0.0.1'])",
+        ],
+        url=f"http://127.0.0.1:{port}",
+        health_path="/",
+    )
+    settings = LocalLauncherSettings(progress_interval=0.5)
+    with LocalLauncher(settings, run_dir=str(tmp_path / "run")) as lau, caplog.at_level(logging.INFO):
+        (url,) = lau.start_engines([slow], timeout=60, wait=False)
+        assert url == slow.url and lau.engines[0].exit_status() is None  # returned at once
+        lau.wait_engines(timeout=60)
+        assert httpx.get(url + "/", timeout=5).status_code == 200
+    notes = [r.getMessage() for r in caplog.records if "is starting" in r.getMessage()]
+    assert notes and all("building the CPU kernels" in n for n in notes), notes
+
+
 def test_two_gloo_ranks_all_reduce(tmp_path: Path, script: Script) -> None:
     argv = [*script("all_reduce", ALL_REDUCE), str(tmp_path)]
     with launcher(tmp_path) as lau:
@@ -281,7 +309,7 @@ def test_builtin_plugin_registers_local(tmp_path: Path) -> None:
     assert manager.registry(ComponentKind.LAUNCHER).get("local").component is LocalLauncher
     spec = PluginSpec(name="local", terminate_timeout=2.5)
     with manager.create(ComponentKind.LAUNCHER, spec, field="cluster.launcher", run_dir=str(tmp_path)) as lau:
-        assert isinstance(lau, LocalLauncher) and lau.options.terminate_timeout == 2.5
+        assert isinstance(lau, LocalLauncher) and lau.settings.terminate_timeout == 2.5
         assert lau.log_dir == str(tmp_path / "logs")
 
 
@@ -300,6 +328,21 @@ def test_an_ignored_sighup_stays_ignored(tmp_path: Path, script: Script) -> None
             driver.kill()
             driver.wait()
     assert driver.returncode == -signal.SIGTERM and "received SIGHUP" not in output, output
+    assert all(wait_dead(pid) for pid in pids)
+
+
+def test_an_ignored_sigint_is_handled_anyway(tmp_path: Path, script: Script) -> None:
+    """``miles train ... &`` from a script inherits an ignored SIGINT; ``kill -INT`` must still stop the run
+    and everything it started."""
+    driver, pids = start_driver(tmp_path, script, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        driver.send_signal(signal.SIGINT)
+        driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode != 0
     assert all(wait_dead(pid) for pid in pids)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.metrics.plot import plot_run, read_metrics
+from miles.metrics.plot import panels_for, plot_run, read_metrics
 
 
 def test_plot_writes_a_png_with_the_logged_panels(tmp_path: Path) -> None:
@@ -17,6 +17,16 @@ def test_plot_writes_a_png_with_the_logged_panels(tmp_path: Path) -> None:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert len(read_metrics(tmp_path)) == 5
+    # every panel has a y label; no KL panel without a KL term, an entropy panel titled as such
+    assert panels_for(rows) == [
+        ("reward", "mean reward", ["rollout/reward_mean"]),
+        ("step time", "seconds", ["time/step_seconds"]),
+    ]
+    with_kl = [{**r, "train/kl": 0.01 * r["step"], "train/entropy": 1.5} for r in rows]
+    assert [(title, keys) for title, _, keys in panels_for(with_kl)][1:3] == [
+        ("KL to the reference", ["train/kl"]),
+        ("entropy", ["train/entropy"]),
+    ]
 
 
 def test_plot_errors_name_the_file(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.settings import PluginSpec, load_settings
 
 GOOD_REWARD = """
-from miles.plugins.manager import hookimpl
+from miles.markers import hookimpl
 from miles.rewards.base import Reward
 from miles.components import ComponentSettings
 

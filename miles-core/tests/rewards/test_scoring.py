@@ -7,10 +7,9 @@ import asyncio
 
 import pytest
 
-from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.manager import PluginManager
 from miles.rewards.base import Reward
-from miles.rewards.scoring import build_rewards, close_rewards, score_samples
+from miles.rewards.scoring import RewardScorer, close_rewards, score_samples
 from miles.rewards.text import (
     LengthPenaltyReward,
     LengthPenaltySettings,
@@ -157,9 +156,11 @@ def test_truncated_samples_are_scored() -> None:
 
 
 def test_build_rewards_from_settings() -> None:
-    manager = PluginManager(
-        builtins=[b for b in BUILTIN_PLUGINS if b[0] == "rewards"], entry_points=False, disabled=(), only=()
-    )
+    from miles.components import ComponentKind
+    from miles.driver.run import build_run
+    from miles.settings.model import MilesSettings
+
+    manager = PluginManager(entry_points=False, disabled=(), only=())
     settings = RewardSettings(
         functions=[
             "math",
@@ -168,7 +169,8 @@ def test_build_rewards_from_settings() -> None:
             {"name": "length_penalty", "max_length": 10, "buffer_length": 4, "weight": 2.0},
         ]
     )
-    rewards = build_rewards(manager, settings)
+    run = build_run(MilesSettings(reward=settings), manager, kinds=[ComponentKind.REWARD])
+    rewards = run.rewards()
     assert [(n, type(r).__name__, w) for n, r, w in rewards] == [
         ("math", "MathReward", 1.0),
         ("regex", "RegexReward", 0.1),
@@ -180,6 +182,13 @@ def test_build_rewards_from_settings() -> None:
     asyncio.run(close_rewards(rewards))
     # 1 + 0.1 + 0.1 + 2 * (-0.5) = 0.2
     assert s.reward == pytest.approx(0.2)
+    # the run's scorer: the same functions, with the settings' timeout and one shared concurrency bound
+    scorer = run.scorer()
+    assert isinstance(scorer, RewardScorer) and (scorer.timeout, scorer.max_concurrency) == (30.0, 64)
+    again = sample(RIGHT, 0, n_tokens=8)
+    asyncio.run(scorer([again]))
+    asyncio.run(scorer.close())
+    assert again.reward == pytest.approx(0.2) and again.reward_parts == s.reward_parts
     bad = RewardSettings(functions=[{"name": "regex", "patern": "x"}])
     with pytest.raises(Exception, match=r"reward\.functions\[0\]"):
-        build_rewards(manager, bad)
+        build_run(MilesSettings(reward=bad), manager, kinds=[ComponentKind.REWARD])

@@ -242,3 +242,16 @@ def test_bad_arguments_name_the_parameter() -> None:
     with pytest.raises(ValueError, match="stale_policy"):
         StalenessBuffer(1, max_staleness=1, stale_policy="keep")  # type: ignore[arg-type]
     assert pending_group(group(1)).samples[0].metadata == {"row": 1}
+
+
+def test_drop_budget_keeps_one_group_after_the_limit() -> None:
+    from miles.rollout.manager import DropBudget
+    from miles.types import SampleGroup
+
+    budget = DropBudget(2)
+    group = SampleGroup(7, [])
+    assert budget.admit(group, True)
+    assert [budget.admit(group, False) for _ in range(3)] == [False, False, True]  # the third is kept anyway
+    assert budget.in_row == 0 and budget.take_dropped() == 2 and budget.take_dropped() == 0
+    assert [budget.admit(group, False), budget.admit(group, True), budget.admit(group, False)] == [False, True, False]
+    assert budget.take_dropped() == 2

@@ -14,21 +14,19 @@ from miles.algorithms.base import AlgorithmNeeds
 from miles.engine.process import EngineProcess, free_port
 from miles.rollout.teacher import TeacherError, TeacherScorer, teacher_for
 from miles.settings.model import TeacherSettings
+from miles.testing.models import serve_tiny_model
 from miles.types import Sample
 
 
 @pytest.fixture(scope="module")
-def teacher_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from miles.testing.models import build_tiny_model
-
-    torch.set_num_threads(1)
-    return build_tiny_model(tmp_path_factory.mktemp("teacher") / "qwen2", "qwen2", seed=1)
+def teacher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    with serve_tiny_model(tmp_path_factory.mktemp("teacher"), seed=1) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
-def teacher(teacher_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    with EngineProcess(teacher_model, log_path=tmp_path_factory.mktemp("logs") / "teacher.log") as engine:
-        yield engine
+def teacher_model(teacher: EngineProcess) -> Path:
+    return Path(teacher.model_path)
 
 
 def _samples() -> list[Sample]:

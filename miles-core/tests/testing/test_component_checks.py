@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 import miles
 import miles.metrics.jsonl
 import miles.precision.builtin
-from miles.algorithms.base import Algorithm, LossInputs, LossOutput
+from miles.algorithms.base import AdvantageInputs, Advantages, Algorithm, LossInputs, LossOutput
 from miles.components import ComponentSettings
 from miles.data.base import DataSource, Prompt
 from miles.metrics.base import MetricsLogger
@@ -37,44 +37,9 @@ from miles.testing import (
     example_groups,
     example_samples,
 )
+from miles.testing.plugins import LengthReward, plugin_of, registering
 from miles.transport.base import PushReport, WeightTransport
 from miles.types import Sample
-
-# -- a conforming reward plugin -----------------------------------------------------------------------
-
-
-class LengthSettings(ComponentSettings):
-    """Settings of the ``length`` reward."""
-
-    target: int = Field(8, ge=1)
-    """Target response length in words."""
-
-
-class LengthReward(Reward):
-    """1.0 at the target length, falling linearly to 0.0 at twice (or zero times) the target."""
-
-    name = "length"
-    Settings = LengthSettings
-
-    async def score(self, sample: Sample) -> RewardOutput:
-        assert isinstance(self.settings, LengthSettings)
-        words = len(sample.response.split())
-        value = max(0.0, 1.0 - abs(words - self.settings.target) / self.settings.target)
-        return RewardOutput(value, {"words": float(words)})
-
-
-def plugin_of(**hooks: Any) -> types.SimpleNamespace:
-    """A plugin object holding ``hooks`` (hook implementations or plain attributes)."""
-    return types.SimpleNamespace(**hooks)
-
-
-def registering(kind_hook: str, *components: Any) -> types.SimpleNamespace:
-    def hook(register: Any) -> None:
-        for component in components:
-            register(component)
-
-    hook.__name__ = kind_hook
-    return plugin_of(**{kind_hook: miles.hookimpl(hook)})
 
 
 def test_conforming_reward_plugin_passes() -> None:
@@ -167,14 +132,14 @@ class Clip(Algorithm):
     name = "clip"
     Settings = ClipSettings
 
-    def compute_advantages(self, groups: Any, values: Any = None, **_: Any) -> list[list[torch.Tensor]]:
+    def compute_advantages(self, inputs: AdvantageInputs) -> Advantages:
         out = []
-        for group in groups:
+        for group in inputs.groups:
             rewards = torch.tensor(group.rewards)
             std = rewards.std() if len(rewards) > 1 else torch.tensor(0.0)
             norm = (rewards - rewards.mean()) / (std + 1e-6)
             out.append([torch.full((s.response_length,), float(a)) for s, a in zip(group.samples, norm, strict=True)])
-        return out
+        return Advantages(out)
 
     def loss(self, inputs: LossInputs) -> LossOutput:
         assert (
@@ -201,8 +166,8 @@ def test_algorithm_advantage_length_fails() -> None:
 
         name = "short"
 
-        def compute_advantages(self, groups: Any, values: Any = None, **_: Any) -> list[list[torch.Tensor]]:
-            return [[a[:-1] for a in row] for row in super().compute_advantages(groups)]
+        def compute_advantages(self, inputs: AdvantageInputs) -> Advantages:
+            return Advantages([[a[:-1] for a in row] for row in super().compute_advantages(inputs).advantages])
 
     with pytest.raises(
         AssertionError,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
-import types
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from miles.components import ComponentKind, ComponentSettings
 from miles.metrics.jsonl import JsonlLogger
 from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.precision.builtin import BF16, FP32
-from miles.rewards.base import Reward, RewardOutput
+from miles.rewards.base import Reward
 from miles.testing import (
     check_algorithm,
     check_data_source,
@@ -34,43 +33,7 @@ from miles.testing import (
     check_transport,
     example_samples,
 )
-from miles.types import Sample
-
-# -- a conforming reward plugin -----------------------------------------------------------------------
-
-
-class LengthSettings(ComponentSettings):
-    """Settings of the ``length`` reward."""
-
-    target: int = Field(8, ge=1)
-    """Target response length in words."""
-
-
-class LengthReward(Reward):
-    """1.0 at the target length, falling linearly to 0.0 at twice (or zero times) the target."""
-
-    name = "length"
-    Settings = LengthSettings
-
-    async def score(self, sample: Sample) -> RewardOutput:
-        assert isinstance(self.settings, LengthSettings)
-        words = len(sample.response.split())
-        value = max(0.0, 1.0 - abs(words - self.settings.target) / self.settings.target)
-        return RewardOutput(value, {"words": float(words)})
-
-
-def plugin_of(**hooks: Any) -> types.SimpleNamespace:
-    """A plugin object holding ``hooks`` (hook implementations or plain attributes)."""
-    return types.SimpleNamespace(**hooks)
-
-
-def registering(kind_hook: str, *components: Any) -> types.SimpleNamespace:
-    def hook(register: Any) -> None:
-        for component in components:
-            register(component)
-
-    hook.__name__ = kind_hook
-    return plugin_of(**{kind_hook: miles.hookimpl(hook)})
+from miles.testing.plugins import LengthReward, plugin_of, registering
 
 
 def test_builtin_plugins_conform(tmp_path: Path) -> None:

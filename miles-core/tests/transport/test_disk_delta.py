@@ -122,6 +122,8 @@ def test_deltas_full_snapshots_and_refusals(engines: list[EngineProcess], model:
         assert report["checksums"] == {n: tensor_checksum(t) for n, t in expected.items()}
     # only the last version stays on disk, and no half-written folder anywhere
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["delta-v6", "full-v6"]
+    asyncio.run(transport.close())  # the versions are scratch: gone with the run
+    assert not (tmp_path / "w").exists()
 
 
 def test_broken_or_foreign_versions_are_refused_and_change_nothing(

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from miles.training.batch import TrainBatch
+from miles.training.logprobs import token_logprobs, topk_logprobs
 
 __all__ = [
     "PackedMicroBatch",
@@ -22,7 +23,6 @@ __all__ = [
     "count_micro_batches",
     "pack",
     "plan_micro_batches",
-    "teacher_topk_rows",
     "token_logprobs",
     "topk_logprobs",
 ]
@@ -106,95 +106,33 @@ def pack(batch: TrainBatch, indices: Sequence[int], device: torch.device, pad_to
         return PackedMicroBatch(
             one, torch.zeros_like(one), torch.zeros(1, dtype=torch.long, device=device), empty, [], []
         )
-    ids: list[int] = []
-    positions: list[int] = []
-    keep: list[int] = []
-    targets: list[int] = []
+    starts = batch.seq_offsets.tolist()
+    prompts = batch.prompt_lengths.tolist()
+    pieces: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    keep: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
     lengths: list[int] = []
+    offset = 0
     for i in indices:
-        tokens, prompt = batch.tokens[i], batch.prompt_lengths[i]
-        if prompt < 1 or prompt >= len(tokens):
+        tokens, prompt = batch.tokens[starts[i] : starts[i + 1]], prompts[i]
+        n = tokens.numel()
+        if prompt < 1 or prompt >= n:
             raise ValueError(
-                f"TrainBatch sequence {i}: prompt_lengths={prompt} but the sequence has {len(tokens)} tokens "
+                f"TrainBatch sequence {i}: prompt_lengths={prompt} but the sequence has {n} tokens "
                 "(need at least one prompt and one response token)"
             )
-        offset = len(ids)
-        ids.extend(tokens)
-        positions.extend(range(len(tokens)))
-        keep.extend(range(offset + prompt - 1, offset + len(tokens) - 1))
-        targets.extend(tokens[prompt:])
-        lengths.append(len(tokens) - prompt)
+        pieces.append(tokens)
+        positions.append(torch.arange(n))
+        keep.append(torch.arange(offset + prompt - 1, offset + n - 1))
+        targets.append(tokens[prompt:])
+        lengths.append(n - prompt)
+        offset += n
     return PackedMicroBatch(
-        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-        keep_index=torch.tensor(keep, dtype=torch.long, device=device),
-        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        input_ids=torch.cat(pieces).to(device=device, dtype=torch.long).unsqueeze(0),
+        position_ids=torch.cat(positions).to(device).unsqueeze(0),
+        keep_index=torch.cat(keep).to(device),
+        targets=torch.cat(targets).to(device=device, dtype=torch.long),
         response_lengths=lengths,
         indices=list(indices),
-    )
-
-
-def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, *, entropy_grad: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of each target (and the entropy of each distribution) from ``[T, V]`` logits.
-
-    As the engine scores: ``logits / temperature``, then ``log_softmax`` in float32; greedy decoding
-    (``temperature`` 0) is scored at temperature 1. The entropy carries gradients only with
-    ``entropy_grad`` (an entropy bonus); otherwise it is a detached metric.
-    """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    scaled = logits.float()
-    if temperature > 1e-6 and temperature != 1.0:
-        scaled = scaled / temperature
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        source = logp_all if entropy_grad else logp_all.detach()
-        entropy = -(source.exp() * source).sum(-1)
-    return logprobs, entropy
-
-
-def per_token_field(batch: TrainBatch, name: str, indices: Sequence[int], device: torch.device) -> torch.Tensor | None:
-    """The concatenated ``[T]`` float tensor of a per-response-token field for ``indices`` (``None`` if unset)."""
-    rows = getattr(batch, name)
-    if rows is None:
-        return None
-    flat = [float(v) for i in indices for v in rows[i]]
-    return torch.tensor(flat, dtype=torch.float32, device=device)
-
-
-def topk_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[T, k]`` logprobs of the token ids ``ids`` (``[T, k]``) under ``log_softmax(logits / temperature)``
-    (fp32, greedy scored at temperature 1, as :func:`token_logprobs`), with gradient.
-
-    Computed as ``gather - logsumexp`` so that no second ``[T, V]`` log-softmax is kept for backward.
-    """
-    scaled = logits.float()
-    if temperature > 1e-6 and temperature != 1.0:
-        scaled = scaled / temperature
-    return scaled.gather(-1, ids) - torch.logsumexp(scaled, dim=-1, keepdim=True)
-
-
-def teacher_topk_rows(
-    batch: TrainBatch, indices: Sequence[int], k: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's first ``k`` top-k ids and logprobs (``[T, k]`` each) of sequences ``indices``.
-
-    Raises ``ValueError`` when the batch has no teacher top-k or fewer than ``k`` per position.
-    """
-    if batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
-        raise ValueError(
-            f"the algorithm needs the teacher's top-{k} (TrainBatch.teacher_topk_ids is None): "
-            "score the samples with a teacher ([rollout.teacher] url, with top_k >= k)"
-        )
-    if batch.teacher_topk < k:
-        raise ValueError(f"the algorithm needs the teacher's top-{k}; the batch has top-{batch.teacher_topk}")
-    ids = [row[:k] for i in indices for row in batch.teacher_topk_ids[i]]
-    logprobs = [row[:k] for i in indices for row in batch.teacher_topk_logprobs[i]]
-    return (
-        torch.tensor(ids, dtype=torch.long, device=device).reshape(-1, k),
-        torch.tensor(logprobs, dtype=torch.float32, device=device).reshape(-1, k),
     )

@@ -6,8 +6,8 @@ inside its methods), so listing plugins stays cheap.
 
 from __future__ import annotations
 
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
+from miles.components import Register
+from miles.markers import hookimpl
 
 
 @hookimpl

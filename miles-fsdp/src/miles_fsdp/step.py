@@ -10,32 +10,46 @@ gradient equals that of the loss over the whole batch in one process.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from miles.algorithms.aggregation import StepDenominators, aggregate_loss
 from miles.algorithms.base import LossInputs
-from miles_fsdp.microbatch import per_token_field, teacher_topk_rows, token_logprobs, topk_logprobs
+from miles.training.batch import TOKEN_FIELDS
+from miles.training.comm import all_gather_json
+from miles.training.logprobs import token_logprobs, topk_logprobs
+from miles_fsdp.microbatch import PackedMicroBatch
 from miles_fsdp.optim import clip_grad_norm
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from miles.algorithms.base import Algorithm
+    from miles.settings.model import TrainSettings
     from miles.training.batch import TrainBatch
-    from miles_fsdp.trainer import FSDPTrainer
 
-__all__ = ["run_train_step"]
+__all__ = ["StepContext", "run_train_step"]
 
-_FIELDS = (
-    "advantages",
-    "old_logprobs",
-    "rollout_logprobs",
-    "ref_logprobs",
-    "teacher_logprobs",
-    "returns",
-    "old_values",
-)
+
+@dataclass
+class StepContext:
+    """What one optimizer step needs from the trainer."""
+
+    device: torch.device
+    actor: nn.Module
+    critic: nn.Module | None
+    parts: dict[str, tuple[Any, Any, Any]]
+    """``{"actor": (model, optimizer, scheduler), "critic": ...}``."""
+    train: TrainSettings
+    empty_cache: bool
+    """Empty the CUDA cache after the step."""
+    micro_batches: Callable[[TrainBatch], Iterator[PackedMicroBatch]]
+    logits: Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
+    values: Callable[[PackedMicroBatch], torch.Tensor]
 
 
 def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
@@ -48,19 +62,16 @@ def _agreed_metric_names(local: set[str]) -> list[str]:
     """Metric names over all ranks (a rank with only empty micro-batches saw none)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return sorted(local)
-    gathered: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(local))
-    return sorted({name for names in gathered for name in (names or [])})
+    return sorted({name for names in all_gather_json(sorted(local)) for name in names})
 
 
 def run_train_step(
-    trainer: FSDPTrainer, batch: TrainBatch, algorithm: Algorithm, *, temperature: float
+    ctx: StepContext, batch: TrainBatch, algorithm: Algorithm, *, temperature: float
 ) -> dict[str, float]:
-    """Run one step on ``trainer``; returns metrics reduced over ranks."""
-    batch.validate()
+    """Run one step; returns metrics reduced over ranks."""
     if batch.advantages is None and algorithm.needs.rollout:
         raise ValueError(f"algorithm {algorithm.name!r}: TrainBatch.advantages is None; compute advantages first")
-    device = trainer.device
+    device = ctx.device
     needs_values = algorithm.needs.values
     topk = getattr(algorithm.needs, "teacher_topk", 0)
     if topk > 0 and (batch.teacher_topk_ids is None or batch.teacher_topk < topk):
@@ -69,11 +80,11 @@ def run_train_step(
             f"algorithm {algorithm.name!r} needs the teacher's top-{topk} per response token, the batch has {have}: "
             "score the samples with a teacher ([rollout.teacher] url, top_k >= the algorithm's distill_topk)"
         )
-    if needs_values and trainer.critic is None:
+    if needs_values and ctx.critic is None:
         raise RuntimeError(f"algorithm {algorithm.name!r} needs values: call setup(need_values=True)")
 
     counts = torch.tensor(
-        [float(sum(sum(m) for m in batch.loss_mask)), float(len(batch)), float(batch.num_tokens)],
+        [float(batch.loss_mask.sum()), float(len(batch)), float(batch.num_tokens)],
         dtype=torch.float64,
         device=device,
     )
@@ -82,7 +93,7 @@ def run_train_step(
         num_tokens=int(counts[0].item()), num_sequences=int(counts[1].item()), seq_len_norm=algorithm.seq_len_norm
     )
 
-    actor, critic = trainer.actor, trainer.critic
+    actor, critic = ctx.actor, ctx.critic
     actor.train()
     if critic is not None:
         critic.train()
@@ -93,9 +104,9 @@ def run_train_step(
         value = (per_token.detach().double() * mask.double()).sum()
         masked_sums[name] = masked_sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) + value
 
-    for mb in trainer._micro_batches(batch):
-        logits = trainer._logits(actor, mb)
-        values = trainer._values(mb) if needs_values else None
+    for mb in ctx.micro_batches(batch):
+        logits = ctx.logits(actor, mb)
+        values = ctx.values(mb) if needs_values else None
         if mb.is_empty:  # keeps this rank's collectives in step with the others; contributes nothing
             dummy = logits.sum() * 0.0
             if values is not None:
@@ -105,12 +116,12 @@ def run_train_step(
         logprobs, entropy = token_logprobs(
             logits, mb.targets, temperature, with_entropy=True, entropy_grad=getattr(algorithm.needs, "entropy", False)
         )
-        mask = per_token_field(batch, "loss_mask", mb.indices, device)
+        mask = batch.token_field("loss_mask", mb.indices, device)
         assert mask is not None
-        fields = {name: per_token_field(batch, name, mb.indices, device) for name in _FIELDS}
+        fields = {name: batch.token_field(name, mb.indices, device) for name in TOKEN_FIELDS[1:]}
         teacher_topk = student_topk = None
         if topk > 0:  # the student's logprobs at the teacher's top-k ids, response positions only
-            topk_ids, teacher_topk = teacher_topk_rows(batch, mb.indices, topk, device)
+            topk_ids, teacher_topk = batch.teacher_topk_rows(mb.indices, topk, device)
             student_topk = topk_logprobs(logits, topk_ids, temperature)
         inputs = LossInputs(
             logprobs=logprobs,
@@ -133,8 +144,8 @@ def run_train_step(
         if fields["rollout_logprobs"] is not None:
             add("train_rollout_logprob_abs_diff", (logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
 
-    train = trainer.train_settings
-    parts = trainer._parts
+    train = ctx.train
+    parts = ctx.parts
     metrics: dict[str, float] = {}
     for key, (model, optimizer, scheduler) in parts.items():
         if key == "critic" and not needs_values:
@@ -145,7 +156,7 @@ def run_train_step(
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    if trainer.options.empty_cache_between_steps and device.type == "cuda":
+    if ctx.empty_cache and device.type == "cuda":
         torch.cuda.empty_cache()
 
     names = _agreed_metric_names(set(masked_sums))

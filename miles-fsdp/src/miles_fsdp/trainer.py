@@ -18,7 +18,6 @@ from miles_fsdp.settings import FSDPSettings
 
 if TYPE_CHECKING:
     import torch
-    from pydantic import BaseModel
     from torch import nn
 
     from miles.algorithms.base import Algorithm
@@ -32,17 +31,15 @@ __all__ = ["FSDPTrainer"]
 log = logging.getLogger(__name__)
 
 
-class FSDPTrainer(Trainer):
+class FSDPTrainer(Trainer[FSDPSettings]):
     """PyTorch FSDP2 over Hugging Face causal LMs: CPU with gloo, GPUs with NCCL; no weight conversion."""
 
     name: ClassVar[str] = "fsdp"
-    Settings: ClassVar[type[BaseModel]] = FSDPSettings
 
-    def __init__(self, train: TrainSettings, options: BaseModel, precision: PrecisionRecipe, dist: DistContext) -> None:
-        if not isinstance(options, FSDPSettings):
-            options = FSDPSettings.model_validate(options.model_dump() if options is not None else {})
-        super().__init__(train, options, precision, dist)
-        self.options: FSDPSettings = options
+    def __init__(
+        self, train: TrainSettings, options: FSDPSettings | None, precision: PrecisionRecipe, dist: DistContext
+    ) -> None:
+        super().__init__(train, options if options is not None else FSDPSettings(), precision, dist)
         self.step = 0
         """Optimizer steps taken (restored by :meth:`load_checkpoint`)."""
         self.actor: Any = None
@@ -140,7 +137,7 @@ class FSDPTrainer(Trainer):
         from miles_fsdp.microbatch import agree_num_micro_batches, pack, plan_micro_batches
 
         budget = self.train_settings.max_tokens_per_micro_batch
-        lengths = [len(t) for t in batch.tokens]
+        lengths = batch.lengths
         count = agree_num_micro_batches(lengths, budget, self.device)
         for indices in plan_micro_batches(lengths, budget, count):
             yield pack(batch, indices, self.device, self._pad_token_id)
@@ -166,13 +163,12 @@ class FSDPTrainer(Trainer):
         """Per-response-token logprobs (and entropy) of this rank's sequences, packed by the token budget."""
         import torch
 
-        from miles_fsdp.microbatch import token_logprobs
+        from miles.training.logprobs import token_logprobs
 
         self._require_setup()
         module = self.actor if model == "actor" else self.ref
         if module is None:
             raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
-        batch.validate()
         logprobs: list[torch.Tensor | None] = [None] * len(batch)
         entropy: list[torch.Tensor | None] = [None] * len(batch)
         was_training = module.training
@@ -197,7 +193,6 @@ class FSDPTrainer(Trainer):
 
         if self.critic is None:
             raise RuntimeError("compute_values needs setup(need_values=True)")
-        batch.validate()
         values: list[torch.Tensor | None] = [None] * len(batch)
         self.critic.eval()
         with torch.no_grad():
@@ -214,10 +209,21 @@ class FSDPTrainer(Trainer):
         and gradients are summed over ranks, so the result equals one process training on the whole
         batch. ``temperature`` is the rollout's sampling temperature (logits are divided by it).
         """
-        from miles_fsdp.step import run_train_step
+        from miles_fsdp.step import StepContext, run_train_step
 
         self._require_setup()
-        metrics = run_train_step(self, batch, algorithm, temperature=temperature)
+        ctx = StepContext(
+            device=self.device,
+            actor=self.actor,
+            critic=self.critic,
+            parts=self._parts,
+            train=self.train_settings,
+            empty_cache=self.options.empty_cache_between_steps,
+            micro_batches=self._micro_batches,
+            logits=self._logits,
+            values=self._values,
+        )
+        metrics = run_train_step(ctx, batch, algorithm, temperature=temperature)
         self.step += 1
         return metrics
 

@@ -6,11 +6,15 @@ paths and Mooncake are imported when a session opens), so listing plugins stays 
 
 from __future__ import annotations
 
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
+from typing import TYPE_CHECKING
+
+import miles
+
+if TYPE_CHECKING:
+    from miles.components import Register
 
 
-@hookimpl
+@miles.hookimpl
 def miles_register_transports(register: Register) -> None:
     from miles_p2p.transport import P2PTransport
 

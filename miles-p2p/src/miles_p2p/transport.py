@@ -34,8 +34,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from pydantic import BaseModel
-
 from miles.errors import EngineError, SettingsError, WeightVerificationError
 from miles.transport.base import PushReport, WeightTransport
 from miles_p2p.plan import EngineLayout, Route, RoutePlan, SliceInfo, engines_digest, layout_key, make_plan
@@ -46,6 +44,7 @@ if TYPE_CHECKING:
 
     from miles.engine.p2p_receiver import MooncakeEndpoint
     from miles.rollout.client import EngineClient
+    from miles.settings.model import MilesSettings
     from miles.training.trainer import DistContext, Trainer, WeightBucket, WeightShard
     from miles_p2p.datapaths import Outcome, Sender
 
@@ -58,16 +57,20 @@ def _key(route: Route) -> str:
     return f"{route.name}|{list(route.offsets)}|{list(route.shape)}"
 
 
-class P2PTransport(WeightTransport):
+def _check_options(options: P2PTransportSettings) -> None:
+    if options.write_into_weights and options.datapath != "shm":
+        raise SettingsError(f"transport.write_into_weights needs transport.datapath = 'shm' (not {options.datapath!r})")
+
+
+class P2PTransport(WeightTransport[P2PTransportSettings]):
     """Sends each trainer rank's slices straight to the engines (see the module docstring)."""
 
     name = "p2p"
-    Settings = P2PTransportSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+    def __init__(
+        self, settings: P2PTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
+    ) -> None:
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
-        assert isinstance(settings, P2PTransportSettings)
-        self.options = settings
         self.trainer: Any = None
         self.client: EngineClient | None = None
         self.dist: DistContext | None = None
@@ -83,9 +86,15 @@ class P2PTransport(WeightTransport):
         self.shm_files: list[str] = []
         self._engines_digest = ""
 
+    @classmethod
+    def check_settings(cls, options: P2PTransportSettings, settings: MilesSettings) -> None:
+        """Before anything starts (``build_run`` calls it): ``write_into_weights`` needs the ``shm`` data
+        path. Raises :class:`~miles.errors.SettingsError` naming the field."""
+        _check_options(options)
+
     @property
     def address(self) -> str:
-        return os.environ.get("MILES_P2P_ADDRESS", self.options.address)
+        return os.environ.get("MILES_P2P_ADDRESS", self.settings.address)
 
     # -- setup -------------------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> None:
@@ -101,10 +110,7 @@ class P2PTransport(WeightTransport):
         self.trainer = trainer
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
-        if self.options.write_into_weights and self.options.datapath != "shm":
-            raise SettingsError(
-                f"transport.write_into_weights needs transport.datapath = 'shm' (not {self.options.datapath!r})"
-            )
+        _check_options(self.settings)  # also when built without build_run (the kit, benchmarks)
         if self.trainer is None:
             raise RuntimeError("p2p transport: attach(trainer) must come before connect()")
         self.client = client
@@ -118,18 +124,18 @@ class P2PTransport(WeightTransport):
 
     async def _open(self) -> None:
         """Open a session on every engine and set the data path up (a collective over the trainer ranks)."""
-        from miles.driver.comm import all_gather_json, broadcast_json
         from miles.engine.p2p_receiver import MooncakeEndpoint, host_id
+        from miles.training.comm import all_gather_json, broadcast_json
         from miles.transport.broadcast import free_port, make_process_group, run_in_daemon_thread
         from miles_p2p.datapaths import MooncakeSender, ShmSender, TorchSender
 
         dist = self._dist()
-        datapath = self.options.datapath
+        datapath = self.settings.datapath
         meta: dict[str, Any] | None = None
         if dist.rank == 0:
             if self.client is None:
                 raise RuntimeError("p2p transport: rank 0 needs the engine client")
-            port = (self.options.port or free_port(self.address)) if datapath == "torch" else 0
+            port = (self.settings.port or free_port(self.address)) if datapath == "torch" else 0
             meta = {
                 "session": f"miles-p2p-{uuid.uuid4().hex[:12]}",
                 "urls": list(self.client.urls),
@@ -150,13 +156,13 @@ class P2PTransport(WeightTransport):
                     port=int(meta["port"]),
                     rank=rank,
                     world_size=world,
-                    timeout=self.options.timeout,
+                    timeout=self.settings.timeout,
                     is_master=rank == 0,
                 )
             )
         elif datapath == "mooncake":
             self.endpoint = MooncakeEndpoint(
-                self.address, protocol=self.options.mooncake_protocol, device_name=self.options.mooncake_device
+                self.address, protocol=self.settings.mooncake_protocol, device_name=self.settings.mooncake_device
             )
         status = await self._open_engines(meta, backend, rendezvous) if dist.rank == 0 else None
         status = broadcast_json(status)
@@ -179,7 +185,7 @@ class P2PTransport(WeightTransport):
                 raise SettingsError(
                     f"transport.datapath = 'shm' needs every engine on the trainer ranks' host; {far} is not"
                 )
-            self.sender = ShmSender(direct=self.options.write_into_weights)
+            self.sender = ShmSender(direct=self.settings.write_into_weights)
         self.session_id, self.urls = meta["session"], urls
         self.engines = [EngineLayout.from_session(url, a) for url, a in zip(urls, answers, strict=True)]
         self._engines_digest = engines_digest(self.engines)
@@ -198,10 +204,10 @@ class P2PTransport(WeightTransport):
         async def open_one(i: int, url: str) -> dict[str, Any]:
             body: dict[str, Any] = {
                 "session_id": meta["session"],
-                "datapath": self.options.datapath,
-                "timeout": self.options.timeout,
+                "datapath": self.settings.datapath,
+                "timeout": self.settings.timeout,
             }
-            if self.options.datapath == "torch":
+            if self.settings.datapath == "torch":
                 body.update(
                     master_address=meta["address"],
                     master_port=meta["port"],
@@ -209,11 +215,11 @@ class P2PTransport(WeightTransport):
                     rank=n + i,
                     backend=backend,
                 )
-            elif self.options.datapath == "mooncake":
+            elif self.settings.datapath == "mooncake":
                 body.update(
                     hostname=urlparse(url).hostname or "127.0.0.1",
-                    protocol=self.options.mooncake_protocol,
-                    device_name=self.options.mooncake_device,
+                    protocol=self.settings.mooncake_protocol,
+                    device_name=self.settings.mooncake_device,
                 )
             try:
                 return await client.call(url, "/p2p/open_session", body)
@@ -237,11 +243,11 @@ class P2PTransport(WeightTransport):
     # -- planning ------------------------------------------------------------------------------------
     async def _replan(self, slices: list[SliceInfo]) -> None:
         """Compute the plan (every rank, the same) and give each engine its chunks (rank 0)."""
-        from miles.driver.comm import broadcast_json
+        from miles.training.comm import broadcast_json
 
         dist = self._dist()
         assert self.sender is not None
-        plan = make_plan(slices, self.engines, extra=self.options.datapath)
+        plan = make_plan(slices, self.engines, extra=self.settings.datapath)
         status = await self._send_plan(plan) if dist.rank == 0 else None
         status = broadcast_json(status)
         if "error" in status:
@@ -283,7 +289,7 @@ class P2PTransport(WeightTransport):
     async def _send_plan(self, plan: RoutePlan) -> dict[str, Any]:
         assert self.client is not None
         client = self.client
-        staged_shm = self.options.datapath == "shm" and not self.options.write_into_weights
+        staged_shm = self.settings.datapath == "shm" and not self.settings.write_into_weights
         paths = self._shared_files(plan) if staged_shm else [None] * len(self.urls)
 
         async def one(e: int, url: str) -> dict[str, Any]:
@@ -294,7 +300,7 @@ class P2PTransport(WeightTransport):
             }
             if paths[e] is not None:
                 body["buffer_path"] = paths[e]
-            if self.options.write_into_weights:
+            if self.settings.write_into_weights:
                 body["direct"] = True
             try:
                 answer = await client.call(url, "/p2p/plan", body)
@@ -327,7 +333,7 @@ class P2PTransport(WeightTransport):
 
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
         """Move every rank's slices to every engine, commit, verify (every rank; ``buckets`` is not read)."""
-        from miles.driver.comm import all_gather_json, broadcast_json
+        from miles.training.comm import all_gather_json, broadcast_json
 
         start = time.perf_counter()
         metrics: dict[str, float] = {}
@@ -338,7 +344,7 @@ class P2PTransport(WeightTransport):
         local = [SliceInfo(dist.rank, s.name, s.global_shape, s.offsets, tuple(s.tensor.shape)) for s in shards]
         gathered = all_gather_json([s.to_json() for s in local])
         slices = [SliceInfo.from_json(rank, row) for rank, rows in enumerate(gathered) for row in rows]
-        if self.plan is None or self.plan.key != layout_key(slices, self._engines_digest, self.options.datapath):
+        if self.plan is None or self.plan.key != layout_key(slices, self._engines_digest, self.settings.datapath):
             plan_start = time.perf_counter()
             await self._replan(slices)
             metrics["weight_sync/plan_seconds"] = time.perf_counter() - plan_start
@@ -347,14 +353,14 @@ class P2PTransport(WeightTransport):
         routes = plan.for_rank(dist.rank)
         sources = self._sources(routes, shards)
         moved = time.perf_counter()
-        if self.options.write_into_weights:  # the engines pause before any rank writes into their weights
+        if self.settings.write_into_weights:  # the engines pause before any rank writes into their weights
             began = await self._begin(version) if dist.rank == 0 else None
             began = broadcast_json(began)
             if "error" in began:
                 raise EngineError(began["error"])
             metrics["weight_sync/begin_seconds"] = time.perf_counter() - moved
             moved = time.perf_counter()
-        two_sided = self.options.datapath == "torch"
+        two_sided = self.settings.datapath == "torch"
         receives = self._start_receives(version) if dist.rank == 0 and two_sided else []
         outcome = await asyncio.to_thread(self._send, routes, sources)
         sent = time.perf_counter()
@@ -373,7 +379,7 @@ class P2PTransport(WeightTransport):
             raise EngineError(decision["error"])
         served = time.perf_counter()
         report = PushReport(version=version, num_tensors=plan.tensors, num_bytes=plan.tensor_bytes)
-        if self.options.verify_slices:
+        if self.settings.verify_slices:
             report.checksums = await self._verify(routes, sources, plan, version)
             metrics["weight_sync/slice_check_seconds"] = time.perf_counter() - served
         report.seconds = time.perf_counter() - start
@@ -438,14 +444,14 @@ class P2PTransport(WeightTransport):
             e = min(errors)
             others = (
                 "the other engines stay paused on partial weights until a push completes (write_into_weights)"
-                if self.options.write_into_weights
+                if self.settings.write_into_weights
                 else "the other engines keep serving their version"
             )
             return {
                 "error": f"p2p transport: version {version} did not reach engine {self.urls[e]}: {errors[e]}; {others}"
                 + (f" ({len(errors) - 1} more engine(s) failed)" if len(errors) > 1 else "")
             }
-        one_sided = self.options.datapath != "torch"
+        one_sided = self.settings.datapath != "torch"
 
         async def commit(e: int, url: str) -> Any:
             body = {
@@ -477,7 +483,7 @@ class P2PTransport(WeightTransport):
         """Compare each chunk as served with what its rank sent; rank 0 returns engine 0's per-tensor checksums."""
         import torch
 
-        from miles.driver.comm import all_gather_json, broadcast_json
+        from miles.training.comm import all_gather_json, broadcast_json
         from miles.transport.verify import tensor_checksum
 
         dist = self._dist()

@@ -10,18 +10,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
 
 if TYPE_CHECKING:
     import torch
 
     from miles.types import SampleGroup
 
-__all__ = ["Aggregation", "Algorithm", "AlgorithmNeeds", "LossInputs", "LossOutput"]
+__all__ = ["AdvantageInputs", "Advantages", "Aggregation", "Algorithm", "AlgorithmNeeds", "LossInputs", "LossOutput"]
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 """How per-token losses become one number.
@@ -52,6 +50,26 @@ class AlgorithmNeeds:
     ref_logprobs_for_advantages: bool = False
     """:meth:`Algorithm.compute_advantages` needs ``ref_logprobs`` (the KL is part of the reward), so the
     loop computes reference logprobs before advantages."""
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What advantage estimation sees: the step's groups and, shaped like them (``[group][sample]``, one
+    tensor per response token), the critic's values and the reference logprobs when the algorithm needs
+    them (``needs.values``, ``needs.ref_logprobs_for_advantages``)."""
+
+    groups: Sequence[SampleGroup]
+    values: Sequence[Sequence[torch.Tensor]] | None = None
+    ref_logprobs: Sequence[Sequence[torch.Tensor]] | None = None
+
+
+@dataclass
+class Advantages:
+    """Per-token advantages of every sample (``[group][sample]``, each the sample's response length) and,
+    for algorithms with a critic, the critic's targets (``LossInputs.returns``)."""
+
+    advantages: list[list[torch.Tensor]]
+    returns: list[list[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -94,14 +112,8 @@ class LossOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class Algorithm(ABC):
+class Algorithm(Component[SettingsT], ABC):
     """An RL (or SFT / distillation) objective. Registered with ``miles_register_algorithms``."""
-
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
-
-    def __init__(self, settings: BaseModel) -> None:
-        self.settings = settings
 
     @property
     def needs(self) -> AlgorithmNeeds:
@@ -123,30 +135,8 @@ class Algorithm(ABC):
         return [True] * len(groups)
 
     @abstractmethod
-    def compute_advantages(
-        self,
-        groups: Sequence[SampleGroup],
-        values: Sequence[Sequence[torch.Tensor]] | None = None,
-        *,
-        ref_logprobs: Sequence[Sequence[torch.Tensor]] | None = None,
-    ) -> list[list[torch.Tensor]]:
-        """Per-token advantages for each sample of each group.
-
-        :param values: critic values per response token, shaped like ``groups`` (when ``needs.values``).
-        :param ref_logprobs: reference logprobs per response token, shaped like ``groups`` (when
-            ``needs.ref_logprobs_for_advantages``; otherwise ``None``). The loop always passes it by keyword,
-            so every implementation accepts it.
-        """
-
-    def compute_returns(
-        self,
-        groups: Sequence[SampleGroup],
-        values: Sequence[Sequence[torch.Tensor]] | None = None,
-        *,
-        ref_logprobs: Sequence[Sequence[torch.Tensor]] | None = None,
-    ) -> list[list[torch.Tensor]] | None:
-        """The critic's per-token targets (``LossInputs.returns``); ``None`` for algorithms without a critic."""
-        return None
+    def compute_advantages(self, inputs: AdvantageInputs) -> Advantages:
+        """Per-token advantages for each sample of each group (and returns, with a critic)."""
 
     @abstractmethod
     def loss(self, inputs: LossInputs) -> LossOutput:

@@ -5,16 +5,13 @@ Importing this module is cheap (no torch): the algorithm modules import torch in
 
 from __future__ import annotations
 
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
+from miles.components import Register
+from miles.markers import hookimpl
 
 
 @hookimpl
 def miles_register_algorithms(register: Register) -> None:
-    from miles.algorithms.group import DAPO, GRPO, GSPO, RLOO, DrGRPO
-    from miles.algorithms.ppo import PPO
-    from miles.algorithms.reinforce import ReinforcePP, ReinforcePPBaseline
-    from miles.algorithms.supervised import SFT, Distill
+    from miles.algorithms.builtin import ALGORITHMS
 
-    for cls in (GRPO, DrGRPO, DAPO, GSPO, RLOO, ReinforcePP, ReinforcePPBaseline, PPO, SFT, Distill):
+    for cls in ALGORITHMS:
         register(cls)

@@ -30,6 +30,8 @@ class PolicyLossSettings(ComponentSettings):
     """Terms every policy-gradient algorithm composes: clipped surrogate, KL, entropy, mismatch correction,
     optional SFT and distillation terms, aggregation and DAPO's reward-side tricks."""
 
+    policy_coef: float = Field(1.0, ge=0.0)
+    """Weight of the policy-gradient (surrogate) term; 0 leaves only the other terms (pure distillation)."""
     clip_eps_low: float = Field(0.2, ge=0.0)
     """Lower clip range of the importance ratio: ratios below ``1 - clip_eps_low`` stop pushing down."""
     clip_eps_high: float = Field(0.2, ge=0.0)

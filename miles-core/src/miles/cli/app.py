@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from miles.errors import MilesError
+
+if TYPE_CHECKING:
+    from miles.plugins.manager import PluginManager
 
 app = typer.Typer(
     name="miles",
@@ -55,9 +59,21 @@ def _root(
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+@functools.cache
+def plugin_manager() -> PluginManager:
+    """The CLI process's plugin manager (loaded once; it also registered the plugins' commands)."""
+    from miles.plugins.manager import PluginManager
+
+    return PluginManager().load()
+
+
+@functools.cache
 def _register_commands() -> None:
+    """The built-in commands, then every plugin's (``miles_register_commands``), once per process."""
     # imported here so that each command module can import `app` from this one
-    from miles.cli import bench, convert, generate, plot, plugins, serve, train  # noqa: F401
+    from miles.cli import bench, convert, generate, plot, plugins, serve, train, view  # noqa: F401
+
+    plugin_manager().register_commands(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,7 +90,8 @@ def bench(
         raise MilesError(
             f"no benchmark {name!r}: {script} does not exist (available: {', '.join(available) or 'none'})"
         )
-    code = subprocess.call([sys.executable, str(script), *ctx.args])
+    # a module of the benchmarks package (its scripts import benchmarks.common), from the folder above it
+    code = subprocess.call([sys.executable, "-m", f"{folder.name}.{script.stem}", *ctx.args], cwd=folder.parent)
     if code:
         # SystemExit, not typer.Exit: with standalone_mode=False click returns an Exit's code instead of exiting
         raise SystemExit(code)

@@ -42,7 +42,7 @@ def gguf(
     out: Annotated[Path, typer.Argument(help="Output directory (HF format: safetensors, config, tokenizer).")],
 ) -> None:
     """Dequantise a GGUF model into a plain fp32 Hugging Face checkpoint."""
-    from miles.testing.models import convert_gguf
+    from miles.models import convert_gguf
 
     path = _find_gguf(source)
     Console(stderr=True).print(f"converting {path} ...")

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from rich.console import Console
 
 from miles.cli.app import app
 from miles.cli.train import resolve_run
+from miles.driver.run import ROLLOUT_KINDS
+
+if TYPE_CHECKING:
+    from miles.driver.run import Run
+    from miles.rollout.client import EngineClient
+
+T = TypeVar("T")
 
 
 @app.command()
@@ -25,10 +33,9 @@ def generate(
     """Generate and score rollouts with the policy, write every sample (token-exact) to JSONL."""
     from miles.driver.evaluate import generate_rollouts
 
-    settings = resolve_run(config, set_ or [], to_stderr=True)
+    run = resolve_run(config, set_ or [], to_stderr=True, kinds=ROLLOUT_KINDS)
     groups = _run_against_engines(
-        settings,
-        lambda pm, client: generate_rollouts(pm, settings, client, num_rollouts=num_rollouts, data_path=data, out=out),
+        run, lambda client: generate_rollouts(run, client, num_rollouts=num_rollouts, data_path=data, out=out)
     )
     Console().print(f"wrote {sum(len(g) for g in groups)} samples to {out}")
 
@@ -52,32 +59,31 @@ def evaluate(
     overrides = [*(set_ or []), f"rollout.n_samples_per_prompt={max(ks)}", "data.shuffle=false"]
     if model is not None:
         overrides.append(f"train.model_path={json.dumps(model)}")
-    settings = resolve_run(config, overrides, to_stderr=True)
+    run = resolve_run(config, overrides, to_stderr=True, kinds=ROLLOUT_KINDS)
     with open(data, encoding="utf-8") as f:
         rows = sum(1 for line in f if line.strip())
-    batch = settings.rollout.rollout_batch_size
+    batch = run.settings.rollout.rollout_batch_size
     rollouts = max(1, -(-rows // batch))
     groups = _run_against_engines(
-        settings, lambda pm, client: generate_rollouts(pm, settings, client, num_rollouts=rollouts, data_path=data)
+        run, lambda client: generate_rollouts(run, client, num_rollouts=rollouts, data_path=data)
     )
     metrics = eval_metrics(groups[:rows], ks=ks)
     typer.echo(json.dumps(metrics, indent=1))
 
 
-def _run_against_engines(settings, job):  # type: ignore[no-untyped-def]
-    """Launch the engines the settings describe, run ``job(pm, client)``, tear everything down."""
-    from miles.driver.launch import launch_engines, make_launcher
-    from miles.plugins.manager import PluginManager
+def _run_against_engines(run: Run, job: Callable[[EngineClient], Awaitable[T]]) -> T:
+    """Launch the engines the settings describe, run ``job(client)``, tear everything down."""
+    from miles.driver.launch import launch_engines
     from miles.rollout.http_client import HttpEngineClient
 
-    pm = PluginManager().load()
-    with make_launcher(pm, settings) as launcher:
-        urls = launch_engines(pm, settings, launcher)
+    run.materialize_model()
+    with run.launcher() as launcher:
+        urls = launch_engines(run, launcher)
 
-        async def main():  # type: ignore[no-untyped-def]
+        async def main() -> T:
             client = HttpEngineClient(urls)
             try:
-                return await job(pm, client)
+                return await job(client)
             finally:
                 await client.close()
 

@@ -9,8 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from miles.cli.app import app
-from miles.plugins.manager import PluginManager
+from miles.cli.app import app, plugin_manager
 
 plugins_app = typer.Typer(help="Inspect installed plugins.", no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
@@ -29,7 +28,7 @@ def list_plugins(
     traceback: Annotated[bool, typer.Option("--traceback", help="Show the traceback of failed plugins.")] = False,
 ) -> None:
     """List built-in and installed plugins: name, distribution, version, registrations, status."""
-    records = PluginManager().records()
+    records = plugin_manager().records()
     if hook is not None:
         records = [r for r in records if hook in r.hooks]
     if as_json:
@@ -41,14 +40,15 @@ def list_plugins(
     for column in ("plugin", "distribution", "version", "registers", "status"):
         table.add_column(column, overflow="fold")
     for r in records:
-        registers = "\n".join(f"{kind.replace('_', ' ')}: {name}" for kind, name in r.registers) or "-"
+        registers = [f"{kind.replace('_', ' ')}: {name}" for kind, name in r.registers]
+        registers += [f"command: miles {name}" for name in r.commands]
         if r.status == "ok":
             status = "[green]ok[/]"
         elif r.status == "blocked":
             status = f"[yellow]blocked[/]: {r.error}"
         else:
             status = f"[red]failed[/]: {r.error}"
-        table.add_row(r.name, r.distribution, r.version, registers, status)
+        table.add_row(r.name, r.distribution, r.version, "\n".join(registers) or "-", status)
     console = Console(width=max(Console().width, 120))
     console.print(table)
     if traceback:

@@ -2,25 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from miles.cli.app import app
-from miles.plugins.manager import PluginManager
+from miles.cli.app import app, plugin_manager
+from miles.cli.render import render_resolved
+from miles.driver.run import Run, build_run
+from miles.errors import SettingsError
 from miles.settings.loader import load_settings
-from miles.settings.model import MilesSettings
-from miles.settings.render import render_resolved
+
+if TYPE_CHECKING:
+    from miles.components import ComponentKind
+    from miles.settings.model import MilesSettings
 
 
-def resolve_run(config: Path | None, overrides: list[str], *, to_stderr: bool = False) -> MilesSettings:
-    """Load settings, check every component they select (errors name field and source), print them."""
+def resolve_run(
+    config: Path | None,
+    overrides: list[str],
+    *,
+    to_stderr: bool = False,
+    kinds: Iterable[ComponentKind] | None = None,
+    full: bool = False,
+    check: Callable[[MilesSettings], object] | None = None,
+) -> Run:
+    """Load settings, resolve every component they select (or those of ``kinds``; errors name field and
+    source), print a summary (``full``: every resolved setting). ``check`` sees the loaded settings before
+    any plugin is resolved."""
+    if config is None and not overrides:
+        raise SettingsError(
+            "no config given: miles train CONFIG (a .toml or .yaml settings file, e.g. "
+            "examples/quickstart/grpo_smollm2.toml), or settings with --set KEY=VALUE"
+        )
     settings = load_settings(config, overrides=overrides)
-    chosen = PluginManager().validate_settings(settings)
-    render_resolved(Console(stderr=to_stderr), settings, chosen)
-    return settings
+    if check is not None:
+        check(settings)
+    run = build_run(settings, plugin_manager(), kinds=kinds)
+    render_resolved(Console(stderr=to_stderr), settings, run.registrations(), full=full)
+    return run
 
 
 @app.command()
@@ -36,14 +58,37 @@ def train(
     resume: Annotated[
         str | None, typer.Option("--resume", help="Continue from a checkpoint, a checkpoint folder or a run directory.")
     ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace what an earlier run left in log.run_dir (refused otherwise).")
+    ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help="Run the engine, the driver and the trainer in this one process (one rank), so breakpoint() "
+            "and a debugger work anywhere.",
+        ),
+    ] = False,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
-    settings = resolve_run(config, set_ or [])
+    from miles.driver.rundir import check_run_dir
+
+    run = resolve_run(
+        config,
+        set_ or [],
+        full=dry_run,
+        check=None if dry_run else (lambda s: check_run_dir(s, resume=resume, overwrite=overwrite)),
+    )
     if dry_run:
         return
-    from miles.driver.launch import run_training
+    if debug:
+        from miles.driver.debug import run_debug
 
-    code = run_training(settings, resume=resume, console=Console())
+        code = run_debug(run, resume=resume, overwrite=overwrite)
+    else:
+        from miles.driver.launch import run_training
+
+        code = run_training(run, resume=resume, overwrite=overwrite, console=Console())
     if code:
         raise typer.Exit(code)
-    Console().print(f"[green]done[/]: {settings.log.run_dir}")
+    Console().print(f"[green]done[/]: {run.settings.log.run_dir}")

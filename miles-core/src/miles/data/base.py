@@ -5,11 +5,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
 
 __all__ = ["DataSource", "Prompt"]
 
@@ -28,19 +26,16 @@ class Prompt:
     """Token ids after the chat template (set once by the data pipeline; never re-tokenised)."""
 
 
-class DataSource(ABC):
+class DataSource(Component[SettingsT], ABC):
     """A prompt stream. Registered with ``miles_register_data_sources``.
 
     Iteration is endless across epochs and deterministic given the seed; :meth:`state_dict` captures
     the position exactly so a resumed run sees the same prompts.
     """
 
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
-
     def __init__(
         self,
-        settings: BaseModel,
+        settings: SettingsT,
         *,
         path: str,
         seed: int,
@@ -51,13 +46,17 @@ class DataSource(ABC):
     ) -> None:
         """:param pipeline: applied once to every prompt when the data is loaded (tokenising, filtering);
         see :class:`miles.data.pipeline.PromptPipeline`."""
-        self.settings = settings
+        super().__init__(settings)
         self.path = path
         self.seed = seed
         self.shuffle = shuffle
         self.prompt_key = prompt_key
         self.label_key = label_key
         self.pipeline = pipeline
+        self.prepare()
+
+    def prepare(self) -> None:
+        """Called at the end of the constructor: read the data (the default reads nothing)."""
 
     @abstractmethod
     def next_batch(self, n: int) -> list[Prompt]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from miles.components import ComponentKind
 from miles.data.base import DataSource
 from miles.data.pipeline import PromptPipeline
 from miles.errors import SettingsError
@@ -12,16 +12,17 @@ from miles.errors import SettingsError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from miles.plugins.manager import PluginManager
     from miles.settings.model import DataSettings
 
 __all__ = ["create_data_source"]
 
 
 def create_data_source(
-    manager: PluginManager, settings: DataSettings, *, tokenizer: PreTrainedTokenizerBase | None
+    make: Callable[..., DataSource], settings: DataSettings, *, tokenizer: PreTrainedTokenizerBase | None
 ) -> DataSource:
     """The ``data.source`` component over ``data.path``; with a tokenizer, every prompt gets ``prompt_ids``.
+
+    :param make: the resolved ``data.source`` component (called with the source's arguments).
 
     Without a tokenizer prompts stay text (``max_prompt_tokens`` and ``system_prompt`` then are errors,
     since neither can be honoured).
@@ -34,10 +35,7 @@ def create_data_source(
     elif settings.max_prompt_tokens is not None or settings.system_prompt is not None:
         field = "data.max_prompt_tokens" if settings.max_prompt_tokens is not None else "data.system_prompt"
         raise SettingsError(f"{field}: needs a tokenizer (the policy's), none was given")
-    source: DataSource = manager.create(
-        ComponentKind.DATA_SOURCE,
-        settings.source,
-        field="data.source",
+    source: DataSource = make(
         path=settings.path,
         seed=settings.seed,
         shuffle=settings.shuffle,

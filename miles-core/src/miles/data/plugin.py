@@ -5,9 +5,9 @@ Cheap to import: the sources import ``pyarrow`` / ``datasets`` only when they re
 
 from __future__ import annotations
 
+from miles.components import Register
 from miles.data.sources import HFDataSource, JsonlDataSource, ParquetDataSource
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
+from miles.markers import hookimpl
 
 
 @hookimpl

@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 import random
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import ComponentSettings, SettingsT
 from miles.data.base import DataSource, Prompt
 from miles.data.rows import Row, iter_hf_rows, iter_jsonl_rows, iter_parquet_rows, row_to_prompt
-from miles.errors import DataError
+from miles.errors import DataError, SettingsError
+
+if TYPE_CHECKING:
+    from miles.settings.model import MilesSettings
 
 __all__ = ["FileDataSource", "HFDataSource", "HFSourceSettings", "JsonlDataSource", "ParquetDataSource"]
 
@@ -29,30 +30,16 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
-class FileDataSource(DataSource):
+class FileDataSource(DataSource[SettingsT]):
     """A data source over a finite table of rows, read once, served endlessly across epochs."""
 
-    def __init__(
-        self,
-        settings: BaseModel,
-        *,
-        path: str,
-        seed: int,
-        shuffle: bool,
-        prompt_key: str = "prompt",
-        label_key: str = "label",
-        pipeline: Callable[[list[Prompt]], list[Prompt]] | None = None,
-    ) -> None:
-        super().__init__(
-            settings,
-            path=path,
-            seed=seed,
-            shuffle=shuffle,
-            prompt_key=prompt_key,
-            label_key=label_key,
-            pipeline=pipeline,
-        )
-        prompts = [row_to_prompt(row, where, prompt_key=prompt_key, label_key=label_key) for row, where in self.rows()]
+    def prepare(self) -> None:
+        """Read every row through the pipeline (once)."""
+        path, pipeline = self.path, self.pipeline
+        prompts = [
+            row_to_prompt(row, where, prompt_key=self.prompt_key, label_key=self.label_key)
+            for row, where in self.rows()
+        ]
         read = len(prompts)
         if pipeline is not None:
             prompts = pipeline(prompts)
@@ -131,21 +118,36 @@ class FileDataSource(DataSource):
         self._order = self._epoch_order(self.epoch)
 
 
-class JsonlDataSource(FileDataSource):
+class JsonlDataSource(FileDataSource[ComponentSettings]):
     """Prompts from a JSONL file (or a directory of them): one JSON object a line."""
 
     name = "jsonl"
-    Settings = ComponentSettings
+
+    @classmethod
+    def check_settings(cls, options: ComponentSettings, settings: MilesSettings) -> None:
+        """Before anything starts: ``data.path`` (and ``data.eval_path``) exist and every row parses and has
+        a prompt; the error names the field, where its value came from, and the file and line."""
+        from miles.settings.loader import sources_of
+
+        data = settings.data
+        for field, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+            if path is None:
+                continue
+            source = sources_of(settings).of(field)
+            try:
+                for row, where in iter_jsonl_rows(path):
+                    row_to_prompt(row, where, prompt_key=data.prompt_key, label_key=data.label_key)
+            except DataError as exc:
+                raise SettingsError(f"{field} ({source}): {exc}" if source else f"{field}: {exc}") from None
 
     def rows(self) -> Iterator[Row]:
         return iter_jsonl_rows(self.path)
 
 
-class ParquetDataSource(FileDataSource):
+class ParquetDataSource(FileDataSource[ComponentSettings]):
     """Prompts from a Parquet file (or a directory of them), read with ``pyarrow``."""
 
     name = "parquet"
-    Settings = ComponentSettings
 
     def rows(self) -> Iterator[Row]:
         return iter_parquet_rows(self.path)
@@ -160,13 +162,11 @@ class HFSourceSettings(ComponentSettings):
     """Cache directory of ``datasets`` when it converts loose files (default: its own)."""
 
 
-class HFDataSource(FileDataSource):
+class HFDataSource(FileDataSource[HFSourceSettings]):
     """Prompts from a local Hugging Face data set (``save_to_disk`` directory or files); never the hub."""
 
     name = "hf"
-    Settings = HFSourceSettings
 
     def rows(self) -> Iterator[Row]:
         settings = self.settings
-        assert isinstance(settings, HFSourceSettings)
         return iter_hf_rows(self.path, split=settings.split, cache_dir=settings.cache_dir)

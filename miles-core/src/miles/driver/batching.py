@@ -1,9 +1,11 @@
 """From a rollout's groups to the batches each rank trains on.
 
-Every rank holds the same groups (broadcast from rank 0) and computes the same advantages; each rank
-then takes its contiguous share of every optimizer step's samples. Trainer-side quantities the algorithm
-needs (old / reference logprobs, critic values) are computed by each rank on its own share, before the
-first optimizer step of the rollout, and all-gathered when the advantages need them.
+Rank 0 holds the groups. It packs every sample into one :class:`~miles.training.batch.TrainBatch` and
+broadcasts its tensors; each rank computes the trainer-side quantities the advantages need (critic
+values, reference logprobs) on its own share, and they are all-gathered as tensors; rank 0 computes the
+advantages from the groups and broadcasts them. Each rank then takes its contiguous share of every
+optimizer step's samples and computes, on it, the old and reference logprobs the loss needs, before the
+first optimizer step of the rollout.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from miles.driver.comm import all_gather_json
+from miles.algorithms.base import AdvantageInputs
 from miles.training.batch import TrainBatch
+from miles.training.comm import all_gather_rows, broadcast_tensors
 from miles.types import Sample, SampleGroup, SampleStatus
 
 if TYPE_CHECKING:
@@ -34,23 +37,39 @@ def trainable(sample: Sample) -> Sample:
     return sample
 
 
-def _gather_per_sample(local: list[torch.Tensor]) -> list[torch.Tensor]:
+def _rank_sizes(batch: TrainBatch, world_size: int) -> list[int]:
+    """Response tokens of each rank's contiguous share of ``batch``."""
+    per = len(batch) // world_size
+    offsets = batch.response_offsets
+    return [offsets[(r + 1) * per] - offsets[r * per] for r in range(world_size)]
+
+
+def _gathered(local: list[torch.Tensor], batch: TrainBatch, dist: DistContext) -> torch.Tensor:
+    """Each rank's per-sequence tensors of its share, as one ``[R]`` tensor of the whole batch."""
     import torch
 
-    rows = all_gather_json([t.tolist() for t in local])
-    return [torch.tensor(row, dtype=torch.float32) for rank_rows in rows for row in rank_rows]
+    flat = torch.cat([t.reshape(-1).float().cpu() for t in local]) if local else torch.zeros(0)
+    return all_gather_rows(flat, _rank_sizes(batch, dist.world_size))
 
 
-def _regroup(flat: list[torch.Tensor], groups: Sequence[SampleGroup]) -> list[list[torch.Tensor]]:
+def _per_group(packed: torch.Tensor, batch: TrainBatch, groups: Sequence[SampleGroup]) -> list[list[torch.Tensor]]:
+    rows = list(packed.split(batch.response_lengths))
     out, i = [], 0
     for group in groups:
-        out.append(flat[i : i + len(group)])
+        out.append(rows[i : i + len(group)])
         i += len(group)
     return out
 
 
+def _packed(per_group: list[list[torch.Tensor]]) -> torch.Tensor:
+    import torch
+
+    rows = [t.reshape(-1).float() for group in per_group for t in group]
+    return torch.cat(rows) if rows else torch.zeros(0)
+
+
 def prepare_minibatches(
-    groups: Sequence[SampleGroup],
+    groups: Sequence[SampleGroup] | None,
     *,
     algorithm: Algorithm,
     trainer: Trainer,
@@ -61,48 +80,61 @@ def prepare_minibatches(
 ) -> list[TrainBatch]:
     """This rank's share of each optimizer step of the rollout, with every field the algorithm needs.
 
+    :param groups: the rollout's groups on rank 0 (``None`` on the other ranks).
     :param on_policy: the samples come from the trainer's current weights (sync mode). With a single
         optimizer step the "old" logprobs are then the step's own logprobs before the update: the forward
         that would compute them is skipped and the loss uses its detached logprobs (ratio exactly 1).
     """
-    groups = [SampleGroup(g.group_id, [trainable(s) for s in g.samples]) for g in groups]
-    samples = [s for g in groups for s in g.samples]
-    if len(samples) % global_batch_size:
-        raise ValueError(f"{len(samples)} samples do not split into optimizer steps of {global_batch_size}")
     needs = algorithm.needs
-    everything = TrainBatch.from_samples(samples)
+    driver = dist.rank == 0
+    tensors = None
+    if driver:
+        assert groups is not None, "rank 0 must pass the rollout's groups"
+        groups = [SampleGroup(g.group_id, [trainable(s) for s in g.samples]) for g in groups]
+        samples = [s for g in groups for s in g.samples]
+        if len(samples) % global_batch_size:
+            raise ValueError(f"{len(samples)} samples do not split into optimizer steps of {global_batch_size}")
+        everything = TrainBatch.from_samples(samples)
+        if not needs.rollout:
+            everything.rollout_logprobs = None  # SFT targets were not sampled by any engine
+        tensors = everything.to_tensors()
+    everything = TrainBatch.from_tensors(broadcast_tensors(tensors))
     mine = everything.shard(dist.rank, dist.world_size)
 
     values = ref_for_advantages = None
     if needs.values:
-        values = _regroup(_gather_per_sample(trainer.compute_values(mine)), groups)
+        values = _gathered(trainer.compute_values(mine), everything, dist)
     if needs.ref_logprobs_for_advantages:
         ref = trainer.compute_logprobs(mine, model="ref", temperature=temperature).logprobs
-        ref_for_advantages = _regroup(_gather_per_sample(ref), groups)
-    advantages = algorithm.compute_advantages(groups, values, ref_logprobs=ref_for_advantages)
-    returns = algorithm.compute_returns(groups, values, ref_logprobs=ref_for_advantages)
-    flat_adv = [a.tolist() for per_group in advantages for a in per_group]
-    flat_ret = None if returns is None else [r.tolist() for per_group in returns for r in per_group]
-    flat_values = None if values is None else [v.tolist() for per_group in values for v in per_group]
+        ref_for_advantages = _gathered(ref, everything, dist)
+
+    computed = None
+    if driver:
+        assert groups is not None
+        inputs = AdvantageInputs(
+            groups,
+            values=None if values is None else _per_group(values, everything, groups),
+            ref_logprobs=None if ref_for_advantages is None else _per_group(ref_for_advantages, everything, groups),
+        )
+        result = algorithm.compute_advantages(inputs)
+        computed = {"advantages": _packed(result.advantages)}
+        if result.returns is not None:
+            computed["returns"] = _packed(result.returns)
+    computed = broadcast_tensors(computed)
+    for name, value in computed.items():
+        everything.set_token_field(name, value)
+    if values is not None:
+        everything.set_token_field("old_values", values)
 
     batches: list[TrainBatch] = []
-    for start in range(0, len(samples), global_batch_size):
-        stop = start + global_batch_size
-        step = TrainBatch.from_samples(samples[start:stop], advantages=flat_adv[start:stop])
-        if not needs.rollout:
-            step.rollout_logprobs = None  # SFT targets were not sampled by any engine
-        if flat_ret is not None:
-            step.returns = flat_ret[start:stop]
-        if flat_values is not None:
-            step.old_values = flat_values[start:stop]
-        share = step.shard(dist.rank, dist.world_size)
-        single_on_policy_step = on_policy and len(samples) == global_batch_size
+    single_on_policy_step = on_policy and len(everything) == global_batch_size
+    for start in range(0, len(everything), global_batch_size):
+        share = everything.select(range(start, start + global_batch_size)).shard(dist.rank, dist.world_size)
         if needs.old_logprobs and not single_on_policy_step:
             out = trainer.compute_logprobs(share, model="actor", temperature=temperature)
-            share.old_logprobs = [t.tolist() for t in out.logprobs]
+            share.set_token_field("old_logprobs", out.logprobs)
         if needs.ref_logprobs:
             out = trainer.compute_logprobs(share, model="ref", temperature=temperature)
-            share.ref_logprobs = [t.tolist() for t in out.logprobs]
-        share.validate()
+            share.set_token_field("ref_logprobs", out.logprobs)
         batches.append(share)
     return batches

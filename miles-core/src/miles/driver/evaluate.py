@@ -9,13 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.driver import components
 from miles.types import SampleGroup, SampleStatus
 
 if TYPE_CHECKING:
-    from miles.plugins.manager import PluginManager
+    from miles.driver.run import Run
+    from miles.rewards.scoring import Scorer
     from miles.rollout.client import EngineClient
-    from miles.settings.model import MilesSettings
 
 __all__ = ["eval_metrics", "generate_rollouts", "pass_at_k"]
 
@@ -46,71 +45,27 @@ def eval_metrics(groups: Sequence[SampleGroup], *, ks: Sequence[int], threshold:
     return out
 
 
-async def evaluate_once(
-    pm: PluginManager,
-    settings: MilesSettings,
-    client: EngineClient,
-    *,
-    tokenizer: Any,
-    rewards: Any,
-    rollout_function: Any = None,
-) -> dict[str, float]:
+async def evaluate_once(run: Run, client: EngineClient, scorer: Scorer, *, tokenizer: Any) -> dict[str, float]:
     """One pass over ``data.eval_path``: each prompt sampled ``max(train.eval_pass_k)`` times, scored;
     returns mean reward and pass@k (``eval/*``)."""
-    from miles.rewards.scoring import score_samples
-    from miles.rollout.manager import RolloutManager
-
+    settings = run.settings
     assert settings.data.eval_path is not None
     ks = sorted(set(settings.train.eval_pass_k))
-    data_settings = settings.data.model_copy(update={"path": settings.data.eval_path, "shuffle": False})
-    eval_settings = settings.model_copy(update={"data": data_settings})
-    source = components.build_data_source(pm, eval_settings, tokenizer=tokenizer)
+    source = run.data_source(tokenizer, path=settings.data.eval_path, shuffle=False)
     rows = len(source)  # type: ignore[arg-type]
     rollout = settings.rollout.model_copy(update={"n_samples_per_prompt": max(ks), "rollout_batch_size": rows})
-
-    async def scorer(samples: Any) -> None:
-        await score_samples(
-            samples, rewards, timeout=settings.reward.timeout, max_concurrency=settings.reward.max_concurrency
-        )
-
-    manager = RolloutManager(
-        client, rollout, scorer=scorer, rollout_function=rollout_function, seed=settings.train.seed + 1_000_003
-    )
+    manager = run.rollout_manager(client, scorer, rollout=rollout, seed_offset=1_000_003, filter_groups=False)
     result = await manager.rollout(source)
     return eval_metrics(result.groups, ks=ks)
 
 
 async def generate_rollouts(
-    pm: PluginManager,
-    settings: MilesSettings,
-    client: EngineClient,
-    *,
-    num_rollouts: int,
-    data_path: str | None = None,
-    out: Path | None = None,
+    run: Run, client: EngineClient, *, num_rollouts: int, data_path: str | None = None, out: Path | None = None
 ) -> list[SampleGroup]:
     """Run ``num_rollouts`` rollouts against running engines, scored; optionally write samples JSONL."""
-    from transformers import AutoTokenizer
-
-    from miles.rewards.scoring import build_rewards, close_rewards, score_samples
-    from miles.rollout.manager import RolloutManager
-
-    tokenizer = AutoTokenizer.from_pretrained(settings.train.model_path)
-    data = components.build_data_source(pm, settings, tokenizer=tokenizer, path=data_path)
-    rewards = build_rewards(pm, settings.reward)
-
-    async def scorer(samples: Any) -> None:
-        await score_samples(
-            samples, rewards, timeout=settings.reward.timeout, max_concurrency=settings.reward.max_concurrency
-        )
-
-    manager = RolloutManager(
-        client,
-        settings.rollout,
-        scorer=scorer,
-        rollout_function=components.build_rollout_function(pm, settings),
-        seed=settings.train.seed,
-    )
+    data = run.data_source(run.tokenizer, path=data_path)
+    scorer = run.scorer()
+    manager = run.rollout_manager(client, scorer, filter_groups=False)
     groups: list[SampleGroup] = []
     try:
         for i in range(num_rollouts):
@@ -123,7 +78,7 @@ async def generate_rollouts(
                 json.dumps({k: round(v, 4) for k, v in result.metrics.items()}),
             )
     finally:
-        await close_rewards(rewards)
+        await scorer.close()
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w", encoding="utf-8") as f:

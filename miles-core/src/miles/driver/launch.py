@@ -7,21 +7,17 @@ import json
 import logging
 import os
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from miles.components import ComponentKind
-from miles.driver import components
 from miles.driver.loop import write_resolved_settings
+from miles.driver.progress import follow_metrics
+from miles.driver.rundir import prepare_run_dir
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from miles.driver.run import Run
     from miles.launch.base import Launcher
-    from miles.plugins.manager import PluginManager
     from miles.settings.model import MilesSettings
 
 __all__ = ["launch_engines", "run_training"]
@@ -56,22 +52,15 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
     return env
 
 
-def make_launcher(pm: PluginManager, settings: MilesSettings) -> Launcher:
-    return pm.create(
-        ComponentKind.LAUNCHER, settings.cluster.launcher, field="cluster.launcher", run_dir=settings.log.run_dir
-    )
-
-
-def launch_engines(
-    pm: PluginManager, settings: MilesSettings, launcher: Launcher, *, model_path: str | None = None
-) -> list[str]:
-    """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs."""
+def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None, wait: bool = True) -> list[str]:
+    """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs (``wait=False``:
+    without waiting for them, see :meth:`Launcher.wait_engines`)."""
     from miles.launch.rendezvous import free_port
 
+    settings = run.settings
     if settings.cluster.num_engines == 0:
         return []
-    engine = components.build_rollout_engine(pm, settings)
-    precision = components.build_precision(pm, settings)
+    engine = run.rollout_engine()
     path = model_path or settings.train.model_path
     if path is None:
         from miles.errors import SettingsError
@@ -84,95 +73,40 @@ def launch_engines(
             host=settings.cluster.host,
             port=free_port(settings.cluster.host),
             device=settings.cluster.device,
-            dtype=components.engine_dtype(settings, precision),
+            dtype=run.engine_dtype,
             devices=[i] if settings.cluster.device == "cuda" else [],
         )
         launch.env = {**_child_env(settings, role="engine"), **launch.env}
         launches.append(launch)
-    return launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout)
+    return launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout, wait=wait)
 
 
-@contextmanager
-def _progress(console: Console | None, metrics_path: Path, total: int) -> Iterator[Any]:
-    """A rich progress bar fed by the run's ``metrics.jsonl`` (the ranks write it; we only read)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def run_training(
+    run: Run, *, resume: str | None = None, overwrite: bool = False, console: Console | None = None
+) -> int:
+    """Launch and supervise a training run; returns the exit code (0 on success).
 
-    if console is None:
-        yield lambda: None
-        return
-    progress = Progress(
-        TextColumn("[bold]step"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
-    task = progress.add_task("train", total=total, info="starting engines and ranks ...")
-    offset = 0
-
-    def poll() -> None:
-        nonlocal offset
-        if not metrics_path.exists():
-            return
-        with open(metrics_path, encoding="utf-8") as f:
-            f.seek(offset)
-            for line in f:
-                if not line.endswith("\n"):
-                    break
-                offset += len(line.encode())
-                row = json.loads(line)
-                parts = []
-                if "rollout/reward_mean" in row:
-                    parts.append(f"reward {row['rollout/reward_mean']:.3f}")
-                elif row.get("train/loss") is not None:
-                    parts.append(f"loss {row['train/loss']:.4f}")
-                if "time/step_seconds" in row:
-                    parts.append(f"{row['time/step_seconds']:.1f} s/step")
-                if "rollout/tokens_per_second" in row:
-                    parts.append(f"{row['rollout/tokens_per_second']:.0f} tok/s")
-                info = "  ".join(parts)
-                progress.update(task, completed=int(row["step"]), info=info)
-
-    with progress:
-        yield poll
-        poll()
-
-
-def run_training(settings: MilesSettings, *, resume: str | None = None, console: Console | None = None) -> int:
-    """Launch and supervise a training run; returns the exit code (0 on success)."""
+    :param resume: continue from this checkpoint (a run directory that holds a run may be continued).
+    :param overwrite: replace what an earlier run left in ``log.run_dir``; without it (or ``resume``) a
+        run directory that holds a run is refused, so nothing an earlier run produced is lost.
+    """
     from miles.launch.rendezvous import trainer_specs
-    from miles.plugins.manager import PluginManager
 
-    pm = PluginManager().load()
-    pm.validate_settings(settings)
-    algorithm = components.build_algorithm(pm, settings)
-    run_dir = Path(settings.log.run_dir).resolve()
-    settings = settings.model_copy(deep=True)
+    run_dir = prepare_run_dir(run.settings, resume=resume, overwrite=overwrite)
+    run.materialize_model()
+    settings = run.settings.model_copy(deep=True)
     settings.log.run_dir = str(run_dir)
     write_resolved_settings(settings, run_dir / "settings.json")
-    if resume is None and (run_dir / "metrics.jsonl").exists():
-        (run_dir / "metrics.jsonl").unlink()  # a fresh run in an old directory starts a fresh log
-    with make_launcher(pm, settings) as launcher:
-        urls = launch_engines(pm, settings, launcher) if algorithm.needs.rollout else []
+    with run.launcher(run_dir=str(run_dir)) as launcher:
+        # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
+        # rank 0 waits for the engines' health before it talks to them
+        urls = launch_engines(run, launcher, wait=False) if run.algorithm.needs.rollout else []
         (run_dir / "launch.json").write_text(json.dumps({"engine_urls": urls, "resume": resume}))
         env = _child_env(settings)
         specs = trainer_specs(
             [sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env
         )
         launcher.start_trainers(specs)
-        with _progress(console, run_dir / "metrics.jsonl", settings.train.num_rollouts) as poll:
-            stop = threading.Event()
-
-            def follow() -> None:
-                while not stop.wait(1.0):
-                    poll()
-
-            follower = threading.Thread(target=follow, name="miles-progress", daemon=True)
-            follower.start()
-            try:
-                return launcher.wait_trainers()
-            finally:
-                stop.set()
-                follower.join()
+        launcher.wait_engines(timeout=settings.cluster.engine_startup_timeout)
+        with follow_metrics(console, run_dir / "metrics.jsonl", settings.train.num_rollouts):
+            return launcher.wait_trainers()

@@ -1,8 +1,19 @@
-"""The synchronous RL loop, run SPMD by every trainer rank (rank 0 also drives rollout and logging).
+"""The RL loop, run SPMD by every trainer rank (rank 0 also drives rollout and logging).
 
-One step: rank 0 generates and scores a rollout through the rollout manager; the groups are broadcast;
-every rank computes the same advantages and trains on its share; all ranks push the new weights through
-the transport; rank 0 verifies what the engines serve, logs metrics and saves checkpoints.
+One step: rank 0 takes the step's groups from the :class:`~miles.driver.sources.GroupSource`; the
+groups are broadcast; every rank computes the same advantages and trains on its share; the
+:class:`~miles.driver.publish.WeightPublisher` gets the new weights to the engines; rank 0 verifies what
+they serve, logs metrics and saves checkpoints.
+
+Every mode runs this one loop; the modes differ in its two seams, both chosen in :meth:`TrainingLoop.setup`:
+
+- where groups come from — inline rollout (``sync``), data rows (SFT), or a producer filling a
+  staleness buffer while the trainer trains (``one_step_off``, ``fully_async``);
+- how weights are published — pushed and verified in line, or staged and committed while the next step
+  trains (async modes with a staging transport and ``rollout.overlap_weight_commit``).
+
+In the async modes training and staging run on a dedicated thread (:mod:`miles.driver.threads`), so rank
+0's event loop keeps feeding the engines meanwhile.
 """
 
 from __future__ import annotations
@@ -13,27 +24,30 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.driver import components
 from miles.driver.batching import prepare_minibatches
 from miles.driver.checkpoint import DriverState, checkpoint_dir, find_checkpoint, read_driver_state, write_driver_state
-from miles.driver.comm import all_gather_json, broadcast_json
+from miles.driver.publish import InlinePublisher, OverlappedPublisher, WeightPublisher
+from miles.driver.threads import ComputeThread
 from miles.training.batch import TrainBatch
+from miles.training.comm import all_gather_json
+from miles.transport.base import StagedTransport
 from miles.types import SampleGroup
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Awaitable, Callable, Iterator
 
     from miles.data.base import DataSource
+    from miles.driver.run import Run
+    from miles.driver.sources import GroupSource
     from miles.metrics.base import MetricsLogger
-    from miles.plugins.manager import PluginManager
-    from miles.rewards.scoring import NamedReward
+    from miles.rewards.scoring import RewardScorer
     from miles.rollout.client import EngineClient
     from miles.rollout.manager import RolloutManager
     from miles.settings.model import MilesSettings
     from miles.training.trainer import DistContext
-    from miles.transport.base import PushReport
+    from miles.types import PushReport
 
-__all__ = ["TrainingLoop"]
+__all__ = ["TrainingLoop", "run_to_completion"]
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +62,15 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def mismatch_metrics(batches: list[TrainBatch]) -> dict[str, float]:
     """|trainer - rollout| logprob difference over trained tokens, before the step's updates, all ranks."""
-    total = count = 0.0
-    largest = 0.0
+    total = count = largest = 0.0
     for batch in batches:
         if batch.old_logprobs is None or batch.rollout_logprobs is None:
             return {}
-        for old, rollout, mask in zip(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, strict=True):
-            for a, b, m in zip(old, rollout, mask, strict=True):
-                if m:
-                    diff = abs(a - b)
-                    total += diff
-                    count += 1
-                    largest = max(largest, diff)
+        trained = batch.loss_mask != 0
+        diff = (batch.old_logprobs.double() - batch.rollout_logprobs.double()).abs()[trained]
+        total += float(diff.sum())
+        count += float(diff.numel())
+        largest = max(largest, float(diff.max())) if diff.numel() else largest
     parts = all_gather_json([total, count, largest])
     tokens = sum(p[1] for p in parts)
     if not tokens:
@@ -77,124 +88,151 @@ class TrainingLoop:
     :param resume: a checkpoint to continue from (see :func:`find_checkpoint`).
     """
 
-    def __init__(
-        self,
-        settings: MilesSettings,
-        pm: PluginManager,
-        dist: DistContext,
-        *,
-        engine_urls: list[str],
-        resume: str | None = None,
-    ) -> None:
-        self.settings = settings
-        self.pm = pm
+    def __init__(self, run: Run, dist: DistContext, *, engine_urls: list[str], resume: str | None = None) -> None:
+        settings = run.settings
+        self.run_components = run
+        self.settings: MilesSettings = settings
+        self.pm = run.plugins
         self.dist = dist
         self.engine_urls = engine_urls
         self.resume = resume
         self.run_dir = Path(settings.log.run_dir)
         self.ckpt_root = Path(settings.checkpoint.dir or self.run_dir / "checkpoints")
         self.is_driver = dist.rank == 0
+        # before the trainer is built: the async modes train on a dedicated thread (miles.driver.threads)
+        self.compute = ComputeThread(dedicated=settings.rollout.mode != "sync")
 
-        self.precision = components.build_precision(pm, settings)
-        self.algorithm = components.build_algorithm(pm, settings)
-        self.trainer = components.build_trainer(pm, settings, self.precision, dist)
-        self.transport = components.build_transport(pm, settings, self.precision) if engine_urls else None
+        self.precision = run.precision
+        self.algorithm = run.algorithm
+        self.trainer = run.trainer(dist)
+        self.transport = run.transport() if engine_urls else None
+        self.publisher: WeightPublisher = (
+            OverlappedPublisher(self) if self._overlaps_commit() else InlinePublisher(self)
+        )
         self.client: EngineClient | None = None
         self.data: DataSource | None = None
         self.manager: RolloutManager | None = None
-        self.rewards: list[NamedReward] = []
+        self.source: GroupSource | None = None
+        self.scorer: RewardScorer | None = None
         self.tokenizer: Any = None
         self.loggers: list[MetricsLogger] = []
         self.step = 0
-        self.weight_version = "0"
+        self.completed = False
+        """Whether :func:`run_to_completion` finished the run."""
+
+    def _overlaps_commit(self) -> bool:
+        """Whether pushes are staged and committed while the next step trains (the same on every rank)."""
+        s = self.settings
+        return (
+            s.rollout.mode != "sync"
+            and isinstance(self.transport, StagedTransport)
+            and s.rollout.overlap_weight_commit
+            and self.algorithm.needs.rollout
+            and not s.cluster.colocate
+        )
+
+    @property
+    def weight_version(self) -> str:
+        """The version the trainer's weights were last published as."""
+        return self.publisher.weight_version
 
     # -- setup / teardown -------------------------------------------------------------------------
     async def setup(self) -> None:
         needs = self.algorithm.needs
         self.trainer.setup(need_ref=needs.ref_logprobs or needs.ref_logprobs_for_advantages, need_values=needs.values)
         if self.is_driver:
-            await self._setup_driver()
-        if self.transport is not None:
-            self.transport.attach(self.trainer)
-            await self.transport.connect(self.client, self.dist)
+            self._setup_driver()
+            if self.client is not None:  # the engines start while the ranks load their models
+                await self.client.wait_until_healthy(self.settings.cluster.engine_startup_timeout)
+        await self.publisher.connect()
         if self.resume is not None:
             await self._load(find_checkpoint(self.resume))
 
-    async def _setup_driver(self) -> None:
-        from transformers import AutoTokenizer
+    def _setup_driver(self) -> None:
+        """Rank 0: data, loggers, and the group source of the mode (with the rollout stack when it rolls out)."""
+        from miles.driver.sources import BufferedRollout, InlineRollout, SFTBatches
 
-        from miles.rewards.scoring import build_rewards, score_samples
-        from miles.rollout.http_client import HttpEngineClient
-        from miles.rollout.manager import RolloutManager
-
-        settings = self.settings
+        run, settings = self.run_components, self.settings
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(settings.train.model_path)
-        self.data = components.build_data_source(self.pm, settings, tokenizer=tokenizer)
-        self.loggers = components.build_loggers(self.pm, settings)
+        self.tokenizer = run.tokenizer
+        self.data = run.data_source(self.tokenizer)
+        self.loggers = run.loggers()
+        if not self.algorithm.needs.rollout:
+            self.source = SFTBatches(self.data, self.tokenizer, batch_size=settings.rollout.rollout_batch_size)
         if not self.engine_urls:
             return
+        from miles.rollout.http_client import HttpEngineClient
+
         self.client = HttpEngineClient(self.engine_urls)
-        self.rewards = build_rewards(self.pm, settings.reward)
-        rewards, reward_settings = self.rewards, settings.reward
+        self.scorer = run.scorer()
+        self.manager = run.rollout_manager(self.client, self.scorer)
+        if self.source is not None:
+            return
+        if settings.rollout.mode == "sync":
+            self.source = InlineRollout(self.manager, self.data)
+        else:
+            from miles.rollout.producer import buffer_for
 
-        async def scorer(samples: Any) -> None:
-            await score_samples(
-                samples, rewards, timeout=reward_settings.timeout, max_concurrency=reward_settings.max_concurrency
-            )
-
-        self.manager = RolloutManager(
-            self.client,
-            settings.rollout,
-            scorer=scorer,
-            algorithm=self.algorithm,
-            rollout_function=components.build_rollout_function(self.pm, settings),
-            seed=settings.train.seed,
-        )
+            buffer = buffer_for(settings.rollout, num_rollouts=settings.train.num_rollouts)
+            self.source = BufferedRollout(self.manager, self.data, buffer, self.client, mode=settings.rollout.mode)
 
     async def close(self) -> None:
-        if self.transport is not None:
-            await self.transport.close()
-        if self.is_driver:
-            from miles.rewards.scoring import close_rewards
+        try:
+            if self.transport is not None:
+                await self.transport.close()
+            if self.is_driver:
+                if self.scorer is not None:
+                    await self.scorer.close()
+                if self.client is not None:
+                    await self.client.close()
+                for logger in self.loggers:
+                    logger.close()
+            self.trainer.close()
+        finally:
+            self.compute.close()
 
-            await close_rewards(self.rewards)
-            if self.client is not None:
-                await self.client.close()
-            for logger in self.loggers:
-                logger.close()
-        self.trainer.close()
+    async def on_compute_thread(self, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``coro_fn()`` where training runs (see :mod:`miles.driver.threads`)."""
+        return await self.compute.run(coro_fn)
 
     # -- the loop ----------------------------------------------------------------------------------
     async def run(self) -> None:
         total = self.settings.train.num_rollouts
+        await self.publisher.flush()  # a resumed run's first push: generate on the checkpoint's weights
+        if self.source is not None:
+            await self.source.start(self.step)
         if self.is_driver:
             log.info("training from step %d to %d", self.step, total)
-        while self.step < total:
-            await self.train_one_rollout()
-            interval = self.settings.checkpoint.save_interval
-            if interval is not None and self.step % interval == 0 and self.step < total:
+        try:
+            while self.step < total:
+                await self.train_one_rollout()
+                interval = self.settings.checkpoint.save_interval
+                if interval is not None and self.step % interval == 0 and self.step < total:
+                    await self.save()
+            if self.settings.checkpoint.save_final:
                 await self.save()
-        if self.settings.checkpoint.save_final:
-            await self.save()
-        if self.settings.checkpoint.export_hf:
-            self.trainer.export_hf(str(self.run_dir / "hf"))
+            if self.settings.checkpoint.export_hf:
+                self.trainer.export_hf(str(self.run_dir / "hf"))
+            await self.publisher.flush()
+        finally:
+            if self.source is not None:
+                await self.source.stop()
+            await self.publisher.close()
 
     async def train_one_rollout(self) -> None:
-        """One step: obtain groups (rank 0), broadcast, train, push weights, log."""
+        """One step: obtain groups (rank 0), train (every rank), publish weights, log."""
         start = time.perf_counter()
         metrics: dict[str, float] = {}
-        payload = await self.obtain_groups(metrics) if self.is_driver else None
+        groups = await self.obtain_groups(metrics) if self.is_driver else None
         await self.engines_memory("release")
-        groups = [SampleGroup.from_dict(g) for g in broadcast_json(payload)]
-        metrics.update(await self.train_on(groups))
+        metrics.update(await self.compute.run(lambda: self.train_on(groups)))
         self.step += 1
         await self.engines_memory("resume")
-        report = await self.push_weights()
+        report = await self.publisher.publish(self.step)
         if self.is_driver and self.settings.cluster.colocate and self.client is not None:
             await self.client.continue_generation()
         if self.is_driver:
-            metrics.update(self._sync_metrics(report))
+            metrics.update(self.publisher.metrics(report))
             metrics["time/step_seconds"] = time.perf_counter() - start
             metrics.update(await self.maybe_evaluate())
             self.log_step(metrics)
@@ -208,15 +246,10 @@ class TrainingLoop:
             return {}
         from miles.driver.evaluate import evaluate_once
 
+        await self.publisher.flush()  # evaluate the version just published
         start = time.perf_counter()
-        metrics = await evaluate_once(
-            self.pm,
-            self.settings,
-            self.client,
-            tokenizer=self.tokenizer,
-            rewards=self.rewards,
-            rollout_function=components.build_rollout_function(self.pm, self.settings),
-        )
+        assert self.scorer is not None
+        metrics = await evaluate_once(self.run_components, self.client, self.scorer, tokenizer=self.tokenizer)
         metrics["time/eval_seconds"] = time.perf_counter() - start
         return metrics
 
@@ -227,43 +260,37 @@ class TrainingLoop:
         for url in self.client.urls:
             await self.client.call(url, f"/{action}_memory_occupation", {"tags": ["kv_cache", "weights"]})
 
-    async def obtain_groups(self, metrics: dict[str, float]) -> list[dict[str, Any]]:
-        """Rank 0: the groups of the next step, as JSON (rollout, or data rows for SFT); adds metrics."""
-        settings = self.settings
-        if not self.algorithm.needs.rollout:
-            from miles.driver.sft import sft_groups
-
-            assert self.data is not None
-            batch_size = settings.rollout.rollout_batch_size
-            prompts = self.data.next_batch(batch_size)
-            sft = sft_groups(prompts, self.tokenizer, first_group_id=self.step * batch_size, weight_version=self.step)
-            metrics["sft/response_tokens"] = float(sum(s.response_length for g in sft for s in g.samples))
-            return [g.to_dict() for g in sft]
-        assert self.manager is not None and self.data is not None
-        result = await self.manager.rollout(self.data)
-        metrics.update(result.metrics)
-        self.record_rollout(result.groups, result.metrics)
-        return [g.to_dict() for g in result.groups]
+    async def obtain_groups(self, metrics: dict[str, float]) -> list[SampleGroup]:
+        """Rank 0: the groups of the next step; adds metrics."""
+        assert self.source is not None, "the run has neither engines nor a data-only algorithm"
+        groups = await self.source.next_groups(self.step, metrics)
+        if self.source.generates:
+            self.record_rollout(groups, metrics)
+        return groups
 
     def record_rollout(self, groups: list[SampleGroup], metrics: dict[str, float]) -> None:
         """Rank 0: keep the samples of the step on disk and tell the plugins."""
         self._dump_samples(groups)
         self.pm.on_rollout_end(step=self.step + 1, groups=groups, metrics=metrics)
 
-    async def train_on(self, groups: list[SampleGroup]) -> dict[str, float]:
-        """Every rank: advantages, this rank's share of each optimizer step, the steps; returns metrics."""
+    async def train_on(self, groups: list[SampleGroup] | None) -> dict[str, float]:
+        """Every rank (``groups`` on rank 0): advantages, this rank's share of each optimizer step, the
+        steps; returns metrics."""
         settings = self.settings
         train_start = time.perf_counter()
+        assert settings.train.global_batch_size is not None  # derived by the settings
         batches = prepare_minibatches(
             groups,
             algorithm=self.algorithm,
             trainer=self.trainer,
             dist=self.dist,
-            global_batch_size=settings.train.global_batch_size or len(groups) * settings.rollout.n_samples_per_prompt,
+            global_batch_size=settings.train.global_batch_size,
             temperature=settings.rollout.temperature,
-            on_policy=settings.rollout.mode == "sync",
+            on_policy=settings.rollout.mode == "sync" and settings.log.trainer_logprobs != "always",
         )
         metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
+        if settings.log.trainer_logprobs != "never":
+            self.record_trainer_logprobs(batches, groups)
         temperature = settings.rollout.temperature
         step_metrics = [self.trainer.train_step(batch, self.algorithm, temperature=temperature) for batch in batches]
         metrics.update({f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()})
@@ -275,23 +302,38 @@ class TrainingLoop:
         metrics["time/train_seconds"] = time.perf_counter() - train_start
         return metrics
 
+    def record_trainer_logprobs(self, batches: list[TrainBatch], groups: list[SampleGroup] | None) -> None:
+        """Every rank (a collective): the trainer's logprobs of each sample before the step's update, written
+        by rank 0 beside the step's samples (``samples/trainer_logprobs_<step>.jsonl``); nothing when the
+        step did not compute them."""
+        import torch
+
+        from miles.training.comm import all_gather_tensors
+
+        if not batches or any(b.old_logprobs is None for b in batches):
+            return
+        rows: list[Any] = []
+        for batch in batches:  # each step's share per rank, in rank order: the samples' order
+            assert batch.old_logprobs is not None
+            local = {"logprobs": batch.old_logprobs, "lengths": torch.tensor(batch.response_lengths)}
+            for part in all_gather_tensors(local):
+                rows.extend(part["logprobs"].split(part["lengths"].tolist()))
+        if not self.is_driver or groups is None:
+            return
+        samples = [s for g in groups for s in g.samples]
+        folder = self.run_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"trainer_logprobs_{self.step + 1:06d}.jsonl", "w", encoding="utf-8") as f:
+            for sample, row in zip(samples, rows, strict=True):
+                record = {"group_id": sample.group_id, "index": sample.index, "logprobs": row.tolist()}
+                f.write(json.dumps(record) + "\n")
+
     def log_step(self, metrics: dict[str, float]) -> None:
         """Rank 0: fidelity warnings, loggers, lifecycle hooks."""
         self._check_fidelity(metrics)
         for logger in self.loggers:
             logger.log(self.step, metrics)
         self.pm.on_step_end(step=self.step, metrics=metrics)
-
-    async def push_weights(self) -> PushReport | None:
-        """Send the trainer's weights to the engines and verify them (rank 0 verifies)."""
-        if self.transport is None:
-            return None
-        version = str(self.step)
-        await self.randomize_engines(self.step)
-        report = await self.transport.push(self.rollout_buckets(), version=version, dist=self.dist)
-        self.weight_version = version
-        await self.verify_push(report, step=self.step)
-        return report
 
     def rollout_buckets(self) -> Iterator[list[tuple[str, Any]]]:
         """The trainer's weights in buckets, converted to what the engines serve (a collective: every rank)."""
@@ -321,18 +363,6 @@ class TrainingLoop:
             )
         self.pm.on_weights_pushed(step=step, version=report.version, report=report)
 
-    def _sync_metrics(self, report: PushReport | None) -> dict[str, float]:
-        if report is None:
-            return {}
-        out = {
-            "weight_sync/seconds": report.seconds,
-            "weight_sync/bytes": float(report.num_bytes),
-            "weight_sync/tensors": float(report.num_tensors),
-        }
-        out.update(report.metrics)
-        out.update(report.verification)
-        return out
-
     def _check_fidelity(self, metrics: dict[str, float]) -> None:
         diff = metrics.get("fidelity/train_rollout_logprob_abs_diff")
         threshold = self.settings.log.logprob_diff_warn
@@ -349,6 +379,7 @@ class TrainingLoop:
 
     # -- checkpoints -------------------------------------------------------------------------------
     async def save(self) -> None:
+        await self.publisher.flush()
         path = checkpoint_dir(self.ckpt_root, self.step)
         if (path / "driver.json").exists():  # the final save right after an interval save
             return
@@ -360,18 +391,11 @@ class TrainingLoop:
                 weight_version=self.weight_version,
                 data=self.data.state_dict(),
                 rollout=self.manager.state_dict() if self.manager is not None else {},
-                extra=self.extra_state(),
+                extra=self.source.state_dict() if self.source is not None else {},
             )
             write_driver_state(path, state)
             self.pm.on_checkpoint_saved(step=self.step, path=str(path))
             log.info("checkpoint saved: %s", path)
-
-    def extra_state(self) -> dict[str, Any]:
-        """Rank 0: more driver state to checkpoint (async modes: the buffer's contents)."""
-        return {}
-
-    def load_extra_state(self, extra: dict[str, Any]) -> None:
-        """Rank 0: restore :meth:`extra_state`."""
 
     async def _load(self, path: Path) -> None:
         state = read_driver_state(path)
@@ -382,13 +406,38 @@ class TrainingLoop:
             self.data.load_state_dict(state.data)
             if self.manager is not None and state.rollout:
                 self.manager.load_state_dict(state.rollout)
-            self.load_extra_state(state.extra)
+            if self.source is not None:
+                self.source.load_state_dict(state.extra, step=state.step)
             log.info("resumed from %s at step %d", path, state.step)
         # the engines start from the initial model: give them the checkpoint's weights
-        await self.push_weights()
+        await self.publisher.publish(self.step)
 
 
 def write_resolved_settings(settings: MilesSettings, path: Path) -> None:
     """The resolved settings every rank reads (JSON: plugin tables keep their extra keys)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(settings.model_dump(mode="json"), indent=1))
+
+
+async def run_to_completion(loop: TrainingLoop) -> None:
+    """Set up, run and close ``loop`` on this rank, telling the plugins (rank 0) when the run starts and how
+    it ended (``completed``, ``failed`` or ``interrupted``); the process group is left to the caller."""
+    run_dir = str(loop.run_dir)
+    status, error = "failed", None
+    if loop.is_driver:
+        loop.pm.on_run_start(settings=loop.settings, run_dir=run_dir)
+    try:
+        await loop.setup()
+        await loop.run()
+        status = "completed"
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        raise
+    finally:
+        try:
+            await loop.close()
+        finally:
+            loop.completed = status == "completed"
+            if loop.is_driver:
+                loop.pm.on_run_end(run_dir=run_dir, status=status, error=error)

@@ -40,8 +40,8 @@ def _dist_context() -> object:
 async def _run(run_dir: Path) -> None:
     import torch.distributed as dist
 
-    from miles.driver.loop import TrainingLoop
-    from miles.plugins.manager import PluginManager
+    from miles.driver.loop import TrainingLoop, run_to_completion
+    from miles.driver.run import build_run
     from miles.settings.model import MilesSettings
 
     settings = MilesSettings.model_validate(json.loads((run_dir / "settings.json").read_text()))
@@ -49,34 +49,15 @@ async def _run(run_dir: Path) -> None:
     ctx = _dist_context()
     backend = "nccl" if ctx.device == "cuda" else "gloo"  # type: ignore[attr-defined]
     dist.init_process_group(backend=backend)
-    pm = PluginManager().load()
-    loop_class = TrainingLoop
-    if settings.rollout.mode != "sync":  # one_step_off / fully_async
-        from miles.driver.async_loop import AsyncTrainingLoop
-
-        loop_class = AsyncTrainingLoop
-    loop = loop_class(settings, pm, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
-    status, error = "failed", None
-    if loop.is_driver:
-        pm.on_run_start(settings=settings, run_dir=str(run_dir))
+    run = build_run(settings)
+    loop = TrainingLoop(run, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
     try:
-        await loop.setup()
-        await loop.run()
-        status = "completed"
-    except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        raise
+        await run_to_completion(loop)
     finally:
-        try:
-            await loop.close()
-        finally:
-            if loop.is_driver:
-                pm.on_run_end(run_dir=str(run_dir), status=status, error=error)
-            if dist.is_initialized():
-                if status == "completed":
-                    dist.barrier()  # gloo teardown aborts now and then without it
-                dist.destroy_process_group()
+        if dist.is_initialized():
+            if loop.completed:
+                dist.barrier()  # gloo teardown aborts now and then without it
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,9 @@
-"""``python -m miles.engine ARGS`` is ``miles serve ARGS`` (what the ``local`` backend launches)."""
+"""``python -m miles.engine FLAGS``: one local engine process (what the ``local`` backend launches; the
+same flags as ``miles serve``). Starts without the CLI application."""
 
 from __future__ import annotations
 
-import sys
-
-from miles.cli import main
+from miles.engine.launch import main
 
 if __name__ == "__main__":
-    main(["serve", *sys.argv[1:]])
+    main()

@@ -17,16 +17,17 @@ squares in another order). Together they took a SmolLM2 bfloat16 decode step at 
 
 They are built with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``) for this CPU
 (``-O3 -march=native``, OpenMP through torch's runtime) on first use, ~40 s on 2 cores, and cached in
-torch's extension directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The module's
-name carries a hash of the sources, the torch version and the CPU's instruction-set flags, so a cache
-shared by machines never loads a build made for another CPU. Where they cannot be built, :func:`load` says
-why and the engine runs PyTorch ops (``attention_backend = "auto"``).
+``$MILES_KERNEL_CACHE`` (default ``~/.cache/miles/kernels``) by :mod:`miles.engine.kernel_cache`: built at
+most once per machine and source version (every virtual environment with the same torch reuses the build),
+safe against a build killed half-way, with a bounded, logged wait for another process's build. The
+directory's name carries a hash of the sources, the torch version, Python's ABI and the CPU's
+instruction-set flags, so a cache shared by machines never loads a build made for another CPU. Where they
+cannot be built, :func:`load` says why and the engine runs PyTorch ops (``attention_backend = "auto"``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import platform
 from pathlib import Path
@@ -62,31 +63,28 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def load() -> Any:
-    """The compiled module (built on first use); raises :class:`KernelUnavailable` with the reason."""
+    """The compiled module (built on first use, once per machine); raises :class:`KernelUnavailable` with
+    the reason."""
     if platform.system() != "Linux":
         raise KernelUnavailable(f"the CPU kernel is built for Linux only (this is {platform.system()})")
     try:
-        from torch.utils.cpp_extension import load as build
         from torch.utils.cpp_extension import verify_ninja_availability
 
         verify_ninja_availability()
     except (ImportError, RuntimeError) as exc:
         raise KernelUnavailable(f"cannot build C++ extensions: {exc} (pip install ninja)") from exc
-    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
-    for path in [*SOURCES, CSRC / "common.h"]:
-        digest.update(path.read_bytes())
-    key = digest.hexdigest()[:12]
-    log.info("loading the CPU kernels (compiled on first use for this CPU, ~40 s on 2 cores; cached after)")
+    from miles.engine.kernel_cache import KernelBuildError, load_extension
+
     try:
-        return build(
-            name=f"miles_cpu_kernels_{key}",
-            sources=[str(path) for path in SOURCES],
+        return load_extension(
+            "miles_cpu_kernels",
+            SOURCES,
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
-            verbose=False,
+            key_extra=[_cpu_flags(), (CSRC / "common.h").read_text()],
         )
-    except Exception as exc:  # a compiler error, a missing header: the engine falls back
-        raise KernelUnavailable(f"building the CPU kernels ({CSRC}) failed: {exc}") from exc
+    except KernelBuildError as exc:  # a compiler error, a missing header, a build that never ends
+        raise KernelUnavailable(str(exc)) from exc
 
 
 def decode_attention(

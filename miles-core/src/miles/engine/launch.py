@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["build_engine", "serve"]
+if TYPE_CHECKING:
+    from miles.engine.options import ServeOptions
+
+__all__ = ["InProcessEngine", "build_engine", "main", "serve", "start_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -28,35 +31,31 @@ def _eos_ids(model_path: Path, config: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def build_engine(
-    model_path: str | Path,
-    *,
-    device: str = "cpu",
-    dtype: str = "float32",
-    max_cache_tokens: int = 1 << 16,
-    max_kv_tokens: int | None = None,
-    max_running_requests: int = 64,
-    context_length: int | None = None,
-    weight_version: str = "0",
-    api_key: str | None = None,
-    return_raw_logprob: bool = False,
-    enable_deterministic_inference: bool = False,
-    attention_backend: str = "auto",
-    server_args: dict[str, Any] | None = None,
-    start: bool = True,
-) -> Any:
+def build_engine(model_path: str | Path, *, start: bool = True, **options: Any) -> Any:
     """Load everything and (``start``) start the scheduler on a background thread; returns the
-    :class:`EngineState`. ``start=False``: the caller runs the loop (``Scheduler.run_forever``)."""
+    :class:`EngineState`. ``options`` are :class:`~miles.engine.options.ServeOptions` fields.
+    ``start=False``: the caller runs the loop (``Scheduler.run_forever``)."""
+    from miles.engine.options import ServeOptions
+
+    try:
+        opts = ServeOptions(model=Path(model_path), **options)
+    except ValueError as exc:
+        if not (Path(model_path) / "config.json").exists():
+            raise FileNotFoundError(f"{model_path}: not a Hugging Face model directory (no config.json)") from None
+        raise exc
+    return start_engine(opts, start=start)
+
+
+def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
+    """:func:`build_engine` for validated options."""
     from transformers import AutoTokenizer
 
     from miles.engine.model_runner import ModelRunner
     from miles.engine.scheduler import Scheduler, SchedulerConfig
-    from miles.engine.server import EngineState
+    from miles.engine.state import EngineState
 
-    path = Path(model_path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
-    runner = ModelRunner(path, device=device, dtype=dtype, attention_backend=attention_backend)
+    path = opts.model
+    runner = ModelRunner(path, device=opts.device, dtype=opts.dtype, attention_backend=opts.attention_backend)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     def text_of(ids: list[int], skip_special: bool) -> str:
@@ -66,12 +65,12 @@ def build_engine(
         runner,
         _eos_ids(path, runner.config, tokenizer),
         SchedulerConfig(
-            max_running_requests=max_running_requests,
-            max_cache_tokens=max_cache_tokens,
-            max_kv_tokens=max_kv_tokens,
-            context_length=context_length,
-            weight_version=weight_version,
-            deterministic=enable_deterministic_inference,
+            max_running_requests=opts.max_running_requests,
+            max_cache_tokens=opts.max_cache_tokens,
+            max_kv_tokens=opts.max_kv_tokens,
+            context_length=opts.context_length,
+            weight_version=opts.weight_version,
+            deterministic=opts.enable_deterministic_inference,
         ),
         text_of,
     )
@@ -81,16 +80,14 @@ def build_engine(
         scheduler=scheduler,
         tokenizer=tokenizer,
         model_path=str(path),
-        api_key=api_key,
-        server_args=dict(server_args or {}),
-        return_raw_logprob=return_raw_logprob,
+        api_key=opts.api_key,
+        server_args=opts.server_info(),
+        return_original_logprob=opts.return_original_logprob,
     )
 
 
-def serve(
-    model_path: str | Path, *, host: str = "127.0.0.1", port: int = 30000, threads: int | None = None, **kwargs: Any
-) -> None:
-    """Serve ``model_path`` until interrupted or terminated (what ``miles serve`` runs).
+def serve(opts: ServeOptions) -> None:
+    """Serve until interrupted or terminated (what ``miles serve`` and ``python -m miles.engine`` run).
 
     The scheduler runs on the main thread (see :meth:`Scheduler.run_forever`), HTTP on a second one;
     SIGINT / SIGTERM stop both. A server that cannot bind exits with an error.
@@ -103,17 +100,10 @@ def serve(
 
     from miles.engine.server import create_app
 
-    if threads:
-        torch.set_num_threads(threads)
-    debug = bool(kwargs.pop("enable_debug_endpoints", False))
-    args = {
-        "model_path": str(model_path),
-        "host": host,
-        "port": port,
-        **{k: v for k, v in kwargs.items() if k != "api_key"},
-    }
-    args["enable_debug_endpoints"] = debug
-    state = build_engine(model_path, server_args=args, start=False, **kwargs)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    host, port = opts.host, opts.port
+    state = start_engine(opts, start=False)
     scheduler = state.scheduler
     config = uvicorn.Config(
         create_app(state), host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=10
@@ -137,7 +127,7 @@ def serve(
         signal.signal(sig, on_signal)
     thread = threading.Thread(target=http, name="miles-http", daemon=True)
     thread.start()
-    log.info("serving %s on http://%s:%d", model_path, host, port)
+    log.info("serving %s on http://%s:%d", opts.model, host, port)
     try:
         scheduler.run_forever()
     finally:
@@ -145,3 +135,63 @@ def serve(
         thread.join(timeout=15)
     if not server.started and not signalled:
         raise SystemExit(f"miles serve: could not serve on http://{host}:{port} (see the error above)")
+
+
+class InProcessEngine:
+    """A local engine inside this process (``miles train --debug``): the scheduler and HTTP on background
+    threads, so a debugger stops anywhere in the process. Use as a context manager; the URL is ``url``."""
+
+    def __init__(self, opts: ServeOptions) -> None:
+        self.opts = opts
+        self.url = f"http://{opts.host}:{opts.port}"
+        self._server: Any = None
+        self._thread: Any = None
+        self._state: Any = None
+
+    def __enter__(self) -> InProcessEngine:
+        import threading
+        import time
+
+        import uvicorn
+
+        from miles.engine.server import create_app
+
+        self._state = start_engine(self.opts, start=True)
+        config = uvicorn.Config(
+            create_app(self._state), host=self.opts.host, port=self.opts.port, log_level="warning", access_log=False
+        )
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # the process's handlers stay the driver's
+        self._thread = threading.Thread(target=self._server.run, name="miles-engine-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the in-process engine could not serve on {self.url}")
+            time.sleep(0.05)
+        log.info("in-process engine serving %s on %s", self.opts.model, self.url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=15)
+        if self._state is not None:
+            self._state.scheduler.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m miles.engine`` / ``miles serve``: parse the flags, serve. A bad flag exits 2 naming it."""
+    import sys
+
+    from miles.engine.options import parse_serve_args
+    from miles.errors import MilesError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        opts = parse_serve_args(sys.argv[1:] if argv is None else argv)
+    except MilesError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        sys.exit(exc.exit_code)
+    serve(opts)

@@ -39,7 +39,7 @@ from miles.engine.p2p_receiver import Chunk, P2PSession
 from miles.engine.weight_sync import _parameters, parameter_aliases
 
 if TYPE_CHECKING:
-    from miles.engine.server import EngineState
+    from miles.engine.state import EngineState
     from miles.engine.weight_routes import Admin
 
 __all__ = ["add_p2p_routes"]

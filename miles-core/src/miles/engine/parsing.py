@@ -13,11 +13,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from miles.engine.request import Request
-from miles.engine.sampling import SamplingConfig
+from miles.rollout.protocol import SamplingParams
 
 __all__ = ["GenerateBatch", "RequestError", "parse_generate"]
 
-_SAMPLING_KEYS = {f.name for f in fields(SamplingConfig)}
+_SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
 # keys SGLang accepts that this engine takes but does not act on (they do not change the distribution)
 _ACCEPTED_NOOP = {"spaces_between_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 
@@ -41,7 +41,7 @@ def _int_list(value: Any, what: str) -> list[int]:
     return value
 
 
-def _sampling(raw: Any) -> SamplingConfig:
+def _sampling(raw: Any) -> SamplingParams:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -59,7 +59,7 @@ def _sampling(raw: Any) -> SamplingConfig:
     if isinstance(stop, str):
         values["stop"] = [stop]
     try:
-        cfg = SamplingConfig(**values)
+        cfg = SamplingParams(**values)
     except TypeError as exc:
         raise RequestError(f"sampling_params: {exc}") from None
     checks: list[tuple[bool, str]] = [
@@ -108,7 +108,7 @@ def parse_generate(
     vocab_size: int,
     context_length: int,
     sink_factory: Callable[[int], Callable[[Request, bool], None]],
-    return_raw_logprob_default: bool = False,
+    return_original_logprob_default: bool = False,
 ) -> GenerateBatch:
     """Turn a ``/generate`` body into :class:`Request` objects (``n`` per prompt, in order).
 
@@ -175,7 +175,7 @@ def parse_generate(
                     return_logprob=return_logprob,
                     logprob_start_len=start if return_logprob else -1,
                     return_routed_experts=bool(body.get("return_routed_experts", False)),
-                    return_raw_logprob=bool(body.get("return_original_logprob", return_raw_logprob_default)),
+                    return_original_logprob=bool(body.get("return_original_logprob", return_original_logprob_default)),
                     top_logprobs_num=top_num if return_logprob else 0,
                     stream=bool(body.get("stream", False)),
                 )

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from miles.engine.sampling import SamplingConfig
+from miles.rollout.protocol import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -37,13 +37,13 @@ class Request:
     parent_rid: str
     index: int
     prompt_ids: list[int]
-    config: SamplingConfig
+    config: SamplingParams
     sink: Callable[[Request, bool], None]
     """Called on the scheduler thread after each new token (streaming) and once when done."""
     return_logprob: bool = False
     logprob_start_len: int = -1
     return_routed_experts: bool = False
-    return_raw_logprob: bool = False
+    return_original_logprob: bool = False
     top_logprobs_num: int = 0
     """SGLang's ``top_logprobs_num``: report the ``k`` most likely tokens at each position (with
     ``return_logprob``)."""
@@ -89,7 +89,7 @@ class Request:
 
     def to_response(self, decode_each: Callable[[list[int]], list[str]], weight_version: str) -> dict[str, Any]:
         """The ``/generate`` response entry (SGLang's shape); ``decode_each`` gives each token's text."""
-        logprobs = self.raw_logprobs if self.return_raw_logprob else self.output_logprobs
+        logprobs = self.raw_logprobs if self.return_original_logprob else self.output_logprobs
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": self.finish_reason,

@@ -12,37 +12,14 @@ seeded request gets the same tokens whatever else is in the batch (given the sam
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-__all__ = ["SamplingConfig", "sample_rows"]
+from miles.rollout.protocol import SamplingParams
+
+__all__ = ["sample_rows"]
 
 
-@dataclass
-class SamplingConfig:
-    """Validated sampling parameters of one request (SGLang's ``sampling_params``)."""
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1
-    sampling_seed: int | None = None
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 1e-6 or self.top_k == 1
-
-
-def _truncate(probs: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+def _truncate(probs: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     """Zero the probabilities outside top-k / top-p / min-p (not renormalised; multinomial needs not)."""
     if cfg.top_k > 0 and cfg.top_k < probs.numel():
         kth = torch.topk(probs, cfg.top_k).values[-1]
@@ -60,7 +37,7 @@ def _truncate(probs: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 def sample_rows(
     logits: torch.Tensor,
-    configs: list[SamplingConfig],
+    configs: list[SamplingParams],
     generators: list[torch.Generator],
     banned: list[list[int]],
 ) -> tuple[list[int], list[float], list[float]]:

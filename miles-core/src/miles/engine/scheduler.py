@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -35,12 +35,12 @@ from miles.engine.radix_cache import ExactPrefixCache, PrefixCache, PrefixMatch,
 from miles.engine.request import Request
 from miles.engine.sampling import sample_rows
 from miles.engine.top_logprobs import record_input_top_logprobs, record_output_top_logprobs
+from miles.types import PauseMode
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
 log = logging.getLogger(__name__)
 
-PauseMode = Literal["abort", "retract", "in_place"]
 _Command = tuple[Callable[..., Any], tuple[Any, ...], "concurrent.futures.Future[Any] | None"]
 _CHUNK = 1024
 """Longest piece of one prompt prefilled in one forward (chunked prefill beyond)."""
@@ -398,7 +398,7 @@ class Scheduler:
     def _input_logprobs(self, req: Request, logits: torch.Tensor, offset: int) -> None:
         """Logprobs of prompt tokens ``logprob_start_len..`` from prefill logits (row ``p - 1 - offset``)."""
         start = req.logprob_start_len
-        temperature = 1.0 if req.config.greedy or req.return_raw_logprob else req.config.temperature
+        temperature = 1.0 if req.config.greedy or req.return_original_logprob else req.config.temperature
         logp = torch.log_softmax(logits / temperature, dim=-1)
         prompt = req.prompt_ids
         out: list[float | None] = []

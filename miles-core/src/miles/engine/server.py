@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import typing
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -20,34 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles.engine.parsing import RequestError, parse_generate
 from miles.engine.request import Request
-from miles.engine.scheduler import Scheduler
+from miles.engine.state import EngineState
+from miles.types import PauseMode
 
 __all__ = ["EngineState", "create_app"]
 
 log = logging.getLogger(__name__)
 
-_PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass
-class EngineState:
-    """What the routes need: the scheduler, the tokenizer and the server's arguments."""
-
-    scheduler: Scheduler
-    tokenizer: Any
-    model_path: str
-    api_key: str | None = None
-    server_args: dict[str, Any] = field(default_factory=dict)
-    return_raw_logprob: bool = False
-    on_randomize: list[Callable[[int], None]] = field(default_factory=list)
-    """Called with the seed by ``/debug/randomize_weights`` (on the scheduler thread): more weight memory
-    to overwrite, such as the receive buffers of point-to-point sessions."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode_each(self, ids: list[int]) -> list[str]:
-        return list(self.tokenizer.batch_decode([[t] for t in ids]))
+_PAUSE_MODES = typing.get_args(PauseMode)
 
 
 def _gen_error(message: str, status: int = 400) -> JSONResponse:
@@ -100,7 +80,7 @@ def create_app(state: EngineState) -> FastAPI:
             vocab_size=sched.runner.vocab_size,
             context_length=sched.context_length,
             sink_factory=sink_factory,
-            return_raw_logprob_default=state.return_raw_logprob,
+            return_original_logprob_default=state.return_original_logprob,
         )
         sched.add(batch.requests)
         return batch, batch.stream, queues, batch.requests

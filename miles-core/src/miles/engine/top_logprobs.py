@@ -30,7 +30,7 @@ def top_k_of(logp: torch.Tensor, k: int) -> list[TopLogprobs]:
 
 
 def _temperature(req: Request) -> float:
-    return 1.0 if req.config.greedy or req.return_raw_logprob else req.config.temperature
+    return 1.0 if req.config.greedy or req.return_original_logprob else req.config.temperature
 
 
 def record_output_top_logprobs(running: list[Request], logits: torch.Tensor, banned: list[list[int]]) -> None:

@@ -32,7 +32,7 @@ from miles.transport.manifest import Manifest, TensorEntry
 from miles.transport.verify import tensor_checksum
 
 if TYPE_CHECKING:
-    from miles.engine.server import EngineState
+    from miles.engine.state import EngineState
     from miles.engine.weight_routes import Admin
 
 __all__ = ["add_delta_routes", "apply_version"]

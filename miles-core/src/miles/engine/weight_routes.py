@@ -25,7 +25,7 @@ from fastapi import Request as HTTPRequest
 from miles.engine.weight_sync import MemoryOccupation, WeightGroups, randomize_weights, weights_checksum
 
 if TYPE_CHECKING:
-    from miles.engine.server import EngineState
+    from miles.engine.state import EngineState
 
 __all__ = ["add_weight_routes"]
 

@@ -5,11 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import ClassVar
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
 from miles.rollout.engine import EngineLaunch
 
 __all__ = ["Launcher", "ProcessHandle", "ProcessSpec"]
@@ -42,7 +39,7 @@ class ProcessHandle(ABC):
         """The last ``lines`` lines of its output (stdout and stderr together)."""
 
 
-class Launcher(ABC):
+class Launcher(Component[SettingsT], ABC):
     """Starts processes on some set of machines. Registered with ``miles_register_launchers``.
 
     A launcher owns every process it starts: :meth:`shutdown` terminates and reaps them all (never by
@@ -57,11 +54,8 @@ class Launcher(ABC):
         (default: a fresh temporary directory).
     """
 
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
-
-    def __init__(self, settings: BaseModel, *, run_dir: str | None = None) -> None:
-        self.settings = settings
+    def __init__(self, settings: SettingsT, *, run_dir: str | None = None) -> None:
+        super().__init__(settings)
         self.run_dir = run_dir
 
     @abstractmethod
@@ -69,12 +63,18 @@ class Launcher(ABC):
         """Start one process (a router, a reward server ...) that the launcher then owns."""
 
     @abstractmethod
-    def start_engines(self, launches: list[EngineLaunch], *, timeout: float) -> list[str]:
-        """Start engine servers, wait until each answers its health path; return their base URLs.
+    def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
+        """Start engine servers and (``wait``) wait until each answers its health path; return their base URLs.
 
         Raises :class:`~miles.errors.LaunchError` (naming the engine, with its log tail) when one exits
-        or does not answer within ``timeout`` seconds; the engines of this call are then terminated.
+        or does not answer within ``timeout`` seconds; the engines of this call are then terminated. With
+        ``wait=False`` the caller starts other work (the trainer ranks load their models meanwhile) and
+        calls :meth:`wait_engines`.
         """
+
+    @abstractmethod
+    def wait_engines(self, *, timeout: float) -> None:
+        """Wait for the engines started with ``wait=False`` (as :meth:`start_engines` would)."""
 
     @abstractmethod
     def start_trainers(self, specs: list[ProcessSpec]) -> None:

@@ -2,8 +2,9 @@
 
 Children run in their own sessions, so a Ctrl-C in the terminal reaches only the driver; these handlers
 pass it on. The previous handler runs afterwards (``KeyboardInterrupt`` for SIGINT; for a default
-SIGTERM or SIGHUP the signal is re-raised so the process still dies of it); a signal the process ignores
-stays ignored. Signal handlers can only be installed from the main thread; elsewhere only the ``atexit``
+SIGTERM or SIGHUP the signal is re-raised so the process still dies of it). An ignored SIGHUP or SIGTERM
+stays ignored (``nohup``); SIGINT is always handled, even when the shell ignores it — a run started with
+``cmd &`` from a script inherits an ignored SIGINT, and ``kill -INT`` must still stop it cleanly. Signal handlers can only be installed from the main thread; elsewhere only the ``atexit``
 hook is registered.
 """
 
@@ -42,8 +43,13 @@ def track(launcher: Launcher, *, handle_signals: bool = True) -> None:
     if handle_signals and threading.current_thread() is threading.main_thread():
         for sig in _SIGNALS:
             current = signal.getsignal(sig)
-            # an ignored signal stays ignored (``nohup`` ignores SIGHUP, ``cmd &`` SIGINT)
-            if sig not in _previous and current != signal.SIG_IGN:
+            if sig in _previous:
+                continue
+            if current == signal.SIG_IGN and sig == signal.SIGINT:
+                # ``cmd &`` from a non-interactive shell ignores SIGINT: handle it anyway (KeyboardInterrupt)
+                _previous[sig] = signal.default_int_handler
+                signal.signal(sig, _on_signal)
+            elif current != signal.SIG_IGN:  # an ignored SIGHUP / SIGTERM stays ignored (``nohup``)
                 _previous[sig] = signal.SIG_DFL if current is None else current  # None: set outside Python
                 signal.signal(sig, _on_signal)
 

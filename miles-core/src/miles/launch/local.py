@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from miles.components import ComponentSettings
 from miles.errors import LaunchError
@@ -36,6 +36,8 @@ class LocalLauncherSettings(ComponentSettings):
     """Seconds children get between SIGTERM and SIGKILL at shutdown."""
     poll_interval: float = Field(0.2, gt=0)
     """Seconds between checks of the children and of engine health URLs."""
+    progress_interval: float = Field(10.0, gt=0)
+    """While engines start, say every this many seconds what each is doing (its latest log line)."""
     log_tail_lines: int = Field(40, ge=1)
     """Lines of a failed process's log quoted in its error."""
     die_with_parent: bool = True
@@ -45,24 +47,22 @@ class LocalLauncherSettings(ComponentSettings):
     """Stop every child on SIGINT / SIGTERM / SIGHUP (installed from the main thread only)."""
 
 
-class LocalLauncher(Launcher):
+class LocalLauncher(Launcher[LocalLauncherSettings]):
     """Runs trainer ranks and engine servers as processes on this host."""
 
     name = "local"
-    Settings = LocalLauncherSettings
 
-    def __init__(self, settings: BaseModel | None = None, *, run_dir: str | None = None) -> None:
+    def __init__(self, settings: LocalLauncherSettings | None = None, *, run_dir: str | None = None) -> None:
         settings = settings if settings is not None else LocalLauncherSettings()
-        if not isinstance(settings, LocalLauncherSettings):
-            raise TypeError(f"LocalLauncher needs LocalLauncherSettings, got {type(settings).__name__}")
         super().__init__(settings, run_dir=run_dir if run_dir is not None else tempfile.mkdtemp(prefix="miles-run-"))
-        self.options: LocalLauncherSettings = settings
         assert self.run_dir is not None
         self.log_dir = os.path.join(self.run_dir, "logs")
         """Where each child's ``<name>.log`` goes."""
         self.processes: list[LocalProcess] = []
         """Every process started, in order (reaped ones included)."""
         self.engines: list[LocalProcess] = []
+        self._starting: list[tuple[LocalProcess, str]] = []
+        """Engines started without waiting, with their health URLs (see :meth:`wait_engines`)."""
         self.trainers: list[LocalProcess] = []
         self._closed = False
         self._stopping = False
@@ -75,26 +75,38 @@ class LocalLauncher(Launcher):
         if any(p.name == spec.name and not p.reaped for p in self.processes):
             raise ValueError(f"a process named {spec.name!r} is already running")
         os.makedirs(self.log_dir, exist_ok=True)
-        cleanup.track(self, handle_signals=self.options.handle_signals)
-        process = LocalProcess(spec, self.log_dir, die_with_parent=self.options.die_with_parent)
+        cleanup.track(self, handle_signals=self.settings.handle_signals)
+        process = LocalProcess(spec, self.log_dir, die_with_parent=self.settings.die_with_parent)
         self.processes.append(process)
         return process
 
-    def start_engines(self, launches: list[EngineLaunch], *, timeout: float) -> list[str]:
-        import httpx
-
-        first = len(self.engines)
+    def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
         started: list[LocalProcess] = []
+        first = len(self.engines)
         try:
             for i, launch in enumerate(launches):
                 spec = ProcessSpec(name=f"engine-{first + i}", argv=list(launch.argv), env=dict(launch.env))
                 started.append(self.start_process(spec))
-            self.engines.extend(started)
-            pending = {
-                p.name: (p, launch.url.rstrip("/") + launch.health_path)
-                for p, launch in zip(started, launches, strict=True)
-            }
+        except BaseException:
+            self._stop(started)
+            raise
+        self.engines.extend(started)
+        self._starting.extend(
+            (p, launch.url.rstrip("/") + launch.health_path) for p, launch in zip(started, launches, strict=True)
+        )
+        if wait:
+            self.wait_engines(timeout=timeout)
+        return [launch.url for launch in launches]
+
+    def wait_engines(self, *, timeout: float) -> None:
+        import httpx
+
+        pending = {p.name: (p, url) for p, url in self._starting}
+        if not pending:
+            return
+        try:
             deadline = time.monotonic() + timeout
+            next_note = time.monotonic() + self.settings.progress_interval
             with httpx.Client(timeout=min(5.0, timeout), trust_env=False) as client:
                 while pending:
                     for name, (process, url) in list(pending.items()):
@@ -115,11 +127,26 @@ class LocalLauncher(Launcher):
                             process, f"{process.name} did not answer {url} with 200 within {timeout:g} s", None
                         )
                     if pending:
-                        time.sleep(self.options.poll_interval)
+                        next_note = self._note_progress(pending, next_note)
+                        time.sleep(self.settings.poll_interval)
         except BaseException:
-            self._stop(started)
+            self._stop([p for p, _ in self._starting])
             raise
-        return [launch.url for launch in launches]
+        finally:
+            self._starting = []
+
+    def _note_progress(self, pending: dict[str, tuple[LocalProcess, str]], next_note: float) -> float:
+        """Every ``progress_interval`` seconds, say which engines are still starting and what each is doing
+        (its latest log line: loading weights, building the CPU kernels ...)."""
+        now = time.monotonic()
+        if now < next_note:
+            return next_note
+        for name, (process, _) in pending.items():
+            last = next((line for line in reversed(process.log_tail(5).splitlines()) if line.strip()), "")
+            log.info(
+                "%s is starting (%.0f s): %s", name, now - process.started_at, last.strip()[-160:] or "no output yet"
+            )
+        return now + self.settings.progress_interval
 
     def start_trainers(self, specs: list[ProcessSpec]) -> None:
         running = [p.name for p in self.trainers if p.exit_status() is None]
@@ -163,12 +190,12 @@ class LocalLauncher(Launcher):
             if deadline is not None and time.monotonic() >= deadline:
                 waiting = [t.name for t in self.trainers if t.exit_status() is None]
                 raise self._abort(None, f"trainer ranks {', '.join(waiting)} still running after {timeout:g} s", None)
-            time.sleep(self.options.poll_interval)
+            time.sleep(self.settings.poll_interval)
 
     def _failure(self, process: LocalProcess | None, what: str, code: int | None) -> LaunchError:
         if process is None:
             return LaunchError(what)
-        tail = process.log_tail(self.options.log_tail_lines)
+        tail = process.log_tail(self.settings.log_tail_lines)
         message = (
             f"{what}; last lines of {process.log_path}:\n{tail}"
             if tail.strip()
@@ -189,14 +216,14 @@ class LocalLauncher(Launcher):
         for process in live:
             if process.exit_status() is None:
                 process.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + self.options.terminate_timeout
+        deadline = time.monotonic() + self.settings.terminate_timeout
         for process in live:
             if process.reap(timeout=max(0.0, deadline - time.monotonic())) is None:
                 log.warning(
                     "%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL",
                     process.name,
                     process.pid,
-                    self.options.terminate_timeout,
+                    self.settings.terminate_timeout,
                 )
                 process.signal_group(signal.SIGKILL)
         for process in live:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from miles.components import Register
 from miles.launch.local import LocalLauncher
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
+from miles.markers import hookimpl
 
 
 @hookimpl

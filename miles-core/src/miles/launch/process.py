@@ -74,6 +74,13 @@ class LocalProcess(ProcessHandle):
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         with open(self.log_path, "ab") as log_file:
+            # a log reused by a resumed run keeps the earlier lines; this start is marked, and only its own
+            # lines are shown when it fails (log_tail)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            log_file.write(f"==== miles: {self.name} started {stamp}: {' '.join(spec.argv)}\n".encode())
+            log_file.flush()
+            self.log_start = log_file.tell()
+            """Offset in the log file where this start's output begins."""
             self.popen = subprocess.Popen(
                 spec.argv,
                 env=env,
@@ -136,7 +143,7 @@ class LocalProcess(ProcessHandle):
             with open(self.log_path, "rb") as fh:
                 fh.seek(0, os.SEEK_END)
                 size = fh.tell()
-                fh.seek(max(0, size - 256 * lines))
+                fh.seek(max(self.log_start, size - 256 * lines))
                 data = fh.read()
         except OSError as exc:
             return f"(log {self.log_path} unreadable: {exc})"

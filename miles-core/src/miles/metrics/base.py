@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import ClassVar
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
 
 __all__ = ["MetricsLogger"]
 
 
-class MetricsLogger(ABC):
+class MetricsLogger(Component[SettingsT], ABC):
     """Receives scalar metrics every step. Registered with ``miles_register_loggers``."""
 
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
-
-    def __init__(self, settings: BaseModel, *, run_dir: str) -> None:
-        self.settings = settings
+    def __init__(self, settings: SettingsT, *, run_dir: str) -> None:
+        super().__init__(settings)
         self.run_dir = run_dir
 
     @abstractmethod

@@ -8,12 +8,9 @@ import os
 from collections.abc import Mapping
 from typing import IO
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import ComponentSettings, Register
+from miles.markers import hookimpl
 from miles.metrics.base import MetricsLogger
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
 
 
 class JsonlLoggerSettings(ComponentSettings):
@@ -23,15 +20,13 @@ class JsonlLoggerSettings(ComponentSettings):
     """File name inside the run directory."""
 
 
-class JsonlLogger(MetricsLogger):
+class JsonlLogger(MetricsLogger[JsonlLoggerSettings]):
     """Appends ``{"step": N, ...metrics}`` lines to a file in the run directory."""
 
     name = "jsonl"
-    Settings = JsonlLoggerSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str) -> None:
+    def __init__(self, settings: JsonlLoggerSettings, *, run_dir: str) -> None:
         super().__init__(settings, run_dir=run_dir)
-        assert isinstance(settings, JsonlLoggerSettings)
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, settings.filename)
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115

@@ -8,15 +8,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PANELS", "plot_run", "read_metrics"]
+__all__ = ["DEFAULT_PANELS", "panels_for", "plot_run", "read_metrics"]
 
-DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("rollout/reward_mean",)),
-    ("KL / entropy", ("train/kl", "train/entropy")),
-    ("train vs rollout |logprob diff|", ("fidelity/train_rollout_logprob_abs_diff",)),
-    ("step time (s)", ("time/step_seconds", "rollout/seconds", "time/train_seconds", "weight_sync/seconds")),
+DEFAULT_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("reward", "mean reward", ("rollout/reward_mean", "eval/reward_mean")),
+    ("KL to the reference", "KL (nats / token)", ("train/kl",)),
+    ("entropy", "entropy (nats / token)", ("train/entropy",)),
+    ("train vs rollout |logprob diff|", "|logprob diff| (nats)", ("fidelity/train_rollout_logprob_abs_diff",)),
+    ("step time", "seconds", ("time/step_seconds", "rollout/seconds", "time/train_seconds", "weight_sync/seconds")),
 )
-"""(title, metric keys) per panel; keys a run does not have are skipped."""
+"""(title, y-axis label, metric keys) per panel; keys a run does not have are skipped, and so is a panel
+none of whose keys were logged (a run without a KL term has no KL panel)."""
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
@@ -34,8 +36,23 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     return rows
 
 
+def panels_for(
+    rows: Sequence[dict[str, Any]], panels: Sequence[tuple[str, str, Sequence[str]]] = DEFAULT_PANELS
+) -> list[tuple[str, str, list[str]]]:
+    """The panels drawn for ``rows``: each with the keys that were logged (finite somewhere); panels
+    without any are left out."""
+
+    def logged(key: str) -> bool:
+        return any(isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) for r in rows)
+
+    present = [(title, ylabel, [k for k in keys if logged(k)]) for title, ylabel, keys in panels]
+    return [(title, ylabel, keys) for title, ylabel, keys in present if keys]
+
+
 def plot_run(
-    run_dir: str | Path, out: str | Path | None = None, panels: Sequence[tuple[str, Sequence[str]]] = DEFAULT_PANELS
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    panels: Sequence[tuple[str, str, Sequence[str]]] = DEFAULT_PANELS,
 ) -> Path:
     """Draw one panel per metric group that the run logged; returns the PNG's path."""
     import matplotlib
@@ -44,25 +61,21 @@ def plot_run(
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-
-    def logged(key: str) -> bool:
-        return any(isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) for r in rows)
-
-    present = [(title, [k for k in keys if logged(k)]) for title, keys in panels]
-    present = [(title, keys) for title, keys in present if keys]
+    present = panels_for(rows, panels)
     if not present:
         raise ValueError(f"{run_dir}: none of the plotted metrics were logged")
     axes: Any
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), sharex=True, squeeze=False)
-    for ax, (title, keys) in zip(axes[:, 0], present, strict=True):
+    for ax, (title, ylabel, keys) in zip(axes[:, 0], present, strict=True):
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=key)
         ax.set_title(title)
+        ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].set_xlabel("training step")
     fig.tight_layout()
     target = Path(out) if out is not None else Path(run_dir) / "curves.png"
     fig.savefig(target, dpi=110)

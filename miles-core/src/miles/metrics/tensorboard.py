@@ -6,13 +6,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import ComponentSettings, Register
 from miles.errors import SettingsError
+from miles.markers import hookimpl
 from miles.metrics.base import MetricsLogger
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
 
 
 class TensorBoardSettings(ComponentSettings):
@@ -24,15 +21,13 @@ class TensorBoardSettings(ComponentSettings):
     """How often events are flushed to disk."""
 
 
-class TensorBoardLogger(MetricsLogger):
+class TensorBoardLogger(MetricsLogger[TensorBoardSettings]):
     """Writes scalars as TensorBoard event files (``tensorboard --logdir RUN_DIR/tensorboard``)."""
 
     name = "tensorboard"
-    Settings = TensorBoardSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str) -> None:
+    def __init__(self, settings: TensorBoardSettings, *, run_dir: str) -> None:
         super().__init__(settings, run_dir=run_dir)
-        assert isinstance(settings, TensorBoardSettings)
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:

@@ -9,13 +9,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from miles.components import ComponentSettings
+from miles.components import ComponentSettings, Register
 from miles.errors import SettingsError
+from miles.markers import hookimpl
 from miles.metrics.base import MetricsLogger
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
 
 
 class WandbSettings(ComponentSettings):
@@ -33,15 +32,13 @@ class WandbSettings(ComponentSettings):
     """Run tags."""
 
 
-class WandbLogger(MetricsLogger):
+class WandbLogger(MetricsLogger[WandbSettings]):
     """Logs scalars to a W&B run stored in ``<run_dir>/wandb``."""
 
     name = "wandb"
-    Settings = WandbSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str) -> None:
+    def __init__(self, settings: WandbSettings, *, run_dir: str) -> None:
         super().__init__(settings, run_dir=run_dir)
-        assert isinstance(settings, WandbSettings)
         try:
             import wandb
         except ImportError as exc:

@@ -18,16 +18,17 @@ import pluggy
 from miles import hookspecs
 from miles._version import __version__
 from miles.components import ComponentKind
-from miles.errors import DuplicateComponentError, MilesError, PluginLoadError, SettingsError
+from miles.errors import DuplicateComponentError, PluginLoadError, SettingsError
+from miles.markers import PROJECT, hookimpl
 from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.registry import Registration, Registry
 
 if TYPE_CHECKING:
+    import typer
     from pydantic import BaseModel
 
     from miles.settings.model import MilesSettings, PluginSpec
-    from miles.transport.base import PushReport
-    from miles.types import SampleGroup
+    from miles.types import PushReport, SampleGroup
 
 __all__ = ["ENTRY_POINT_GROUP", "PluginManager", "PluginRecord", "hookimpl"]
 
@@ -36,8 +37,6 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "miles.plugins"
 DISABLE_ENV = "MILES_DISABLE_PLUGINS"
 LOAD_ENV = "MILES_LOAD_PLUGINS"
-
-hookimpl = pluggy.HookimplMarker("miles")
 
 Status = Literal["ok", "blocked", "failed"]
 
@@ -58,6 +57,8 @@ class PluginRecord:
     """``(kind, name)`` pairs this plugin registered."""
     hooks: list[str] = field(default_factory=list)
     """Hook names the plugin implements."""
+    commands: list[str] = field(default_factory=list)
+    """CLI subcommands the plugin added (``miles_register_commands``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +70,7 @@ class PluginRecord:
             "error": self.error,
             "registers": [{"kind": k, "name": n} for k, n in self.registers],
             "hooks": list(self.hooks),
+            "commands": list(self.commands),
         }
 
 
@@ -76,6 +78,22 @@ def _split_env(value: str | None) -> list[str] | None:
     if value is None:
         return None
     return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _command_names(commands: Iterable[Any], groups: Iterable[Any]) -> set[str]:
+    """The names typer gives registered commands (``name``, else the callback's with dashes) and groups."""
+    names = {c.name or (c.callback.__name__.replace("_", "-") if c.callback else "") for c in commands}
+    return names | {g.name or "" for g in groups}
+
+
+def _group_commands(groups: Iterable[Any]) -> dict[str, tuple[Any, list[Any]]]:
+    """Each named group's typer app and its commands so far (a plugin may add commands to an existing group,
+    e.g. ``miles convert``)."""
+    return {
+        g.name: (g.typer_instance, list(g.typer_instance.registered_commands))
+        for g in groups
+        if g.name and g.typer_instance
+    }
 
 
 def _one_line(exc: BaseException) -> str:
@@ -99,7 +117,7 @@ class PluginManager:
         disabled: Iterable[str] | None = None,
         only: Iterable[str] | None = None,
     ) -> None:
-        self._pm = pluggy.PluginManager("miles")
+        self._pm = pluggy.PluginManager(PROJECT)
         self._pm.add_hookspecs(hookspecs)
         self._builtins = tuple(builtins)
         self._use_entry_points = entry_points
@@ -221,8 +239,8 @@ class PluginManager:
         self._conflicts = {}
         for existing in self._records.values():
             existing.registers = []
-        for hook_name, kind_value in hookspecs.REGISTRATION_HOOKS.items():
-            kind = ComponentKind(kind_value)
+        for kind in ComponentKind:
+            hook_name = kind.hook
             caller = getattr(self._pm.hook, hook_name)
             # call each implementation on its own so every registration is attributed to its plugin,
             # in registration order (built-ins first): the later plugin is the one that collides
@@ -323,49 +341,42 @@ class PluginManager:
         entry, options = self.resolve(kind, spec, field=field)
         return entry.component(options, **kwargs)
 
-    def validate_settings(self, settings: MilesSettings) -> dict[str, Registration[Any]]:
-        """Resolve every component the settings select; return ``{field: registration}``.
+    # -- commands ---------------------------------------------------------------------------------
+    def register_commands(self, app: typer.Typer) -> None:
+        """Let every plugin add its CLI subcommands to ``app`` (``miles_register_commands``).
 
-        Raises :class:`SettingsError` / :class:`PluginLoadError` naming the field.
+        A plugin whose hook raises, or that claims a command name already taken, is recorded as failed
+        (``miles plugins list`` shows why) and its commands are left out; the CLI keeps working.
         """
-        from miles.settings.loader import sources_of
-
-        source_of = sources_of(settings).of
-        chosen: dict[str, Registration[Any]] = {}
-        specs: list[tuple[ComponentKind, str, PluginSpec]] = [
-            (ComponentKind.LAUNCHER, "cluster.launcher", settings.cluster.launcher),
-            (ComponentKind.DATA_SOURCE, "data.source", settings.data.source),
-            (ComponentKind.ROLLOUT_ENGINE, "rollout.engine", settings.rollout.engine),
-            (ComponentKind.TRAINER, "train.backend", settings.train.backend),
-            (ComponentKind.ALGORITHM, "algorithm", settings.algorithm),
-            (ComponentKind.TRANSPORT, "transport", settings.transport),
-            (ComponentKind.PRECISION, "precision", settings.precision),
-        ]
-        specs += [(ComponentKind.REWARD, f"reward.functions[{i}]", s) for i, s in enumerate(settings.reward.functions)]
-        specs += [(ComponentKind.LOGGER, f"log.loggers[{i}]", s) for i, s in enumerate(settings.log.loggers)]
-        problems: list[MilesError] = []
-        for kind, field_path, spec in specs:
+        self.load()
+        for impl in self._pm.hook.miles_register_commands.get_hookimpls():
+            record = self._records.get(impl.plugin_name)
+            commands, groups = list(app.registered_commands), list(app.registered_groups)
+            taken = _command_names(commands, groups)
+            nested = _group_commands(groups)
             try:
-                chosen[field_path], _ = self.resolve(kind, spec, field=field_path, source_of=source_of)
-            except MilesError as exc:
-                problems.append(exc)
-        function = settings.rollout.function
-        if function is not None and ":" not in function:
-            source = source_of("rollout.function")
-            try:
-                chosen["rollout.function"] = self.get(
-                    ComponentKind.ROLLOUT_FUNCTION,
-                    function,
-                    field=f"rollout.function ({source})" if source else "rollout.function",
-                )
-            except MilesError as exc:
-                problems.append(exc)
-        if len(problems) == 1:
-            raise problems[0]
-        if problems:
-            kind_of_error = PluginLoadError if any(isinstance(p, PluginLoadError) for p in problems) else SettingsError
-            raise kind_of_error("\n".join(str(p) for p in problems))
-        return chosen
+                impl.function(app=app)
+                added = _command_names(app.registered_commands[len(commands) :], app.registered_groups[len(groups) :])
+                clash = sorted(added & taken)
+                for group, (sub, before) in nested.items():  # commands added to an existing group
+                    new = _command_names(sub.registered_commands[len(before) :], [])
+                    clash += sorted(f"{group} {n}" for n in new & _command_names(before, []))
+                    added |= {f"{group} {n}" for n in new}
+                if clash:
+                    raise PluginLoadError(f"command {clash[0]!r} is already taken")
+            except Exception as exc:
+                app.registered_commands[:] = commands
+                app.registered_groups[:] = groups
+                for sub, before in nested.values():
+                    sub.registered_commands[:] = before
+                if record is not None:
+                    record.status = "failed"
+                    record.error = f"miles_register_commands: {_one_line(exc)}"
+                    record.traceback = traceback.format_exc()
+                log.debug("plugin %s failed to register commands", impl.plugin_name, exc_info=True)
+                continue
+            if record is not None:
+                record.commands = sorted(added)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def on_run_start(self, *, settings: MilesSettings, run_dir: str) -> None:

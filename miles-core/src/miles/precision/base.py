@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
 
 if TYPE_CHECKING:
     import torch
@@ -15,23 +13,18 @@ if TYPE_CHECKING:
 __all__ = ["PrecisionRecipe"]
 
 
-class PrecisionRecipe:
+class PrecisionRecipe(Component[SettingsT]):
     """Training dtypes plus an optional conversion of rollout weights (e.g. FP8 with block scales).
 
     Registered with ``miles_register_precisions``. The base class is the identity recipe in fp32.
     """
 
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
     param_dtype: ClassVar[str] = "float32"
     """Dtype the trainer computes in (``float32`` / ``bfloat16``)."""
     reduce_dtype: ClassVar[str] = "float32"
     """Dtype of gradient reduction across ranks."""
     engine_quantization: ClassVar[str | None] = None
     """What the engine must be launched with to load converted weights (``None``: same dtype as sent)."""
-
-    def __init__(self, settings: BaseModel) -> None:
-        self.settings = settings
 
     def rollout_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Convert HF-named trainer weights to what the engines load (may add scale tensors)."""

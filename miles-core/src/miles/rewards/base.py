@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
 
 if TYPE_CHECKING:
     from miles.types import Sample
@@ -24,18 +22,12 @@ class RewardOutput:
     parts: dict[str, float] = field(default_factory=dict)
 
 
-class Reward(ABC):
+class Reward(Component[SettingsT], ABC):
     """A reward function. Registered with ``miles_register_rewards``.
 
     ``score`` may be slow (a remote model, a sandbox); the rollout manager runs it with the timeout of
     the ``reward`` settings, and an exception or a timeout marks the sample failed with the reason.
     """
-
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
-
-    def __init__(self, settings: BaseModel) -> None:
-        self.settings = settings
 
     @abstractmethod
     async def score(self, sample: Sample) -> float | RewardOutput:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from miles.components import ComponentSettings
 from miles.rewards.base import Reward, RewardOutput
@@ -50,13 +50,12 @@ class RemoteRewardSettings(ComponentSettings):
     """Connections in the client's pool."""
 
 
-class RemoteReward(Reward):
+class RemoteReward(Reward[RemoteRewardSettings]):
     """A reward computed by an HTTP service (reward model, sandbox, judge)."""
 
     name = "remote"
-    Settings: ClassVar[type[BaseModel]] = RemoteRewardSettings
 
-    def __init__(self, settings: BaseModel) -> None:
+    def __init__(self, settings: RemoteRewardSettings) -> None:
         super().__init__(settings)
         self._client: httpx.AsyncClient | None = None
 
@@ -64,7 +63,6 @@ class RemoteReward(Reward):
         import httpx
 
         s = self.settings
-        assert isinstance(s, RemoteRewardSettings)
         if self._client is None:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(s.request_timeout),
@@ -75,7 +73,6 @@ class RemoteReward(Reward):
 
     def payload(self, sample: Sample) -> dict[str, Any]:
         s = self.settings
-        assert isinstance(s, RemoteRewardSettings)
         body: dict[str, Any] = {
             "prompt": sample.prompt,
             "response": sample.response,
@@ -91,7 +88,6 @@ class RemoteReward(Reward):
         import httpx
 
         s = self.settings
-        assert isinstance(s, RemoteRewardSettings)
         client = self._get_client()
         body = self.payload(sample)
         delay = s.backoff

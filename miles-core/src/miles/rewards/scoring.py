@@ -10,38 +10,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from miles.rewards.base import Reward, RewardOutput
 from miles.types import Sample, SampleStatus
 
-if TYPE_CHECKING:
-    from miles.plugins.manager import PluginManager
-    from miles.settings.model import RewardSettings
-
-__all__ = ["NamedReward", "build_rewards", "close_rewards", "score_sample", "score_samples"]
+__all__ = ["NamedReward", "RewardScorer", "Scorer", "close_rewards", "score_sample", "score_samples"]
 
 logger = logging.getLogger(__name__)
 
-NamedReward = tuple[str, Reward, float]
+NamedReward = tuple[str, Reward[Any], float]
 """``(name, reward, weight)``: the name keys ``Sample.reward_parts``."""
 
+Scorer = Callable[[Sequence[Sample]], Awaitable[None]]
+"""Fills ``reward`` / ``reward_parts`` (or marks samples failed) for a list of samples."""
+
 _SKIP = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
-
-
-def build_rewards(manager: PluginManager, settings: RewardSettings) -> list[NamedReward]:
-    """Instantiate ``reward.functions``; a name used twice gets a suffix (``regex``, ``regex_2``)."""
-    from miles.components import ComponentKind
-
-    out: list[NamedReward] = []
-    seen: dict[str, int] = {}
-    for i, spec in enumerate(settings.functions):
-        reward = manager.create(ComponentKind.REWARD, spec, field=f"reward.functions[{i}]")
-        seen[spec.name] = seen.get(spec.name, 0) + 1
-        name = spec.name if seen[spec.name] == 1 else f"{spec.name}_{seen[spec.name]}"
-        out.append((name, reward, spec.weight))
-    return out
 
 
 async def close_rewards(rewards: Sequence[NamedReward]) -> None:
@@ -86,16 +71,44 @@ def _fail(sample: Sample, parts: dict[str, float], reason: str) -> None:
 
 
 async def score_samples(
-    samples: Sequence[Sample], rewards: Sequence[NamedReward], timeout: float, max_concurrency: int = 64
+    samples: Sequence[Sample],
+    rewards: Sequence[NamedReward],
+    timeout: float,
+    max_concurrency: int = 64,
+    *,
+    semaphore: asyncio.Semaphore | None = None,
 ) -> None:
-    """Score ``samples`` in place, at most ``max_concurrency`` at once; each function call is bounded by
-    ``timeout`` seconds. Samples already failed, aborted or pending are left as they are."""
+    """Score ``samples`` in place, at most ``max_concurrency`` at once (or as many as ``semaphore``
+    admits, shared with other calls); each function call is bounded by ``timeout`` seconds. Samples
+    already failed, aborted or pending are left as they are."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    semaphore = asyncio.Semaphore(max_concurrency)
+    bound = semaphore if semaphore is not None else asyncio.Semaphore(max_concurrency)
 
     async def one(sample: Sample) -> None:
-        async with semaphore:
+        async with bound:
             await score_sample(sample, rewards, timeout)
 
     await asyncio.gather(*(one(s) for s in samples if s.status not in _SKIP))
+
+
+class RewardScorer:
+    """The run's :data:`Scorer`: its reward functions, the timeout, and one concurrency bound shared by
+    every call (so groups scored at once never exceed ``max_concurrency`` together)."""
+
+    def __init__(self, rewards: Sequence[NamedReward], *, timeout: float, max_concurrency: int) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.rewards = list(rewards)
+        self.timeout = timeout
+        self.max_concurrency = max_concurrency
+        self._semaphore: asyncio.Semaphore | None = None
+
+    async def __call__(self, samples: Sequence[Sample]) -> None:
+        if self._semaphore is None:
+            self._semaphore = asyncio.Semaphore(self.max_concurrency)
+        await score_samples(samples, self.rewards, self.timeout, self.max_concurrency, semaphore=self._semaphore)
+
+    async def close(self) -> None:
+        """Close every reward (HTTP clients ...)."""
+        await close_rewards(self.rewards)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from miles.components import ComponentSettings
 from miles.rewards.answers import extract_boxed, math_equal, normalize_text
@@ -48,6 +48,18 @@ def reference_answers(sample: Sample, key: str | None) -> list[str]:
     return [str(label)]
 
 
+def _compiles(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"pattern does not compile: {exc}") from None
+    return value
+
+
+RegexPattern = Annotated[str, AfterValidator(_compiles)]
+"""A regular expression, checked to compile when the settings load."""
+
+
 class MathSettings(ComponentSettings):
     """Settings of the ``math`` reward."""
 
@@ -63,15 +75,13 @@ class MathSettings(ComponentSettings):
     """Decimal places numbers are rounded to before comparing."""
 
 
-class MathReward(Reward):
+class MathReward(Reward[MathSettings]):
     """Math answer checking: the last ``\\boxed{}`` of the response against the label, by math-verify."""
 
     name = "math"
-    Settings: ClassVar[type[BaseModel]] = MathSettings
 
     async def score(self, sample: Sample) -> RewardOutput:
         s = self.settings
-        assert isinstance(s, MathSettings)
         references = reference_answers(sample, s.label_key)
         answer = extract_boxed(sample.response)
         if answer is None:
@@ -93,7 +103,7 @@ class ExactMatchSettings(ComponentSettings):
     extract: Literal["none", "boxed", "last_line", "regex"] = "boxed"
     """What of the response is compared: all of it, the last ``\\boxed{}``, the last non-empty line, or
     the first group of ``pattern``."""
-    pattern: str | None = None
+    pattern: RegexPattern | None = None
     """Regular expression whose first group (or whole match) is the answer, for ``extract = "regex"``."""
     case_sensitive: bool = False
     """Compare with case (whitespace is always collapsed, a trailing period dropped)."""
@@ -104,26 +114,14 @@ class ExactMatchSettings(ComponentSettings):
     incorrect: float = 0.0
     """Reward of a mismatch or of a response without an answer."""
 
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"pattern does not compile: {exc}") from None
-        return value
 
-
-class ExactMatchReward(Reward):
+class ExactMatchReward(Reward[ExactMatchSettings]):
     """Exact match of the (extracted) answer with the label, after whitespace / case normalisation."""
 
     name = "exact_match"
-    Settings: ClassVar[type[BaseModel]] = ExactMatchSettings
 
     def extract(self, text: str) -> str | None:
         s = self.settings
-        assert isinstance(s, ExactMatchSettings)
         if s.extract == "none":
             return text
         if s.extract == "boxed":
@@ -140,7 +138,6 @@ class ExactMatchReward(Reward):
 
     async def score(self, sample: Sample) -> float:
         s = self.settings
-        assert isinstance(s, ExactMatchSettings)
         answer = self.extract(sample.response)
         if answer is None:
             return s.incorrect
@@ -152,7 +149,7 @@ class ExactMatchReward(Reward):
 class RegexSettings(ComponentSettings):
     """Settings of the ``regex`` (format) reward."""
 
-    pattern: str
+    pattern: RegexPattern
     """Regular expression the response must match (e.g. ``(?s)<think>.*</think>.*\\\\boxed\\{.+\\}``)."""
     mode: Literal["search", "fullmatch"] = "search"
     """``search``: anywhere in the response; ``fullmatch``: the whole (stripped) response."""
@@ -165,31 +162,19 @@ class RegexSettings(ComponentSettings):
     no_match_reward: float = 0.0
     """Reward when it does not."""
 
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, value: str) -> str:
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(f"pattern does not compile: {exc}") from None
-        return value
 
-
-class RegexReward(Reward):
+class RegexReward(Reward[RegexSettings]):
     """Format reward: whether the response matches a regular expression."""
 
     name = "regex"
-    Settings: ClassVar[type[BaseModel]] = RegexSettings
 
-    def __init__(self, settings: BaseModel) -> None:
+    def __init__(self, settings: RegexSettings) -> None:
         super().__init__(settings)
-        assert isinstance(settings, RegexSettings)
         flags = (re.IGNORECASE if settings.ignore_case else 0) | (re.DOTALL if settings.dotall else 0)
         self._regex = re.compile(settings.pattern, flags)
 
     async def score(self, sample: Sample) -> float:
         s = self.settings
-        assert isinstance(s, RegexSettings)
         text = sample.response
         matched = self._regex.fullmatch(text.strip()) if s.mode == "fullmatch" else self._regex.search(text)
         return s.match_reward if matched else s.no_match_reward
@@ -217,17 +202,15 @@ class LengthPenaltySettings(ComponentSettings):
         return value
 
 
-class LengthPenaltyReward(Reward):
+class LengthPenaltyReward(Reward[LengthPenaltySettings]):
     """Length penalty (0 or negative), DAPO's soft overlong punishment by default."""
 
     name = "length_penalty"
-    Settings: ClassVar[type[BaseModel]] = LengthPenaltySettings
 
     async def score(self, sample: Sample) -> float:
         from miles.algorithms.advantages import overlong_penalty
 
         s = self.settings
-        assert isinstance(s, LengthPenaltySettings)
         n = sample.response_length
         if s.mode == "linear":
             return -s.penalty * min(n, s.max_length) / s.max_length

@@ -94,6 +94,27 @@ class EngineClient(ABC):
             return [False] * len(self.urls)
         return [True] * len(self.urls)
 
+    async def wait_until_healthy(self, timeout: float, *, interval: float = 0.5) -> None:
+        """Wait until every engine answers ``/health`` (engines may still be starting); raise
+        :class:`~miles.errors.EngineError` naming the ones that did not within ``timeout`` seconds.
+
+        .. versionadded:: 0.1
+        """
+        import asyncio
+        import time
+
+        from miles.errors import EngineError
+
+        deadline = time.monotonic() + timeout
+        while True:
+            healthy = await self.health()
+            if all(healthy):
+                return
+            if time.monotonic() >= deadline:
+                down = [url for url, ok in zip(self.urls, healthy, strict=True) if not ok]
+                raise EngineError(f"engines {', '.join(down)} did not answer /health within {timeout:g} s")
+            await asyncio.sleep(interval)
+
     @abstractmethod
     async def close(self) -> None:
         """Close connections (engines keep running; the launcher owns their processes)."""

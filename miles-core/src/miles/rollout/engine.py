@@ -11,9 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
 
 __all__ = ["EngineCapabilities", "EngineLaunch", "RolloutEngine"]
 
@@ -42,15 +40,10 @@ class EngineLaunch:
     """Path polled until it answers 200."""
 
 
-class RolloutEngine(ABC):
+class RolloutEngine(Component[SettingsT], ABC):
     """A kind of engine server. Registered with ``miles_register_rollout_engines``."""
 
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
-
-    def __init__(self, settings: BaseModel) -> None:
-        self.settings = settings
 
     @abstractmethod
     def launch(

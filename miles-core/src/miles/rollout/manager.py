@@ -6,6 +6,12 @@ the run seed, its group and its index (so a rollout is reproducible and a resume
 samples), rewards are computed, a teacher scores the samples when ``rollout.teacher.url`` is set (on-policy
 distillation, :mod:`miles.rollout.teacher`), and the algorithm decides which groups to keep (dynamic
 sampling); the manager keeps generating until the batch is full.
+
+:meth:`RolloutManager.produce_group` is the one generate-and-score path: the synchronous
+:meth:`~RolloutManager.rollout` and the asynchronous :class:`~miles.rollout.producer.RolloutProducer`
+both call it, and both admit groups with the same :class:`DropBudget` (a filter may drop at most
+``max_rounds x rollout_batch_size`` groups in a row; the next one is kept anyway, so an uninformative
+data set cannot stall a run).
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from miles.rewards.scoring import Scorer
 from miles.rollout.protocol import GenerateOutput, SamplingParams
 from miles.rollout.teacher import TeacherScorer, teacher_for
 from miles.types import Sample, SampleGroup, SampleStatus, WeightSpan
@@ -29,12 +36,9 @@ if TYPE_CHECKING:
     from miles.rollout.function import RolloutFunction
     from miles.settings.model import RolloutSettings
 
-__all__ = ["RolloutManager", "RolloutResult", "sample_from_output", "single_turn"]
+__all__ = ["DropBudget", "RolloutManager", "RolloutResult", "rollout_metrics", "sample_from_output", "single_turn"]
 
 log = logging.getLogger(__name__)
-
-Scorer = Callable[[Sequence[Sample]], Awaitable[None]]
-"""Fills ``reward`` / ``reward_parts`` (or marks samples failed) for a list of samples."""
 
 
 @dataclass
@@ -47,6 +51,36 @@ class RolloutResult:
     @property
     def samples(self) -> list[Sample]:
         return [s for g in self.groups for s in g.samples]
+
+
+class DropBudget:
+    """Dynamic sampling's admission rule: an informative group is kept; an uninformative one is dropped,
+    unless ``limit`` groups were dropped in a row — then it is kept anyway, with a warning.
+
+    The synchronous rollout and the asynchronous producer admit every group through one of these.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_row = 0
+        self.dropped = 0
+        """Groups dropped since the last :meth:`take_dropped`."""
+
+    def admit(self, group: SampleGroup, informative: bool) -> bool:
+        if informative:
+            self.in_row = 0
+            return True
+        if self.in_row < self.limit:
+            self.in_row += 1
+            self.dropped += 1
+            return False
+        log.warning("dynamic sampling dropped %d groups in a row; keeping group %d anyway", self.in_row, group.group_id)
+        self.in_row = 0
+        return True
+
+    def take_dropped(self) -> int:
+        dropped, self.dropped = self.dropped, 0
+        return dropped
 
 
 def derive_seed(*parts: int) -> int:
@@ -116,7 +150,8 @@ class RolloutManager:
     :param algorithm: asked which groups to keep (dynamic sampling).
     :param rollout_function: replaces :func:`single_turn` (agents, tools, multi-turn).
     :param seed: run seed; sample seeds are derived from it, the group id and the sample index.
-    :param max_rounds: generation rounds allowed to fill a batch under dynamic sampling.
+    :param max_rounds: with ``rollout_batch_size``, how many groups dynamic sampling may drop in a row
+        (``max_rounds x rollout_batch_size``) before it keeps one anyway.
     """
 
     def __init__(
@@ -143,6 +178,8 @@ class RolloutManager:
         self.max_rounds = max_rounds
         self.return_routed_experts = return_routed_experts
         self.next_group_id = 0
+        self.budget = DropBudget(max_rounds * settings.rollout_batch_size)
+        """The admission rule every produced group goes through."""
 
     @staticmethod
     def _with_teacher(scorer: Scorer, teacher: TeacherScorer) -> Scorer:
@@ -170,7 +207,7 @@ class RolloutManager:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            stop=list(s.stop) or None,
+            stop=list(s.stop),
             sampling_seed=seed,
         )
 
@@ -214,70 +251,81 @@ class RolloutManager:
             )
         return result
 
-    async def generate_group(self, prompt: Prompt) -> SampleGroup:
+    def pending_group(self, prompt: Prompt) -> SampleGroup:
+        """:meth:`new_group` as a :class:`SampleGroup`."""
         samples = self.new_group(prompt)
-        done = await asyncio.gather(*(self.generate_sample(s) for s in samples))
-        return SampleGroup(samples[0].group_id, list(done))
+        return SampleGroup(samples[0].group_id, samples)
+
+    async def produce_group(self, pending: SampleGroup) -> tuple[SampleGroup, bool]:
+        """The one generate-and-score path: every sample of ``pending`` generated, the group scored
+        (rewards, then the teacher), and whether the algorithm finds it informative (dynamic sampling).
+        Admission (:attr:`budget`) is the caller's: in group order (sync) or as groups finish (async)."""
+        samples = await asyncio.gather(*(self.generate_sample(s) for s in pending.samples))
+        group = SampleGroup(pending.group_id, list(samples))
+        await self.scorer(group.samples)
+        informative = self.algorithm.keep_groups([group])[0] if self.algorithm is not None else True
+        return group, informative
+
+    async def generate_group(self, prompt: Prompt) -> SampleGroup:
+        """Generate one prompt's group (no scoring)."""
+        pending = self.pending_group(prompt)
+        done = await asyncio.gather(*(self.generate_sample(s) for s in pending.samples))
+        return SampleGroup(pending.group_id, list(done))
 
     async def rollout(self, data: DataSource) -> RolloutResult:
-        """One rollout: ``rollout_batch_size`` kept groups, scored."""
+        """One rollout: ``rollout_batch_size`` kept groups, scored.
+
+        Each round produces the groups still missing, concurrently; they are admitted in group order.
+        """
         start = time.perf_counter()
         want = self.settings.rollout_batch_size
         kept: list[SampleGroup] = []
-        dropped: list[SampleGroup] = []
-        generated = 0
-        rounds = 0
+        generated = rounds = 0
         while len(kept) < want:
-            if rounds >= self.max_rounds:
-                log.warning(
-                    "dynamic sampling kept %d of %d groups after %d rounds; filling with dropped groups",
-                    len(kept),
-                    want,
-                    rounds,
-                )
-                kept += dropped[: want - len(kept)]
-                break
             rounds += 1
-            prompts = data.next_batch(want - len(kept))
-            groups = list(await asyncio.gather(*(self.generate_group(p) for p in prompts)))
-            generated += len(groups)
-            await self.scorer([s for g in groups for s in g.samples])
-            keep = self.algorithm.keep_groups(groups) if self.algorithm is not None else [True] * len(groups)
-            for group, ok in zip(groups, keep, strict=True):
-                (kept if ok else dropped).append(group)
-        kept = kept[:want]
-        return RolloutResult(kept, self._metrics(kept, generated, rounds, time.perf_counter() - start))
+            pending = [self.pending_group(p) for p in data.next_batch(want - len(kept))]
+            produced = await asyncio.gather(*(self.produce_group(g) for g in pending))
+            generated += len(produced)
+            for group, informative in produced:
+                if self.budget.admit(group, informative):
+                    kept.append(group)
+        self.budget.take_dropped()
+        metrics = rollout_metrics(kept, seconds=time.perf_counter() - start)
+        metrics["rollout/groups_generated"] = float(generated)
+        metrics["rollout/groups_dropped"] = float(generated - len(kept))
+        metrics["rollout/rounds"] = float(rounds)
+        return RolloutResult(kept, metrics)
 
-    def _metrics(self, groups: list[SampleGroup], generated: int, rounds: int, seconds: float) -> dict[str, float]:
-        samples = [s for g in groups for s in g.samples]
-        n = max(len(samples), 1)
-        rewards = [0.0 if s.reward is None else float(s.reward) for s in samples]
-        mean = sum(rewards) / n
-        lengths = [s.response_length for s in samples]
-        prompt_tokens = sum(len(s.prompt_ids) for s in samples)
-        cached = sum(int(s.metadata.get("cached_tokens", 0)) for s in samples)
-        metrics = {
-            "rollout/reward_mean": mean,
-            "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
-            "rollout/response_length_mean": sum(lengths) / n,
-            "rollout/response_length_max": float(max(lengths, default=0)),
-            "rollout/truncated_fraction": sum(s.status == SampleStatus.TRUNCATED for s in samples) / n,
-            "rollout/failed_fraction": sum(s.status == SampleStatus.FAILED for s in samples) / n,
-            "rollout/prefix_cache_hit_rate": cached / max(prompt_tokens, 1),
-            "rollout/groups_generated": float(generated),
-            "rollout/groups_dropped": float(generated - len(groups)),
-            "rollout/rounds": float(rounds),
-            "rollout/seconds": seconds,
-            "rollout/tokens_per_second": sum(lengths) / max(seconds, 1e-9),
-        }
-        parts: dict[str, list[float]] = {}
-        for s in samples:
-            for name, value in s.reward_parts.items():
-                parts.setdefault(name, []).append(float(value))
-        for name, values in parts.items():
-            metrics[f"rollout/reward_{name}_mean"] = sum(values) / len(values)
-        versions = [v for s in samples if (v := s.oldest_weight_version) is not None]
-        if versions:
-            metrics["rollout/weight_version_min"] = float(min(versions))
-            metrics["rollout/weight_version_max"] = float(max(versions))
-        return metrics
+
+def rollout_metrics(groups: Sequence[SampleGroup], *, seconds: float) -> dict[str, float]:
+    """Rewards, lengths, statuses, prefix-cache hit rate and weight versions of a batch of groups, and
+    tokens per second over ``seconds``."""
+    samples = [s for g in groups for s in g.samples]
+    n = max(len(samples), 1)
+    rewards = [0.0 if s.reward is None else float(s.reward) for s in samples]
+    mean = sum(rewards) / n
+    lengths = [s.response_length for s in samples]
+    prompt_tokens = sum(len(s.prompt_ids) for s in samples)
+    cached = sum(int(s.metadata.get("cached_tokens", 0)) for s in samples)
+    metrics = {
+        "rollout/reward_mean": mean,
+        "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        "rollout/response_length_mean": sum(lengths) / n,
+        "rollout/response_length_max": float(max(lengths, default=0)),
+        "rollout/truncated_fraction": sum(s.status == SampleStatus.TRUNCATED for s in samples) / n,
+        "rollout/failed_fraction": sum(s.status == SampleStatus.FAILED for s in samples) / n,
+        "rollout/prefix_cache_hit_rate": cached / max(prompt_tokens, 1),
+        "rollout/seconds": seconds,
+        "rollout/tokens_per_second": sum(lengths) / max(seconds, 1e-9),
+    }
+    parts: dict[str, list[float]] = {}
+    for s in samples:
+        for name, value in s.reward_parts.items():
+            parts.setdefault(name, []).append(float(value))
+    for name, values in parts.items():
+        metrics[f"rollout/reward_{name}_mean"] = sum(values) / len(values)
+    versions = [v for s in samples if (v := s.oldest_weight_version) is not None]
+    if versions:
+        metrics["rollout/weight_version_min"] = float(min(versions))
+        metrics["rollout/weight_version_max"] = float(max(versions))
+    return metrics

@@ -12,15 +12,15 @@ import base64
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FinishReason", "GenerateOutput", "PauseMode", "SamplingParams"]
+from miles.types import PauseMode
 
-PauseMode = Literal["abort", "retract", "in_place"]
-"""How ``/pause_generation`` treats requests in flight (SGLang's modes)."""
+__all__ = ["FinishReason", "GenerateOutput", "PauseMode", "SamplingParams"]
 
 
 @dataclass
 class SamplingParams:
-    """SGLang ``sampling_params`` (only keys SGLang accepts; unknown keys are a 400 there)."""
+    """SGLang ``sampling_params`` (only keys SGLang accepts; unknown keys are a 400 there): what the engine
+    client sends and what the local engine parses a request into."""
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0
@@ -28,15 +28,22 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 (or top-k 1): the most likely token, scored at temperature 1."""
+        return self.temperature <= 1e-6 or self.top_k == 1
 
     def to_json(self) -> dict[str, Any]:
-        """The dict sent on the wire, without keys left at ``None``."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        """The dict sent on the wire, without keys left at ``None`` or empty."""
+        return {k: v for k, v in asdict(self).items() if v is not None and v != []}
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 from pydantic import ValidationError
 from pydantic_settings import EnvSettingsSource
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib
 
 from miles.errors import SettingsError
 from miles.settings.errors import format_validation_error
@@ -251,4 +256,4 @@ def load_settings(
 
 def sources_of(settings: MilesSettings) -> SettingsSources:
     """The :class:`SettingsSources` recorded by :func:`load_settings` (empty for other settings)."""
-    return getattr(settings, "_sources", SettingsSources())
+    return getattr(settings, "_sources", None) or SettingsSources()

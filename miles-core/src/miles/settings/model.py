@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from miles.types import PauseMode
+
 __all__ = [
     "AlgorithmSpec",
     "CheckpointSettings",
@@ -174,7 +176,7 @@ class RolloutSettings(_Section):
     """What happens to a sample over ``max_staleness``."""
     buffer_groups: int = Field(16, ge=1)
     """Async modes: capacity of the rollout buffer, in groups."""
-    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    pause_mode: PauseMode = "retract"
     """How engines treat requests in flight during a weight update."""
     overlap_weight_commit: bool = True
     """Async modes, with a transport that stages weights (``disk``): the engines load and verify version
@@ -249,6 +251,12 @@ class LogSettings(_Section):
     """Log level."""
     logprob_diff_warn: float = Field(0.05, ge=0.0)
     """Warn when the mean |train - rollout| logprob difference exceeds this."""
+    trainer_logprobs: Literal["when_computed", "always", "never"] = "when_computed"
+    """Keep the trainer's per-token logprobs (before the step's update) next to each step's samples
+    (``samples/trainer_logprobs_<step>.jsonl``, shown token by token by ``miles view``): ``when_computed``
+    whenever the algorithm computes them anyway (several optimizer steps per rollout, async modes);
+    ``always`` computes them in every step (one more forward when one on-policy step per rollout would skip
+    it); ``never``."""
 
 
 class CheckpointSettings(_Section):

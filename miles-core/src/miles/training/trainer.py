@@ -9,11 +9,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
 
 if TYPE_CHECKING:
     import torch
@@ -67,16 +65,13 @@ class LogprobOutput:
     entropy: list[torch.Tensor] | None = None
 
 
-class Trainer(ABC):
+class Trainer(Component[SettingsT], ABC):
     """A training backend. Registered with ``miles_register_trainers``."""
-
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
 
     def __init__(
         self,
         train: TrainSettings,
-        options: BaseModel,
+        options: SettingsT,
         precision: PrecisionRecipe,
         dist: DistContext,
     ) -> None:
@@ -86,10 +81,15 @@ class Trainer(ABC):
         :param precision: the precision recipe (parameter / reduce dtypes).
         :param dist: this rank's place in the world; the process group is already initialised.
         """
+        super().__init__(options)
         self.train_settings = train
-        self.options = options
         self.precision = precision
         self.dist = dist
+
+    @property
+    def options(self) -> SettingsT:
+        """This backend's own settings (the same object as :attr:`settings`)."""
+        return self.settings
 
     @abstractmethod
     def setup(self, *, need_ref: bool = False, need_values: bool = False) -> None:

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
-
-from miles.components import ComponentSettings
+from miles.components import Component, SettingsT
+from miles.types import PushReport
 
 if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
@@ -27,35 +25,16 @@ if TYPE_CHECKING:
 __all__ = ["PushReport", "StagedTransport", "WeightTransport"]
 
 
-@dataclass
-class PushReport:
-    """What one push moved (rank 0's view)."""
-
-    version: str
-    num_tensors: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    checksums: dict[str, str] = field(default_factory=dict)
-    """Per tensor name, a checksum of what was sent (compared with what the engines report)."""
-    verification: dict[str, float] = field(default_factory=dict)
-    """Metrics of the verification that followed the push (filled by the driver)."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """The transport's own metrics of the push (``weight_sync/bytes_written`` ...), logged with the step's."""
-
-
-class WeightTransport(ABC):
+class WeightTransport(Component[SettingsT], ABC):
     """A way to deliver weights. Registered with ``miles_register_transports``."""
 
-    name: ClassVar[str]
-    Settings: ClassVar[type[BaseModel]] = ComponentSettings
-
-    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+    def __init__(self, settings: SettingsT, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
         """
         :param run_dir: the run's output directory (scratch space for disk-based transports).
         :param model_path: the initial model directory (its config and tokenizer files).
         :param engine_dtype: dtype the engines serve (``float32`` / ``bfloat16``); checksums use it.
         """
-        self.settings = settings
+        super().__init__(settings)
         self.run_dir = run_dir
         self.model_path = model_path
         self.engine_dtype = engine_dtype
@@ -83,7 +62,7 @@ class WeightTransport(ABC):
         """Tear channels down."""
 
 
-class StagedTransport(WeightTransport):
+class StagedTransport(WeightTransport[SettingsT]):
     """A transport whose push splits into a trainer side (:meth:`stage`) and an engine side
     (:meth:`prepare`, :meth:`commit`) that may run later, while the trainer trains on."""
 

@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
 from miles.components import ComponentSettings
 from miles.transport.base import PushReport, WeightTransport
 from miles.transport.verify import tensor_checksum
@@ -107,15 +105,15 @@ def broadcast_tensors(group: Any, tensors: list[torch.Tensor], *, src: int = 0) 
         group.broadcast([tensor], opts).wait()
 
 
-class BroadcastTransport(WeightTransport):
+class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
     """Pushes weights over a process group that spans trainer rank 0 and every engine."""
 
     name = "broadcast"
-    Settings = BroadcastTransportSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+    def __init__(
+        self, settings: BroadcastTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
+    ) -> None:
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
-        assert isinstance(settings, BroadcastTransportSettings)
         self.options = settings
         self.client: EngineClient | None = None
         self.group: Any = None

@@ -19,8 +19,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
-
 from miles.components import ComponentSettings
 from miles.transport.base import PushReport, StagedTransport
 from miles.transport.verify import tensor_checksum
@@ -51,18 +49,21 @@ class DiskTransportSettings(ComponentSettings):
     dir: str | None = None
     """Where versions are written (default: ``<run_dir>/weights``); must be visible to every engine."""
     keep_versions: int = 1
-    """How many pushed versions stay on disk."""
+    """How many pushed versions stay on disk while the run goes on."""
+    keep_after_run: bool = False
+    """Leave the last pushed versions on disk when the run ends (they are scratch for the engines: the
+    run's results are its checkpoints and its HF export)."""
 
 
-class DiskTransport(StagedTransport):
+class DiskTransport(StagedTransport[DiskTransportSettings]):
     """Trainer writes safetensors shards; engines load them with ``/update_weights_from_disk``."""
 
     name = "disk"
-    Settings = DiskTransportSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+    def __init__(
+        self, settings: DiskTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
+    ) -> None:
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
-        assert isinstance(settings, DiskTransportSettings)
         self.root = Path(settings.dir or Path(run_dir) / "weights")
         self.keep = max(settings.keep_versions, 1)
         self.client: EngineClient | None = None
@@ -74,6 +75,18 @@ class DiskTransport(StagedTransport):
         self.client = client
         if dist.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        """Remove the versions this run wrote (unless ``keep_after_run``), and the folder when it is empty."""
+        if self.settings.keep_after_run:
+            return
+        for path in self.written:
+            shutil.rmtree(path, ignore_errors=True)
+        self.written = []
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass  # not ours alone, or already gone
 
     async def stage(
         self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext, snapshot: bool = True

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from miles.components import ComponentSettings
 from miles.errors import EngineError
@@ -63,21 +63,23 @@ class DiskDeltaTransportSettings(ComponentSettings):
     threads: int = Field(0, ge=-1)
     """zstd worker threads (0: compress on the calling thread; -1: one per CPU)."""
     keep_versions: int = Field(1, ge=1)
-    """How many pushed versions stay on disk."""
+    """How many pushed versions stay on disk while the run goes on."""
+    keep_after_run: bool = False
+    """Leave the last pushed versions on disk when the run ends (as the ``disk`` transport: they are scratch
+    for the engines)."""
     sync: bool = True
     """Flush every file to stable storage before a version is renamed into place (needless on tmpfs)."""
 
 
-class DiskDeltaTransport(StagedTransport):
+class DiskDeltaTransport(StagedTransport[DiskDeltaTransportSettings]):
     """Writes XOR deltas (or full snapshots) with a checksum manifest; engines apply and verify them."""
 
     name = "disk_delta"
-    Settings = DiskDeltaTransportSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+    def __init__(
+        self, settings: DiskDeltaTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
+    ) -> None:
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
-        assert isinstance(settings, DiskDeltaTransportSettings)
-        self.options = settings
         self.root = Path(settings.dir or Path(run_dir) / "weights")
         self.client: EngineClient | None = None
         self.base: dict[str, torch.Tensor] | None = None
@@ -96,6 +98,18 @@ class DiskDeltaTransport(StagedTransport):
         self.client = client
         if dist.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        """Remove the versions this run wrote (unless ``keep_after_run``), and the folder when it is empty."""
+        if self.settings.keep_after_run:
+            return
+        for path in self.written:
+            shutil.rmtree(path, ignore_errors=True)
+        self.written = []
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass  # not ours alone, or already gone
 
     # -- trainer side -------------------------------------------------------------------------------
     async def stage(
@@ -124,7 +138,7 @@ class DiskDeltaTransport(StagedTransport):
 
     def _delta_possible(self, tensors: dict[str, torch.Tensor]) -> bool:
         base = self.base
-        if base is None or self.pushes % self.options.full_every == 0:
+        if base is None or self.pushes % self.settings.full_every == 0:
             return False
         return base.keys() == tensors.keys() and all(
             base[n].shape == t.shape and base[n].dtype == t.dtype for n, t in tensors.items()
@@ -143,11 +157,11 @@ class DiskDeltaTransport(StagedTransport):
 
         assert self.base is not None and self.base_version is not None
         compressor = zstandard.ZstdCompressor(
-            level=self.options.level, write_checksum=True, threads=self.options.threads
+            level=self.settings.level, write_checksum=True, threads=self.settings.threads
         )
         manifest = Manifest(kind="delta", version=version, base_version=self.base_version, dtype=self.engine_dtype)
         target = self.root / f"delta-v{version}"
-        with atomic_directory(target, sync=self.options.sync) as folder:
+        with atomic_directory(target, sync=self.settings.sync) as folder:
             offset = 0
             with open(folder / "delta.bin", "wb") as f:
                 for name, t in tensors.items():
@@ -172,7 +186,7 @@ class DiskDeltaTransport(StagedTransport):
     def _write_full(self, version: str, tensors: dict[str, torch.Tensor], checksums: dict[str, str]) -> Path:
         manifest = Manifest(kind="full", version=version, base_version=None, dtype=self.engine_dtype)
         target = self.root / f"full-v{version}"
-        with atomic_directory(target, sync=self.options.sync) as folder:
+        with atomic_directory(target, sync=self.settings.sync) as folder:
             size = write_safetensors(folder / "model.safetensors", tensors)
             manifest.files["model.safetensors"] = size
             for name, t in tensors.items():
@@ -287,7 +301,7 @@ class DiskDeltaTransport(StagedTransport):
             v = folder.name.split("-v", 1)[1]
             if v not in versions:
                 versions.append(v)
-        old = set(versions[: -self.options.keep_versions])
+        old = set(versions[: -self.settings.keep_versions])
         for folder in [f for f in self.written if f.name.split("-v", 1)[1] in old and f not in keep]:
             shutil.rmtree(folder, ignore_errors=True)
             self.written.remove(folder)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from miles.plugins.manager import hookimpl
-from miles.plugins.registry import Register
+from miles.components import Register
+from miles.markers import hookimpl
 from miles.transport.broadcast import BroadcastTransport
 from miles.transport.disk import DiskTransport
 from miles.transport.disk_delta import DiskDeltaTransport

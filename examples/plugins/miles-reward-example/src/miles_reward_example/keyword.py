@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from miles.components import ComponentSettings
 from miles.rewards.base import Reward
@@ -38,27 +38,23 @@ class KeywordRewardSettings(ComponentSettings):
     """When the label is a mapping, the key of its keyword list."""
 
 
-class KeywordReward(Reward):
+class KeywordReward(Reward[KeywordRewardSettings]):
     """Fraction of required keywords present in the response (0.0 to 1.0)."""
 
     name = "keyword"
-    Settings = KeywordRewardSettings
 
-    def __init__(self, settings: BaseModel) -> None:
+    def __init__(self, settings: KeywordRewardSettings) -> None:
         super().__init__(settings)
-        if not isinstance(settings, KeywordRewardSettings):
-            raise TypeError(f"keyword reward: settings must be KeywordRewardSettings, got {type(settings).__name__}")
-        self.options = settings
         self._fixed = self._patterns(settings.keywords) if settings.keywords else None
 
     def _patterns(self, keywords: Sequence[str]) -> list[re.Pattern[str]]:
-        flags = 0 if self.options.case_sensitive else re.IGNORECASE
+        flags = 0 if self.settings.case_sensitive else re.IGNORECASE
         patterns = []
         for keyword in dict.fromkeys(k.strip() for k in keywords):  # de-duplicated, order kept
             if not keyword:
                 continue
             body = re.escape(keyword)
-            if self.options.whole_words:
+            if self.settings.whole_words:
                 body = rf"(?<!\w){body}(?!\w)"
             patterns.append(re.compile(body, flags))
         return patterns
@@ -69,7 +65,7 @@ class KeywordReward(Reward):
             return self._fixed
         label: Any = sample.label
         if isinstance(label, Mapping):
-            label = label.get(self.options.label_field)
+            label = label.get(self.settings.label_field)
         if isinstance(label, str):
             label = [label]
         if not (isinstance(label, Sequence) and label and all(isinstance(k, str) for k in label)):

@@ -12,7 +12,7 @@ import miles
 from miles_reward_example.keyword import KeywordReward
 
 if TYPE_CHECKING:
-    from miles.plugins.registry import Register
+    from miles.components import Register
 
 
 @miles.hookimpl

@@ -12,7 +12,7 @@ import miles
 from miles_shm_transport.transport import ShmTransport
 
 if TYPE_CHECKING:
-    from miles.plugins.registry import Register
+    from miles.components import Register
 
 
 @miles.hookimpl

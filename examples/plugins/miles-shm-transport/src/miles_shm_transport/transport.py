@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from miles.components import ComponentSettings
 from miles.transport.base import PushReport, WeightTransport
@@ -97,16 +97,15 @@ def write_bucket(path: Path, bucket: WeightBucket, dtype: torch.dtype) -> dict[s
     return written
 
 
-class ShmTransport(WeightTransport):
+class ShmTransport(WeightTransport[ShmTransportSettings]):
     """Safetensors in ``/dev/shm`` written without copies; engines load them from memory."""
 
     name = "shm"
-    Settings = ShmTransportSettings
 
-    def __init__(self, settings: BaseModel, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
+    def __init__(
+        self, settings: ShmTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
+    ) -> None:
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
-        assert isinstance(settings, ShmTransportSettings)
-        self.options = settings
         self.root = Path(settings.dir) / f"miles-shm-{uuid.uuid4().hex[:12]}"
         self.client: EngineClient | None = None
         self.versions: list[Path] = []
@@ -148,7 +147,7 @@ class ShmTransport(WeightTransport):
 
         await asyncio.gather(self.client.update_weights_from_disk(str(target), version), asyncio.to_thread(checksums))
         self.versions.append(target)
-        while len(self.versions) > self.options.keep_versions:
+        while len(self.versions) > self.settings.keep_versions:
             shutil.rmtree(self.versions.pop(0), ignore_errors=True)
         report.seconds = time.perf_counter() - start
         log.info("shm transport: version %s, %.1f MB in %.3fs", version, report.num_bytes / 1e6, report.seconds)

@@ -1,0 +1,39 @@
+"""``miles view RUN_DIR``: the trajectory viewer, a local page over a run directory (loopback by default)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from miles.cli.app import app
+from miles.errors import MilesError
+
+log = logging.getLogger(__name__)
+
+
+@app.command()
+def view(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (log.run_dir of a run, finished or not).")],
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0: any free one; the URL is printed).")] = 8765,
+) -> None:
+    """Browse a run's samples token by token (rewards, train-vs-rollout logprob differences, masked
+    tokens, multi-turn episodes) and its metric curves."""
+    import uvicorn
+
+    from miles.viewer.app import create_app
+    from miles.viewer.data import RunData
+
+    try:
+        data = RunData(run_dir)
+    except FileNotFoundError as exc:
+        raise MilesError(str(exc)) from None
+    if port == 0:
+        from miles.launch.rendezvous import free_port
+
+        port = free_port(host)
+    typer.echo(f"miles view: http://{host}:{port}/ ({run_dir}; Ctrl-C to stop)")
+    uvicorn.run(create_app(data), host=host, port=port, log_level="warning", access_log=False)

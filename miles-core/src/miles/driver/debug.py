@@ -1,0 +1,89 @@
+"""``miles train --debug CONFIG``: the whole run in this one process, so ``breakpoint()`` and a debugger stop
+anywhere — in a reward, an algorithm, a rollout function, the trainer, the engine.
+
+The local engine runs in-process (its scheduler and HTTP server on background threads, on 127.0.0.1), and
+the training loop runs on the main thread as a world of one trainer rank (a gloo group of size 1). Same
+components, same settings, same outputs in ``log.run_dir`` as a normal run; only the placement differs
+(and the speed: one process shares one torch thread pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from miles.driver.rundir import prepare_run_dir
+from miles.errors import SettingsError
+
+if TYPE_CHECKING:
+    from miles.driver.run import Run
+
+__all__ = ["run_debug"]
+
+log = logging.getLogger(__name__)
+
+
+def _check(run: Run) -> None:
+    s = run.settings
+    if s.cluster.trainer_ranks != 1:
+        raise SettingsError(
+            f"cluster.trainer_ranks: --debug runs one trainer rank in this process (it is {s.cluster.trainer_ranks}); "
+            "set cluster.trainer_ranks = 1"
+        )
+    if s.cluster.num_engines > 1:
+        raise SettingsError(
+            f"cluster.num_engines: --debug runs one engine in this process (it is {s.cluster.num_engines})"
+        )
+    if run.algorithm.needs.rollout and run["rollout.engine"].registration.name != "local":
+        raise SettingsError("rollout.engine: --debug runs the local engine in this process (not a server fleet)")
+    if s.cluster.device != "cpu":
+        log.info("--debug on %s: the engine and the trainer share the device", s.cluster.device)
+
+
+async def _train(run: Run, urls: list[str], resume: str | None) -> None:
+    import torch.distributed as dist
+
+    from miles.driver.loop import TrainingLoop, run_to_completion
+    from miles.launch.rendezvous import free_port
+    from miles.training.trainer import DistContext
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    loop = TrainingLoop(run, DistContext(device=run.settings.cluster.device), engine_urls=urls, resume=resume)
+    try:
+        await run_to_completion(loop)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -> int:
+    """Run training with the engine and the trainer in this process; returns 0 (errors raise)."""
+    from miles.driver.loop import write_resolved_settings
+    from miles.engine.launch import InProcessEngine
+    from miles.engine.options import ServeOptions
+    from miles.launch.rendezvous import free_port
+
+    _check(run)
+    run_dir = prepare_run_dir(run.settings, resume=resume, overwrite=overwrite)
+    run.materialize_model()
+    run.settings.log.run_dir = str(run_dir)
+    write_resolved_settings(run.settings, run_dir / "settings.json")
+    settings = run.settings
+    if not (run.algorithm.needs.rollout and settings.cluster.num_engines):
+        asyncio.run(_train(run, [], resume))
+        return 0
+    options = run["rollout.engine"].options
+    serve = ServeOptions(
+        **options.model_dump(),
+        model=settings.train.model_path,
+        host=settings.cluster.host,
+        port=free_port(settings.cluster.host),
+        device=settings.cluster.device,
+        dtype=run.engine_dtype,
+    )
+    with InProcessEngine(serve) as engine:
+        asyncio.run(_train(run, [engine.url], resume))
+    return 0

@@ -1,0 +1,68 @@
+"""The run directory: a new run never destroys what an earlier one produced.
+
+A directory that already holds a run (metrics, samples, checkpoints, an export, logs) is refused unless the
+user says what to do with it: ``--resume`` continues that run (logs are appended, each process start marked),
+``--overwrite`` replaces it (only once the settings are known to be good).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from miles.errors import SettingsError
+
+if TYPE_CHECKING:
+    from miles.settings.model import MilesSettings
+
+__all__ = ["RUN_OUTPUTS", "check_run_dir", "prepare_run_dir", "run_outputs"]
+
+log = logging.getLogger(__name__)
+
+RUN_OUTPUTS = (
+    "metrics.jsonl", "samples", "checkpoints", "hf", "logs", "launch.json", "settings.json", "tensorboard", "weights",
+)  # fmt: skip
+"""What a run writes into its directory."""
+
+
+def run_outputs(run_dir: Path) -> list[str]:
+    """The outputs of an earlier run in ``run_dir`` (empty when there are none)."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def check_run_dir(settings: MilesSettings, *, resume: str | None, overwrite: bool) -> list[str]:
+    """The earlier run's outputs in ``log.run_dir`` (touches nothing).
+
+    Raises :class:`SettingsError` naming ``log.run_dir`` when it holds a run and neither ``resume`` nor
+    ``overwrite`` is given. Cheap: ``miles train`` calls it before resolving any plugin.
+    """
+    from miles.settings.loader import sources_of
+
+    run_dir = Path(settings.log.run_dir).resolve()
+    found = run_outputs(run_dir)
+    if found and resume is None and not overwrite:
+        source = sources_of(settings).of("log.run_dir")
+        where = f"log.run_dir ({source})" if source else "log.run_dir"
+        listed = ", ".join(found)
+        raise SettingsError(
+            f"{where}: {run_dir} already holds a run ({listed}); pass --resume {settings.log.run_dir} to "
+            "continue it, --overwrite to replace it, or choose another log.run_dir"
+        )
+    return found
+
+
+def prepare_run_dir(settings: MilesSettings, *, resume: str | None, overwrite: bool) -> Path:
+    """The run's directory (absolute, created), checked against an earlier run's outputs
+    (:func:`check_run_dir`); with ``overwrite`` the earlier outputs are removed here, once the settings
+    are known to be good."""
+    found = check_run_dir(settings, resume=resume, overwrite=overwrite)
+    run_dir = Path(settings.log.run_dir).resolve()
+    if found and overwrite and resume is None:
+        for name in found:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        log.info("--overwrite: removed the earlier run's %s from %s", ", ".join(found), run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir

@@ -1,0 +1,33 @@
+"""What the local engine's HTTP routes share: the scheduler, the tokenizer and the server's options."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.engine.scheduler import Scheduler
+
+__all__ = ["EngineState"]
+
+
+@dataclass
+class EngineState:
+    """What the routes need: the scheduler, the tokenizer and the server's arguments."""
+
+    scheduler: Scheduler
+    tokenizer: Any
+    model_path: str
+    api_key: str | None = None
+    server_args: dict[str, Any] = field(default_factory=dict)
+    return_original_logprob: bool = False
+    on_randomize: list[Callable[[int], None]] = field(default_factory=list)
+    """Called with the seed by ``/debug/randomize_weights`` (on the scheduler thread): more weight memory
+    to overwrite, such as the receive buffers of point-to-point sessions."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_each(self, ids: list[int]) -> list[str]:
+        return list(self.tokenizer.batch_decode([[t] for t in ids]))

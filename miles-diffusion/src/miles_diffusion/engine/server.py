@@ -1,0 +1,309 @@
+"""The image engine's HTTP face: SGLang's native ``/generate`` shape, answered with images.
+
+A request is ``{"input_ids": [...], "sampling_params": {...}, "rid"?: ...}`` (a list of prompts in
+``input_ids`` is a batch); ``input_ids`` are the prompt tokenizer's ids. Of ``sampling_params`` the
+image engine uses ``sampling_seed`` (the image's seed) and ``n`` (images per prompt, seeds ``seed + i``);
+the token-decoding keys SGLang defines are accepted and have no meaning for an image; unknown keys are a
+400, as in SGLang. Each answer is one "token" per SDE step::
+
+    {"text": "", "output_ids": [step, ...],
+     "meta_info": {"output_token_logprobs": [[logprob, step, null], ...], "finish_reason": {"type": "stop"},
+                   "weight_version": "3", "prompt_tokens": P, "completion_tokens": S, "cached_tokens": 0,
+                   "id": rid, "image": base64 PNG, "trajectory": {name: {dtype, shape, data}}}}
+
+The admin routes are the local engine's: ``/pause_generation``, ``/continue_generation``,
+``/abort_request``, ``/update_weights_from_disk``, ``/update_weight_version``, ``/weights_checksum``,
+``/flush_cache`` (no cache: a no-op), ``/model_info``, ``/server_info``, ``/health``, ``/health_generate``
+and, with debug endpoints, ``/debug/randomize_weights``. Errors are SGLang's shapes (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from miles.rollout.protocol import SamplingParams
+from miles_diffusion.engine.scheduler import ImageRequest
+from miles_diffusion.engine.weights import load_weights_from_disk, randomize_weights, weights_checksum
+from miles_diffusion.sampling import Trajectory, png_bytes
+from miles_diffusion.wire import tensor_data
+
+if TYPE_CHECKING:
+    from miles_diffusion.engine.scheduler import ImageScheduler
+
+__all__ = ["create_app", "trajectory_payload"]
+
+log = logging.getLogger(__name__)
+
+_SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
+_PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class RequestError(ValueError):
+    """A malformed request (HTTP 400)."""
+
+
+def trajectory_payload(
+    traj: Trajectory | None, *, rid: str, version: str, prompt_tokens: int, message: str
+) -> dict[str, Any]:
+    """One ``/generate`` answer (``traj=None``: aborted, with ``message``)."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "weight_version": version,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": 0,
+    }
+    if traj is None:
+        meta.update(finish_reason={"type": "abort", "message": message}, completion_tokens=0, output_token_logprobs=[])
+        return {"text": "", "output_ids": [], "meta_info": meta}
+    meta.update(
+        finish_reason={"type": "stop", "matched": None},
+        completion_tokens=len(traj.steps),
+        output_token_logprobs=[[lp, step, None] for lp, step in zip(traj.logprobs, traj.steps, strict=True)],
+        image=base64.b64encode(png_bytes(traj.image)).decode("ascii"),
+        trajectory={name: tensor_data(t).to_dict() for name, t in traj.tensors().items()},
+    )
+    return {"text": "", "output_ids": list(traj.steps), "meta_info": meta}
+
+
+def _gen_error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def _admin_error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=status)
+
+
+async def _json_body(request: HTTPRequest) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"malformed JSON body: {exc}") from None
+
+
+def _parse(body: Any, decode: Callable[[list[int]], str]) -> tuple[list[list[int]], int | None, int, bool, str | None]:
+    """``(prompts, seed, n, batched, rid)`` of a ``/generate`` body; a bad field raises :class:`RequestError`."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    ids = body.get("input_ids")
+    batched = isinstance(ids, list) and bool(ids) and all(isinstance(row, list) for row in ids)
+    prompts: list[Any] = list(ids) if batched and isinstance(ids, list) else [ids]
+    for row in prompts:
+        if not isinstance(row, list) or not row or not all(isinstance(t, int) and t >= 0 for t in row):
+            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise RequestError("sampling_params must be an object")
+    unknown = sorted(set(params) - _SAMPLING_KEYS)
+    if unknown:
+        raise RequestError(f"unknown sampling_params key(s): {', '.join(unknown)}")
+    seed = params.get("sampling_seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise RequestError("sampling_params.sampling_seed must be an integer")
+    n = params.get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise RequestError("sampling_params.n must be a positive integer")
+    rid = body.get("rid")
+    for row in prompts:
+        decode(row)  # an id outside the vocabulary fails here, as a 400
+    return prompts, seed, n, batched, None if rid is None else str(rid)
+
+
+def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, server_args: dict[str, Any]) -> FastAPI:
+    """The FastAPI application over ``scheduler``."""
+    app = FastAPI(title="miles image engine")
+    vocab = len(tokenizer)
+
+    def decode(ids: list[int]) -> str:
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"input_ids: token id {bad} is outside the vocabulary ({vocab})")
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+    def run_on_worker(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return asyncio.wrap_future(scheduler.submit(fn, *args))
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest) -> Any:
+        try:
+            prompts, seed, n, batched, rid = _parse(await _json_body(request), decode)
+        except RequestError as exc:
+            return _gen_error(str(exc))
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[dict[str, Any]]] = []
+        requests: list[ImageRequest] = []
+        base = seed if seed is not None else int(uuid.uuid4().int & 0x7FFFFFFF)
+        for p, row in enumerate(prompts):
+            for i in range(n):
+                future: asyncio.Future[dict[str, Any]] = loop.create_future()
+                one_rid = rid if rid is not None and len(prompts) * n == 1 else f"{rid or uuid.uuid4().hex}-{p}-{i}"
+
+                def done(
+                    traj: Trajectory | None,
+                    version: str,
+                    message: str,
+                    *,
+                    f: Any = future,
+                    r: str = one_rid,
+                    k: int = len(row),
+                ) -> None:
+                    payload = trajectory_payload(traj, rid=r, version=version, prompt_tokens=k, message=message)
+                    loop.call_soon_threadsafe(lambda: f.done() or f.set_result(payload))
+
+                futures.append(future)
+                requests.append(ImageRequest(one_rid, decode(row), (base + i) & 0x7FFFFFFF, len(row), done))
+        scheduler.add(requests)
+        try:
+            results = list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:  # the client went away: free the engine
+            for req in requests:
+                scheduler.abort(req.rid, "client disconnected")
+            raise
+        return results if batched or n > 1 else results[0]
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return Response(status_code=200 if scheduler._thread is not None and scheduler._thread.is_alive() else 503)
+
+    def _model_info() -> dict[str, Any]:
+        config = scheduler.pipe.transformer.config
+        return {
+            "model_path": model_path,
+            "tokenizer_path": f"{model_path}/tokenizer",
+            "is_generation": True,
+            "modality": "image",
+            "weight_version": scheduler.weight_version,
+            "model_type": type(scheduler.pipe.transformer).__name__,
+            "num_hidden_layers": int(config.num_layers),
+            "height": scheduler.sampling.height,
+            "width": scheduler.sampling.width,
+            "num_steps": scheduler.sampling.num_steps,
+        }
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return _model_info()
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        from miles_diffusion import __version__
+
+        return {**server_args, **scheduler.stats(), "version": __version__, "weight_version": scheduler.weight_version}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": scheduler.weight_version}
+
+    async def admin(request: HTTPRequest, handler: Callable[[dict[str, Any]], Awaitable[Any]]) -> Any:
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
+            return await handler(body)
+        except (RequestError, ValueError, TypeError, OSError, RuntimeError) as exc:
+            return _admin_error(str(exc))
+
+    @app.post("/abort_request")
+    async def abort_request(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            rid = body.get("rid")
+            target = None if body.get("abort_all") or rid in (None, "") else str(rid)
+            return {"success": True, "num_aborted": scheduler.abort(target, "aborted by /abort_request")}
+
+        return await admin(request, run)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            mode = body.get("mode", "abort")
+            if mode not in _PAUSE_MODES:
+                raise RequestError(f"mode must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
+            await asyncio.to_thread(scheduler.pause, mode)
+            return {"success": True, "message": f"generation paused (mode {mode})"}
+
+        return await admin(request, run)
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            scheduler.resume()
+            return {"success": True, "message": "generation continued"}
+
+        return await admin(request, run)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Any:
+        return {"success": True, "message": "the image engine keeps no cache"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            path = body.get("model_path")
+            if not isinstance(path, str) or not path:
+                raise RequestError("model_path (a safetensors directory) is required")
+            version = body.get("weight_version")
+
+            def load() -> int:
+                count = load_weights_from_disk(scheduler.pipe.transformer, path)
+                if version is not None:
+                    scheduler.weight_version = str(version)
+                return count
+
+            count = await run_on_worker(load)
+            return {
+                "success": True,
+                "message": f"loaded {count} tensors from {path}",
+                "weight_version": scheduler.weight_version,
+            }
+
+        return await admin(request, run)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            version = body.get("new_version", body.get("weight_version"))
+            if version is None:
+                raise RequestError("new_version is required")
+            await run_on_worker(setattr, scheduler, "weight_version", str(version))
+            return {"success": True, "message": "weight version updated", "new_version": str(version)}
+
+        return await admin(request, run)
+
+    @app.post("/weights_checksum")
+    async def checksum(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            report = await run_on_worker(weights_checksum, scheduler.pipe.transformer)
+            return {"success": True, "weight_version": scheduler.weight_version, **report}
+
+        return await admin(request, run)
+
+    if server_args.get("enable_debug_endpoints"):
+
+        @app.post("/debug/randomize_weights")
+        async def randomize(request: HTTPRequest) -> Any:
+            async def run(body: dict[str, Any]) -> Any:
+                count = await run_on_worker(randomize_weights, scheduler.pipe.transformer, int(body.get("seed", 0)))
+                log.warning("debug: overwrote %d parameters with random values", count)
+                return {"success": True, "num_tensors": count}
+
+            return await admin(request, run)
+
+    return app

@@ -32,6 +32,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
     "weight_sync": {"full": [], "quick": ["--quick"]},
     "disk_delta": {"full": [], "quick": ["--quick"]},
     "scaling": {"full": [], "quick": ["--quick"]},
+    "router": {"full": [], "quick": ["--quick"]},
     "async": {
         "full": [
             "--model",
@@ -52,7 +53,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
 }
 """Benchmarks in run order, with the arguments of a full and a ``--quick`` run."""
 
-OWN_JSON = {"grpo_vs_trl", "weight_sync", "disk_delta", "scaling"}
+OWN_JSON = {"grpo_vs_trl", "weight_sync", "disk_delta", "scaling", "router"}
 """Benchmarks that take ``--device`` / ``--threads`` / ``--results-dir`` and write their own JSON."""
 
 

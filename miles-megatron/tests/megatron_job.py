@@ -186,11 +186,11 @@ def _megatron_rank(
     rank: int, world: int, model: str, moe_model: str | None, out_dir: str, port: int, layouts: list[str]
 ) -> None:
     import torch
-    from miles_megatron.settings import MegatronSettings
-    from miles_megatron.trainer import MegatronTrainer
 
     from miles.precision.builtin import FP32
     from miles.training.trainer import DistContext
+    from miles_megatron.settings import MegatronSettings
+    from miles_megatron.trainer import MegatronTrainer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -83,12 +83,12 @@ def _stages(rank: int, world: int, model: str, options: dict[str, Any], until: s
     """Run the stages up to ``until``, appending each to ``at`` as it starts."""
     import megatron_job as job
     import torch
-    from miles_megatron.model import build_model, build_optimizer, init_parallel, load_hf_config, wrap_for_training
-    from miles_megatron.settings import MegatronSettings
-    from miles_megatron.trainer import MegatronTrainer
 
     from miles.precision.builtin import FP32
     from miles.training.trainer import DistContext
+    from miles_megatron.model import build_model, build_optimizer, init_parallel, load_hf_config, wrap_for_training
+    from miles_megatron.settings import MegatronSettings
+    from miles_megatron.trainer import MegatronTrainer
 
     opts = MegatronSettings(**options)
     train = job._train_settings(model)
@@ -183,10 +183,11 @@ def main() -> None:
     import megatron.core.optimizer
     import megatron.core.pipeline_parallel  # noqa: F401
     import megatron_job  # noqa: F401
+    import transformers  # noqa: F401
+
     import miles_megatron.model
     import miles_megatron.step
     import miles_megatron.trainer  # noqa: F401
-    import transformers  # noqa: F401
     from miles_megatron.cpu_patches import applied_patches
 
     assert applied_patches() == []

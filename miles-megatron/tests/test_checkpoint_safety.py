@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from miles_megatron.checkpoint_safety import UnsafeCheckpointError, check_checkpoint_files
 
 

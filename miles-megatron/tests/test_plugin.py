@@ -50,8 +50,9 @@ def test_miles_plugins_list_shows_trainer_megatron() -> None:
 
 
 def test_settings_reject_unknown_keys_and_bad_sizes() -> None:
-    from miles_megatron.settings import MegatronSettings
     from pydantic import ValidationError
+
+    from miles_megatron.settings import MegatronSettings
 
     with pytest.raises(ValidationError, match="tensor_paralel"):
         MegatronSettings.model_validate({"tensor_paralel": 2})

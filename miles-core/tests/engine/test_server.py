@@ -366,3 +366,16 @@ def test_sigterm_answers_pending_requests_and_exits(engine_models: dict[str, Pat
         reason = answers[0].json()["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and "shutting down" in reason["message"]
     assert "received signal 15: shutting down" in (tmp_path / "engine.log").read_text()
+
+
+def test_server_info_counts_generate_requests(engine: EngineProcess) -> None:
+    """``generate_requests`` / ``generated_samples``: the engine's own count of what it was asked (a call
+    with ``n = 3`` is one request, three samples); health checks and admin calls do not count."""
+    before = httpx.get(engine.url + "/server_info", timeout=30).json()
+    gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "n": 3}})
+    httpx.get(engine.url + "/health_generate", timeout=60)
+    httpx.post(engine.url + "/flush_cache", timeout=30)
+    after = httpx.get(engine.url + "/server_info", timeout=30).json()
+    assert after["generate_requests"] - before["generate_requests"] == 2
+    assert after["generated_samples"] - before["generated_samples"] == 4

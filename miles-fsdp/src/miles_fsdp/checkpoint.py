@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from miles.training.rng import load_rng_state, save_rng_state
+
 __all__ = ["is_dcp_checkpoint", "load_hf_weights", "load_sharded", "save_sharded"]
 
 log = logging.getLogger(__name__)
@@ -66,18 +68,13 @@ def save_sharded(
     rank: int,
 ) -> None:
     """Save models + optimizers (sharded), schedulers, step and every rank's RNG states to ``path``."""
-    from safetensors.torch import save_file
 
     out = Path(path)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     _barrier()
     dcp.save(_app_state(parts), checkpoint_id=str(out))
-    (out / "rng").mkdir(exist_ok=True)
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, str(out / "rng" / f"rank{rank}.safetensors"))
+    save_rng_state(out, rank)
     if rank == 0:
         schedulers = {
             key: {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
@@ -95,7 +92,6 @@ def load_sharded(
     rank: int,
 ) -> int:
     """Restore what :func:`save_sharded` wrote into ``parts``; returns the step."""
-    from safetensors.torch import load_file
 
     src = Path(path)
     state = _app_state(parts)
@@ -106,14 +102,7 @@ def load_sharded(
         sched = scheduler.state_dict()
         sched.update(meta["schedulers"][key])
         scheduler.load_state_dict(sched)
-    rng_file = src / "rng" / f"rank{rank}.safetensors"
-    if rng_file.exists():
-        rng = load_file(str(rng_file))
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    else:
-        log.warning("%s has no RNG state for rank %d (saved with another world size?)", src, rank)
+    load_rng_state(src, rank)
     _barrier()
     return int(meta["step"])
 

@@ -9,16 +9,15 @@ shards with their place in the full tensor, for transports that send them straig
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import weakref
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from miles.training.hf_export import write_hf_checkpoint
 
 if TYPE_CHECKING:
     from miles.training.trainer import WeightShard
@@ -28,16 +27,6 @@ __all__ = ["export_hf_dir", "hf_name", "iter_full_weights", "iter_weight_shards"
 log = logging.getLogger(__name__)
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-)
 
 
 def hf_name(name: str) -> str:
@@ -123,42 +112,11 @@ def export_hf_dir(
 
     A collective: every rank calls; rank 0 writes.
     """
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    shards: list[tuple[str, list[str]]] = []
-    total = 0
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-            old.unlink(missing_ok=True)
-    for bucket in iter_full_weights(model, bucket_bytes, rank=rank):
-        if rank != 0:
-            continue
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in bucket}
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        file = f"shard-{len(shards):05d}.safetensors"
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        shards.append((file, list(tensors)))
-    if rank != 0:
-        return
-    if len(shards) == 1:
-        (out / shards[0][0]).rename(out / "model.safetensors")
-    else:
-        weight_map: dict[str, str] = {}
-        for i, (file, names) in enumerate(shards):
-            final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            (out / file).rename(out / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-    config.save_pretrained(out)  # type: ignore[attr-defined]
-    generation = getattr(model, "generation_config", None)
-    if generation is not None:
-        generation.save_pretrained(out)
-    if source_dir is not None and Path(source_dir).is_dir():
-        for name in _TOKENIZER_FILES:
-            src = Path(source_dir) / name
-            if src.exists():
-                shutil.copy2(src, out / name)
-    log.info("exported a Hugging Face checkpoint to %s (%d shard(s), %.1f MB)", out, len(shards), total / 1e6)
+    write_hf_checkpoint(
+        iter_full_weights(model, bucket_bytes, rank=rank),
+        path,
+        rank=rank,
+        config=config,
+        source_dir=source_dir,
+        generation_config=getattr(model, "generation_config", None),
+    )

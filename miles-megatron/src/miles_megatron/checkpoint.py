@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles.training.rng import load_rng_state, save_rng_state
+
 __all__ = [
     "CRITIC_DIR",
     "STATE_FILE",
@@ -137,7 +139,6 @@ def save_checkpoint(
     the critic's model + optimizer, when given, to ``path/critic`` (its own distributed checkpoint: its
     tensors have the policy's names)."""
     from megatron.core import dist_checkpointing
-    from safetensors.torch import save_file
 
     out = Path(path)
     if rank == 0:
@@ -150,11 +151,7 @@ def save_checkpoint(
             (out / CRITIC_DIR).mkdir(exist_ok=True)
         _barrier()
         dist_checkpointing.save(_sharded(*critic, is_loading=False), str(out / CRITIC_DIR))
-    (out / "rng").mkdir(exist_ok=True)
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, str(out / "rng" / f"rank{rank}.safetensors"))
+    save_rng_state(out, rank)
     _barrier()
     if rank == 0:
         state = {"step": step, "critic_step": critic_step, "critic": critic is not None, "format": _FORMAT}
@@ -182,7 +179,6 @@ def load_checkpoint(
 ) -> tuple[int, int]:
     """Restore what :func:`save_checkpoint` wrote; returns ``(step, critic_step)``."""
     from megatron.core import dist_checkpointing
-    from safetensors.torch import load_file
 
     from miles_megatron.modules import unwrap
 
@@ -201,13 +197,6 @@ def load_checkpoint(
     _load_trained(src, module, optimizer, step)
     if critic is not None:
         _load_trained(src / CRITIC_DIR, *critic, critic_step)
-    rng_file = src / "rng" / f"rank{rank}.safetensors"
-    if rng_file.exists():
-        rng = load_file(str(rng_file))
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    else:
-        log.warning("%s has no RNG state for rank %d (saved with another world size?)", src, rank)
+    load_rng_state(src, rank)
     _barrier()
     return step, critic_step

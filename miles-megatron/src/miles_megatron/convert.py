@@ -71,8 +71,8 @@ def hf_to_megatron(src: str, out: str) -> Path:
         raise FileNotFoundError(f"{src}: not a Hugging Face model directory (no config.json)")
     from megatron.core import dist_checkpointing
 
+    from miles.training.hf_export import TOKENIZER_FILES
     from miles_megatron.checkpoint import STATE_FILE
-    from miles_megatron.weights import _TOKENIZER_FILES
 
     parts, config = _build(src, src)
     dst = Path(out)
@@ -82,7 +82,7 @@ def hf_to_megatron(src: str, out: str) -> Path:
     hf = dst / HF_SUBDIR
     hf.mkdir(exist_ok=True)
     config.save_pretrained(hf)
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         if (Path(src) / name).exists():
             shutil.copy2(Path(src) / name, hf / name)
     (dst / STATE_FILE).write_text(json.dumps({"step": 0, "model_only": True, "format": "megatron-dist-checkpointing"}))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from miles.training.comm import all_gather_json
+from miles.training.hf_export import write_hf_checkpoint
 
 __all__ = [
     "check_hf_keys",
@@ -37,17 +37,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "generation_config.json",
-)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -182,39 +171,5 @@ def export_hf_dir(
 ) -> None:
     """Write a HF safetensors directory (shards of about ``bucket_bytes`` + index, ``config.json``,
     tokenizer and generation files copied from ``source_dir``). A collective; rank 0 writes."""
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    shards: list[tuple[str, list[str]]] = []
-    total = 0
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-            old.unlink(missing_ok=True)
-    for bucket in iter_buckets(iter_hf_weights(bridge, model), bucket_bytes, keep=rank == 0):
-        if rank != 0:
-            continue
-        tensors = dict(bucket)
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        file = f"shard-{len(shards):05d}.safetensors"
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        shards.append((file, list(tensors)))
-    if rank != 0:
-        return
-    if len(shards) == 1:
-        (out / shards[0][0]).rename(out / "model.safetensors")
-    else:
-        weight_map: dict[str, str] = {}
-        for i, (file, names) in enumerate(shards):
-            final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            (out / file).rename(out / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-    hf_config.save_pretrained(out)
-    if source_dir is not None and Path(source_dir).is_dir():
-        for name in _TOKENIZER_FILES:
-            src = Path(source_dir) / name
-            if src.exists() and src.resolve() != (out / name).resolve():
-                shutil.copy2(src, out / name)
-    log.info("exported a Hugging Face checkpoint to %s (%d shard(s), %.1f MB)", out, len(shards), total / 1e6)
+    buckets = iter_buckets(iter_hf_weights(bridge, model), bucket_bytes, keep=rank == 0)
+    write_hf_checkpoint(buckets, path, rank=rank, config=hf_config, source_dir=source_dir)

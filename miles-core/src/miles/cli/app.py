@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from miles.errors import MilesError
 
@@ -83,5 +84,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv)
     except MilesError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        # the message is text, not markup: "miles-sglang[sglang]" or "reward.functions[0]" print as written
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
         sys.exit(exc.exit_code)

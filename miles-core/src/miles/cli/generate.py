@@ -73,15 +73,14 @@ def evaluate(
 
 def _run_against_engines(run: Run, job: Callable[[EngineClient], Awaitable[T]]) -> T:
     """Launch the engines the settings describe, run ``job(client)``, tear everything down."""
-    from miles.driver.launch import launch_engines
-    from miles.rollout.http_client import HttpEngineClient
+    from miles.driver.launch import launch_fleet
 
     run.materialize_model()
     with run.launcher() as launcher:
-        urls = launch_engines(run, launcher)
+        fleet = launch_fleet(run, launcher)
 
         async def main() -> T:
-            client = HttpEngineClient(urls)
+            client = fleet.client()
             try:
                 return await job(client)
             finally:

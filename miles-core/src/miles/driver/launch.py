@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
     from miles.driver.run import Run
     from miles.launch.base import Launcher
+    from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 
-__all__ = ["launch_engines", "run_training"]
+__all__ = ["launch_engines", "launch_fleet", "run_training", "start_router"]
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,13 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
 
 
 def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None, wait: bool = True) -> list[str]:
-    """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs (``wait=False``:
-    without waiting for them, see :meth:`Launcher.wait_engines`)."""
+    """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs. With ``wait`` (the
+    default) their prefix caches are flushed once they are up; ``wait=False`` returns without waiting for
+    them (see :meth:`Launcher.wait_engines`).
+
+    On CUDA engine ``i`` gets ``gpus_per_engine`` GPUs from ``first + i x gpus_per_engine``: ``first`` is 0
+    when colocated (engines share the trainer ranks' GPUs) and ``cluster.trainer_ranks`` otherwise (trainer
+    rank ``r`` uses GPU ``r``)."""
     from miles.launch.rendezvous import free_port
 
     settings = run.settings
@@ -67,6 +73,9 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
 
         raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
     launches = []
+    gpus = engine.gpus_per_engine
+    # colocated engines share the trainer's GPUs; the others take the GPUs after the trainer ranks'
+    first = 0 if settings.cluster.colocate else settings.cluster.trainer_ranks
     for i in range(settings.cluster.num_engines):
         launch = engine.launch(
             model_path=path,
@@ -74,11 +83,72 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
             port=free_port(settings.cluster.host),
             device=settings.cluster.device,
             dtype=run.engine_dtype,
-            devices=[i] if settings.cluster.device == "cuda" else [],
+            devices=list(range(first + i * gpus, first + (i + 1) * gpus)) if settings.cluster.device == "cuda" else [],
+            rank=i,
+            seed=settings.train.seed,
+            colocate=settings.cluster.colocate,
         )
         launch.env = {**_child_env(settings, role="engine"), **launch.env}
         launches.append(launch)
-    return launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout, wait=wait)
+    urls = launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout, wait=wait)
+    if wait:
+        _flush(urls)
+    return urls
+
+
+def _flush(urls: list[str]) -> None:
+    """Empty each engine's prefix cache once it is up (its health check generated a token)."""
+    import httpx
+
+    from miles.errors import LaunchError
+
+    with httpx.Client(timeout=60.0, trust_env=False) as client:
+        for url in urls:
+            resp = client.post(url.rstrip("/") + "/flush_cache")
+            if resp.status_code >= 400:
+                raise LaunchError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")
+
+
+def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
+    """Start the ``rollout.router`` (smg) in front of ``engine_urls`` through the launcher, which owns it;
+    return its URL once it reports every engine healthy and registered."""
+    from miles.launch.base import ProcessSpec
+    from miles.launch.process import describe_exit
+    from miles.launch.rendezvous import free_port
+    from miles.rollout.router import smg_argv, wait_for_router
+
+    settings = run.settings
+    host = settings.cluster.host
+    port = free_port(host)
+    argv = smg_argv(settings.rollout.router, engine_urls, host=host, port=port, prometheus_port=free_port(host))
+    process = launcher.start_process(ProcessSpec(name="router", argv=argv))
+    url = f"http://{host}:{port}"
+
+    def exited() -> str | None:
+        code = process.exit_status()
+        return None if code is None else f"{describe_exit(code)}; last lines of its log:\n{process.log_tail(20)}"
+
+    wait_for_router(url, engine_urls, timeout=settings.rollout.router.startup_timeout, exited=exited)
+    log.info(
+        "router (smg, policy %s) is up at %s in front of %d engines",
+        settings.rollout.router.policy,
+        url,
+        len(engine_urls),
+    )
+    return url
+
+
+def launch_fleet(run: Run, launcher: Launcher, *, model_path: str | None = None, wait: bool = True) -> EngineFleet:
+    """The engines (:func:`launch_engines`) and, with ``rollout.router = "smg"``, the router in front of them.
+
+    ``wait=False`` returns without waiting for the engines when there is no router (a router is started
+    once its engines are up, so with one the engines are always waited for)."""
+    from miles.rollout.router import EngineFleet
+
+    router = run.settings.rollout.router
+    urls = launch_engines(run, launcher, model_path=model_path, wait=wait or router.name == "smg")
+    router_url = start_router(run, launcher, urls) if urls and router.name == "smg" else None
+    return EngineFleet(urls, router_url=router_url, routing_key_header=router.routing_key_header)
 
 
 def run_training(
@@ -99,9 +169,10 @@ def run_training(
     write_resolved_settings(settings, run_dir / "settings.json")
     with run.launcher(run_dir=str(run_dir)) as launcher:
         # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
-        # rank 0 waits for the engines' health before it talks to them
-        urls = launch_engines(run, launcher, wait=False) if run.algorithm.needs.rollout else []
-        (run_dir / "launch.json").write_text(json.dumps({"engine_urls": urls, "resume": resume}))
+        # rank 0 waits for the engines' health before it talks to them (with a router they are waited for here)
+        fleet = launch_fleet(run, launcher, wait=False) if run.algorithm.needs.rollout else None
+        engines = fleet.to_json() if fleet is not None else {"engine_urls": []}
+        (run_dir / "launch.json").write_text(json.dumps({**engines, "resume": resume}))
         env = _child_env(settings)
         specs = trainer_specs(
             [sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env

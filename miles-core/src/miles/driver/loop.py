@@ -43,8 +43,10 @@ if TYPE_CHECKING:
     from miles.rewards.scoring import RewardScorer
     from miles.rollout.client import EngineClient
     from miles.rollout.manager import RolloutManager
+    from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
     from miles.training.trainer import DistContext
+    from miles.transport.verify import WeightSampler
     from miles.types import PushReport
 
 __all__ = ["TrainingLoop", "run_to_completion"]
@@ -85,16 +87,27 @@ class TrainingLoop:
     """Owns the components of one run on one rank.
 
     :param engine_urls: base URLs of the engines (rank 0 talks to them; empty for SFT).
+    :param fleet: the engines and the router in front of them, when one was launched (its engine URLs
+        are ``engine_urls``).
     :param resume: a checkpoint to continue from (see :func:`find_checkpoint`).
     """
 
-    def __init__(self, run: Run, dist: DistContext, *, engine_urls: list[str], resume: str | None = None) -> None:
+    def __init__(
+        self,
+        run: Run,
+        dist: DistContext,
+        *,
+        engine_urls: list[str],
+        fleet: EngineFleet | None = None,
+        resume: str | None = None,
+    ) -> None:
         settings = run.settings
         self.run_components = run
         self.settings: MilesSettings = settings
         self.pm = run.plugins
         self.dist = dist
         self.engine_urls = engine_urls
+        self.fleet = fleet
         self.resume = resume
         self.run_dir = Path(settings.log.run_dir)
         self.ckpt_root = Path(settings.checkpoint.dir or self.run_dir / "checkpoints")
@@ -106,6 +119,12 @@ class TrainingLoop:
         self.algorithm = run.algorithm
         self.trainer = run.trainer(dist)
         self.transport = run.transport() if engine_urls else None
+        self.sampler: WeightSampler | None = None
+        """Rank 0, engines without a checksum route: samples each push for :func:`verify_sampled`."""
+        if self.transport is not None and settings.transport.verify and not run.engine_capabilities.weights_checksum:
+            from miles.transport.verify import WeightSampler
+
+            self.sampler = WeightSampler(self.transport.engine_dtype)
         self.publisher: WeightPublisher = (
             OverlappedPublisher(self) if self._overlaps_commit() else InlinePublisher(self)
         )
@@ -161,9 +180,9 @@ class TrainingLoop:
             self.source = SFTBatches(self.data, self.tokenizer, batch_size=settings.rollout.rollout_batch_size)
         if not self.engine_urls:
             return
-        from miles.rollout.http_client import HttpEngineClient
+        from miles.rollout.router import EngineFleet
 
-        self.client = HttpEngineClient(self.engine_urls)
+        self.client = (self.fleet or EngineFleet(self.engine_urls)).client()
         self.scorer = run.scorer()
         self.manager = run.rollout_manager(self.client, self.scorer)
         if self.source is not None:
@@ -338,7 +357,10 @@ class TrainingLoop:
     def rollout_buckets(self) -> Iterator[list[tuple[str, Any]]]:
         """The trainer's weights in buckets, converted to what the engines serve (a collective: every rank)."""
         buckets = self.trainer.iter_weights(self.settings.transport.bucket_bytes)
-        return ([*self.precision.rollout_weights(bucket)] for bucket in buckets)
+        converted = ([*self.precision.rollout_weights(bucket)] for bucket in buckets)
+        if self.sampler is not None and self.is_driver:
+            return self.sampler.observe(converted)
+        return converted
 
     async def randomize_engines(self, step: int) -> None:
         """Test mode ``transport.randomize_engines_first``: random engine weights before a push (rank 0)."""
@@ -351,10 +373,15 @@ class TrainingLoop:
         """Rank 0: check the engines serve what was pushed (``transport.verify``); tell the plugins."""
         if not self.is_driver:
             return
-        from miles.transport.verify import verify_engines
+        from miles.transport.verify import verify_engines, verify_sampled
 
         assert self.transport is not None
-        if self.settings.transport.verify:
+        if self.settings.transport.verify and self.sampler is not None:
+            assert self.client is not None
+            report.verification = await verify_sampled(
+                self.client, version=report.version, samples=self.sampler.samples
+            )
+        elif self.settings.transport.verify:
             assert self.client is not None
             report.verification = await verify_engines(
                 self.client,

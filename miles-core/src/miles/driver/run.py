@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from miles.precision.base import PrecisionRecipe
     from miles.rewards.scoring import NamedReward, RewardScorer, Scorer
     from miles.rollout.client import EngineClient
-    from miles.rollout.engine import RolloutEngine
+    from miles.rollout.engine import EngineCapabilities, RolloutEngine
     from miles.rollout.function import RolloutFunction
     from miles.rollout.manager import RolloutManager
     from miles.settings.model import MilesSettings, RolloutSettings
@@ -227,6 +227,12 @@ class Run:
             run_dir=s.log.run_dir, model_path=s.train.model_path, engine_dtype=self.engine_dtype
         )
         return transport
+
+    @property
+    def engine_capabilities(self) -> EngineCapabilities:
+        """What the selected rollout engine supports (its class's ``capabilities``)."""
+        capabilities: EngineCapabilities = self["rollout.engine"].registration.component.capabilities
+        return capabilities
 
     def rollout_engine(self) -> RolloutEngine:
         engine: RolloutEngine = self["rollout.engine"].create()

@@ -42,6 +42,7 @@ async def _run(run_dir: Path) -> None:
 
     from miles.driver.loop import TrainingLoop, run_to_completion
     from miles.driver.run import build_run
+    from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 
     settings = MilesSettings.model_validate(json.loads((run_dir / "settings.json").read_text()))
@@ -50,7 +51,8 @@ async def _run(run_dir: Path) -> None:
     backend = "nccl" if ctx.device == "cuda" else "gloo"  # type: ignore[attr-defined]
     dist.init_process_group(backend=backend)
     run = build_run(settings)
-    loop = TrainingLoop(run, ctx, engine_urls=launch["engine_urls"], resume=launch.get("resume"))  # type: ignore[arg-type]
+    fleet = EngineFleet.from_json(launch)
+    loop = TrainingLoop(run, ctx, engine_urls=fleet.engine_urls, fleet=fleet, resume=launch.get("resume"))  # type: ignore[arg-type]
     try:
         await run_to_completion(loop)
     finally:

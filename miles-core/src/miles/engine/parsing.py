@@ -15,7 +15,10 @@ from typing import Any
 from miles.engine.request import Request
 from miles.rollout.protocol import SamplingParams
 
-__all__ = ["GenerateBatch", "RequestError", "parse_generate"]
+__all__ = ["MAX_N", "GenerateBatch", "RequestError", "parse_generate"]
+
+MAX_N = 256
+"""The most completions one prompt may ask for (``sampling_params.n``): beyond it a request is refused."""
 
 _SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
 # keys SGLang accepts that this engine takes but does not act on (they do not change the distribution)
@@ -69,7 +72,7 @@ def _sampling(raw: Any) -> SamplingParams:
         (isinstance(cfg.top_p, (int, float)) and 0 < cfg.top_p <= 1, "top_p must be in (0, 1]"),
         (isinstance(cfg.top_k, int) and (cfg.top_k == -1 or cfg.top_k >= 1), "top_k must be -1 or >= 1"),
         (isinstance(cfg.min_p, (int, float)) and 0 <= cfg.min_p <= 1, "min_p must be in [0, 1]"),
-        (isinstance(cfg.n, int) and cfg.n >= 1, "n must be an integer >= 1"),
+        (isinstance(cfg.n, int) and 1 <= cfg.n <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
         (cfg.sampling_seed is None or isinstance(cfg.sampling_seed, int), "sampling_seed must be an integer"),
         (
             isinstance(cfg.stop, list) and all(isinstance(s, str) and s for s in cfg.stop),

@@ -27,8 +27,20 @@ class LocalEngine(RolloutEngine[EngineOptions]):
     capabilities = EngineCapabilities(update_weights_from_disk=True, routed_experts=True)
 
     def launch(
-        self, *, model_path: str, host: str, port: int, device: str, dtype: str, devices: list[int]
+        self,
+        *,
+        model_path: str,
+        host: str,
+        port: int,
+        device: str,
+        dtype: str,
+        devices: list[int],
+        rank: int = 0,
+        seed: int = 0,
+        colocate: bool = False,
     ) -> EngineLaunch:
+        """``python -m miles.engine`` flags from the settings (``rank``, ``seed`` and ``colocate`` change
+        nothing: requests carry their sampling seeds; memory release works with or without colocation)."""
         where: dict[str, Any] = {"model": Path(model_path), "host": host, "port": port, "device": device}
         where["dtype"] = "auto" if dtype in ("", "auto") else dtype
         serve = ServeOptions.model_construct(**self.settings.model_dump(), **where)

@@ -16,10 +16,12 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from miles.engine.api_schema import describe_bodies
 from miles.engine.parsing import RequestError, parse_generate
 from miles.engine.request import Request
+from miles.engine.responses import admin_error, generate_error, json_body
 from miles.engine.state import EngineState
 from miles.types import PauseMode
 
@@ -30,24 +32,6 @@ log = logging.getLogger(__name__)
 _PAUSE_MODES = typing.get_args(PauseMode)
 
 
-def _gen_error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-
-def _admin_error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"success": False, "message": message}, status_code=status)
-
-
-async def _json_body(request: HTTPRequest) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from None
-
-
 def create_app(state: EngineState) -> FastAPI:
     """The FastAPI application serving ``state``."""
     app = FastAPI(title="miles local engine")
@@ -56,7 +40,7 @@ def create_app(state: EngineState) -> FastAPI:
     @app.middleware("http")
     async def _auth(request: HTTPRequest, call_next: Callable[[HTTPRequest], Any]) -> Any:
         if state.api_key is not None and request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-            return _gen_error("missing or wrong API key (Authorization: Bearer <key>)", 401)
+            return generate_error("missing or wrong API key (Authorization: Bearer <key>)", 401)
         return await call_next(request)
 
     async def _run(body: Any) -> tuple[Any, bool, list[asyncio.Queue[tuple[dict[str, Any], bool]]], list[Request]]:
@@ -88,10 +72,12 @@ def create_app(state: EngineState) -> FastAPI:
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Any:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             batch, stream, queues, reqs = await _run(body)
         except RequestError as exc:
-            return _gen_error(str(exc))
+            return generate_error(str(exc))
+        state.generate_requests += 1
+        state.generated_samples += len(reqs)
         if not stream:
             try:
                 results = []
@@ -166,7 +152,14 @@ def create_app(state: EngineState) -> FastAPI:
         from miles._version import __version__
 
         stats = await asyncio.wrap_future(sched.submit(sched.stats))
-        return {**state.server_args, **stats, "version": __version__, "weight_version": sched.weight_version}
+        counters = {"generate_requests": state.generate_requests, "generated_samples": state.generated_samples}
+        return {
+            **state.server_args,
+            **stats,
+            **counters,
+            "version": __version__,
+            "weight_version": sched.weight_version,
+        }
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
@@ -174,12 +167,12 @@ def create_app(state: EngineState) -> FastAPI:
 
     async def _admin(request: HTTPRequest, handler: Callable[[dict[str, Any]], Any]) -> Any:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
             return await handler(body)
         except (RequestError, ValueError, TypeError, OSError, RuntimeError) as exc:
-            return _admin_error(str(exc))
+            return admin_error(str(exc))
 
     @app.post("/abort_request")
     async def abort_request(request: HTTPRequest) -> Any:
@@ -212,7 +205,8 @@ def create_app(state: EngineState) -> FastAPI:
 
         return await _admin(request, run)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache() -> Any:
         await asyncio.wrap_future(sched.submit(sched.flush_cache))
         return {"success": True, "message": "cache flushed"}
@@ -257,4 +251,5 @@ def create_app(state: EngineState) -> FastAPI:
     add_weight_routes(app, state, _admin)
     add_delta_routes(app, state, _admin)
     add_p2p_routes(app, state, _admin)
+    describe_bodies(app, vocab_size=sched.runner.vocab_size, context_length=sched.context_length)
     return app

@@ -25,6 +25,10 @@ class EngineState:
     on_randomize: list[Callable[[int], None]] = field(default_factory=list)
     """Called with the seed by ``/debug/randomize_weights`` (on the scheduler thread): more weight memory
     to overwrite, such as the receive buffers of point-to-point sessions."""
+    generate_requests: int = 0
+    """``/generate`` calls answered so far (``/server_info`` reports it: which engine served how much)."""
+    generated_samples: int = 0
+    """Completions those calls asked for (a call with ``n = 4`` counts 4)."""
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

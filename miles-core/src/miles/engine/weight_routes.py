@@ -1,10 +1,12 @@
 """HTTP routes of distributed weight updates and weight verification (see :mod:`miles.engine.weight_sync`).
 
 SGLang's names and fields: ``/init_weights_update_group {master_address, master_port, rank_offset,
-world_size, group_name, backend}``, ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
-flush_cache, weight_version}``, ``/destroy_weights_update_group {group_name}``. Miles adds
+world_size, group_name, backend}``, ``/begin_weight_update {}`` and ``/end_weight_update {}`` around
+``/update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version}``,
+``/destroy_weights_update_group {group_name}``. Miles adds
 ``/weights_checksum`` and, with ``--enable-debug-endpoints``, ``/debug/randomize_weights {seed}``; and
-SGLang's ``/release_memory_occupation {tags}`` / ``/resume_memory_occupation {tags}`` for colocation.
+SGLang's ``/release_memory_occupation {tags}`` / ``/resume_memory_occupation {tags}`` for colocation and
+``/get_weights_by_name {name, truncate_size}`` (the first rows of a parameter, for sampled verification).
 
 A distributed update arrives in several buckets; the first one pauses generation (``retract``: running
 requests give back their KV and are recomputed on the new weights), and the version bump that closes
@@ -22,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
-from miles.engine.weight_sync import MemoryOccupation, WeightGroups, randomize_weights, weights_checksum
+from miles.engine.weight_sync import (
+    MemoryOccupation,
+    WeightGroups,
+    randomize_weights,
+    weights_by_name,
+    weights_checksum,
+)
 
 if TYPE_CHECKING:
     from miles.engine.state import EngineState
@@ -82,6 +90,27 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
         return await admin(request, run)
 
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            await run_on_scheduler(begin_update)
+            return {"success": True, "message": "weight update begun (generation paused)"}
+
+        return await admin(request, run)
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            def end() -> None:
+                if updating["auto_paused"]:
+                    updating["auto_paused"] = False
+                    sched.resume()
+
+            await run_on_scheduler(end)
+            return {"success": True, "message": "weight update ended"}
+
+        return await admin(request, run)
+
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: HTTPRequest) -> Any:
         async def run(body: dict[str, Any]) -> Any:
@@ -136,6 +165,18 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
         async def run(body: dict[str, Any]) -> Any:
             report = await run_on_scheduler(weights_checksum, sched.runner.model)
             return {"success": True, "weight_version": sched.weight_version, **report}
+
+        return await admin(request, run)
+
+    @app.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
+    @app.post("/get_weights_by_name", operation_id="get_weights_by_name_post")
+    async def get_weights_by_name(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            name = _require(body, "name", str)
+            size = body.get("truncate_size", 100)
+            if not isinstance(size, int) or isinstance(size, bool):
+                raise ValueError("truncate_size must be an integer")
+            return await run_on_scheduler(weights_by_name, sched.runner.model, name, size)
 
         return await admin(request, run)
 

@@ -5,6 +5,9 @@
   ``rank_offset``) and receives broadcast tensors into its parameters, by Hugging Face name.
 - ``/weights_checksum`` (a Miles endpoint): a SHA-256 per parameter of what the engine serves, plus the
   names that alias another parameter (tied embeddings), so the driver can prove every tensor was updated.
+- SGLang's ``/get_weights_by_name {name, truncate_size}``: the first ``truncate_size`` rows of a parameter
+  (by HF name; a tied alias answers with its owner) as float32 lists, as SGLang answers it — what the
+  driver samples to verify engines that have no checksum route.
 - ``/debug/randomize_weights`` (only with ``--enable-debug-endpoints``): overwrite every parameter with
   random values, so a test can show a push really overwrote all of them.
 
@@ -22,7 +25,7 @@ import torch
 from miles.transport.broadcast import make_process_group
 from miles.transport.verify import tensor_checksum
 
-__all__ = ["WeightGroups", "load_named_tensors", "parameter_aliases", "weights_checksum"]
+__all__ = ["WeightGroups", "load_named_tensors", "parameter_aliases", "weights_by_name", "weights_checksum"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,18 @@ def weights_checksum(model: torch.nn.Module) -> dict[str, Any]:
     checksums = {name: tensor_checksum(p) for name, p in model.named_parameters()}
     dtype = next(model.parameters()).dtype
     return {"checksums": checksums, "aliases": parameter_aliases(model), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def weights_by_name(model: torch.nn.Module, name: str, truncate_size: int = 100) -> list[Any]:
+    """SGLang's ``/get_weights_by_name``: ``param.float().tolist()[:truncate_size]`` (rows of a matrix,
+    values of a vector). An unknown name is a ``ValueError``."""
+    params = _parameters(model)
+    if name not in params:
+        raise ValueError(f"the model has no parameter {name!r}")
+    if truncate_size < 1:
+        raise ValueError(f"truncate_size must be >= 1, got {truncate_size}")
+    rows: list[Any] = params[name].detach()[:truncate_size].to(device="cpu", dtype=torch.float32).tolist()
+    return rows
 
 
 def randomize_weights(model: torch.nn.Module, seed: int) -> int:

@@ -75,12 +75,13 @@ class EngineClient(ABC):
         """
 
     async def update_weight_version(self, weight_version: str) -> None:
-        """Make every engine report ``weight_version`` (SGLang's ``/update_weight_version``).
+        """Make every engine report ``weight_version`` (SGLang's ``/update_weight_version``; requests in
+        flight keep running: ``abort_all_requests`` is sent false, SGLang's default is true).
 
         .. versionadded:: 0.1 (not abstract: the default posts through :meth:`call`)
         """
         for url in self.urls:
-            await self.call(url, "/update_weight_version", {"new_version": weight_version})
+            await self.call(url, "/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
 
     async def health(self) -> list[bool]:
         """Whether each engine answers ``/health`` (in :attr:`urls` order).

@@ -24,6 +24,9 @@ class EngineCapabilities:
     update_weights_from_distributed: bool = False
     release_memory: bool = False
     routed_experts: bool = False
+    weights_checksum: bool = True
+    """Serves Miles' ``/weights_checksum`` (every tensor verified by SHA-256); without it a push is verified
+    by sampling rows through SGLang's ``/get_weights_by_name``."""
 
 
 @dataclass
@@ -45,12 +48,30 @@ class RolloutEngine(Component[SettingsT], ABC):
 
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
 
+    @property
+    def gpus_per_engine(self) -> int:
+        """GPUs one engine uses on CUDA (its tensor-parallel size); the launcher places that many."""
+        return 1
+
     @abstractmethod
     def launch(
-        self, *, model_path: str, host: str, port: int, device: str, dtype: str, devices: list[int]
+        self,
+        *,
+        model_path: str,
+        host: str,
+        port: int,
+        device: str,
+        dtype: str,
+        devices: list[int],
+        rank: int = 0,
+        seed: int = 0,
+        colocate: bool = False,
     ) -> EngineLaunch:
         """The command that serves ``model_path`` on ``host:port``.
 
         :param device: ``cpu`` or ``cuda``.
-        :param devices: device indices this engine may use (empty on CPU).
+        :param devices: device indices this engine may use (empty on CPU; :attr:`gpus_per_engine` of them).
+        :param rank: this engine's index in the fleet (``0 .. cluster.num_engines - 1``).
+        :param seed: the run's seed (``train.seed``); an engine seeds its sampler with ``seed + rank``.
+        :param colocate: engines share devices with the trainer (``cluster.colocate``).
         """

@@ -7,6 +7,12 @@ Routing across several engines:
   adding or removing an engine moves only the keys that engine owned;
 - without one, the engine with the fewest requests outstanding from this client gets the request.
 
+With a ``router_url`` (a real router, :mod:`miles.rollout.router`) the client does not route: every
+``/generate`` goes to the router with the routing key in the ``routing_key_header`` header, and the
+router picks the engine (it names it in its response; ``meta_info["engine_url"]``). Every control call
+(abort, pause, continue, flush, model info, weight updates, :meth:`call`) still goes to each engine
+directly.
+
 Failures: transport errors (refused connection, reset, timeout) and HTTP 502/503/504 are retried with
 exponential backoff; unkeyed requests retry on another engine. HTTP 4xx is not retried: it raises
 :class:`~miles.errors.EngineError` with the engine's message (SGLang's ``{"error": {"message"}}`` or
@@ -19,6 +25,7 @@ import asyncio
 import bisect
 import hashlib
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,11 +35,24 @@ from miles.errors import EngineError
 from miles.rollout.client import EngineClient
 from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
 
-__all__ = ["EngineHTTPError", "HttpEngineClient"]
+__all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routing_header_value"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {502, 503, 504}
+
+ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
+"""Response header in which the router (smg) names the engine, by URL, that served a request."""
+
+_VALID_KEY = re.compile(r"^[!-~]{1,128}$")  # a routing key smg accepts: 1-128 visible ASCII characters
+
+
+def routing_header_value(key: str) -> str:
+    """The routing key as the router accepts it: as is when it is 1-128 visible ASCII characters, else a
+    digest (smg ignores a longer or non-ASCII key and would place the request at random)."""
+    if _VALID_KEY.match(key):
+        return key
+    return "h-" + hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
 
 
 class EngineHTTPError(EngineError):
@@ -74,6 +94,8 @@ class HttpEngineClient(EngineClient):
     :param max_retries: retries after the first attempt for retryable failures.
     :param backoff: first retry delay in seconds (doubles each time, capped at ``max_backoff``).
     :param virtual_nodes: points per engine on the consistent-hash ring.
+    :param router_url: base URL of a router that generation goes through (``None``: route here).
+    :param routing_key_header: the header that carries the routing key to the router.
     """
 
     def __init__(
@@ -87,6 +109,8 @@ class HttpEngineClient(EngineClient):
         backoff: float = 0.25,
         max_backoff: float = 4.0,
         virtual_nodes: int = 64,
+        router_url: str | None = None,
+        routing_key_header: str = "x-session-id",
     ) -> None:
         if not urls:
             raise ValueError("HttpEngineClient needs at least one engine URL")
@@ -107,6 +131,9 @@ class HttpEngineClient(EngineClient):
         self.outstanding: dict[str, int] = {url: 0 for url in self._urls}
         """Requests in flight per engine (from this client)."""
         self._rid_url: dict[str, str] = {}
+        self.router_url = router_url.rstrip("/") if router_url else None
+        """The router generation goes through, if any."""
+        self.routing_key_header = routing_key_header
 
     @property
     def urls(self) -> Sequence[str]:
@@ -126,11 +153,23 @@ class HttpEngineClient(EngineClient):
 
     # -------------------------------------------------------------------- HTTP
     async def _request(self, method: str, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> Any:
+        resp = await self._send(method, url, endpoint, payload)
+        return resp.json() if resp.content else {}
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        endpoint: str,
+        payload: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """One request with the retry policy of the module docstring; the successful response."""
         delay = self.backoff
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:
-                resp = await self._http.request(method, url + endpoint, json=payload)
+                resp = await self._http.request(method, url + endpoint, json=payload, headers=headers)
             except httpx.TransportError as exc:
                 if last:
                     raise EngineError(
@@ -139,7 +178,7 @@ class HttpEngineClient(EngineClient):
                 log.debug("%s%s: %s, retrying in %.2fs", url, endpoint, exc, delay)
             else:
                 if resp.status_code < 400:
-                    return resp.json() if resp.content else {}
+                    return resp
                 if resp.status_code not in _RETRY_STATUS or last:
                     raise EngineHTTPError(
                         f"{url}{endpoint}: HTTP {resp.status_code}: {_message(resp)}", resp.status_code
@@ -176,6 +215,9 @@ class HttpEngineClient(EngineClient):
             payload["return_routed_experts"] = True
         if rid is not None:
             payload["rid"] = rid
+        if self.router_url is not None:
+            body, url = await self._generate_via_router(payload, routing_key)
+            return self._outputs(body, url)
         tried: list[str] = []
         delay = self.backoff
         while True:
@@ -198,6 +240,18 @@ class HttpEngineClient(EngineClient):
                 self.outstanding[url] -= 1
                 if rid is not None:
                     self._rid_url.pop(rid, None)
+        return self._outputs(body, url)
+
+    async def _generate_via_router(self, payload: dict[str, Any], routing_key: str | None) -> tuple[Any, str]:
+        """``/generate`` through the router; the body and the engine that served it (as the router says)."""
+        assert self.router_url is not None
+        headers = {self.routing_key_header: routing_header_value(routing_key)} if routing_key is not None else None
+        resp = await self._send("POST", self.router_url, "/generate", payload, headers=headers)
+        served_by = resp.headers.get(ROUTED_WORKER_HEADER, "").rstrip("/")
+        return resp.json(), served_by if served_by in self._urls else self.router_url
+
+    @staticmethod
+    def _outputs(body: Any, url: str) -> list[GenerateOutput]:
         entries = body if isinstance(body, list) else [body]
         outputs = []
         for entry in entries:
@@ -233,7 +287,7 @@ class HttpEngineClient(EngineClient):
         )
 
     async def update_weight_version(self, weight_version: str) -> None:
-        await self._all("POST", "/update_weight_version", {"new_version": weight_version})
+        await self._all("POST", "/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
 
     async def health(self) -> list[bool]:
         async def one(url: str) -> bool:

@@ -25,6 +25,7 @@ __all__ = [
     "RewardFunctionSpec",
     "RewardSettings",
     "RolloutSettings",
+    "RouterSettings",
     "TeacherSettings",
     "TrainSettings",
     "TransportSpec",
@@ -145,11 +146,48 @@ class TeacherSettings(_Section):
     """Seconds one scoring request may take."""
 
 
+class RouterSettings(_Section):
+    """The router in front of the engines: ``rollout.router = "smg"`` or a ``[rollout.router]`` table.
+
+    Generation goes through the router with the request's group or session id in a header; control calls
+    (pause, weights, memory, flush, version, checksums) go to every engine directly.
+    """
+
+    name: Literal["none", "smg"] = "none"
+    """``none``: the engine client routes itself (consistent hashing on the routing key); ``smg``: the
+    SGLang Model Gateway (``pip install smg``), started by the launcher on ``cluster.host``."""
+    policy: Literal[
+        "manual", "consistent_hashing", "cache_aware", "prefix_hash", "round_robin", "power_of_two", "random"
+    ] = "manual"
+    """smg's policy. ``manual`` pins each routing key (group, session) to one engine, chosen by
+    ``assignment_mode`` at its first request; ``consistent_hashing`` hashes the key; ``cache_aware``
+    routes by prefix overlap and keeps a key where its first request went (smg's routing-key override);
+    ``prefix_hash``, ``round_robin``, ``power_of_two`` and ``random`` ignore the key."""
+    assignment_mode: Literal["random", "min_load", "min_group"] = "min_group"
+    """How ``manual`` places a new key: on the engine holding the fewest keys (``min_group``: 8 groups in
+    flight over 2 engines split 4/4), the fewest requests in flight (``min_load``) or at random."""
+    routing_key_header: str = "x-session-id"
+    """Header carrying the routing key (smg ``--routing-key-headers``)."""
+    health_check_interval: int = Field(10, ge=1)
+    """Seconds between smg's health checks of each engine (``/health``)."""
+    startup_timeout: float = Field(60.0, gt=0)
+    """Seconds to wait for the router to report every engine healthy."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More ``smg launch`` flags, passed as given (e.g. ``["--cache-threshold", "0.5"]``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
 class RolloutSettings(_Section):
     """Generation."""
 
     engine: PluginSpec = Field(default_factory=lambda: PluginSpec(name="local"))
     """Rollout-engine backend: ``local`` (``miles serve``) or ``sglang``."""
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    """Router in front of the engines: ``none`` (the client routes) or ``smg`` (see ``[rollout.router]``)."""
     function: str | None = None
     """Custom rollout function: a registered name or ``package.module:function`` (default: single-turn)."""
     mode: Literal["sync", "one_step_off", "fully_async"] = "sync"

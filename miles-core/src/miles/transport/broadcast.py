@@ -4,7 +4,9 @@ Trainer rank 0 is rank 0 of a separate process group (gloo on CPU, NCCL on GPU) 
 ``TCPStore``; engine ``i`` joins as rank ``1 + i`` through SGLang's ``/init_weights_update_group``. For
 each bucket, rank 0 announces names, dtypes and shapes with ``/update_weights_from_distributed`` and
 broadcasts the tensors in that order; the engines receive and load them. A last, empty call carries the
-new ``weight_version`` (and flushes the prefix cache) once every bucket has arrived.
+new ``weight_version`` (and flushes the prefix cache) once every bucket has arrived. The buckets travel
+inside a weight-update session, SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` (SGLang
+refuses ``/update_weights_from_distributed`` outside one; the local engine accepts both).
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         start = time.perf_counter()
         report = PushReport(version=version)
         dtype = getattr(torch, self.engine_dtype)
+        if dist.rank == 0:
+            await self._on_engines("/begin_weight_update", {})
         for bucket in buckets:
             if dist.rank != 0 or not bucket:
                 continue
@@ -213,11 +217,17 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                 "flush_cache": True,
                 "weight_version": version,
             }
-            await asyncio.gather(
-                *(self.client.call(url, "/update_weights_from_distributed", closing) for url in self.client.urls)
-            )
+            await self._on_engines("/update_weights_from_distributed", closing)
+            await self._on_engines("/end_weight_update", {})
             report.seconds = time.perf_counter() - start
         return report
+
+    async def _on_engines(self, endpoint: str, payload: dict[str, Any]) -> None:
+        """POST ``payload`` to ``endpoint`` of every engine at once (rank 0)."""
+        if self.client is None:
+            raise RuntimeError("broadcast transport: push before connect()")
+        client = self.client
+        await asyncio.gather(*(client.call(url, endpoint, payload) for url in client.urls))
 
     async def close(self) -> None:
         if self.client is not None and self.group is not None:

@@ -4,13 +4,20 @@ Checksums are SHA-256 over a tensor's bytes in the dtype the engine serves, so a
 (not approximately). After every push the engines report their weight version and a checksum per tensor
 (``/weights_checksum``, a Miles endpoint of the local engine); a tensor the engine serves but the trainer
 never sent, a missing tensor or a differing checksum stops the run with the tensor's name.
+
+Engines without a checksum route (SGLang) are verified by sampling (:func:`verify_sampled`): while the
+push streams by, :class:`WeightSampler` keeps the first rows of every tensor in the engines' dtype; the
+engines answer SGLang's ``/get_weights_by_name`` with the first rows of what they serve, and the two must
+be equal bit for bit. That proves every tensor the trainer sent arrived under its name, with its shape
+and dtype, in the version reported; it does not see the rest of a tensor's rows, nor parameters the
+engine serves but the trainer never sent (SGLang cannot list them).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from miles.errors import WeightVerificationError
 
@@ -19,7 +26,9 @@ if TYPE_CHECKING:
 
     from miles.rollout.client import EngineClient
 
-__all__ = ["compare_checksums", "tensor_checksum", "verify_engines"]
+BucketT = TypeVar("BucketT", bound=Sequence[tuple[str, Any]])
+
+__all__ = ["WeightSampler", "compare_checksums", "tensor_checksum", "verify_engines", "verify_sampled"]
 
 
 def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
@@ -90,3 +99,80 @@ async def verify_engines(
         compare_checksums(checksums_by_dtype[dtype], report["checksums"], engine=url, aliases=report.get("aliases"))
         verified += len(report["checksums"])
     return {"weight_sync/verified_tensors": float(verified), "weight_sync/verified": 1.0}
+
+
+class WeightSampler:
+    """Keeps the first ``rows`` rows of every tensor of a push, as the engines serve them (cast to the
+    engines' dtype, then to float32: what ``/get_weights_by_name`` answers)."""
+
+    def __init__(self, engine_dtype: str, *, rows: int = 4) -> None:
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        self.engine_dtype = engine_dtype
+        self.rows = rows
+        self.samples: dict[str, torch.Tensor] = {}
+        """``{name: first rows}`` of the last push observed."""
+
+    def observe(self, buckets: Iterable[BucketT]) -> Iterator[BucketT]:
+        """Yield ``buckets`` unchanged, sampling each tensor on the way (a new push starts a new record)."""
+        import torch
+
+        dtype = getattr(torch, self.engine_dtype)
+        self.samples = {}
+        for bucket in buckets:
+            for name, tensor in bucket:
+                head = tensor.detach()[: self.rows] if tensor.dim() else tensor.detach().reshape(1)
+                self.samples[name] = head.to(dtype).to(device="cpu", dtype=torch.float32).clone()
+            yield bucket
+
+
+async def verify_sampled(
+    client: EngineClient, *, version: str, samples: Mapping[str, torch.Tensor]
+) -> dict[str, float]:
+    """Check every engine reports ``version`` (``/model_info``) and serves the sampled rows of every
+    tensor (``/get_weights_by_name``) exactly.
+
+    :returns: metrics (``weight_sync/verified_tensors``, ``weight_sync/verified``).
+    """
+    import asyncio
+
+    import torch
+
+    from miles.errors import EngineError
+
+    infos = await client.model_info()
+    for url, info in zip(client.urls, infos, strict=True):
+        served_version = str(info.get("weight_version"))
+        if served_version != version:
+            raise WeightVerificationError(
+                f"engine {url} serves weight version {served_version!r}, expected {version!r}"
+            )
+
+    limit = asyncio.Semaphore(16)  # requests in flight per engine
+
+    async def check(url: str, name: str, expected: torch.Tensor) -> None:
+        rows = expected.shape[0] if expected.dim() else 1
+        try:
+            async with limit:
+                answer = await client.call(url, "/get_weights_by_name", {"name": name, "truncate_size": rows})
+        except EngineError as exc:
+            raise WeightVerificationError(f"engine {url} cannot report tensor {name!r}: {exc}") from None
+        served = torch.tensor(answer.get("result", answer) if isinstance(answer, dict) else answer)
+        if served.shape != expected.shape:
+            raise WeightVerificationError(
+                f"engine {url}: tensor {name!r} has leading rows of shape {tuple(served.shape)}, "
+                f"the trainer sent {tuple(expected.shape)}"
+            )
+        if not torch.equal(served.to(torch.float32), expected):
+            worst = float((served.to(torch.float32) - expected).abs().max())
+            raise WeightVerificationError(
+                f"engine {url}: tensor {name!r} differs from what the trainer sent (max |diff| {worst:.3g} "
+                f"in its first {rows} rows)"
+            )
+
+    for url in client.urls:
+        await asyncio.gather(*(check(url, name, t) for name, t in samples.items()))
+    return {
+        "weight_sync/verified_tensors": float(len(samples) * len(client.urls)),
+        "weight_sync/verified": 1.0,
+    }

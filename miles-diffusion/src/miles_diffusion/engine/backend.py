@@ -34,8 +34,19 @@ class ImageEngine(RolloutEngine[ImageEngineOptions]):
             )
 
     def launch(
-        self, *, model_path: str, host: str, port: int, device: str, dtype: str, devices: list[int]
+        self,
+        *,
+        model_path: str,
+        host: str,
+        port: int,
+        device: str,
+        dtype: str,
+        devices: list[int],
+        rank: int = 0,
+        seed: int = 0,
+        colocate: bool = False,
     ) -> EngineLaunch:
+        # every image's seed comes with its request (sampling_seed), so the engine's rank and seed do not matter
         where: dict[str, Any] = {"model": Path(model_path), "host": host, "port": port, "device": device}
         where["dtype"] = "float32" if dtype in ("", "auto") else dtype
         serve = ImageServeOptions.model_construct(**self.settings.model_dump(), **where)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -29,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from miles.engine.responses import RequestError, admin_error, generate_error, json_body
 from miles.rollout.protocol import SamplingParams
 from miles_diffusion.engine.scheduler import ImageRequest
 from miles_diffusion.engine.weights import load_weights_from_disk, randomize_weights, weights_checksum
@@ -46,10 +46,6 @@ log = logging.getLogger(__name__)
 
 _SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
 _PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-class RequestError(ValueError):
-    """A malformed request (HTTP 400)."""
 
 
 def trajectory_payload(
@@ -73,24 +69,6 @@ def trajectory_payload(
         trajectory={name: tensor_data(t).to_dict() for name, t in traj.tensors().items()},
     )
     return {"text": "", "output_ids": list(traj.steps), "meta_info": meta}
-
-
-def _gen_error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-
-def _admin_error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"success": False, "message": message}, status_code=status)
-
-
-async def _json_body(request: HTTPRequest) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"malformed JSON body: {exc}") from None
 
 
 def _parse(body: Any, decode: Callable[[list[int]], str]) -> tuple[list[list[int]], int | None, int, bool, str | None]:
@@ -138,9 +116,9 @@ def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, se
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Any:
         try:
-            prompts, seed, n, batched, rid = _parse(await _json_body(request), decode)
+            prompts, seed, n, batched, rid = _parse(await json_body(request), decode)
         except RequestError as exc:
-            return _gen_error(str(exc))
+            return generate_error(str(exc))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[dict[str, Any]]] = []
         requests: list[ImageRequest] = []
@@ -214,12 +192,12 @@ def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, se
 
     async def admin(request: HTTPRequest, handler: Callable[[dict[str, Any]], Awaitable[Any]]) -> Any:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
             return await handler(body)
         except (RequestError, ValueError, TypeError, OSError, RuntimeError) as exc:
-            return _admin_error(str(exc))
+            return admin_error(str(exc))
 
     @app.post("/abort_request")
     async def abort_request(request: HTTPRequest) -> Any:
@@ -249,7 +227,8 @@ def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, se
 
         return await admin(request, run)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache() -> Any:
         return {"success": True, "message": "the image engine keeps no cache"}
 

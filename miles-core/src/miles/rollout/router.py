@@ -1,0 +1,171 @@
+"""The router in front of the engines: ``rollout.router = "smg"`` (the SGLang Model Gateway, ``pip install smg``).
+
+Miles does not route generation itself when a router is configured: ``smg`` receives every ``/generate``
+with the request's routing key (a sample group, a multi-turn session) in a header and, with the default
+``manual`` policy, pins each key to one engine — chosen by load at the key's first request — so a group's
+samples and a session's turns share that engine's prefix cache. ``smg`` health-checks the engines and
+fails a key over to a healthy engine when its engine dies. Control calls (pause, weights, memory, flush,
+version, checksums) never go through it: the engine client sends them to every engine directly.
+
+This module builds the ``smg launch`` command, waits until the router reports every engine healthy and
+registered, and describes the launched fleet (:class:`EngineFleet`) for the processes that talk to it.
+Starting and reaping the process is the launcher's job (``start_process``).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.errors import LaunchError, SettingsError
+
+if TYPE_CHECKING:
+    from miles.rollout.http_client import HttpEngineClient
+    from miles.settings.model import RouterSettings
+
+__all__ = [
+    "EngineFleet",
+    "smg_argv",
+    "smg_executable",
+    "wait_for_router",
+]
+
+log = logging.getLogger(__name__)
+
+
+def smg_executable() -> str:
+    """The ``smg`` command (next to this interpreter first, then on ``PATH``)."""
+    beside = Path(sys.executable).with_name("smg")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("smg")
+    if found is None:
+        raise SettingsError(
+            "rollout.router: 'smg' is selected but the smg command is not installed "
+            "(pip install smg; it conflicts with sglang-router, which claims the same command)"
+        )
+    return found
+
+
+def smg_argv(
+    settings: RouterSettings, worker_urls: Sequence[str], *, host: str, port: int, prometheus_port: int
+) -> list[str]:
+    """``smg launch`` for ``worker_urls`` (registered at start-up), listening on ``host:port``.
+
+    ``manual`` pins each routing key (placing new keys by ``assignment_mode``); ``consistent_hashing``
+    hashes it; ``cache_aware`` places by prefix overlap and, through smg's routing-key override, keeps a
+    key on the engine its first request went to; the other policies ignore the key (load-balancing
+    baselines).
+    """
+    if not worker_urls:
+        raise SettingsError("rollout.router: a router needs at least one engine (cluster.num_engines >= 1)")
+    argv = [
+        smg_executable(), "launch",
+        "--host", host, "--port", str(port),
+        "--worker-urls", *worker_urls,
+        "--policy", settings.policy,
+        "--routing-key-headers", settings.routing_key_header,
+        "--health-check-endpoint", "/health",
+        "--health-check-interval-secs", str(settings.health_check_interval),
+        "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
+        "--disable-tokenizer-autoload",  # requests carry token ids; never look for a tokenizer on a hub
+        "--shutdown-grace-period-secs", "0",
+        "--log-level", "warn",
+    ]  # fmt: skip
+    if settings.policy == "manual":
+        argv += ["--assignment-mode", settings.assignment_mode]
+    elif settings.policy == "cache_aware":
+        argv += ["--routing-key-override"]
+    return argv + list(settings.extra_args)
+
+
+def wait_for_router(
+    url: str,
+    worker_urls: Sequence[str],
+    *,
+    timeout: float,
+    exited: Callable[[], str | None] = lambda: None,
+    poll_interval: float = 0.2,
+) -> list[dict[str, Any]]:
+    """Poll ``/readiness`` until the router reports every engine healthy, then check ``/workers`` lists
+    exactly ``worker_urls``; return smg's worker records.
+
+    :param exited: ``None`` while the router process runs, else why it stopped (its log tail).
+    :raises LaunchError: the router exited, did not get ready within ``timeout``, or registered other
+        workers than asked.
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while True:
+            why = exited()
+            if why is not None:
+                raise LaunchError(f"the router exited before it was ready: {why}", process="router")
+            try:
+                ready = client.get(url + "/readiness")
+                body = ready.json() if ready.content else {}
+                if ready.status_code == 200 and int(body.get("healthy_workers", 0)) >= len(worker_urls):
+                    break
+                last = f"HTTP {ready.status_code}: {body}"
+            except (httpx.TransportError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"the router at {url} did not report {len(worker_urls)} healthy engines within {timeout:g} s "
+                    f"(last answer: {last})",
+                    process="router",
+                )
+            time.sleep(poll_interval)
+        workers: list[dict[str, Any]] = client.get(url + "/workers").json().get("workers", [])
+    registered = sorted(str(w.get("url", "")).rstrip("/") for w in workers)
+    if registered != sorted(u.rstrip("/") for u in worker_urls):
+        raise LaunchError(f"the router at {url} registered {registered}, expected {sorted(worker_urls)}")
+    return workers
+
+
+@dataclass
+class EngineFleet:
+    """The engines of a run and the router in front of them (what ``launch.json`` records)."""
+
+    engine_urls: list[str]
+    """Base URLs of the engines: control calls go to each."""
+    router_url: str | None = None
+    """Base URL of the router generation goes through (``None``: the client routes itself)."""
+    routing_key_header: str = "x-session-id"
+    """Header carrying a request's routing key to the router."""
+    client_options: dict[str, Any] = field(default_factory=dict)
+    """More :class:`~miles.rollout.http_client.HttpEngineClient` keyword arguments."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine_urls": list(self.engine_urls),
+            "router_url": self.router_url,
+            "routing_key_header": self.routing_key_header,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EngineFleet:
+        return cls(
+            engine_urls=list(data.get("engine_urls", [])),
+            router_url=data.get("router_url"),
+            routing_key_header=str(data.get("routing_key_header") or "x-session-id"),
+        )
+
+    def client(self, **options: Any) -> HttpEngineClient:
+        """An engine client over this fleet (generation through the router when there is one)."""
+        from miles.rollout.http_client import HttpEngineClient
+
+        return HttpEngineClient(
+            self.engine_urls,
+            router_url=self.router_url,
+            routing_key_header=self.routing_key_header,
+            **{**self.client_options, **options},
+        )

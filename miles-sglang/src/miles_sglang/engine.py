@@ -1,0 +1,84 @@
+"""The ``sglang`` rollout engine: one SGLang server per engine, spoken to over SGLang's HTTP protocol.
+
+Everything after the launch is the core's: the engine client (generation through the router, control
+calls to each engine), the ``broadcast`` transport (``/init_weights_update_group`` +
+``/update_weights_from_distributed`` over NCCL), the ``disk`` transport (``/update_weights_from_disk``),
+memory release around training when colocated (``/release_memory_occupation`` /
+``/resume_memory_occupation`` with SGLang's tags ``kv_cache`` and ``weights``), and sampled verification
+through ``/get_weights_by_name`` (SGLang has no route for checksums of HF-named tensors). This module
+only turns settings into the launch command and refuses runs this host cannot serve.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles.errors import SettingsError
+from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
+from miles_sglang.checks import host_problems
+from miles_sglang.command import EnginePlacement, launch_argv
+from miles_sglang.settings import SGLangEngineSettings
+
+if TYPE_CHECKING:
+    from miles.settings.model import MilesSettings
+
+__all__ = ["SGLangEngine"]
+
+
+class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
+    """SGLang servers (``python -m sglang.launch_server``) on CUDA GPUs, ``tp_size`` GPUs each."""
+
+    name = "sglang"
+    capabilities = EngineCapabilities(
+        update_weights_from_disk=True,
+        update_weights_from_distributed=True,
+        release_memory=True,
+        routed_experts=True,
+        weights_checksum=False,
+    )
+
+    @classmethod
+    def check_settings(cls, options: SGLangEngineSettings, settings: MilesSettings) -> None:
+        """Refuse a run this host cannot serve (SGLang missing, no or too few GPUs), before anything starts."""
+        problems = host_problems(options, settings)
+        if problems:
+            raise SettingsError("\n".join(problems))
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.settings.tp_size
+
+    def launch(
+        self,
+        *,
+        model_path: str,
+        host: str,
+        port: int,
+        device: str,
+        dtype: str,
+        devices: list[int],
+        rank: int = 0,
+        seed: int = 0,
+        colocate: bool = False,
+    ) -> EngineLaunch:
+        """``sglang.launch_server`` on ``devices`` (the first is ``--base-gpu-id``; SGLang takes ``tp_size``
+        consecutive GPUs from there), seeded ``seed + rank``, ready when ``/health_generate`` answers."""
+        if device != "cuda":
+            raise SettingsError(f"cluster.device: rollout.engine 'sglang' serves on CUDA GPUs only, got {device!r}")
+        if len(devices) != self.settings.tp_size:
+            raise SettingsError(
+                f"rollout.engine.tp_size: engine {rank} was placed on GPUs {devices}, expected {self.settings.tp_size}"
+            )
+        memory_saver = colocate if self.settings.enable_memory_saver is None else self.settings.enable_memory_saver
+        where = EnginePlacement(
+            model_path=model_path,
+            host=host,
+            port=port,
+            base_gpu_id=devices[0],
+            seed=seed + rank,
+            dtype=dtype or "auto",
+            memory_saver=memory_saver,
+        )
+        return EngineLaunch(
+            argv=launch_argv(self.settings, where), url=f"http://{host}:{port}", health_path="/health_generate"
+        )

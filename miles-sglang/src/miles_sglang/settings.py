@@ -1,0 +1,54 @@
+"""Settings of the ``sglang`` rollout engine (``[rollout.engine] name = "sglang"``) and of the
+``sglang_tensor`` transport. Each field's docstring is its documentation."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from miles.components import ComponentSettings
+
+__all__ = ["SGLANG_VERSION", "SGLangEngineSettings", "TensorTransportSettings"]
+
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose flags and request fields Miles is checked against (``tox -e sglang-protocol``)."""
+
+
+class SGLangEngineSettings(ComponentSettings):
+    """One ``python -m sglang.launch_server`` per engine; the launcher places ``tp_size`` GPUs for each."""
+
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel size of one engine (``--tp-size``): GPUs ``base .. base + tp_size - 1`` of its host,
+    ``base = rank x tp_size`` (``--base-gpu-id``)."""
+    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
+    """Share of GPU memory for weights and KV cache (``--mem-fraction-static``; default: SGLang's choice).
+    Colocated with a trainer, leave it room (0.5-0.7)."""
+    context_length: int | None = Field(None, ge=2)
+    """Longest prompt + output (``--context-length``; default: the model's)."""
+    max_running_requests: int | None = Field(None, ge=1)
+    """Requests decoded together at most (``--max-running-requests``)."""
+    enable_deterministic_inference: bool = False
+    """Batch-invariant kernels (``--enable-deterministic-inference``): tokens and logprobs do not depend on
+    batching, so a resumed run reproduces them."""
+    enable_return_routed_experts: bool = False
+    """Routing replay for MoE models: the engine returns each token's routed experts
+    (``--enable-return-routed-experts``) so the trainer can replay them."""
+    enable_memory_saver: bool | None = None
+    """Release weights and KV cache on request (``--enable-memory-saver``, needs ``torch_memory_saver``);
+    default: on when ``cluster.colocate`` is set."""
+    skip_server_warmup: bool = True
+    """Skip SGLang's warm-up request (``--skip-server-warmup``): the launcher waits on ``/health_generate``,
+    which generates a token anyway."""
+    attention_backend: str | None = None
+    """SGLang's ``--attention-backend`` (``fa3``, ``flashinfer``, ``triton`` ...; default: its choice)."""
+    log_level: str | None = None
+    """SGLang's ``--log-level`` (``warning`` keeps engine logs short)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Any other ``sglang.launch_server`` flags, passed as given (``["--chunked-prefill-size", "4096"]``)."""
+
+
+class TensorTransportSettings(ComponentSettings):
+    """Settings of the ``sglang_tensor`` transport (colocated engine, CUDA IPC through
+    ``/update_weights_from_tensor``)."""
+
+    flush_cache: bool = True
+    """Empty the engine's prefix cache with the last bucket of a push (its KV was computed by old weights)."""

@@ -1,0 +1,190 @@
+"""Everything Miles sends an engine, held against SGLang's own source (the pinned wheel, installed without its
+dependencies): the launch flags of the ``sglang`` engine, and every request the engine client, the
+``disk`` / ``broadcast`` / ``sglang_tensor`` transports, memory release and sampled verification make —
+recorded from real calls to a local engine, which serves the same routes. A renamed flag, route or field
+in SGLang fails here."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+import typing
+from pathlib import Path
+
+import pytest
+
+from miles.engine.process import EngineProcess
+from miles.rollout.protocol import SamplingParams
+from miles.settings.model import MilesSettings
+from miles.training.trainer import DistContext
+from miles.types import PauseMode
+from miles_sglang.engine import SGLangEngine
+from miles_sglang.protocol_check import Call, argv_problems, request_problems, session_problems
+from miles_sglang.settings import SGLANG_VERSION, SGLangEngineSettings
+from miles_sglang.sglang_source import SGLangSource
+from miles_sglang.tensor_transport import tensor_payload
+
+from .conftest import RecordingClient
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_installed_sglang_is_the_pinned_release(source: SGLangSource) -> None:
+    assert source.version == SGLANG_VERSION
+    assert len(source.flags) > 300 and len(source.routes) > 50  # the source was really read
+
+
+def test_every_launch_flag_is_an_sglang_flag(source: SGLangSource) -> None:
+    extra = ["--chunked-prefill-size", "4096"]
+    settings = SGLangEngineSettings(
+        tp_size=2,
+        mem_fraction_static=0.7,
+        context_length=4096,
+        max_running_requests=64,
+        enable_deterministic_inference=True,
+        enable_return_routed_experts=True,
+        attention_backend="fa3",
+        log_level="warning",
+        extra_args=extra,
+    )
+    for dtype in ("bfloat16", "float16", "float32", "auto"):
+        argv = SGLangEngine(settings).launch(
+            model_path="/m", host="127.0.0.1", port=30000, device="cuda", dtype=dtype, devices=[2, 3],
+            rank=1, seed=5, colocate=True,
+        ).argv  # fmt: skip
+        assert argv_problems(argv, source) == []
+    # the user's extra_args are SGLang flags too (checked here for the example the docs give)
+    assert argv_problems(extra, source) == []
+
+
+def test_renamed_flags_and_fields_are_caught(source: SGLangSource) -> None:
+    """The checks fail for what SGLang does not declare (they are not vacuous)."""
+    assert argv_problems(["--tensor-parallel", "2"], source) == [
+        f"--tensor-parallel: not a flag of SGLang {source.version}"
+    ]
+    assert argv_problems(["--skip-server-warmup", "yes"], source)[0].startswith("--skip-server-warmup: a switch")
+    assert argv_problems(["--tp-size"], source) == ["--tp-size: SGLang expects a value"]
+    assert argv_problems(["--tp-size", "two"], source) == ["--tp-size 'two': SGLang expects int"]
+    assert "SGLang accepts" in argv_problems(["--dtype", "fp32"], source)[0]
+    assert argv_problems(["--disable-cuda-graph"], source)[0].endswith(f"deprecated in SGLang {source.version}")
+    bad = Call("POST", "e", "/update_weights_from_distributed", {"names": [], "dtype": [], "shapes": []})
+    assert request_problems(bad, source) == [
+        "POST /update_weights_from_distributed: 'dtype' is not a field of SGLang's UpdateWeightsFromDistributedReqInput",
+        "POST /update_weights_from_distributed: SGLang's UpdateWeightsFromDistributedReqInput requires 'dtypes'",
+    ]
+    sampling = Call("POST", "e", "/generate", {"input_ids": [1], "sampling_params": {"temp": 1.0}})
+    assert request_problems(sampling, source) == [
+        "POST /generate: sampling_params['temp'] is not a field of SGLang's SamplingParams"
+    ]
+    assert request_problems(Call("POST", "e", "/weights_update", {}), source)[0].endswith("has no such route")
+    assert request_problems(Call("GET", "e", "/update_weights_from_disk", None), source)[0].endswith("POST only")
+    outside = [Call("POST", "e", "/update_weights_from_distributed", {})]
+    assert session_problems(outside) == [
+        "e: /update_weights_from_distributed outside /begin_weight_update ... /end_weight_update"
+    ]
+    left_open = [Call("POST", "e", "/begin_weight_update", {})]
+    assert session_problems(left_open) == ["e: a weight-update session was left open"]
+
+
+def hf_buckets(model: Path, size: int = 4) -> list[list[tuple[str, typing.Any]]]:
+    """The model's parameters by HF module name, in buckets (what a trainer's ``iter_weights`` yields)."""
+    from transformers import AutoModelForCausalLM
+
+    items = sorted((n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model).named_parameters())
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+async def exercise(client: RecordingClient, model: Path, run_dir: Path) -> None:
+    """What a run does to its engines, through the code that does it."""
+    from miles.driver.loop import TrainingLoop
+    from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings
+    from miles.transport.disk import DiskTransport, DiskTransportSettings
+    from miles.transport.verify import WeightSampler, verify_sampled
+
+    params = SamplingParams(
+        max_new_tokens=3, min_new_tokens=1, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, stop=["\n\n"],
+        stop_token_ids=[2], ignore_eos=False, n=2, sampling_seed=7, skip_special_tokens=False, no_stop_trim=True,
+    )  # fmt: skip
+    await client.generate([5, 6, 7, 8], params, return_routed_experts=True, routing_key="group-1", rid="r-1")
+    await client.abort("r-1")
+    await client.abort()
+    for mode in typing.get_args(PauseMode):
+        await client.pause_generation(mode)
+        await client.continue_generation()
+    await client.flush_cache()
+    await client.model_info()
+    await client.update_weight_version("3")
+    # colocated runs: release and resume around training (the loop's own call)
+    loop = types.SimpleNamespace(
+        is_driver=True, settings=MilesSettings.model_validate({"cluster": {"colocate": True}}), client=client
+    )
+    await TrainingLoop.engines_memory(loop, "release")  # type: ignore[arg-type]
+    await TrainingLoop.engines_memory(loop, "resume")  # type: ignore[arg-type]
+    dist = DistContext(rank=0, world_size=1, device="cpu")
+    # disk transport: /update_weights_from_disk
+    disk = DiskTransport(DiskTransportSettings(), run_dir=str(run_dir), model_path=str(model), engine_dtype="float32")
+    await disk.connect(client, dist)
+    await disk.push(iter(hf_buckets(model)), version="4", dist=dist)
+    # broadcast transport: a real gloo group with the engine, its session, buckets and version
+    broadcast = BroadcastTransport(
+        BroadcastTransportSettings(timeout=120), run_dir=str(run_dir), model_path=str(model), engine_dtype="float32"
+    )
+    await broadcast.connect(client, dist)
+    sampler = WeightSampler("float32")
+    await broadcast.push(sampler.observe(iter(hf_buckets(model))), version="5", dist=dist)
+    # sampled verification, as for SGLang engines: /model_info and /get_weights_by_name
+    metrics = await verify_sampled(client, version="5", samples=sampler.samples)
+    assert metrics["weight_sync/verified"] == 1.0
+    await broadcast.close()
+
+
+def test_every_request_miles_sends_is_sglangs(
+    engine: EngineProcess, moe_model: Path, tmp_path: Path, source: SGLangSource
+) -> None:
+    async def main() -> list[Call]:
+        client = RecordingClient([engine.url])
+        try:
+            await exercise(client, moe_model, tmp_path)
+        finally:
+            await client.close()
+        return client.calls
+
+    calls = asyncio.run(main())
+    # the sglang_tensor transport cannot run without CUDA: its requests are checked as it builds them
+    calls += [
+        Call("POST", engine.url, "/begin_weight_update", {}),
+        Call("POST", engine.url, "/update_weights_from_tensor", tensor_payload("QUJD", last=False, version="6", flush_cache=True)),
+        Call("POST", engine.url, "/update_weights_from_tensor", tensor_payload("QUJD", last=True, version="6", flush_cache=True)),
+        Call("POST", engine.url, "/end_weight_update", {}),
+    ]  # fmt: skip
+    endpoints = {c.endpoint for c in calls}
+    expected = {
+        "/generate", "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache", "/model_info",
+        "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation",
+        "/update_weights_from_disk", "/init_weights_update_group", "/begin_weight_update",
+        "/update_weights_from_distributed", "/end_weight_update", "/destroy_weights_update_group",
+        "/get_weights_by_name", "/update_weights_from_tensor",
+    }  # fmt: skip
+    assert endpoints == expected, endpoints ^ expected
+    problems = [p for call in calls for p in request_problems(call, source)] + session_problems(calls)
+    assert problems == [], "\n".join(problems)
+
+
+def test_memory_tags_and_pause_modes_are_sglangs(source: SGLangSource) -> None:
+    constants = source.constants("sglang.srt.constants")
+    assert {"kv_cache", "weights"} <= {constants["GPU_MEMORY_TYPE_KV_CACHE"], constants["GPU_MEMORY_TYPE_WEIGHTS"]}
+    modes = source.field_literals("sglang.srt.managers.io_struct", "PauseGenerationReqInput", "mode")
+    assert modes is not None and set(typing.get_args(PauseMode)) == set(modes)
+
+
+def test_the_tensor_serializer_miles_imports_exists(source: SGLangSource) -> None:
+    assert source.defines("sglang.srt.utils.common", "MultiprocessingSerializer")
+    assert source.defines("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions")
+
+
+def test_the_routes_the_engine_waits_on_exist(source: SGLangSource) -> None:
+    launch = SGLangEngine(SGLangEngineSettings()).launch(
+        model_path="/m", host="127.0.0.1", port=1, device="cuda", dtype="bfloat16", devices=[0]
+    )
+    assert "GET" in source.routes[launch.health_path].methods
+    assert "POST" in source.routes["/flush_cache"].methods  # the launcher flushes each engine once it is up

@@ -1,0 +1,189 @@
+"""The ``sglang`` engine without SGLang: launch-command snapshots, GPU placement by the launcher, and the
+settings errors a run gets before anything starts (SGLang missing, no GPU, too few GPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles.errors import SettingsError
+from miles.settings.model import MilesSettings
+from miles_sglang.checks import INSTALL_LINE, host_problems, sglang_installed
+from miles_sglang.engine import SGLangEngine
+from miles_sglang.settings import SGLangEngineSettings
+
+PY = sys.executable
+
+
+def launch(settings: SGLangEngineSettings, **where: Any) -> list[str]:
+    args: dict[str, Any] = {
+        "model_path": "/models/qwen",
+        "host": "127.0.0.1",
+        "port": 30001,
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "devices": [0],
+        **where,
+    }
+    return SGLangEngine(settings).launch(**args).argv
+
+
+def test_default_launch_command() -> None:
+    assert launch(SGLangEngineSettings(), seed=1234) == [
+        PY, "-m", "sglang.launch_server",
+        "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30001",
+        "--tp-size", "1", "--base-gpu-id", "0", "--random-seed", "1234", "--dtype", "bfloat16",
+        "--weight-version", "0",
+        "--skip-server-warmup",
+    ]  # fmt: skip
+
+
+def test_every_option_on_the_launch_command() -> None:
+    settings = SGLangEngineSettings(
+        tp_size=2,
+        mem_fraction_static=0.7,
+        context_length=4096,
+        max_running_requests=128,
+        enable_deterministic_inference=True,
+        enable_return_routed_experts=True,
+        attention_backend="fa3",
+        log_level="warning",
+        extra_args=["--chunked-prefill-size", "4096"],
+    )
+    # engine rank 3 of a colocated run: GPUs 6 and 7, seed 1234 + 3, memory saver on
+    argv = launch(settings, devices=[6, 7], rank=3, seed=1234, colocate=True, port=30007)
+    assert argv == [
+        PY, "-m", "sglang.launch_server",
+        "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30007",
+        "--tp-size", "2", "--base-gpu-id", "6", "--random-seed", "1237", "--dtype", "bfloat16",
+        "--weight-version", "0",
+        "--mem-fraction-static", "0.7", "--context-length", "4096", "--max-running-requests", "128",
+        "--attention-backend", "fa3", "--log-level", "warning",
+        "--enable-return-routed-experts", "--enable-deterministic-inference", "--enable-memory-saver",
+        "--skip-server-warmup",
+        "--chunked-prefill-size", "4096",
+    ]  # fmt: skip
+    engine_launch = SGLangEngine(settings).launch(
+        model_path="/m", host="127.0.0.1", port=1, device="cuda", dtype="bfloat16", devices=[0, 1]
+    )
+    assert engine_launch.health_path == "/health_generate" and engine_launch.url == "http://127.0.0.1:1"
+    assert engine_launch.env == {}  # GPUs are chosen with --base-gpu-id, not CUDA_VISIBLE_DEVICES
+
+
+def test_memory_saver_follows_colocation_unless_set() -> None:
+    assert "--enable-memory-saver" not in launch(SGLangEngineSettings(), colocate=False)
+    assert "--enable-memory-saver" in launch(SGLangEngineSettings(), colocate=True)
+    assert "--enable-memory-saver" not in launch(SGLangEngineSettings(enable_memory_saver=False), colocate=True)
+    assert "--enable-memory-saver" in launch(SGLangEngineSettings(enable_memory_saver=True), colocate=False)
+    assert "--skip-server-warmup" not in launch(SGLangEngineSettings(skip_server_warmup=False))
+
+
+def test_launch_refuses_a_cpu_device_and_a_wrong_placement() -> None:
+    with pytest.raises(SettingsError, match="cluster.device: rollout.engine 'sglang' serves on CUDA GPUs only"):
+        launch(SGLangEngineSettings(), device="cpu", devices=[])
+    with pytest.raises(SettingsError, match=r"tp_size: engine 0 was placed on GPUs \[0\], expected 2"):
+        launch(SGLangEngineSettings(tp_size=2), devices=[0])
+
+
+def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``launch_engines`` gives engine ``i`` ``tp`` GPUs after the trainer ranks' (from GPU 0 when colocated),
+    its rank and seed."""
+    import miles_sglang.engine as engine_module
+    from miles.driver.launch import launch_engines
+    from miles.driver.run import build_run
+    from miles.launch.local import LocalLauncher
+    from miles.rollout.engine import EngineLaunch
+
+    monkeypatch.setattr(engine_module, "host_problems", lambda options, settings: [])  # pretend an 8-GPU host
+    seen: list[EngineLaunch] = []
+
+    class Recording(LocalLauncher):
+        def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
+            seen.extend(launches)
+            return []  # nothing is started
+
+    model = tmp_path / "qwen"  # the settings pass wants a model directory; the engines are never started
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+
+    def placed(colocate: bool) -> list[tuple[str, str, str, str]]:
+        settings = MilesSettings.model_validate(
+            {
+                "cluster": {"device": "cuda", "num_engines": 2, "trainer_ranks": 2, "colocate": colocate},
+                "rollout": {"engine": {"name": "sglang", "tp_size": 2}},
+                "train": {"model_path": str(model), "seed": 7},
+                "precision": "bf16",
+            }
+        )
+        seen.clear()
+        with Recording(run_dir=str(tmp_path)) as launcher:
+            assert launch_engines(build_run(settings), launcher) == []
+        flags = [dict(zip(x.argv[3::2], x.argv[4::2], strict=False)) for x in seen]
+        return [(f["--base-gpu-id"], f["--tp-size"], f["--random-seed"], f["--dtype"]) for f in flags]
+
+    # trainer ranks on GPUs 0-1: engines on 2-3 and 4-5; colocated: on 0-1 and 2-3
+    assert placed(colocate=False) == [("2", "2", "7", "bfloat16"), ("4", "2", "8", "bfloat16")]
+    assert placed(colocate=True) == [("0", "2", "7", "bfloat16"), ("2", "2", "8", "bfloat16")]
+
+
+def settings_for(**cluster: Any) -> MilesSettings:
+    return MilesSettings.model_validate({"cluster": cluster, "rollout": {"engine": {"name": "sglang"}}})
+
+
+def test_host_problems_name_the_field_and_the_install_line() -> None:
+    options = SGLangEngineSettings(tp_size=2)
+    missing = host_problems(options, settings_for(device="cuda", num_engines=1), installed=False, gpus=3)
+    assert missing == [f"rollout.engine: 'sglang' is selected but SGLang is not installed: {INSTALL_LINE}"]
+    assert 'pip install "miles-sglang[sglang]"' in INSTALL_LINE
+    (cpu,) = host_problems(options, settings_for(device="cpu"), installed=True, gpus=0)
+    assert cpu.startswith("cluster.device: rollout.engine 'sglang' serves on CUDA GPUs only, got 'cpu'")
+    (none,) = host_problems(options, settings_for(device="cuda"), installed=True, gpus=0)
+    assert "this host has no CUDA GPU" in none
+    (few,) = host_problems(options, settings_for(device="cuda", num_engines=2), installed=True, gpus=4)
+    assert (
+        few
+        == "cluster.num_engines: 2 engines x rollout.engine.tp_size 2 + 1 trainer ranks need 5 GPUs; this host has 4"
+    )
+    assert host_problems(options, settings_for(device="cuda", num_engines=2), installed=True, gpus=5) == []
+    shared = settings_for(device="cuda", num_engines=2, colocate=True)
+    assert host_problems(options, shared, installed=True, gpus=4) == []
+    (few,) = host_problems(options, shared, installed=True, gpus=3)
+    assert "sharing the trainer ranks' GPUs need 4 GPUs; this host has 3" in few
+
+
+def test_build_run_refuses_sglang_on_this_host() -> None:
+    """What this host really has: no CUDA GPU (and SGLang only in the protocol env)."""
+    from miles.driver.run import build_run
+
+    with pytest.raises(SettingsError) as info:
+        build_run(settings_for(device="cuda", num_engines=1))
+    message = str(info.value)
+    assert "this host has no CUDA GPU" in message
+    assert (INSTALL_LINE in message) is (not sglang_installed())
+
+
+def test_miles_train_stops_before_anything_starts(tmp_path: Path) -> None:
+    from miles.testing.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", "qwen2", seed=0)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "hi", "label": "x"}) + "\n")
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[cluster]\ndevice = "cuda"\n[rollout.engine]\nname = "sglang"\n'
+        f'[data]\npath = "{data}"\n[train]\nmodel_path = "{model}"\n[log]\nrun_dir = "{run_dir}"\n'
+    )
+    miles = Path(sys.executable).with_name("miles")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(miles), "train", str(config)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "this host has no CUDA GPU" in proc.stdout + proc.stderr
+    assert ('pip install "miles-sglang[sglang]"' in proc.stderr) is (not sglang_installed())  # printed as written
+    assert not (run_dir / "logs").exists()  # no process was started

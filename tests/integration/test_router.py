@@ -1,0 +1,162 @@
+"""Two local engines behind a real router (smg): a GRPO run trains end to end through it, and the engines'
+own counters (``/server_info``) show every request of a group and every turn of a session on one engine,
+while control calls reach both engines directly."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _train_helpers() -> ModuleType:
+    """``test_train.py``'s helpers and fixtures (the suite imports test files by path: importlib mode)."""
+    name = "miles_integration_test_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_train.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_helpers = _train_helpers()
+children_of_run, metrics, miles, write_config = (
+    _helpers.children_of_run,
+    _helpers.metrics,
+    _helpers.miles,
+    _helpers.write_config,
+)
+tiny_model, prompts = _helpers.tiny_model, _helpers.prompts  # module-scoped fixtures
+
+ROUTER = """
+[rollout.router]
+name = "smg"
+policy = "manual"
+"""
+
+
+def test_grpo_through_smg_with_two_engines(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
+    """``miles train`` with 2 engines behind smg: trains, broadcasts to both engines, verifies, and each
+    group's samples share one engine's prefix cache (only a group's first sample computes its prompt)."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path, tiny_model, prompts, run_dir, ROUTER, ranks=1, rollouts=2)
+    out = miles("train", str(config), "--set", "cluster.num_engines=2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    launch = json.loads((run_dir / "launch.json").read_text())
+    assert len(launch["engine_urls"]) == 2 and launch["router_url"] not in launch["engine_urls"]
+    assert (run_dir / "logs" / "router.log").exists()
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["weight_sync/verified"] == 1.0
+        assert row["weight_sync/verified_tensors"] > 0
+        assert row["rollout/prefix_cache_hit_rate"] > 0.6
+    for dump in sorted((run_dir / "samples").glob("rollout_*.jsonl")):
+        groups: dict[int, list[dict[str, Any]]] = {}
+        for line in dump.read_text().splitlines():
+            sample = json.loads(line)
+            groups.setdefault(sample["group_id"], []).append(sample["metadata"])
+        assert len(groups) == 4
+        for group_id, samples in groups.items():
+            full_hits = sum(m["cached_tokens"] == m["prompt_tokens"] - 1 for m in samples)
+            assert full_hits == len(samples) - 1, (dump.name, group_id, samples)
+    assert children_of_run(run_dir) == []
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Any]:
+    """Two local engines and smg, launched the way ``miles train`` does (``launch_fleet``)."""
+    from miles.driver.launch import launch_fleet
+    from miles.driver.run import build_run
+    from miles.settings.model import MilesSettings
+
+    settings = MilesSettings.model_validate(
+        {
+            "cluster": {"num_engines": 2},
+            "train": {"model_path": str(tiny_model)},
+            "rollout": {"router": {"name": "smg", "policy": "manual"}},
+        }
+    )
+    run = build_run(settings)
+    with run.launcher(run_dir=str(tmp_path_factory.mktemp("fleet"))) as launcher:
+        yield launch_fleet(run, launcher)
+
+
+def counters(urls: list[str]) -> list[int]:
+    return [int(httpx.get(url + "/server_info", timeout=10).json()["generate_requests"]) for url in urls]
+
+
+def test_groups_and_sessions_stay_on_one_engine(fleet: Any) -> None:
+    from miles.rollout.protocol import SamplingParams
+
+    urls = fleet.engine_urls
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+
+    async def main() -> None:
+        client = fleet.client()
+        try:
+            # 8 groups of 4 in flight at once, as the rollout manager sends them
+            before = counters(urls)
+            placed: dict[int, set[str]] = {}
+
+            async def sample(group: int) -> None:
+                prompt = [11, 12, 13, 14, 20 + group, 21, 22]
+                out = await client.generate(prompt, params, routing_key=f"group-{group}")
+                placed.setdefault(group, set()).add(out[0].meta_info["engine_url"])
+
+            await asyncio.gather(*(sample(g) for g in range(8) for _ in range(4)))
+            after = counters(urls)
+            assert sum(after) - sum(before) == 32
+            assert all(len(engines) == 1 for engines in placed.values()), placed
+            per_engine = [sum(1 for e in placed.values() if url in e) * 4 for url in urls]
+            assert [a - b for a, b in zip(after, before, strict=True)] == per_engine  # the engines' own count
+            assert min(per_engine) > 0  # both engines got groups
+
+            # one group at a time: its 4 requests raise exactly one engine's counter by 4
+            for group in range(100, 104):
+                before = counters(urls)
+                await asyncio.gather(*(sample(group) for _ in range(4)))
+                delta = sorted(a - b for a, b in zip(counters(urls), before, strict=True))
+                assert delta == [0, 4], (group, delta)
+
+            # a 10-turn session: every turn on one engine, each turn's prompt cached up to the last turn's end
+            before = counters(urls)
+            history = [30, 31, 32, 33]
+            for turn in range(10):
+                out = (await client.generate(history, params, routing_key="session-abc"))[0]
+                if turn:
+                    assert out.cached_tokens >= len(history) - 3, (turn, out.cached_tokens, len(history))
+                history = [*history, *out.output_ids, 40 + turn, 41]
+            delta = sorted(a - b for a, b in zip(counters(urls), before, strict=True))
+            assert delta == [0, 10], delta
+
+            # control calls go to each engine directly, not through the router
+            await client.flush_cache()
+            infos = [httpx.get(url + "/server_info", timeout=10).json() for url in urls]
+            assert [i["cache_tokens"] for i in infos] == [0, 0]
+            versions = await client.model_info()
+            assert len(versions) == 2
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_router_health_and_registration(fleet: Any) -> None:
+    """smg registered exactly the two engines and reports them healthy."""
+    workers = httpx.get(fleet.router_url + "/workers", timeout=10).json()["workers"]
+    assert sorted(w["url"] for w in workers) == sorted(fleet.engine_urls)
+    assert all(w["is_healthy"] for w in workers)
+    ready = httpx.get(fleet.router_url + "/readiness", timeout=10).json()
+    assert ready["healthy_workers"] == 2

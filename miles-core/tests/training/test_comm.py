@@ -28,12 +28,16 @@ JOB = textwrap.dedent(
         )
         got = TrainBatch.from_tensors(broadcast_tensors(batch.to_tensors() if rank == 0 else None))
         same = all(torch.equal(getattr(got, k), v) for k, v in batch.to_tensors().items())
+        experts = torch.tensor([[[-1, 300], [7, 32767]]], dtype=torch.int16)  # gloo has no int16: sent as bytes
+        sent = broadcast_tensors({"routed": experts} if rank == 0 else None)["routed"]
+        int16_exact = sent.dtype == torch.int16 and torch.equal(sent, experts)
         mine = batch.shard(rank, 2)
         pooled = TrainBatch.concat([TrainBatch.from_tensors(t) for t in all_gather_tensors(mine.to_tensors())])
         pooled_same = all(torch.equal(getattr(pooled, k), v) for k, v in batch.to_tensors().items())
         rows = all_gather_rows(torch.arange(rank + 2, dtype=torch.float64) + 10 * rank, [2, 3])
         result = {
             "broadcast_exact": same,
+            "int16_exact": int16_exact,
             "pooled_exact": pooled_same,
             "rows": rows.tolist(),
             "json": broadcast_json({"step": 3, "rank": rank}),
@@ -65,7 +69,7 @@ def test_tensors_and_json_cross_two_gloo_ranks_exactly(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"result.{rank}").read_text())
-        assert result["broadcast_exact"] and result["pooled_exact"]
+        assert result["broadcast_exact"] and result["pooled_exact"] and result["int16_exact"]
         assert result["rows"] == [0.0, 1.0, 10.0, 11.0, 12.0]
         assert result["json"] == {"step": 3, "rank": 0}
         assert result["gathered"] == [0, 2]

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from miles.training.batch import TrainBatch
+from miles.training.logit_masks import LOGIT_MASK_IDS
 from miles.training.logprobs import token_logprobs, topk_logprobs
+from miles.training.routing import ROUTED_EXPERTS
 
 __all__ = [
     "PackedMicroBatch",
@@ -92,6 +94,10 @@ class PackedMicroBatch:
     """Response tokens per sequence (sums to ``T``); empty for a dummy micro-batch."""
     indices: list[int]
     """Positions of the sequences in the batch they came from."""
+    mask_ids: torch.Tensor | None = None
+    """``[T, M]`` token ids the engine masked out of each response position's distribution (``-1``: none)."""
+    routed_experts: torch.Tensor | None = None
+    """``[L, layers, k]`` the engine's experts for each token of ``input_ids`` (``-1``: none), MoE only."""
 
     @property
     def is_empty(self) -> bool:
@@ -135,4 +141,6 @@ def pack(batch: TrainBatch, indices: Sequence[int], device: torch.device, pad_to
         targets=torch.cat(targets).to(device=device, dtype=torch.long),
         response_lengths=lengths,
         indices=list(indices),
+        mask_ids=batch.response_tensor_rows(LOGIT_MASK_IDS, indices, device),
+        routed_experts=batch.token_tensor_rows(ROUTED_EXPERTS, indices, device),
     )

@@ -24,6 +24,7 @@ from miles.training.comm import all_gather_json
 from miles.training.logprobs import token_logprobs, topk_logprobs
 from miles_fsdp.microbatch import PackedMicroBatch
 from miles_fsdp.optim import clip_grad_norm
+from miles_fsdp.true_on_policy import with_exact_values
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,6 +51,9 @@ class StepContext:
     micro_batches: Callable[[TrainBatch], Iterator[PackedMicroBatch]]
     logits: Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
     values: Callable[[PackedMicroBatch], torch.Tensor]
+    exact_logprobs: list[torch.Tensor] | None = None
+    """``train.true_on_policy``: per sequence, the engine's logprobs (the loss sees these values exactly, with
+    the gradient of the trainer's own forward: :func:`miles_fsdp.true_on_policy.with_exact_values`)."""
 
 
 def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
@@ -114,8 +118,16 @@ def run_train_step(
             dummy.backward()
             continue
         logprobs, entropy = token_logprobs(
-            logits, mb.targets, temperature, with_entropy=True, entropy_grad=getattr(algorithm.needs, "entropy", False)
+            logits,
+            mb.targets,
+            temperature,
+            with_entropy=True,
+            entropy_grad=getattr(algorithm.needs, "entropy", False),
+            mask_ids=mb.mask_ids,
         )
+        if ctx.exact_logprobs is not None:
+            exact = torch.cat([ctx.exact_logprobs[i] for i in mb.indices])
+            logprobs = with_exact_values(logprobs, exact)
         mask = batch.token_field("loss_mask", mb.indices, device)
         assert mask is not None
         fields = {name: batch.token_field(name, mb.indices, device) for name in TOKEN_FIELDS[1:]}

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from miles.algorithms.base import Algorithm
     from miles.precision.base import PrecisionRecipe
-    from miles.settings.model import TrainSettings
+    from miles.settings.model import MilesSettings, TrainSettings
     from miles.training.batch import TrainBatch
     from miles_fsdp.microbatch import PackedMicroBatch
 
@@ -47,6 +47,19 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self.critic: Any = None
         self._parts: dict[str, tuple[Any, Any, Any]] = {}
         self._config: Any = None
+        self._replica: Any = None
+        self._routing: Any = None
+        """MoE actors: the :class:`~miles.training.routing.RouterReplay` its routers go through (R3 and the
+        routing-agreement metric; :mod:`miles_fsdp.routing`)."""
+        """``train.true_on_policy``: the engine's model runner at the actor's weights (:mod:`miles_fsdp.true_on_policy`)."""
+
+    @classmethod
+    def check_settings(cls, options: FSDPSettings, settings: MilesSettings) -> None:
+        """Refuse what this trainer cannot do with the rest of the run (``build_run`` calls it): the
+        combinations under which ``train.true_on_policy`` cannot be exact."""
+        from miles_fsdp.true_on_policy import check_true_on_policy
+
+        check_true_on_policy(settings)
 
     # -- setup -------------------------------------------------------------------------------------
     @property
@@ -82,6 +95,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         actor = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
         actor.config.use_cache = False
         self._config = actor.config
+        from miles_fsdp.routing import patch_routers
+
+        self._routing = patch_routers(actor, replay=train.routing_replay)
         self.actor = shard_model(
             actor,
             reshard_after_forward=opts.reshard_after_forward,
@@ -116,6 +132,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             critic_train = train.model_copy(update={"lr": opts.critic_lr or train.lr})
             critic_opt = build_optimizer(self.critic.parameters(), critic_train)
             self._parts["critic"] = (self.critic, critic_opt, build_scheduler(critic_opt, critic_train))
+        if train.true_on_policy:
+            from miles_fsdp.true_on_policy import EngineReplica
+
+            self._replica = EngineReplica(train.model_path, dtype=self.precision.param_dtype)
         pad = self._config.pad_token_id if self._config.pad_token_id is not None else self._config.eos_token_id
         self._pad_token_id = int(pad if isinstance(pad, int) else 0)
         log.info(
@@ -143,6 +163,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             yield pack(batch, indices, self.device, self._pad_token_id)
 
     def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
+        if module is self.actor and self._routing is not None:
+            # the micro-batch's rollout experts, kept for an activation-checkpointing recompute in backward
+            self._routing.set_rows(mb.routed_experts)
         out = module(
             input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
         )
@@ -171,6 +194,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
         logprobs: list[torch.Tensor | None] = [None] * len(batch)
         entropy: list[torch.Tensor | None] = [None] * len(batch)
+        if model == "actor" and self._replica is not None:
+            self._replica.sync(self.actor, self.step)
+        if self._routing is not None:  # agreement is counted once per step, by the train step's forwards
+            self._routing.measure = False
         was_training = module.training
         module.eval()
         with torch.no_grad():
@@ -178,9 +205,13 @@ class FSDPTrainer(Trainer[FSDPSettings]):
                 logits = self._logits(module, mb)
                 if mb.is_empty:
                     continue
-                lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy)
+                lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy, mask_ids=mb.mask_ids)
                 for i, part in zip(mb.indices, lp.split(mb.response_lengths), strict=True):
                     logprobs[i] = part.float().cpu()
+                if model == "actor" and self._replica is not None:  # the engine's values, bit for bit
+                    exact = self._replica.logprobs(batch, mb.indices, temperature)
+                    for i, values in zip(mb.indices, exact, strict=True):
+                        logprobs[i] = values
                 if ent is not None:
                     for i, part in zip(mb.indices, ent.split(mb.response_lengths), strict=True):
                         entropy[i] = part.float().cpu()
@@ -212,6 +243,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         from miles_fsdp.step import StepContext, run_train_step
 
         self._require_setup()
+        exact = None
+        if self._replica is not None:  # train.true_on_policy: the loss sees the engine's logprobs exactly
+            self._replica.sync(self.actor, self.step)
+            exact = self._replica.logprobs(batch, range(len(batch)), temperature)
         ctx = StepContext(
             device=self.device,
             actor=self.actor,
@@ -222,8 +257,15 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             micro_batches=self._micro_batches,
             logits=self._logits,
             values=self._values,
+            exact_logprobs=exact,
         )
+        if self._routing is not None:
+            self._routing.measure = True
+            self._routing.stats.reset()
         metrics = run_train_step(ctx, batch, algorithm, temperature=temperature)
+        if self._routing is not None:  # a collective: every rank's counts
+            metrics.update(self._routing.stats.metrics(self._routing.num_layers))
+            self._routing.measure = False
         self.step += 1
         return metrics
 
@@ -255,9 +297,13 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._require_setup()
         if is_dcp_checkpoint(path):
             self.step = load_sharded(path, self._parts, rank=self.dist.rank)
+            if self._replica is not None:
+                self._replica.synced_step = None
         else:
             log.info("%s is a Hugging Face directory: loading the actor's weights (optimizer state starts fresh)", path)
             load_hf_weights(self.actor, path)
+            if self._replica is not None:
+                self._replica.synced_step = None
 
     def export_hf(self, path: str, *, bucket_bytes: int = 1 << 30) -> None:
         """Write the actor as a HF safetensors directory (config, shards, tokenizer files of the source)."""
@@ -281,4 +327,5 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         """Drop the models and optimizers. No collective: ``close`` also runs after a failure on this rank,
         when the other ranks are not coming (the worker's teardown barriers after a completed run)."""
         self.actor = self.ref = self.critic = None
+        self._replica = self._routing = None
         self._parts = {}

@@ -38,16 +38,29 @@ def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
+def _write_durably(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part of it, even across a power loss:
+    write a temporary file, fsync it, rename it over ``path``, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_driver_state(path: Path, state: DriverState) -> None:
-    """Write ``driver.json`` atomically, then point ``latest`` at this checkpoint."""
+    """Write ``driver.json`` durably (the checkpoint is complete from then on), then point ``latest`` at
+    this checkpoint. Called after the trainer's files are written: a save killed before it (or failing
+    on a full disk) leaves ``latest`` on the previous complete checkpoint."""
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "driver.json.tmp"
-    tmp.write_text(json.dumps(asdict(state), indent=1))
-    tmp.replace(path / "driver.json")
-    latest = path.parent / "latest"
-    latest_tmp = path.parent / "latest.tmp"
-    latest_tmp.write_text(path.name + "\n")
-    latest_tmp.replace(latest)
+    _write_durably(path / "driver.json", json.dumps(asdict(state), indent=1))
+    _write_durably(path.parent / "latest", path.name + "\n")
 
 
 def read_driver_state(path: Path) -> DriverState:

@@ -62,6 +62,16 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def scoring_temperature_of(settings: MilesSettings) -> float:
+    """The temperature of the distribution the engines report logprobs of (what the trainer scores at): the
+    sampling temperature, or 1 for greedy decoding and engines reporting the raw logits' logprobs."""
+    from miles.training.logprobs import scoring_temperature
+
+    rollout = settings.rollout
+    original = bool(rollout.engine.options.get("return_original_logprob", False))
+    return scoring_temperature(rollout.temperature, top_k=rollout.top_k, original_logprobs=original)
+
+
 def mismatch_metrics(batches: list[TrainBatch]) -> dict[str, float]:
     """|trainer - rollout| logprob difference over trained tokens, before the step's updates, all ranks."""
     total = count = largest = 0.0
@@ -298,21 +308,24 @@ class TrainingLoop:
         settings = self.settings
         train_start = time.perf_counter()
         assert settings.train.global_batch_size is not None  # derived by the settings
+        temperature = scoring_temperature_of(settings)
         batches = prepare_minibatches(
             groups,
             algorithm=self.algorithm,
             trainer=self.trainer,
             dist=self.dist,
             global_batch_size=settings.train.global_batch_size,
-            temperature=settings.rollout.temperature,
+            temperature=temperature,
             on_policy=settings.rollout.mode == "sync" and settings.log.trainer_logprobs != "always",
         )
         metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
         if settings.log.trainer_logprobs != "never":
             self.record_trainer_logprobs(batches, groups)
-        temperature = settings.rollout.temperature
         step_metrics = [self.trainer.train_step(batch, self.algorithm, temperature=temperature) for batch in batches]
-        metrics.update({f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()})
+        # the trainer's fidelity signals (routing agreement) keep their own prefix
+        metrics.update(
+            {k if k.startswith("fidelity/") else f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()}
+        )
         if "fidelity/train_rollout_logprob_abs_diff" not in metrics and len(step_metrics) == 1:
             # old logprobs were skipped (one on-policy step): the step measured them before its update
             diff = step_metrics[0].get("train_rollout_logprob_abs_diff")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from miles.transport.base import WeightTransport
 
 __all__ = ["ROLLOUT_KINDS", "Resolved", "Run", "build_run"]
+
+log = logging.getLogger(__name__)
 
 ROLLOUT_KINDS = (
     ComponentKind.LAUNCHER,
@@ -189,7 +192,8 @@ class Run:
         resolved = str(materialize(path))
         if resolved != path:
             self.settings.train.model_path = resolved
-            self.__dict__.pop("tokenizer", None)
+            for cached in ("tokenizer", "is_moe", "eos_token_ids", "records_routed_experts"):
+                self.__dict__.pop(cached, None)
         return resolved
 
     # -- stateless components, built once --------------------------------------------------------------
@@ -310,14 +314,56 @@ class Run:
         dynamic-sampling filter (and teacher scoring when it needs a teacher)."""
         from miles.rollout.manager import RolloutManager
 
+        settings = rollout or self.settings.rollout
         return RolloutManager(
             client,
-            rollout or self.settings.rollout,
+            settings,
             scorer=scorer,
             algorithm=self.algorithm if filter_groups else None,
             rollout_function=self.rollout_function,
             seed=self.settings.train.seed + seed_offset,
+            return_routed_experts=self.records_routed_experts,
+            eos_token_ids=self.eos_token_ids,
         )
+
+    @functools.cached_property
+    def is_moe(self) -> bool:
+        """Whether the policy routes tokens to experts (its rollouts then record the routed experts)."""
+        from pathlib import Path
+
+        from miles.models import is_moe_model
+
+        path = self.settings.train.model_path
+        return path is not None and (Path(path) / "config.json").is_file() and is_moe_model(path)
+
+    @functools.cached_property
+    def records_routed_experts(self) -> bool:
+        """Whether rollouts ask the engines for the experts they routed each token to: MoE policies (or
+        ``train.routing_replay``) on an engine whose capabilities say it reports them."""
+        if not (self.settings.train.routing_replay or self.is_moe):
+            return False
+        entry = self.resolved.get("rollout.engine")
+        capabilities = getattr(entry.registration.component, "capabilities", None) if entry else None
+        if capabilities is None or capabilities.routed_experts:
+            return True
+        log.warning(
+            "rollout.engine %r does not report routed experts: no routing replay or routing agreement this run%s",
+            entry.registration.name if entry else "?",
+            " (train.routing_replay has nothing to replay)" if self.settings.train.routing_replay else "",
+        )
+        return False
+
+    @functools.cached_property
+    def eos_token_ids(self) -> list[int]:
+        """The policy's EOS ids (what the engines stop on and mask before ``min_new_tokens``)."""
+        from pathlib import Path
+
+        from miles.models import eos_token_ids
+
+        path = self.settings.train.model_path
+        if path is None or not (Path(path) / "config.json").is_file():
+            return []
+        return eos_token_ids(path, tokenizer=self.tokenizer)
 
 
 @functools.cache

@@ -14,23 +14,6 @@ __all__ = ["InProcessEngine", "build_engine", "main", "serve", "start_engine"]
 log = logging.getLogger(__name__)
 
 
-def _eos_ids(model_path: Path, config: Any, tokenizer: Any) -> list[int]:
-    ids: set[int] = set()
-    candidates: list[Any] = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
-    try:
-        from transformers import GenerationConfig
-
-        candidates.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
-    except OSError:
-        pass
-    for value in candidates:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return sorted(ids)
-
-
 def build_engine(model_path: str | Path, *, start: bool = True, **options: Any) -> Any:
     """Load everything and (``start``) start the scheduler on a background thread; returns the
     :class:`EngineState`. ``options`` are :class:`~miles.engine.options.ServeOptions` fields.
@@ -53,6 +36,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
     from miles.engine.model_runner import ModelRunner
     from miles.engine.scheduler import Scheduler, SchedulerConfig
     from miles.engine.state import EngineState
+    from miles.models import eos_token_ids
 
     path = opts.model
     runner = ModelRunner(path, device=opts.device, dtype=opts.dtype, attention_backend=opts.attention_backend)
@@ -63,7 +47,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
 
     scheduler = Scheduler(
         runner,
-        _eos_ids(path, runner.config, tokenizer),
+        eos_token_ids(path, config=runner.config, tokenizer=tokenizer),
         SchedulerConfig(
             max_running_requests=opts.max_running_requests,
             max_cache_tokens=opts.max_cache_tokens,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -484,20 +484,33 @@ class ModelRunner:
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.exists() for f in files):
             raise ValueError(f"{path}: no .safetensors files found")
-        params = dict(self.model.state_dict(keep_vars=True))  # includes tied aliases (lm_head.weight)
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        named: list[tuple[str, str, torch.Tensor]] = []
         for file in files:
             # views of the file's memory map: each tensor is copied once, page cache -> parameter
             for name, tensor in map_safetensors(file).items():
-                target = params.get(name)
-                if target is None:
-                    raise ValueError(f"{file}: tensor {name!r} is not a parameter of the served model")
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the model expects {tuple(target.shape)}"
-                    )
-                staged.append((target, tensor))
+                named.append((str(file), name, tensor))
+        return self._copy_in(named)
+
+    @torch.no_grad()
+    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], *, source: str = "weights") -> int:
+        """:meth:`load_weights` from ``(HF name, tensor)`` pairs in memory (``source`` names them in errors):
+        the trainer's replica of the engine (``train.true_on_policy``) takes its weights this way (not in inference
+        mode: ``tensors`` may be produced lazily, by collectives on the trainer's own tensors)."""
+        return self._copy_in([(source, name, tensor) for name, tensor in tensors])
+
+    def _copy_in(self, named: list[tuple[str, str, torch.Tensor]]) -> int:
+        """Check every ``(source, name, tensor)`` against the model, then copy them all in (casting)."""
+        params = dict(self.model.state_dict(keep_vars=True))  # includes tied aliases (lm_head.weight)
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for where, name, tensor in named:
+            target = params.get(name)
+            if target is None:
+                raise ValueError(f"{where}: tensor {name!r} is not a parameter of the served model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
+            staged.append((target, tensor))
         for target, tensor in staged:
             target.copy_(tensor.to(dtype=target.dtype, device=target.device))
         if getattr(self.config, "tie_word_embeddings", False):

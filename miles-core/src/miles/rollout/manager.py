@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from miles.rewards.scoring import Scorer
+from miles.rollout.facts import RoutedExpertsClient, logit_masks
 from miles.rollout.protocol import GenerateOutput, SamplingParams
 from miles.rollout.teacher import TeacherScorer, teacher_for
 from miles.types import Sample, SampleGroup, SampleStatus, WeightSpan
@@ -152,6 +153,10 @@ class RolloutManager:
     :param seed: run seed; sample seeds are derived from it, the group id and the sample index.
     :param max_rounds: with ``rollout_batch_size``, how many groups dynamic sampling may drop in a row
         (``max_rounds x rollout_batch_size``) before it keeps one anyway.
+    :param return_routed_experts: ask every ``/generate`` for the experts the engine routed each token to
+        (MoE models: routing replay and the routing-agreement metric).
+    :param eos_token_ids: the engine's EOS ids; single-turn samples record the logit masks the engine
+        applied before ``min_new_tokens`` (:func:`miles.rollout.facts.logit_masks`).
     """
 
     def __init__(
@@ -165,6 +170,7 @@ class RolloutManager:
         seed: int = 0,
         max_rounds: int = 8,
         return_routed_experts: bool = False,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.client = client
         self.settings = settings
@@ -177,6 +183,8 @@ class RolloutManager:
         self.seed = seed
         self.max_rounds = max_rounds
         self.return_routed_experts = return_routed_experts
+        self.eos_token_ids = list(eos_token_ids)
+        self._generate_client: EngineClient = RoutedExpertsClient(client) if return_routed_experts else client
         self.next_group_id = 0
         self.budget = DropBudget(max_rounds * settings.rollout_batch_size)
         """The admission rule every produced group goes through."""
@@ -208,6 +216,7 @@ class RolloutManager:
             top_p=s.top_p,
             top_k=s.top_k,
             stop=list(s.stop),
+            stop_token_ids=list(s.stop_token_ids),
             sampling_seed=seed,
         )
 
@@ -233,14 +242,18 @@ class RolloutManager:
     async def generate_sample(self, sample: Sample, *, retries: int = 2) -> Sample:
         """Run the rollout function for one sample; an aborted sample is retried from scratch."""
         seed = derive_seed(self.seed, sample.group_id, sample.index)
+        params = self.sampling_params(seed)
         result = sample
         for attempt in range(retries + 1):
             try:
-                result = await self.rollout_function(self.client, sample, self.sampling_params(seed))
+                result = await self.rollout_function(self._generate_client, sample, params)
             except Exception as exc:  # an engine or tool failure marks the sample, never stops the run
                 log.warning("sample %d/%d failed: %s", sample.group_id, sample.index, exc)
                 return replace(sample, status=SampleStatus.FAILED, status_reason=f"rollout failed: {exc}")
             if result.status != SampleStatus.ABORTED:
+                if self.rollout_function is single_turn and not result.logit_masks:
+                    masks = logit_masks(params, self.eos_token_ids, length=result.response_length)
+                    result = replace(result, logit_masks=masks)
                 return result
             log.info(
                 "sample %d/%d aborted (%s), attempt %d",
@@ -324,6 +337,10 @@ def rollout_metrics(groups: Sequence[SampleGroup], *, seconds: float) -> dict[st
             parts.setdefault(name, []).append(float(value))
     for name, values in parts.items():
         metrics[f"rollout/reward_{name}_mean"] = sum(values) / len(values)
+    routed = [(len(s.tokens), shape) for s in samples if (shape := s.routed_experts_shape) is not None]
+    if routed:  # what the trainer holds per sample (int16, TrainBatch.token_tensors["routed_experts"])
+        per_sample = [2 * tokens * shape[1] * shape[2] for tokens, shape in routed]
+        metrics["rollout/routed_experts_bytes_per_sample"] = sum(per_sample) / len(per_sample)
     versions = [v for s in samples if (v := s.oldest_weight_version) is not None]
     if versions:
         metrics["rollout/weight_version_min"] = float(min(versions))

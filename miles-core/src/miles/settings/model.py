@@ -208,6 +208,8 @@ class RolloutSettings(_Section):
     """Top-k sampling (-1: off)."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a response like EOS (masked out, with EOS, before ``min_new_tokens``)."""
     max_staleness: int = Field(1, ge=0)
     """Async modes: drop/retry samples whose oldest weight version is this far behind the trainer."""
     stale_policy: Literal["drop", "retry"] = "drop"
@@ -262,6 +264,17 @@ class TrainSettings(_Section):
     """Evaluate on ``data.eval_path`` every this many steps (and after the last one)."""
     eval_pass_k: list[int] = Field(default_factory=lambda: [1])
     """pass@k values reported by evaluation; each eval prompt is sampled ``max(eval_pass_k)`` times."""
+
+    routing_replay: bool = False
+    """MoE rollout routing replay (R3): the trainer's routers use the experts the engine routed each token to
+    (recorded per token at rollout), the gate weights staying differentiable, so training and rollout run
+    the same experts. Routed experts are recorded for every MoE run (the ``fidelity/routing_agreement``
+    metric, replay on or off); this switch makes the trainer replay them."""
+    true_on_policy: bool = False
+    """Compute the trainer's logprobs exactly as the engine computed them (bit for bit: the same matmuls,
+    kernels, attention over each request's own positions, and rounding), so every policy token's trainer
+    logprob equals its rollout logprob. Needs the local engine with ``enable_deterministic_inference`` on the
+    CPU kernels; combinations that cannot be exact are refused with the setting named."""
 
     steps_per_rollout: int = Field(1, ge=1, exclude=True)
     """Derived: optimizer steps per rollout (``rollout_batch_size x n_samples / global_batch_size``)."""

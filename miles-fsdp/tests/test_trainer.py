@@ -250,6 +250,35 @@ def test_iter_weights_yields_every_parameter_once_with_hf_names(run: JobResult) 
         assert all(bucket == [] for bucket in other["weight_buckets"])
 
 
+def test_weight_shards_tile_the_full_weights_without_a_gather(run: JobResult) -> None:
+    """Each rank's ``iter_weight_shards`` (after training): disjoint row blocks that, put together by
+    their offsets, are exactly the weights ``export_hf`` gathered at the same point."""
+    import json
+
+    from safetensors.torch import load_file
+
+    full = _load_dir(run.out / "hf_full")
+    rebuilt = {name: torch.full_like(t, float("nan")) for name, t in full.items()}
+    covered = {name: 0 for name in full}
+    for rank in range(len(run.results)):
+        folder = run.out / f"shards_rank{rank}"
+        tensors = load_file(str(folder / "shards.safetensors"))
+        places = json.loads((folder / "places.json").read_text())
+        assert set(places) == set(full) - {"lm_head.weight"} or set(places) == set(full)
+        for name, shard in tensors.items():
+            place = places[name]
+            assert place["global_shape"] == list(full[name].shape)
+            box = tuple(slice(o, o + n) for o, n in zip(place["offsets"], shard.shape, strict=True))
+            assert bool(torch.isnan(rebuilt[name][box]).all())  # no element is held by two ranks
+            rebuilt[name][box] = shard
+            covered[name] += shard.numel()
+        if run.world_size > 1:  # a real share, not the whole model
+            assert 0 < sum(t.numel() for t in tensors.values()) < sum(t.numel() for t in full.values())
+    for name in places:
+        assert covered[name] == full[name].numel()
+        assert torch.equal(rebuilt[name], full[name]), name
+
+
 def test_bf16_params_train_with_fp32_master_weights(run: JobResult) -> None:
     result = run.results[0]
     assert result["bf16_master_dtypes"] == ["torch.float32"]

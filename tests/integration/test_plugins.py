@@ -34,6 +34,10 @@ def test_backends_come_from_their_distributions() -> None:
     assert {"kind": "trainer", "name": "megatron"} in plugins["megatron"]["registers"]  # type: ignore[operator]
     assert plugins["reward_example"]["distribution"] == "miles-reward-example"
     assert {"kind": "reward", "name": "keyword"} in plugins["reward_example"]["registers"]  # type: ignore[operator]
+    assert plugins["p2p"]["distribution"] == "miles-p2p"
+    assert {"kind": "transport", "name": "p2p"} in plugins["p2p"]["registers"]  # type: ignore[operator]
+    assert plugins["shm_transport"]["distribution"] == "miles-shm-transport"
+    assert {"kind": "transport", "name": "shm"} in plugins["shm_transport"]["registers"]  # type: ignore[operator]
     builtin_kinds = {r["kind"] for p in plugins.values() if p["builtin"] for r in p["registers"]}  # type: ignore[attr-defined]
     assert {
         "rollout_engine",
@@ -50,4 +54,4 @@ def test_backends_come_from_their_distributions() -> None:
 def test_version_lists_every_package() -> None:
     out = subprocess.run([sys.executable, "-m", "miles", "--version"], capture_output=True, text=True, check=True)
     names = {line.split()[0] for line in out.stdout.splitlines()}
-    assert {"miles-core", "miles-fsdp", "miles-megatron", "miles-reward-example"} <= names
+    assert {"miles-core", "miles-fsdp", "miles-megatron", "miles-p2p", "miles-reward-example"} <= names

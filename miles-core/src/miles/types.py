@@ -368,3 +368,5 @@ class PushReport:
     """Per tensor name, a checksum of what was sent (compared with what the engines report)."""
     verification: dict[str, float] = field(default_factory=dict)
     """Metrics of the verification that followed the push (filled by the driver)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The transport's own metrics of the push (``weight_sync/bytes_written`` ...), logged with the step's."""

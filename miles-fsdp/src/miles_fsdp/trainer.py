@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from miles.training.trainer import DistContext, LogprobOutput, Trainer, WeightBucket
+from miles.training.trainer import DistContext, LogprobOutput, Trainer, WeightBucket, WeightShard
 from miles_fsdp.settings import FSDPSettings
 
 if TYPE_CHECKING:
@@ -277,6 +277,13 @@ class FSDPTrainer(Trainer[FSDPSettings]):
 
         self._require_setup()
         yield from iter_full_weights(self.actor, bucket_bytes, rank=self.dist.rank)
+
+    def iter_weight_shards(self, bucket_bytes: int = 256 << 20) -> Iterator[WeightShard]:
+        """The actor's DTensor shards on this rank, with their offsets (nothing is gathered)."""
+        from miles_fsdp.weights import iter_weight_shards
+
+        self._require_setup()
+        yield from iter_weight_shards(self.actor)
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded DCP checkpoint of actor (+ critic) and optimizers, scheduler, RNG states and step."""

@@ -1,21 +1,28 @@
-"""Full weights out of a sharded model: bucket by bucket in Hugging Face naming, and as a HF directory.
+"""Weights out of a sharded model: bucket by bucket in Hugging Face naming, as a HF directory, and as
+this rank's own shards.
 
 Each parameter is gathered on its own (``DTensor.full_tensor``, a collective every rank joins); rank 0
 keeps it until the bucket is full and hands the bucket over, so no rank ever holds more than one bucket
-of full tensors besides its own shard.
+of full tensors besides its own shard. :func:`iter_weight_shards` gathers nothing: each rank's DTensor
+shards with their place in the full tensor, for transports that send them straight to the engines.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from miles.training.hf_export import write_hf_checkpoint
 
-__all__ = ["export_hf_dir", "hf_name", "iter_full_weights"]
+if TYPE_CHECKING:
+    from miles.training.trainer import WeightShard
+
+__all__ = ["export_hf_dir", "hf_name", "iter_full_weights", "iter_weight_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,47 @@ def iter_full_weights(model: nn.Module, bucket_bytes: int, *, rank: int) -> Iter
             bucket, size, count = [], 0, 0
     if count:
         yield bucket
+
+
+_PLACES = "_miles_weight_places"
+"""Attribute of the model caching, per parameter name, the parameter (weakly), its HF name, full shape
+and shard offsets: stable for a parameter's life, and DTensor's placement arithmetic costs more than
+the push of a small model."""
+
+
+def iter_weight_shards(model: nn.Module) -> Iterator[WeightShard]:
+    """This rank's part of each parameter of ``model`` (tied ones once), with its offsets in the full tensor.
+
+    A DTensor parameter gives its local shard (FSDP2's ``Shard(0)``: a block of rows, empty on ranks
+    past the last row); a plain parameter is held whole by every rank (a replica). Not a collective.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from miles.training.trainer import WeightShard
+
+    cache: dict[str, tuple[weakref.ref[nn.Parameter], tuple[str, tuple[int, ...], tuple[int, ...]]]]
+    cache = model.__dict__.setdefault(_PLACES, {})
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            entry = cache.get(name)
+            place = entry[1] if entry is not None and entry[0]() is param else None
+            sharded = isinstance(param, DTensor) or isinstance(param.data, DTensor)
+            local = param.to_local() if sharded else param.detach()
+            if place is None:
+                if sharded:
+                    shape, offsets = compute_local_shape_and_global_offset(
+                        param.shape, param.device_mesh, param.placements
+                    )
+                    if tuple(local.shape) != tuple(shape):
+                        raise RuntimeError(
+                            f"{name}: local shard {tuple(local.shape)} differs from its placement {shape}"
+                        )
+                else:
+                    offsets = (0,) * param.dim()
+                place = (hf_name(name), tuple(param.shape), tuple(int(o) for o in offsets))
+                cache[name] = (weakref.ref(param), place)
+            yield WeightShard(place[0], place[1], place[2], local.detach())
 
 
 def export_hf_dir(

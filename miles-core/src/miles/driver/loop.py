@@ -173,8 +173,7 @@ class TrainingLoop:
             self._setup_driver()
             if self.client is not None:  # the engines start while the ranks load their models
                 await self.client.wait_until_healthy(self.settings.cluster.engine_startup_timeout)
-        if self.transport is not None:
-            await self.transport.connect(self.client, self.dist)
+        await self.publisher.connect()
         if self.resume is not None:
             await self._load(find_checkpoint(self.resume))
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from miles.driver.sources import GroupSource
     from miles.rollout.client import EngineClient
     from miles.settings.model import MilesSettings
-    from miles.training.trainer import DistContext
+    from miles.training.trainer import DistContext, Trainer
     from miles.transport.base import WeightTransport
     from miles.types import PushReport
 
@@ -43,6 +43,7 @@ class PublishContext(Protocol):
 
     settings: MilesSettings
     dist: DistContext
+    trainer: Trainer
     transport: WeightTransport | None
     client: EngineClient | None
     source: GroupSource | None
@@ -68,6 +69,14 @@ class WeightPublisher(ABC):
     def is_driver(self) -> bool:
         return self.loop.dist.rank == 0
 
+    async def connect(self) -> None:
+        """Once, on every rank, before the first push: give the transport this rank's trainer
+        (:meth:`~miles.transport.base.WeightTransport.attach`) and connect it to the engines."""
+        loop = self.loop
+        if loop.transport is not None:
+            loop.transport.attach(loop.trainer)
+            await loop.transport.connect(loop.client, loop.dist)
+
     @abstractmethod
     async def publish(self, step: int) -> PushReport | None:
         """Publish the trainer's weights as version ``step`` (``None`` without a transport)."""
@@ -87,6 +96,7 @@ class WeightPublisher(ABC):
             "weight_sync/bytes": float(report.num_bytes),
             "weight_sync/tensors": float(report.num_tensors),
         }
+        out.update(report.metrics)
         out.update(report.verification)
         return out
 

@@ -478,7 +478,7 @@ class ModelRunner:
         Raises ``ValueError`` naming the file and tensor on an unknown name or a shape mismatch, before
         any weight is changed. Returns the number of tensors loaded.
         """
-        from safetensors import safe_open
+        from miles.transport.files import map_safetensors
 
         path = Path(model_path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
@@ -486,9 +486,9 @@ class ModelRunner:
             raise ValueError(f"{path}: no .safetensors files found")
         named: list[tuple[str, str, torch.Tensor]] = []
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                    named.append((str(file), name, handle.get_tensor(name)))
+            # views of the file's memory map: each tensor is copied once, page cache -> parameter
+            for name, tensor in map_safetensors(file).items():
+                named.append((str(file), name, tensor))
         return self._copy_in(named)
 
     @torch.no_grad()

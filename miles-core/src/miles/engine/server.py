@@ -244,8 +244,12 @@ def create_app(state: EngineState) -> FastAPI:
 
         return await _admin(request, run)
 
+    from miles.engine.p2p_routes import add_p2p_routes
+    from miles.engine.weight_delta import add_delta_routes
     from miles.engine.weight_routes import add_weight_routes
 
     add_weight_routes(app, state, _admin)
+    add_delta_routes(app, state, _admin)
+    add_p2p_routes(app, state, _admin)
     describe_bodies(app, vocab_size=sched.runner.vocab_size, context_length=sched.context_length)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,9 @@ class EngineState:
     api_key: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)
     return_original_logprob: bool = False
+    on_randomize: list[Callable[[int], None]] = field(default_factory=list)
+    """Called with the seed by ``/debug/randomize_weights`` (on the scheduler thread): more weight memory
+    to overwrite, such as the receive buffers of point-to-point sessions."""
     generate_requests: int = 0
     """``/generate`` calls answered so far (``/server_info`` reports it: which engine served how much)."""
     generated_samples: int = 0

@@ -189,6 +189,8 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
                 def go() -> int:
                     count = randomize_weights(sched.runner.model, seed)
+                    for hook in state.on_randomize:
+                        hook(seed)
                     sched.flush_cache()
                     return count
 

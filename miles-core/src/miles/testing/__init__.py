@@ -21,6 +21,7 @@ from miles.testing.conformance import (
 )
 from miles.testing.plugins import plugin_of, registering
 from miles.testing.samples import example_groups, example_samples
+from miles.testing.transport_delivery import check_transport_delivery
 
 __all__ = [
     "check_algorithm",
@@ -35,6 +36,7 @@ __all__ = [
     "check_rollout_function",
     "check_settings_model",
     "check_transport",
+    "check_transport_delivery",
     "example_groups",
     "example_samples",
     "plugin_of",

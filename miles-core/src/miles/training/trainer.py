@@ -21,10 +21,29 @@ if TYPE_CHECKING:
     from miles.settings.model import TrainSettings
     from miles.training.batch import TrainBatch
 
-__all__ = ["DistContext", "LogprobOutput", "Trainer", "WeightBucket"]
+__all__ = ["DistContext", "LogprobOutput", "Trainer", "WeightBucket", "WeightShard"]
 
 WeightBucket = list[tuple[str, "torch.Tensor"]]
 """A list of (HF parameter name, full tensor) pairs; a transport sends one bucket at a time."""
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """The part of one Hugging Face tensor that one trainer rank holds (see :meth:`Trainer.iter_weight_shards`).
+
+    The slice is the box ``offsets[d] : offsets[d] + tensor.shape[d]`` of the full tensor in every
+    dimension ``d`` (an FSDP ``Shard(0)`` slice is a block of rows; a replicated tensor is the whole box
+    at offsets 0 on every rank that holds it).
+    """
+
+    name: str
+    """The tensor's Hugging Face name."""
+    global_shape: tuple[int, ...]
+    """The full tensor's shape."""
+    offsets: tuple[int, ...]
+    """Where the slice starts in the full tensor, per dimension."""
+    tensor: torch.Tensor
+    """The slice itself (this rank's memory: do not modify)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +129,22 @@ class Trainer(Component[SettingsT], ABC):
 
         Rank 0 receives full tensors; other ranks may receive empty buckets.
         """
+
+    def iter_weight_shards(self, bucket_bytes: int = 256 << 20) -> Iterator[WeightShard]:
+        """This rank's slices of every weight, in Hugging Face naming, without gathering anything: for
+        transports that send each slice straight to the engines that need it (``p2p``).
+
+        Every rank calls it; the slices of all ranks together cover every tensor (a slice held by
+        several ranks, a replica, is sent by one of them). Backends with sharded parameters override it
+        (``fsdp``: its DTensor shards, with their offsets). The default yields :meth:`iter_weights`'
+        full tensors on rank 0 (a collective, as that is, gathering ``bucket_bytes`` at a time) and
+        nothing on other ranks.
+
+        .. versionadded:: 0.1
+        """
+        for bucket in self.iter_weights(bucket_bytes):
+            for name, tensor in bucket:
+                yield WeightShard(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor)
 
     @abstractmethod
     def save_checkpoint(self, path: str) -> None:

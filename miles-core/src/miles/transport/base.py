@@ -20,7 +20,7 @@ from miles.types import PushReport
 
 if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
-    from miles.training.trainer import DistContext, WeightBucket
+    from miles.training.trainer import DistContext, Trainer, WeightBucket
 
 __all__ = ["PushReport", "StagedTransport", "WeightTransport"]
 
@@ -38,6 +38,15 @@ class WeightTransport(Component[SettingsT], ABC):
         self.run_dir = run_dir
         self.model_path = model_path
         self.engine_dtype = engine_dtype
+
+    def attach(self, trainer: Trainer) -> None:
+        """Called once on every rank, before :meth:`connect`, with this rank's trainer. A transport that
+        reads the trainer's own slices (:meth:`~miles.training.trainer.Trainer.iter_weight_shards`, as
+        ``p2p`` does) keeps it; the buckets :meth:`push` receives are then never iterated, so nothing is
+        gathered. The default keeps nothing.
+
+        .. versionadded:: 0.1
+        """
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
         """Set up channels (process groups, directories) once, before the first push.

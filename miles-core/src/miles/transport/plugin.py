@@ -1,4 +1,4 @@
-"""Built-in weight transports: ``disk`` and ``broadcast``."""
+"""Built-in weight transports: ``disk``, ``broadcast`` and ``disk_delta``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ from miles.components import Register
 from miles.markers import hookimpl
 from miles.transport.broadcast import BroadcastTransport
 from miles.transport.disk import DiskTransport
+from miles.transport.disk_delta import DiskDeltaTransport
 
 
 @hookimpl
 def miles_register_transports(register: Register) -> None:
     register(DiskTransport)
     register(BroadcastTransport)
+    register(DiskDeltaTransport)

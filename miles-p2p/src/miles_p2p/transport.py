@@ -1,0 +1,562 @@
+"""The ``p2p`` transport: every trainer rank sends the slices it holds straight to the engines that need them.
+
+Nothing is gathered on rank 0: each rank reads its own shards (:meth:`~miles.training.trainer.Trainer.
+iter_weight_shards`, the FSDP2 DTensor shards for the ``fsdp`` trainer); the buckets :meth:`P2PTransport.
+push` receives are never iterated. One push:
+
+1. every rank gathers the others' slice layouts (names and boxes, JSON) and, when the layouts or the
+   engines changed, every rank computes the same route plan (:mod:`miles_p2p.plan`); rank 0 gives each
+   engine its chunks (``/p2p/plan``), which allocates (registers, maps) its receive buffer once;
+2. each rank moves its chunks into the engines' receive buffers (:mod:`miles_p2p.datapaths`) while the
+   engines keep generating;
+3. rank 0 collects every rank's outcome. If an engine failed (it died, refused, timed out), the push
+   fails naming its URL and the other engines, whose parameters were never touched, keep serving their
+   version; the sessions are reopened at the next push. Otherwise every engine commits (``/p2p/commit``:
+   pause, copy into the parameters, version, flush, resume);
+4. verification (``verify_slices``): each rank's checksum of every chunk it sent against each engine's
+   checksum of that chunk as served, naming the tensor, the box and the rank on a mismatch; the per-tensor
+   checksums the driver then verifies on every engine are engine 0's, proven equal to the trainer's bytes
+   by that check.
+
+Every rank takes part in every step (small JSON collectives over the trainer's default process group),
+so a failure is raised on every rank. The engine side is the local engine's ``/p2p/*`` routes
+(:mod:`miles.engine.p2p_routes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from miles.errors import EngineError, SettingsError, WeightVerificationError
+from miles.transport.base import PushReport, WeightTransport
+from miles_p2p.plan import EngineLayout, Route, RoutePlan, SliceInfo, engines_digest, layout_key, make_plan
+from miles_p2p.settings import P2PTransportSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles.engine.p2p_receiver import MooncakeEndpoint
+    from miles.rollout.client import EngineClient
+    from miles.settings.model import MilesSettings
+    from miles.training.trainer import DistContext, Trainer, WeightBucket, WeightShard
+    from miles_p2p.datapaths import Outcome, Sender
+
+__all__ = ["P2PTransport"]
+
+log = logging.getLogger(__name__)
+
+
+def _key(route: Route) -> str:
+    return f"{route.name}|{list(route.offsets)}|{list(route.shape)}"
+
+
+def _check_options(options: P2PTransportSettings) -> None:
+    if options.write_into_weights and options.datapath != "shm":
+        raise SettingsError(f"transport.write_into_weights needs transport.datapath = 'shm' (not {options.datapath!r})")
+
+
+class P2PTransport(WeightTransport[P2PTransportSettings]):
+    """Sends each trainer rank's slices straight to the engines (see the module docstring)."""
+
+    name = "p2p"
+
+    def __init__(
+        self, settings: P2PTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
+    ) -> None:
+        super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
+        self.trainer: Any = None
+        self.client: EngineClient | None = None
+        self.dist: DistContext | None = None
+        self.session_id: str | None = None
+        self.urls: list[str] = []
+        self.engines: list[EngineLayout] = []
+        self.opened = False
+        self.group: Any = None
+        self._store: Any = None
+        self.endpoint: MooncakeEndpoint | None = None
+        self.sender: Sender | None = None
+        self.plan: RoutePlan | None = None
+        self.shm_files: list[str] = []
+        self._engines_digest = ""
+
+    @classmethod
+    def check_settings(cls, options: P2PTransportSettings, settings: MilesSettings) -> None:
+        """Before anything starts (``build_run`` calls it): ``write_into_weights`` needs the ``shm`` data
+        path. Raises :class:`~miles.errors.SettingsError` naming the field."""
+        _check_options(options)
+
+    @property
+    def address(self) -> str:
+        return os.environ.get("MILES_P2P_ADDRESS", self.settings.address)
+
+    # -- setup -------------------------------------------------------------------------------------
+    def attach(self, trainer: Trainer) -> None:
+        """Keep the trainer: its :meth:`~miles.training.trainer.Trainer.iter_weight_shards` is what is sent."""
+        from miles.precision.base import PrecisionRecipe
+
+        precision = getattr(trainer, "precision", None)
+        if precision is not None and type(precision).rollout_weights is not PrecisionRecipe.rollout_weights:
+            raise SettingsError(
+                f"transport p2p sends each rank's slices as they are; precision {precision.name!r} converts whole "
+                "tensors for the engines (rollout_weights): use transport broadcast, disk or disk_delta"
+            )
+        self.trainer = trainer
+
+    async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
+        _check_options(self.settings)  # also when built without build_run (the kit, benchmarks)
+        if self.trainer is None:
+            raise RuntimeError("p2p transport: attach(trainer) must come before connect()")
+        self.client = client
+        self.dist = dist
+        await self._open()
+
+    def _dist(self) -> DistContext:
+        if self.dist is None:
+            raise RuntimeError("p2p transport: push before connect()")
+        return self.dist
+
+    async def _open(self) -> None:
+        """Open a session on every engine and set the data path up (a collective over the trainer ranks)."""
+        from miles.engine.p2p_receiver import MooncakeEndpoint, host_id
+        from miles.training.comm import all_gather_json, broadcast_json
+        from miles.transport.broadcast import free_port, make_process_group, run_in_daemon_thread
+        from miles_p2p.datapaths import MooncakeSender, ShmSender, TorchSender
+
+        dist = self._dist()
+        datapath = self.settings.datapath
+        meta: dict[str, Any] | None = None
+        if dist.rank == 0:
+            if self.client is None:
+                raise RuntimeError("p2p transport: rank 0 needs the engine client")
+            port = (self.settings.port or free_port(self.address)) if datapath == "torch" else 0
+            meta = {
+                "session": f"miles-p2p-{uuid.uuid4().hex[:12]}",
+                "urls": list(self.client.urls),
+                "address": self.address,
+                "port": port,
+            }
+        meta = broadcast_json(meta)
+        assert meta is not None
+        urls: list[str] = meta["urls"]
+        backend = "nccl" if dist.device == "cuda" else "gloo"
+        rendezvous: asyncio.Future[Any] | None = None
+        if datapath == "torch":
+            rank, world = dist.rank, dist.world_size + len(urls)
+            rendezvous = run_in_daemon_thread(
+                lambda: make_process_group(
+                    backend,
+                    host=meta["address"],
+                    port=int(meta["port"]),
+                    rank=rank,
+                    world_size=world,
+                    timeout=self.settings.timeout,
+                    is_master=rank == 0,
+                )
+            )
+        elif datapath == "mooncake":
+            self.endpoint = MooncakeEndpoint(
+                self.address, protocol=self.settings.mooncake_protocol, device_name=self.settings.mooncake_device
+            )
+        status = await self._open_engines(meta, backend, rendezvous) if dist.rank == 0 else None
+        status = broadcast_json(status)
+        if "error" in status:
+            raise EngineError(status["error"])
+        answers: list[dict[str, Any]] = status["answers"]
+        if datapath == "torch":
+            assert rendezvous is not None
+            self.group, self._store = await rendezvous
+            self.sender = TorchSender(self.group, dist.world_size)
+        elif datapath == "mooncake":
+            assert self.endpoint is not None
+            self.sender = MooncakeSender(self.endpoint)
+        else:
+            here = host_id()
+            elsewhere = [url for url, a in zip(urls, answers, strict=True) if a["host_id"] != here]
+            problems = all_gather_json(elsewhere[0] if elsewhere else None)
+            far = next((p for p in problems if p), None)
+            if far is not None:
+                raise SettingsError(
+                    f"transport.datapath = 'shm' needs every engine on the trainer ranks' host; {far} is not"
+                )
+            self.sender = ShmSender(direct=self.settings.write_into_weights)
+        self.session_id, self.urls = meta["session"], urls
+        self.engines = [EngineLayout.from_session(url, a) for url, a in zip(urls, answers, strict=True)]
+        self._engines_digest = engines_digest(self.engines)
+        self.plan = None
+        self.opened = True
+        log.info("p2p transport: session %s on %d engines (%s)", self.session_id, len(urls), datapath)
+
+    async def _open_engines(
+        self, meta: dict[str, Any], backend: str, rendezvous: asyncio.Future[Any] | None
+    ) -> dict[str, Any]:
+        """Rank 0: ``/p2p/open_session`` on every engine (concurrently with the group's rendezvous)."""
+        assert self.client is not None and self.dist is not None
+        client = self.client
+        n = self.dist.world_size
+
+        async def open_one(i: int, url: str) -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "session_id": meta["session"],
+                "datapath": self.settings.datapath,
+                "timeout": self.settings.timeout,
+            }
+            if self.settings.datapath == "torch":
+                body.update(
+                    master_address=meta["address"],
+                    master_port=meta["port"],
+                    world_size=n + len(meta["urls"]),
+                    rank=n + i,
+                    backend=backend,
+                )
+            elif self.settings.datapath == "mooncake":
+                body.update(
+                    hostname=urlparse(url).hostname or "127.0.0.1",
+                    protocol=self.settings.mooncake_protocol,
+                    device_name=self.settings.mooncake_device,
+                )
+            try:
+                return await client.call(url, "/p2p/open_session", body)
+            except Exception as exc:
+                raise EngineError(f"p2p transport: opening a session on engine {url} failed: {exc}") from exc
+
+        tasks = [asyncio.ensure_future(open_one(i, url)) for i, url in enumerate(meta["urls"])]
+        pending: set[asyncio.Future[Any]] = set(tasks)
+        if rendezvous is not None:
+            pending.add(rendezvous)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                error = task.exception()
+                if error is not None:
+                    for other in pending:
+                        other.cancel()
+                    return {"error": str(error)}
+        return {"answers": [t.result() for t in tasks]}
+
+    # -- planning ------------------------------------------------------------------------------------
+    async def _replan(self, slices: list[SliceInfo]) -> None:
+        """Compute the plan (every rank, the same) and give each engine its chunks (rank 0)."""
+        from miles.training.comm import broadcast_json
+
+        dist = self._dist()
+        assert self.sender is not None
+        plan = make_plan(slices, self.engines, extra=self.settings.datapath)
+        status = await self._send_plan(plan) if dist.rank == 0 else None
+        status = broadcast_json(status)
+        if "error" in status:
+            raise EngineError(status["error"])
+        self.sender.prepare(plan.for_rank(dist.rank), status["answers"])
+        self.plan = plan
+        log.info(
+            "p2p transport: plan %s, %d chunks to %d engines (%.1f MB per engine)",
+            plan.plan_id,
+            len(plan.routes),
+            len(self.engines),
+            plan.tensor_bytes / 1e6,
+        )
+
+    def _shared_files(self, plan: RoutePlan) -> list[str]:
+        """Rank 0, ``shm``: one ``/dev/shm`` file per group of engines with the same chunks."""
+        for path in self.shm_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.shm_files = []
+        by_layout: dict[str, str] = {}
+        paths = []
+        for e in range(len(self.engines)):
+            signature = repr([(r.name, r.offsets, r.shape, r.src, r.offset) for r in plan.for_engine(e)])
+            if signature not in by_layout:
+                path = f"/dev/shm/{self.session_id}-{plan.plan_id}-{len(by_layout)}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.ftruncate(fd, max(plan.buffer_bytes[e], 1))
+                finally:
+                    os.close(fd)
+                by_layout[signature] = path
+                self.shm_files.append(path)
+            paths.append(by_layout[signature])
+        return paths
+
+    async def _send_plan(self, plan: RoutePlan) -> dict[str, Any]:
+        assert self.client is not None
+        client = self.client
+        staged_shm = self.settings.datapath == "shm" and not self.settings.write_into_weights
+        paths = self._shared_files(plan) if staged_shm else [None] * len(self.urls)
+
+        async def one(e: int, url: str) -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "session_id": self.session_id,
+                "plan_id": plan.plan_id,
+                "chunks": [r.chunk() for r in plan.for_engine(e)],
+            }
+            if paths[e] is not None:
+                body["buffer_path"] = paths[e]
+            if self.settings.write_into_weights:
+                body["direct"] = True
+            try:
+                answer = await client.call(url, "/p2p/plan", body)
+            except Exception as exc:
+                raise EngineError(f"p2p transport: engine {url} refused the plan: {exc}") from exc
+            return answer if paths[e] is None else {**answer, "buffer_path": paths[e]}
+
+        try:
+            return {"answers": list(await asyncio.gather(*(one(e, url) for e, url in enumerate(self.urls))))}
+        except EngineError as exc:
+            return {"error": str(exc)}
+
+    # -- a push --------------------------------------------------------------------------------------
+    def _sources(self, routes: list[Route], shards: list[WeightShard]) -> list[torch.Tensor]:
+        """Each route's view of this rank's slice (the plan was made from these shards' layout)."""
+        held = {(s.name, tuple(s.offsets)): s for s in shards}
+        sources = []
+        for route in routes:
+            shard = held.get((route.source_name, route.slice_at))
+            if shard is None:  # cannot happen: the plan's key covers every rank's layout
+                raise RuntimeError(f"p2p transport: trainer rank {route.src} does not hold {route.describe()}")
+            box = tuple(slice(o, o + n) for o, n in zip(route.slice_offsets, route.shape, strict=True))
+            sources.append(shard.tensor.detach()[box])
+        return sources
+
+    def _send(self, routes: list[Route], sources: list[torch.Tensor]) -> Outcome:
+        """This rank's data movement (a worker thread). Subclasses may wrap it."""
+        assert self.sender is not None
+        return self.sender.send(routes, sources)
+
+    async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
+        """Move every rank's slices to every engine, commit, verify (every rank; ``buckets`` is not read)."""
+        from miles.training.comm import all_gather_json, broadcast_json
+
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if not self.opened:
+            await self._open()
+        assert self.trainer is not None
+        shards = list(self.trainer.iter_weight_shards())
+        local = [SliceInfo(dist.rank, s.name, s.global_shape, s.offsets, tuple(s.tensor.shape)) for s in shards]
+        gathered = all_gather_json([s.to_json() for s in local])
+        slices = [SliceInfo.from_json(rank, row) for rank, rows in enumerate(gathered) for row in rows]
+        if self.plan is None or self.plan.key != layout_key(slices, self._engines_digest, self.settings.datapath):
+            plan_start = time.perf_counter()
+            await self._replan(slices)
+            metrics["weight_sync/plan_seconds"] = time.perf_counter() - plan_start
+        plan = self.plan
+        assert plan is not None
+        routes = plan.for_rank(dist.rank)
+        sources = self._sources(routes, shards)
+        moved = time.perf_counter()
+        if self.settings.write_into_weights:  # the engines pause before any rank writes into their weights
+            began = await self._begin(version) if dist.rank == 0 else None
+            began = broadcast_json(began)
+            if "error" in began:
+                raise EngineError(began["error"])
+            metrics["weight_sync/begin_seconds"] = time.perf_counter() - moved
+            moved = time.perf_counter()
+        two_sided = self.settings.datapath == "torch"
+        receives = self._start_receives(version) if dist.rank == 0 and two_sided else []
+        outcome = await asyncio.to_thread(self._send, routes, sources)
+        sent = time.perf_counter()
+        outcomes = all_gather_json(
+            {
+                "errors": {str(e): f"trainer rank {dist.rank}: {m}" for e, m in outcome.errors.items()},
+                "written": {str(e): ids for e, ids in outcome.written.items()},
+            }
+        )
+        if dist.rank == 0 and not two_sided:
+            receives = self._start_receives(version)
+        decision = await self._finish(version, outcomes, receives, metrics) if dist.rank == 0 else None
+        decision = broadcast_json(decision)
+        if "error" in decision:
+            await self._after_failure()
+            raise EngineError(decision["error"])
+        served = time.perf_counter()
+        report = PushReport(version=version, num_tensors=plan.tensors, num_bytes=plan.tensor_bytes)
+        if self.settings.verify_slices:
+            report.checksums = await self._verify(routes, sources, plan, version)
+            metrics["weight_sync/slice_check_seconds"] = time.perf_counter() - served
+        report.seconds = time.perf_counter() - start
+        metrics["weight_sync/served_seconds"] = served - start
+        metrics["weight_sync/layout_seconds"] = moved - start - metrics.get("weight_sync/begin_seconds", 0.0)
+        metrics["weight_sync/send_seconds"] = sent - moved
+        metrics["weight_sync/move_seconds"] = served - moved
+        metrics["weight_sync/chunks"] = float(len(plan.routes))
+        report.metrics.update(metrics)
+        return report
+
+    async def _begin(self, version: str) -> dict[str, Any]:
+        """Rank 0, direct writes: every engine pauses (``/p2p/begin``); if one cannot, the others resume."""
+        assert self.client is not None and self.plan is not None
+        client = self.client
+        body = {"session_id": self.session_id, "plan_id": self.plan.plan_id, "version": version}
+        results = await asyncio.gather(
+            *(client.call(url, "/p2p/begin", body) for url in self.urls), return_exceptions=True
+        )
+        failed = [(url, r) for url, r in zip(self.urls, results, strict=True) if isinstance(r, BaseException)]
+        if not failed:
+            return {"ok": True}
+        begun = [url for url, r in zip(self.urls, results, strict=True) if not isinstance(r, BaseException)]
+        await asyncio.gather(
+            *(client.call(url, "/p2p/abort", {"session_id": self.session_id, "resume": True}) for url in begun),
+            return_exceptions=True,
+        )
+        url, error = failed[0]
+        return {"error": f"p2p transport: engine {url} could not begin version {version}: {error}"}
+
+    def _start_receives(self, version: str) -> list[asyncio.Task[Any]]:
+        """Rank 0: every engine's ``/p2p/receive``, the first phase (``torch``: they post the receives the
+        ranks send to, so before the sends; one-sided data paths: after them, each engine confirms it is
+        alive and ready before any engine commits)."""
+        if self.client is None or self.plan is None:
+            return []
+        body = {"session_id": self.session_id, "plan_id": self.plan.plan_id, "version": version}
+        return [asyncio.create_task(self.client.call(url, "/p2p/receive", body)) for url in self.urls]
+
+    async def _finish(
+        self, version: str, outcomes: list[dict[str, Any]], receives: list[asyncio.Task[Any]], metrics: dict[str, float]
+    ) -> dict[str, Any]:
+        """Rank 0: commit on every engine if every chunk arrived everywhere, else abort (names the engine)."""
+        assert self.client is not None and self.plan is not None
+        client = self.client
+        errors: dict[int, str] = {}
+        written: dict[int, list[int]] = {}
+        for o in outcomes:
+            for e, message in o["errors"].items():
+                errors.setdefault(int(e), message)
+            for e, ids in o["written"].items():
+                written.setdefault(int(e), []).extend(ids)
+        ready = time.perf_counter()
+        for e, result in enumerate(await asyncio.gather(*receives, return_exceptions=True)):
+            if isinstance(result, BaseException):
+                errors.setdefault(e, str(result))
+        transfer = time.perf_counter()
+        if errors:
+            alive = [url for e, url in enumerate(self.urls) if e not in errors]
+            body = {"session_id": self.session_id, "resume": False}
+            await asyncio.gather(*(client.call(url, "/p2p/abort", body) for url in alive), return_exceptions=True)
+            e = min(errors)
+            others = (
+                "the other engines stay paused on partial weights until a push completes (write_into_weights)"
+                if self.settings.write_into_weights
+                else "the other engines keep serving their version"
+            )
+            return {
+                "error": f"p2p transport: version {version} did not reach engine {self.urls[e]}: {errors[e]}; {others}"
+                + (f" ({len(errors) - 1} more engine(s) failed)" if len(errors) > 1 else "")
+            }
+        one_sided = self.settings.datapath != "torch"
+
+        async def commit(e: int, url: str) -> Any:
+            body = {
+                "session_id": self.session_id,
+                "plan_id": self.plan.plan_id if self.plan else "",
+                "version": version,
+                "written": sorted(written.get(e, [])) if one_sided else None,
+                "flush_cache": True,
+            }
+            try:
+                return await client.call(url, "/p2p/commit", body)
+            except Exception as exc:
+                raise EngineError(f"p2p transport: engine {url} did not load version {version}: {exc}") from exc
+
+        results = await asyncio.gather(*(commit(e, url) for e, url in enumerate(self.urls)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            return {"error": str(failed[0])}
+        metrics["weight_sync/commit_seconds"] = time.perf_counter() - transfer
+        metrics["weight_sync/engine_commit_seconds"] = max(
+            float(r.get("seconds", 0.0)) for r in results if not isinstance(r, BaseException)
+        )
+        metrics["weight_sync/ready_seconds"] = transfer - ready
+        return {"ok": True}
+
+    async def _verify(
+        self, routes: list[Route], sources: list[torch.Tensor], plan: RoutePlan, version: str
+    ) -> dict[str, str]:
+        """Compare each chunk as served with what its rank sent; rank 0 returns engine 0's per-tensor checksums."""
+        import torch
+
+        from miles.training.comm import all_gather_json, broadcast_json
+        from miles.transport.verify import tensor_checksum
+
+        dist = self._dist()
+
+        def sums() -> dict[str, str]:
+            out: dict[str, str] = {}
+            for route, source in zip(routes, sources, strict=True):
+                key = _key(route)
+                if key not in out:
+                    out[key] = tensor_checksum(source, getattr(torch, route.dtype))
+            return out
+
+        expected: dict[str, str] = {}
+        for part in all_gather_json(await asyncio.to_thread(sums)):
+            expected.update(part)
+        result: dict[str, Any] | None = None
+        full: dict[str, str] = {}
+        if dist.rank == 0:
+            assert self.client is not None
+            client = self.client
+            answers = await asyncio.gather(
+                *(
+                    client.call(url, "/p2p/checksums", {"session_id": self.session_id, "full": e == 0})
+                    for e, url in enumerate(self.urls)
+                )
+            )
+            result = {}
+            for e, (url, answer) in enumerate(zip(self.urls, answers, strict=True)):
+                if str(answer.get("weight_version")) != version:
+                    result = {
+                        "error": f"engine {url} serves weight version {answer.get('weight_version')!r}, expected {version!r}"
+                    }
+                    break
+                wrong = [r for r in plan.for_engine(e) if answer["chunks"].get(str(r.id)) != expected[_key(r)]]
+                if wrong:
+                    result = {
+                        "error": f"engine {url}: chunk {wrong[0].describe()} differs from what the trainer sent"
+                        + (f" ({len(wrong)} chunks differ)" if len(wrong) > 1 else "")
+                    }
+                    break
+            full = dict(answers[0].get("full", {}))
+        result = broadcast_json(result)
+        assert result is not None
+        if "error" in result:
+            raise WeightVerificationError(f"p2p transport, version {version}: {result['error']}")
+        return full
+
+    # -- teardown ------------------------------------------------------------------------------------
+    async def _close_sessions(self) -> None:
+        if self.dist is not None and self.dist.rank == 0 and self.client is not None and self.session_id:
+            client = self.client
+            await asyncio.gather(
+                *(client.call(url, "/p2p/close_session", {"session_id": self.session_id}) for url in self.urls),
+                return_exceptions=True,
+            )
+        for path in self.shm_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.shm_files = []
+        if self.sender is not None:
+            self.sender.close()
+        self.sender = None
+        self.group = None
+        self._store = None
+        self.endpoint = None
+        self.plan = None
+        self.opened = False
+
+    async def _after_failure(self) -> None:
+        """After a failed push: drop the sessions (a broken group, a dead engine); the next push reopens."""
+        await self._close_sessions()
+
+    async def close(self) -> None:
+        await self._close_sessions()

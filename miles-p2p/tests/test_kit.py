@@ -1,0 +1,47 @@
+"""The ``p2p`` plugin through Miles' conformance kit: plugin shape, cheap import, and delivery into a real
+local engine from randomized weights (a left-out tensor caught by name), over two data paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import miles_p2p.plugin as plugin
+from miles.testing import check_light_import, check_plugin, check_transport, check_transport_delivery
+from miles_p2p.settings import P2PTransportSettings
+from miles_p2p.transport import P2PTransport
+
+
+def test_plugin_conforms(tmp_path: Path) -> None:
+    (entry,) = check_plugin(plugin, name="p2p", expect=[("transport", "p2p")])
+    assert entry.component is P2PTransport and entry.settings_model is P2PTransportSettings
+    check_transport(P2PTransport, tmp_path)
+    check_light_import("miles_p2p.plugin")
+
+
+@pytest.mark.slow  # one engine process each
+@pytest.mark.parametrize("settings", [{"datapath": "torch"}, {"datapath": "shm", "write_into_weights": True}])
+def test_delivers_into_a_real_engine(tmp_path: Path, settings: dict[str, object]) -> None:
+    facts = check_transport_delivery(P2PTransport, tmp_path, settings=settings, engine_dtype="bfloat16")
+    assert facts["verified_tensors"] > 0
+
+
+def test_build_run_refuses_direct_writes_without_shared_memory() -> None:
+    """``check_settings``: the composition root refuses ``write_into_weights`` over another data path, naming
+    the field, before anything starts; the same settings over ``shm`` resolve."""
+    from miles.components import ComponentKind
+    from miles.driver.run import build_run
+    from miles.errors import SettingsError
+    from miles.plugins.manager import PluginManager
+    from miles.settings.model import MilesSettings, TransportSpec
+
+    manager = PluginManager(entry_points=False)
+    manager.register(plugin, "p2p")
+    kinds = [ComponentKind.TRANSPORT, ComponentKind.PRECISION]  # Run.transport(): the engine dtype
+    bad = MilesSettings(transport=TransportSpec(name="p2p", datapath="torch", write_into_weights=True))
+    with pytest.raises(SettingsError, match=r"transport\.write_into_weights needs transport\.datapath = 'shm'"):
+        build_run(bad, manager, kinds=kinds)
+    good = MilesSettings(transport=TransportSpec(name="p2p", datapath="shm", write_into_weights=True))
+    transport = build_run(good, manager, kinds=kinds).transport()
+    assert isinstance(transport, P2PTransport) and transport.settings.write_into_weights

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from miles.components import ComponentSettings
 from miles.transport.base import PushReport, StagedTransport
+from miles.transport.folders import VersionFolders
 from miles.transport.verify import tensor_checksum
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class DiskTransportSettings(ComponentSettings):
     run's results are its checkpoints and its HF export)."""
 
 
-class DiskTransport(StagedTransport[DiskTransportSettings]):
+class DiskTransport(VersionFolders, StagedTransport[DiskTransportSettings]):
     """Trainer writes safetensors shards; engines load them with ``/update_weights_from_disk``."""
 
     name = "disk"
@@ -70,23 +71,6 @@ class DiskTransport(StagedTransport[DiskTransportSettings]):
         self.written: list[Path] = []
         self._staged: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._ready: dict[str, Path] = {}
-
-    async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
-        self.client = client
-        if dist.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-
-    async def close(self) -> None:
-        """Remove the versions this run wrote (unless ``keep_after_run``), and the folder when it is empty."""
-        if self.settings.keep_after_run:
-            return
-        for path in self.written:
-            shutil.rmtree(path, ignore_errors=True)
-        self.written = []
-        try:
-            self.root.rmdir()
-        except OSError:
-            pass  # not ours alone, or already gone
 
     async def stage(
         self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext, snapshot: bool = True

@@ -35,6 +35,7 @@ from miles.errors import EngineError
 from miles.transport.base import PushReport, StagedTransport
 from miles.transport.disk import _COPIED
 from miles.transport.files import atomic_directory, write_safetensors
+from miles.transport.folders import VersionFolders
 from miles.transport.manifest import Manifest, TensorEntry
 from miles.transport.verify import tensor_checksum
 
@@ -71,7 +72,7 @@ class DiskDeltaTransportSettings(ComponentSettings):
     """Flush every file to stable storage before a version is renamed into place (needless on tmpfs)."""
 
 
-class DiskDeltaTransport(StagedTransport[DiskDeltaTransportSettings]):
+class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSettings]):
     """Writes XOR deltas (or full snapshots) with a checksum manifest; engines apply and verify them."""
 
     name = "disk_delta"
@@ -93,23 +94,6 @@ class DiskDeltaTransport(StagedTransport[DiskDeltaTransportSettings]):
         self._folders: dict[str, dict[str, Path]] = {}
         self._written_bytes: dict[str, int] = {}
         self._full_lock = asyncio.Lock()
-
-    async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
-        self.client = client
-        if dist.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-
-    async def close(self) -> None:
-        """Remove the versions this run wrote (unless ``keep_after_run``), and the folder when it is empty."""
-        if self.settings.keep_after_run:
-            return
-        for path in self.written:
-            shutil.rmtree(path, ignore_errors=True)
-        self.written = []
-        try:
-            self.root.rmdir()
-        except OSError:
-            pass  # not ours alone, or already gone
 
     # -- trainer side -------------------------------------------------------------------------------
     async def stage(

@@ -8,6 +8,7 @@ SGLang answers a bad ``/generate`` with ``{"error": {"message", "code"}}`` and a
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -15,7 +16,7 @@ from fastapi.responses import JSONResponse
 
 from miles.engine.parsing import RequestError
 
-__all__ = ["RequestError", "admin_error", "generate_error", "json_body"]
+__all__ = ["RequestError", "admin", "admin_error", "generate_error", "json_body"]
 
 
 def generate_error(message: str, status: int = 400) -> JSONResponse:
@@ -37,3 +38,15 @@ async def json_body(request: HTTPRequest) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"malformed JSON body: {exc}") from None
+
+
+async def admin(request: HTTPRequest, handler: Callable[[dict[str, Any]], Awaitable[Any]]) -> Any:
+    """Run a control route's ``handler`` on the request's JSON object; a bad body or a failure the handler
+    raises (``ValueError``, ``OSError`` ...) is answered with :func:`admin_error` naming it."""
+    try:
+        body = await json_body(request)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return await handler(body)
+    except (RequestError, ValueError, TypeError, OSError, RuntimeError) as exc:
+        return admin_error(str(exc))

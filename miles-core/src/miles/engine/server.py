@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from miles.engine.api_schema import describe_bodies
 from miles.engine.parsing import RequestError, parse_generate
 from miles.engine.request import Request
-from miles.engine.responses import admin_error, generate_error, json_body
+from miles.engine.responses import admin, generate_error, json_body
 from miles.engine.state import EngineState
 from miles.types import PauseMode
 
@@ -165,15 +165,6 @@ def create_app(state: EngineState) -> FastAPI:
     async def get_weight_version() -> dict[str, Any]:
         return {"weight_version": sched.weight_version}
 
-    async def _admin(request: HTTPRequest, handler: Callable[[dict[str, Any]], Any]) -> Any:
-        try:
-            body = await json_body(request)
-            if not isinstance(body, dict):
-                raise RequestError("the request body must be a JSON object")
-            return await handler(body)
-        except (RequestError, ValueError, TypeError, OSError, RuntimeError) as exc:
-            return admin_error(str(exc))
-
     @app.post("/abort_request")
     async def abort_request(request: HTTPRequest) -> Any:
         async def run(body: dict[str, Any]) -> Any:
@@ -184,7 +175,7 @@ def create_app(state: EngineState) -> FastAPI:
                 count = await asyncio.wrap_future(sched.submit(sched._abort, str(rid), "aborted by /abort_request"))
             return {"success": True, "num_aborted": count}
 
-        return await _admin(request, run)
+        return await admin(request, run)
 
     @app.post("/pause_generation")
     async def pause_generation(request: HTTPRequest) -> Any:
@@ -195,7 +186,7 @@ def create_app(state: EngineState) -> FastAPI:
             await asyncio.wrap_future(sched.submit(sched.pause, mode))
             return {"success": True, "message": f"generation paused (mode {mode})"}
 
-        return await _admin(request, run)
+        return await admin(request, run)
 
     @app.post("/continue_generation")
     async def continue_generation(request: HTTPRequest) -> Any:
@@ -203,7 +194,7 @@ def create_app(state: EngineState) -> FastAPI:
             await asyncio.wrap_future(sched.submit(sched.resume))
             return {"success": True, "message": "generation continued"}
 
-        return await _admin(request, run)
+        return await admin(request, run)
 
     @app.get("/flush_cache", operation_id="flush_cache_get")
     @app.post("/flush_cache", operation_id="flush_cache_post")
@@ -229,7 +220,7 @@ def create_app(state: EngineState) -> FastAPI:
             )
             return {"success": True, "message": f"weights loaded from {path}", "weight_version": new}
 
-        return await _admin(request, run)
+        return await admin(request, run)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: HTTPRequest) -> Any:
@@ -242,14 +233,14 @@ def create_app(state: EngineState) -> FastAPI:
             await asyncio.wrap_future(sched.submit(sched.set_weight_version, str(version)))
             return {"success": True, "message": "weight version updated", "new_version": str(version)}
 
-        return await _admin(request, run)
+        return await admin(request, run)
 
     from miles.engine.p2p_routes import add_p2p_routes
     from miles.engine.weight_delta import add_delta_routes
     from miles.engine.weight_routes import add_weight_routes
 
-    add_weight_routes(app, state, _admin)
-    add_delta_routes(app, state, _admin)
-    add_p2p_routes(app, state, _admin)
+    add_weight_routes(app, state, admin)
+    add_delta_routes(app, state, admin)
+    add_p2p_routes(app, state, admin)
     describe_bodies(app, vocab_size=sched.runner.vocab_size, context_length=sched.context_length)
     return app

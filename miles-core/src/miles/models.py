@@ -119,6 +119,19 @@ def _cache_root() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "miles" / "models"
 
 
+def _content_key(path: Path, window: int = 4 << 20) -> str:
+    """A key of the file's content (its size and its first and last ``window`` bytes), not of where it lies:
+    the same packaged model installed in another venv or checkout finds the same cache entry."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(window))
+        if size > window:
+            f.seek(max(window, size - window))
+            digest.update(f.read(window))
+    return digest.hexdigest()[:12]
+
+
 def materialize(value: str, *, where: str = "train.model_path") -> Path:
     """A HF directory for ``value``: itself, or the cached conversion of its GGUF file (converted now if
     no run has yet, with a progress line per stage)."""
@@ -128,9 +141,7 @@ def materialize(value: str, *, where: str = "train.model_path") -> Path:
         return path
     gguf = find_gguf(value)
     assert gguf is not None
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = _cache_root() / f"{gguf.stem}-{key}"
+    target = _cache_root() / f"{gguf.stem}-{_content_key(gguf)}"
     if (target / "config.json").is_file() and (target / "model.safetensors").exists():
         return target
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn

@@ -85,11 +85,23 @@ def _shutdown_live() -> None:
             log.exception("shutting down launcher %r failed", launcher)
 
 
+def _say(line: str) -> None:
+    """Write ``line`` to stderr's file descriptor directly (async-signal-safe; no Python stream buffer)."""
+    try:
+        os.write(2, (line + "\n").encode(errors="replace"))
+    except OSError:
+        pass
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     global _in_teardown
     # test-and-set first, with no call in between: a second signal may arrive at any call
     if _in_teardown:
-        log.warning("received %s during shutdown; still stopping child processes", signal.Signals(signum).name)
+        # this signal interrupted the teardown, possibly in the middle of a log line on stderr: logging again
+        # would be a reentrant write on the same buffered stream (the line would be lost), so say it unbuffered
+        _say(
+            f"WARNING:{log.name}:received {signal.Signals(signum).name} during shutdown; still stopping child processes"
+        )
         return
     _in_teardown = True
     try:

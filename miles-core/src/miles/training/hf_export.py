@@ -1,7 +1,7 @@
 """Writing a Hugging Face checkpoint directory from a trainer's weights, the same for every backend.
 
 A backend turns its sharded parameters into buckets of full HF-named tensors (a collective); this module
-writes them: safetensors shards of about one bucket each (renamed to HF's ``model-XXXXX-of-YYYYY`` names with
+writes them: safetensors shards of about one bucket each (renamed to HF's ``model-00001-of-00003.safetensors`` names with
 an index when there are several, ``model.safetensors`` otherwise), ``config.json``, and the tokenizer and
 generation files copied from the model the run started from. Only weights files of an earlier export in the
 same directory are replaced; nothing is pickled.

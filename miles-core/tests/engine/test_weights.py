@@ -155,3 +155,39 @@ def test_update_without_pause_retracts_and_resumes(engine: EngineProcess, engine
     assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "auto-v"
     versions = [span[2] for span in meta["weight_version_spans"]]
     assert versions[-1] == "auto-v" and sum(e - s for s, e, _ in meta["weight_version_spans"]) == 400
+
+
+def test_weights_load_only_from_allowed_directories(engine: EngineProcess, engine_models: dict[str, Path]) -> None:
+    """A real checkpoint outside the allowed directories is refused, however the path reaches it (directly, by
+    ``..``, through a symbolic link inside an allowed directory), on both weight-loading routes."""
+    import os
+    import shutil
+    import tempfile
+
+    allowed = Path(os.environ["MILES_ALLOWED_WEIGHT_DIRS"])
+    outside = Path(tempfile.mkdtemp(prefix="miles-outside-"))
+    try:
+        assert not outside.resolve().is_relative_to(allowed.resolve())
+        shutil.copytree(engine_models["qwen2_b"], outside / "qwen2_b")
+        link = allowed / "link-to-outside"
+        link.symlink_to(outside / "qwen2_b")
+        version = httpx.get(engine.url + "/model_info", headers=H, timeout=30).json()["weight_version"]
+        before = greedy(engine)["output_ids"]
+        dotted = str(allowed / ".." / ".." / outside.relative_to("/") / "qwen2_b")
+        for path in (str(outside / "qwen2_b"), dotted, str(link)):
+            resp = post(engine, "/update_weights_from_disk", {"model_path": path})
+            assert resp.status_code == 400, resp.text
+            message = resp.json()["message"]
+            assert "model_path" in message and "--allowed-weight-dirs" in message and str(allowed) in message
+            resp = post(engine, "/update_weights_from_delta", {"path": path})
+            assert resp.status_code == 400 and resp.json()["message"].startswith("path: ")
+        assert httpx.get(engine.url + "/model_info", headers=H, timeout=30).json()["weight_version"] == version
+        assert greedy(engine)["output_ids"] == before
+        # the same checkpoint inside an allowed directory loads
+        inside = allowed / "qwen2_b_copy"
+        shutil.copytree(engine_models["qwen2_b"], inside)
+        assert post(engine, "/update_weights_from_disk", {"model_path": str(inside)}).status_code == 200
+        assert greedy(engine)["output_ids"] == hf_greedy(engine_models["qwen2_b"], PROMPT, 12)
+        assert post(engine, "/update_weights_from_disk", {"model_path": str(engine_models["qwen2"])}).status_code == 200
+    finally:
+        shutil.rmtree(outside)

@@ -53,6 +53,16 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
     return env
 
 
+def _weight_dirs_env(run: Run) -> dict[str, str]:
+    """``MILES_ALLOWED_WEIGHT_DIRS`` for the run's engines: the run directory and the transport's ``dir``
+    (the local engine loads weights from nowhere else; see :mod:`miles.engine.weight_paths`)."""
+    dirs = [os.path.abspath(run.settings.log.run_dir)]
+    transport_dir = getattr(run["transport"].options, "dir", None)
+    if isinstance(transport_dir, str) and transport_dir:
+        dirs.append(os.path.abspath(transport_dir))
+    return {"MILES_ALLOWED_WEIGHT_DIRS": os.pathsep.join(dirs)}
+
+
 def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None, wait: bool = True) -> list[str]:
     """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs. With ``wait`` (the
     default) their prefix caches are flushed once they are up; ``wait=False`` returns without waiting for
@@ -88,7 +98,7 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
             seed=settings.train.seed,
             colocate=settings.cluster.colocate,
         )
-        launch.env = {**_child_env(settings, role="engine"), **launch.env}
+        launch.env = {**_child_env(settings, role="engine"), **_weight_dirs_env(run), **launch.env}
         launches.append(launch)
     urls = launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout, wait=wait)
     if wait:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
     from miles.engine.model_runner import ModelRunner
     from miles.engine.scheduler import Scheduler, SchedulerConfig
     from miles.engine.state import EngineState
+    from miles.engine.weight_paths import WeightDirs, parse_weight_dirs
     from miles.models import eos_token_ids
 
     path = opts.model
@@ -67,6 +69,13 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
         api_key=opts.api_key,
         server_args=opts.server_info(),
         return_original_logprob=opts.return_original_logprob,
+        weight_dirs=WeightDirs(
+            [
+                path,
+                *parse_weight_dirs(opts.allowed_weight_dirs),
+                *parse_weight_dirs(os.environ.get("MILES_ALLOWED_WEIGHT_DIRS")),
+            ]
+        ),
     )
 
 

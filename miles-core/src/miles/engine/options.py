@@ -51,6 +51,11 @@ class EngineOptions(ComponentSettings):
     """Attention and fused kernels: ``miles_cpu`` runs decode attention and the RMSNorm / rotary steps on
     Miles' CPU kernels (compiled on first use: a C++ compiler and ``ninja``); ``sdpa`` runs PyTorch ops
     only; ``auto`` takes the kernels on CPU where they build."""
+    allowed_weight_dirs: str | None = None
+    """Directories (separated by ``:``) that ``/update_weights_from_disk`` and ``/update_weights_from_delta``
+    may load from, besides the served model's own directory and those in the environment variable
+    ``MILES_ALLOWED_WEIGHT_DIRS``; any other path is refused. ``miles train`` allows the run's directory and
+    the transport's ``dir``."""
     enable_debug_endpoints: bool = False
     """Serve ``/debug/*`` routes (``/debug/randomize_weights`` for ``transport.randomize_engines_first``)."""
 

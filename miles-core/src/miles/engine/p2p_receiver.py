@@ -144,7 +144,7 @@ class _Buffer:
         if shared_path is None:
             self.tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)  # faulted in once
             return
-        if not shared_path.startswith("/dev/shm/"):
+        if os.path.dirname(os.path.realpath(shared_path)) != "/dev/shm":
             raise ValueError(f"buffer_path: {shared_path!r} is not a file in /dev/shm")
         try:
             fd = os.open(shared_path, os.O_RDWR)

@@ -208,6 +208,7 @@ def create_app(state: EngineState) -> FastAPI:
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise RequestError("model_path (a safetensors directory) is required")
+            path = state.weight_path(path, field="model_path")
             version = body.get("weight_version")
             new = await asyncio.wrap_future(
                 sched.submit(

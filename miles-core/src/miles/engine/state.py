@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from miles.engine.weight_paths import WeightDirs
+
 if TYPE_CHECKING:
     from miles.engine.scheduler import Scheduler
 
@@ -25,10 +27,21 @@ class EngineState:
     on_randomize: list[Callable[[int], None]] = field(default_factory=list)
     """Called with the seed by ``/debug/randomize_weights`` (on the scheduler thread): more weight memory
     to overwrite, such as the receive buffers of point-to-point sessions."""
+    weight_dirs: WeightDirs | None = None
+    """Where weight routes may load from (default: the model's directory only)."""
     generate_requests: int = 0
     """``/generate`` calls answered so far (``/server_info`` reports it: which engine served how much)."""
     generated_samples: int = 0
     """Completions those calls asked for (a call with ``n = 4`` counts 4)."""
+
+    def __post_init__(self) -> None:
+        if self.weight_dirs is None:
+            self.weight_dirs = WeightDirs([self.model_path])
+
+    def weight_path(self, path: str, *, field: str) -> str:
+        """``path`` resolved, if a weight route may load from it (else :class:`PermissionError`)."""
+        assert self.weight_dirs is not None
+        return str(self.weight_dirs.check(path, field=field))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -150,6 +150,7 @@ def add_delta_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             path = body.get("path")
             if not isinstance(path, str) or not path:
                 raise ValueError("path (a version folder written by the disk_delta transport) is required")
+            path = state.weight_path(path, field="path")
             version = body.get("weight_version")
             flush = bool(body.get("flush_cache", True))
 

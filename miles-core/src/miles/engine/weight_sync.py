@@ -135,9 +135,11 @@ class WeightGroups:
             world_size=int(world_size),
             timeout=timeout,
             is_master=False,
+            group_name=group_name,
         )
         self.groups[group_name] = _Group(group, store, int(rank_offset), int(world_size), device)
-        log.info("joined weight update group %r as rank %d of %d (%s)", group_name, rank_offset, world_size, backend)
+        # (the group's name may hold the run's secret: not logged)
+        log.info("joined a weight update group as rank %d of %d (%s)", rank_offset, world_size, backend)
 
     def receive(
         self, model: torch.nn.Module, *, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]

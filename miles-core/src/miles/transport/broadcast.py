@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -43,7 +44,12 @@ class BroadcastTransportSettings(ComponentSettings):
     master_port: int = 0
     """Port of the group's store (0: a free port)."""
     group_name: str = "miles_weights"
-    """Name of the weight-update group on the engines."""
+    """Name of the weight-update group on the engines (with ``secret_group_name``, its first part)."""
+    secret_group_name: bool = True
+    """Add a random secret of this run to the group's name. The name is sent to each engine only through its
+    HTTP API (``/init_weights_update_group``, guarded by the engine's API key) and the group's rendezvous
+    keys on the trainer's store live under it (SGLang uses the name the same way), so a process that can
+    reach the store's port but was not told the name cannot join the group or receive the weights."""
     timeout: float = 600.0
     """Seconds a collective may take before it fails."""
 
@@ -55,20 +61,35 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def make_process_group(
-    backend: str, *, host: str, port: int, rank: int, world_size: int, timeout: float, is_master: bool
+    backend: str,
+    *,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout: float,
+    is_master: bool,
+    group_name: str = "miles_weights",
 ) -> Any:
     """A process group independent of the default one (trainer and engine processes each have their own
-    default world): a ``TCPStore`` plus ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built on it."""
+    default world): a ``TCPStore`` plus ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built on it.
+
+    The group's keys on the store are laid out as SGLang's ``init_custom_process_group`` lays them out for
+    ``/init_weights_update_group`` (a prefix of ``group_name``, then torch's own ``"<group_name>/"`` and
+    ``"<device>/"`` prefixes), so an SGLang engine and this function meet in one group. Whoever does not
+    know ``group_name`` cannot find the group's keys on the store: a secret in the name keeps other
+    processes that reach the port out (:attr:`BroadcastTransportSettings.secret_group_name`)."""
     import torch.distributed as dist
 
     store = dist.TCPStore(host, port, world_size, is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    prefixed = dist.PrefixStore("miles_weights/", store)
+    device = "cuda" if backend == "nccl" else "cpu"
+    keys = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout)), store
+        return dist.ProcessGroupGloo(keys, rank, world_size, timedelta(seconds=timeout)), store
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout)
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options), store
+        return dist.ProcessGroupNCCL(keys, rank, world_size, options), store
     raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")
 
 
@@ -121,6 +142,8 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         self.group: Any = None
         self._store: Any = None
         self.device = "cpu"
+        self.group_name = settings.group_name
+        """The group's name on the engines (``group_name`` plus the run's secret)."""
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
         if dist.rank != 0:
@@ -132,6 +155,9 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         backend = "nccl" if dist.device == "cuda" else "gloo"
         port = self.options.master_port or free_port(self.options.master_address)
         world_size = 1 + len(client.urls)
+        self.group_name = self.options.group_name
+        if self.options.secret_group_name:
+            self.group_name += "-" + secrets.token_hex(16)
         joins = [
             asyncio.create_task(
                 client.call(
@@ -142,7 +168,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                         "master_port": port,
                         "rank_offset": 1 + i,
                         "world_size": world_size,
-                        "group_name": self.options.group_name,
+                        "group_name": self.group_name,
                         "backend": backend,
                     },
                 )
@@ -160,6 +186,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                 world_size=world_size,
                 timeout=self.options.timeout,
                 is_master=True,
+                group_name=self.group_name,
             )
         )
         pending: set[asyncio.Future[Any]] = {rendezvous, *joins}
@@ -194,7 +221,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                 "names": names,
                 "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                 "shapes": [list(t.shape) for t in tensors],
-                "group_name": self.options.group_name,
+                "group_name": self.group_name,
                 "flush_cache": False,
             }
             receives = [
@@ -213,7 +240,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                 "names": [],
                 "dtypes": [],
                 "shapes": [],
-                "group_name": self.options.group_name,
+                "group_name": self.group_name,
                 "flush_cache": True,
                 "weight_version": version,
             }
@@ -233,7 +260,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         if self.client is not None and self.group is not None:
             await asyncio.gather(
                 *(
-                    self.client.call(url, "/destroy_weights_update_group", {"group_name": self.options.group_name})
+                    self.client.call(url, "/destroy_weights_update_group", {"group_name": self.group_name})
                     for url in self.client.urls
                 ),
                 return_exceptions=True,

@@ -1,0 +1,86 @@
+"""The ``broadcast`` transport against a real local engine: its group's keys sit under a name holding a
+secret of the run, so a process that reaches the store's port without the name cannot join or receive
+the weights, while the engine (told the name over HTTP) joins, receives and serves them."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from miles.engine.process import EngineProcess
+from miles.rollout.http_client import HttpEngineClient
+from miles.training.trainer import DistContext
+from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings, free_port
+from miles.transport.verify import verify_engines
+
+ROGUE = textwrap.dedent(
+    """
+    import sys, torch
+    from miles.transport.broadcast import make_process_group
+    port, name = int(sys.argv[1]), sys.argv[2]
+    try:
+        group, _ = make_process_group("gloo", host="127.0.0.1", port=port, rank=1, world_size=2, timeout=8,
+                                      is_master=False, group_name=name)
+        from torch.distributed import BroadcastOptions
+        t = torch.zeros(1)
+        group.broadcast([t], BroadcastOptions()).wait()
+        print("JOINED", flush=True)
+    except Exception as exc:
+        print("REFUSED", type(exc).__name__, flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.models import build_tiny_model
+
+    torch.set_num_threads(1)
+    return build_tiny_model(tmp_path_factory.mktemp("broadcast-model") / "qwen2", "qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    log = tmp_path_factory.mktemp("broadcast-logs") / "engine.log"
+    with EngineProcess(model, extra_args=["--attention-backend", "sdpa"], log_path=log) as process:
+        yield process
+
+
+def test_only_processes_told_the_secret_name_join_the_group(engine: EngineProcess, model: Path) -> None:
+    from safetensors.torch import load_file
+
+    port = free_port()
+    settings = BroadcastTransportSettings(master_port=port, timeout=60)
+    # a process on this host that knows the port and the configured name, but not the run's secret
+    rogue = subprocess.Popen(
+        [sys.executable, "-c", ROGUE, str(port), settings.group_name], stdout=subprocess.PIPE, text=True
+    )
+    state = {k: v + 0.25 for k, v in load_file(str(model / "model.safetensors")).items()}
+
+    async def run() -> None:
+        async with HttpEngineClient([engine.url]) as client:
+            transport = BroadcastTransport(settings, run_dir=".", model_path=str(model), engine_dtype="float32")
+            await transport.connect(client, DistContext())
+            try:
+                assert re.fullmatch(r"miles_weights-[0-9a-f]{32}", transport.group_name)
+                report = await transport.push([list(state.items())], version="5", dist=DistContext())
+                await verify_engines(client, version="5", checksums_by_dtype={"float32": report.checksums})
+            finally:
+                await transport.close()
+
+    asyncio.run(run())
+    out, _ = rogue.communicate(timeout=60)
+    assert out.split()[0] == "REFUSED", out
+    info = httpx.get(engine.url + "/model_info", timeout=30).json()
+    assert info["weight_version"] == "5"
+    # the engine's log never shows the secret
+    assert re.search(r"miles_weights-[0-9a-f]{32}", Path(str(engine.log_path)).read_text()) is None

@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             EngineProcess(
                 model,
                 threads=args.threads,
-                extra_args=["--device", args.device, "--attention-backend", "sdpa"],
+                extra_args=["--device", args.device, "--attention-backend", "sdpa", "--allowed-weight-dirs", tmp],
                 log_path=work / f"engine-{i}.log",
                 startup_timeout=600,
             )

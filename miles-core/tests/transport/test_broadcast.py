@@ -19,7 +19,7 @@ import torch
 from miles.engine.process import EngineProcess
 from miles.rollout.http_client import HttpEngineClient
 from miles.training.trainer import DistContext
-from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings, free_port
+from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings, free_port, group_ranks
 from miles.transport.verify import verify_engines
 
 ROGUE = textwrap.dedent(
@@ -84,3 +84,9 @@ def test_only_processes_told_the_secret_name_join_the_group(engine: EngineProces
     assert info["weight_version"] == "5"
     # the engine's log never shows the secret
     assert re.search(r"miles_weights-[0-9a-f]{32}", Path(str(engine.log_path)).read_text()) is None
+
+
+def test_group_ranks_count_every_tp_rank_of_an_sglang_engine() -> None:
+    # two SGLang engines of tp_size 2 and a local engine (its /server_info has no tp_size)
+    assert group_ranks([{"tp_size": 2}, {"tp_size": 2}, {}]) == ([1, 3, 5], 6)
+    assert group_ranks([{}, {}]) == ([1, 2], 3)

@@ -12,6 +12,7 @@ import pytest
 
 from miles.engine.process import EngineProcess
 from miles.rollout.http_client import HttpEngineClient
+from miles.testing.fixtures import engines_may_load_test_weights  # noqa: F401  (autouse)
 from miles_sglang.protocol_check import Call
 from miles_sglang.sglang_source import SGLangSource
 

@@ -163,7 +163,7 @@ def test_every_request_miles_sends_is_sglangs(
         "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation",
         "/update_weights_from_disk", "/init_weights_update_group", "/begin_weight_update",
         "/update_weights_from_distributed", "/end_weight_update", "/destroy_weights_update_group",
-        "/get_weights_by_name", "/update_weights_from_tensor",
+        "/get_weights_by_name", "/update_weights_from_tensor", "/server_info",
     }  # fmt: skip
     assert endpoints == expected, endpoints ^ expected
     problems = [p for call in calls for p in request_problems(call, source)] + session_problems(calls)

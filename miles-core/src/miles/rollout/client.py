@@ -74,6 +74,14 @@ class EngineClient(ABC):
         transports for the weight-update endpoints (``/init_weights_update_group`` ...).
         """
 
+    async def server_info(self) -> list[dict[str, Any]]:
+        """``/server_info`` of each engine (in :attr:`urls` order): its launch settings, such as SGLang's
+        ``tp_size``.
+
+        .. versionadded:: 0.1 (not abstract: the default reports nothing for every engine)
+        """
+        return [{} for _ in self.urls]
+
     async def update_weight_version(self, weight_version: str) -> None:
         """Make every engine report ``weight_version`` (SGLang's ``/update_weight_version``; requests in
         flight keep running: ``abort_all_requests`` is sent false, SGLang's default is true).

@@ -90,6 +90,9 @@ class RoutedExpertsClient(EngineClient):
     async def model_info(self) -> list[dict[str, Any]]:
         return await self.inner.model_info()
 
+    async def server_info(self) -> list[dict[str, Any]]:
+        return await self.inner.server_info()
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self.inner.update_weights_from_disk(model_path, weight_version)
 

@@ -281,6 +281,9 @@ class HttpEngineClient(EngineClient):
     async def model_info(self) -> list[dict[str, Any]]:
         return await self._all("GET", "/model_info")
 
+    async def server_info(self) -> list[dict[str, Any]]:
+        return [i if isinstance(i, dict) else {} for i in await self._all("GET", "/server_info")]
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self._all(
             "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version}

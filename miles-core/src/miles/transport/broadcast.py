@@ -93,6 +93,14 @@ def make_process_group(
     raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")
 
 
+def group_ranks(server_infos: list[dict[str, Any]]) -> tuple[list[int], int]:
+    """Each engine's ``rank_offset`` in the weight-update group and the group's size, from the engines'
+    ``/server_info``: trainer rank 0 is rank 0, and an SGLang engine of ``tp_size`` T joins as ranks
+    ``rank_offset`` .. ``rank_offset + T - 1`` (one per TP rank; an engine without ``tp_size`` takes one)."""
+    tp_sizes = [max(1, int(info.get("tp_size") or 1)) for info in server_infos]
+    return [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))], 1 + sum(tp_sizes)
+
+
 def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
     """Run ``fn`` in a daemon thread; the returned future resolves on the running loop."""
     loop = asyncio.get_running_loop()
@@ -154,7 +162,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         self.device = dist.device
         backend = "nccl" if dist.device == "cuda" else "gloo"
         port = self.options.master_port or free_port(self.options.master_address)
-        world_size = 1 + len(client.urls)
+        offsets, world_size = group_ranks(await client.server_info())
         self.group_name = self.options.group_name
         if self.options.secret_group_name:
             self.group_name += "-" + secrets.token_hex(16)
@@ -166,7 +174,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                     {
                         "master_address": self.options.master_address,
                         "master_port": port,
-                        "rank_offset": 1 + i,
+                        "rank_offset": offsets[i],
                         "world_size": world_size,
                         "group_name": self.group_name,
                         "backend": backend,

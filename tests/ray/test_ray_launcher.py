@@ -1,0 +1,275 @@
+"""``miles train`` with ``cluster.launcher = "ray"`` on a two-node Ray cluster on this host.
+
+``ray.cluster_utils.Cluster`` starts a head node (2 CPUs and the custom resource ``trainer_node``) and a
+worker node (its own raylet, 1 CPU and ``engine_node``); the launcher's bundles ask for those resources, so
+the two trainer ranks land on the head node and the engine on the worker node. Real GRPO on a tiny Qwen2,
+weight pushes verified, a trainer actor and an engine actor killed mid-run, an exact resume. One cluster for
+the module (Ray costs ~12 s and ~0.5 GiB to start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A head node with ``trainer_node: 2`` and a worker node with ``engine_node: 1``, all on 127.0.0.1.
+
+    Hermetic: Ray's session files go to a fresh short temp dir (``RAY_TMPDIR``; unix sockets limit path
+    lengths), token auth uses a token from the environment (nothing written to ``~/.ray``), and addresses
+    stay on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` stops Ray from swapping 127.0.0.1 for the
+    host's IP)."""
+    ray_tmp = tempfile.mkdtemp(prefix="mr", dir="/tmp")
+    token_file = Path.home() / ".ray" / "auth_token"
+    had_token = token_file.exists()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TMPDIR", ray_tmp)
+        mp.setenv("RAY_AUTH_MODE", "token")
+        mp.setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+        from ray.cluster_utils import Cluster
+
+        head_args = {"num_cpus": 2, "resources": {"trainer_node": 2}, "include_dashboard": False}
+        cluster = Cluster(initialize_head=True, head_node_args={**head_args, "node_ip_address": "127.0.0.1"})
+        worker = cluster.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="miles", log_to_driver=False)
+        cluster.trainer_node_id = cluster.head_node.node_id  # type: ignore[attr-defined]
+        cluster.engine_node_id = worker.node_id  # type: ignore[attr-defined]
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert had_token or not token_file.exists(), f"Ray wrote {token_file}"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", "qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "label": str(a + b)}
+        for a in range(3, 9)
+        for b in range(2, 6)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_config(tmp_path: Path, address: str, model: Path, data: Path, run_dir: Path, *, rollouts: int) -> Path:
+    config = tmp_path / f"{run_dir.name}.toml"
+    config.write_text(
+        textwrap.dedent(
+            f"""
+            [cluster]
+            trainer_ranks = 2
+            num_engines = 1
+
+            [cluster.launcher]
+            name = "ray"
+            address = "{address}"
+            trainer_resources = {{ trainer_node = 1 }}
+            engine_resources = {{ engine_node = 1 }}
+            terminate_timeout = 5
+
+            [data]
+            path = "{data}"
+
+            [rollout]
+            rollout_batch_size = 4
+            n_samples_per_prompt = 4
+            max_new_tokens = 6
+            temperature = 1.0
+
+            [rollout.engine]
+            name = "local"
+            enable_deterministic_inference = true
+
+            [train]
+            model_path = "{model}"
+            num_rollouts = {rollouts}
+            global_batch_size = 8
+            lr = 1e-3
+
+            [algorithm]
+            name = "grpo"
+
+            [[reward.functions]]
+            name = "length_penalty"
+            max_length = 6
+            buffer_length = 4
+            mode = "linear"
+
+            [checkpoint]
+            save_interval = 2
+
+            [log]
+            run_dir = "{run_dir}"
+            """
+        )
+    )
+    return config
+
+
+def train(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "miles", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def kill_actor_when(config: Path, run_dir: Path, process: str, when: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``miles train config`` and ``ray.kill`` the actor owning ``process`` once ``when`` exists."""
+    import ray
+
+    proc = train(str(config))
+    placement = run_dir / "logs" / "placement.json"
+    deadline = time.monotonic() + 300
+    killed = False
+    try:
+        while not killed and proc.poll() is None and time.monotonic() < deadline:
+            if when.exists() and placement.exists():
+                name = json.loads(placement.read_text())[process]["actor"]
+                ray.kill(ray.get_actor(name, namespace="miles"), no_restart=True)
+                killed = True
+            time.sleep(0.05)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed, f"{process} was never killed (run ended with {proc.returncode}): {out.stderr[-3000:]}"
+    return out
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Live processes of the run (command lines naming its directory) and Ray actors of the run."""
+    import ray
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(run_dir) in cmdline:
+                found.append(f"pid {entry.name}: {cmdline}")
+    prefix = run_dir.name + "-"
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            found.append(f"actor {actor['name']}")
+    return found
+
+
+def wait_resources_free(cluster: Any) -> None:
+    """Every CPU is free again (the run's placement group was removed)."""
+    import ray
+
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"still reserved: {ray.available_resources()}"
+        time.sleep(0.2)
+
+
+def metrics(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    address = ray_cluster.address
+    full_dir = tmp_path / "full"
+    out = finish(train(str(write_config(tmp_path, address, tiny_model, prompts, full_dir, rollouts=3))))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = metrics(full_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["weight_sync/verified"] == 1.0 and row["weight_sync/verified_tensors"] > 0
+        assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
+    placement = json.loads((full_dir / "logs" / "placement.json").read_text())
+    assert placement["trainer-0"]["node_id"] == placement["trainer-1"]["node_id"] == ray_cluster.trainer_node_id
+    assert placement["engine-0"]["node_id"] == ray_cluster.engine_node_id
+    assert leftovers(full_dir) == []
+    wait_resources_free(ray_cluster)
+
+    # trainer rank 1's actor killed after the step-2 checkpoint: the message names the rank, its actor and
+    # node with its log's tail; nothing is left; --resume gives the uninterrupted run's last step exactly
+    part_dir = tmp_path / "part"
+    config = write_config(tmp_path, address, tiny_model, prompts, part_dir, rollouts=3)
+    out = kill_actor_when(config, part_dir, "trainer-1", part_dir / "checkpoints" / "step_000002" / "driver.json")
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    said = " ".join(out.stderr.split())
+    assert "trainer rank 1 (trainer-1) failed" in said and "Ray actor" in said, said[-3000:]
+    assert "/trainer-1' on node 127.0.0.1" in said and ray_cluster.trainer_node_id[:16] in said, said[-3000:]
+    assert "last lines of" in said and "trainer-1.log" in said, said[-3000:]
+    assert leftovers(part_dir) == []
+    wait_resources_free(ray_cluster)
+    assert [r["step"] for r in metrics(part_dir)] == [1, 2]
+    out = finish(train(str(config), "--resume", str(part_dir)))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    resumed = metrics(part_dir)
+    assert resumed[-1]["step"] == 3
+    compared = [key for key in rows[-1] if not any(s in key for s in ("time/", "seconds", "per_second"))]
+    assert "fidelity/train_rollout_logprob_abs_diff" in compared
+    for key in compared:
+        assert resumed[-1][key] == rows[-1][key], key
+    assert leftovers(part_dir) == []
+    wait_resources_free(ray_cluster)
+
+
+def test_a_killed_engine_actor_stops_the_run_naming_it(
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    run_dir = tmp_path / "engine_dies"
+    config = write_config(tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=20)
+    out = kill_actor_when(config, run_dir, "engine-0", run_dir / "metrics.jsonl")
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    said = " ".join(out.stderr.split())
+    assert "engine-0 exited (killed by SIGKILL) while the trainers ran" in said, said[-3000:]
+    assert "/engine-0' on node 127.0.0.1" in said and ray_cluster.engine_node_id[:16] in said, said[-3000:]
+    assert "died" in said and "last lines of" in said and "engine-0.log" in said, said[-3000:]
+    assert leftovers(run_dir) == []
+    wait_resources_free(ray_cluster)

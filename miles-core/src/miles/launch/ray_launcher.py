@@ -178,8 +178,8 @@ class RayLauncher(LocalLauncher):
                 "(see cluster.launcher.trainer_cpus / engine_cpus / trainer_resources / engine_resources)"
             ) from None
         self._groups.append(group)
-        for key, (index, resources) in slots.items():
-            self._slots[key] = (group, index, resources)
+        for slot, (index, resources) in slots.items():
+            self._slots[slot] = (group, index, resources)
         log.info("placement group %s: %d bundles %s", group.id.hex()[:12], len(bundles), bundles)
 
     def _owner(self, role: str, index: int) -> tuple[Any, dict[str, Any], str]:
@@ -191,8 +191,8 @@ class RayLauncher(LocalLauncher):
             cpus, extra = (
                 (s.engine_cpus, s.engine_resources) if role == "engine" else (s.trainer_cpus, s.trainer_resources)
             )
-            bundle = {"CPU": cpus, **extra, **({"GPU": 1.0} if self._device == "cuda" else {})}
-            self._place([bundle], {(role, index): (0, bundle)})
+            alone = {"CPU": cpus, **extra, **({"GPU": 1.0} if self._device == "cuda" else {})}
+            self._place([alone], {(role, index): (0, alone)})
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

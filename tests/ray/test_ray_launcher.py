@@ -273,3 +273,62 @@ def test_a_killed_engine_actor_stops_the_run_naming_it(
     assert "died" in said and "last lines of" in said and "engine-0.log" in said, said[-3000:]
     assert leftovers(run_dir) == []
     wait_resources_free(ray_cluster)
+
+
+ALL_REDUCE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print("sum", t.item(), "rank", dist.get_rank(), "local", os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"])
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, tmp_path: Path) -> None:
+    """In process, on the test's own Ray session (the launcher leaves it connected): colocated engine 0
+    shares trainer rank 0's bundle; two trainer actors form a gloo group from rank 0's address; a
+    placement the cluster cannot grant and an impossible colocation are refused naming the settings."""
+    import ray
+
+    from miles.errors import LaunchError
+    from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
+    from miles.launch.rendezvous import trainer_specs
+    from miles.rollout.engine import EngineLaunch
+
+    settings = RayLauncherSettings(
+        address=ray_cluster.address,
+        trainer_resources={"trainer_node": 1},
+        trainer_cpus=0.5,
+        engine_cpus=0.5,
+        placement_timeout=30,
+        handle_signals=False,
+        poll_interval=0.1,
+    )
+    run_dir = tmp_path / "colocated"
+    with RayLauncher(settings, run_dir=str(run_dir)) as launcher:
+        launcher.reserve(trainer_ranks=2, num_engines=1, colocate=True, device="cpu", gpus_per_engine=1)
+        host, port = launcher.engine_address(0, "127.0.0.1")
+        server = [sys.executable, "-m", "http.server", str(port), "--bind", host]
+        (url,) = launcher.start_engines(
+            [EngineLaunch(argv=server, url=f"http://{host}:{port}", health_path="/")], timeout=60
+        )
+        launcher.start_trainers(trainer_specs([sys.executable, "-c", ALL_REDUCE], 2))
+        assert launcher.wait_trainers(timeout=120) == 0
+        logs = [Path(t.log_path).read_text() for t in launcher.trainers]
+    assert "sum 3.0 rank 0 local 0 2" in logs[0] and "sum 3.0 rank 1 local 1 2" in logs[1], logs
+    placement = json.loads((run_dir / "logs" / "placement.json").read_text())
+    assert {p["node_id"] for p in placement.values()} == {ray_cluster.trainer_node_id}
+    assert leftovers(run_dir) == [] and ray.is_initialized()
+    wait_resources_free(ray_cluster)
+
+    with pytest.raises(LaunchError, match=r"cluster.num_engines \(2\) must be <= cluster.trainer_ranks \(1\)"):
+        RayLauncher(settings, run_dir=str(tmp_path / "bad")).reserve(
+            trainer_ranks=1, num_engines=2, colocate=True, device="cpu", gpus_per_engine=1
+        )
+    ungrantable = settings.model_copy(update={"engine_resources": {"gpu_node": 1.0}, "placement_timeout": 2.0})
+    with RayLauncher(ungrantable, run_dir=str(tmp_path / "ungrantable")) as launcher:
+        with pytest.raises(LaunchError, match=r"did not grant 3 bundles .*gpu_node.* within 2 s.*engine_resources"):
+            launcher.reserve(trainer_ranks=2, num_engines=1, colocate=False, device="cpu", gpus_per_engine=1)
+    wait_resources_free(ray_cluster)

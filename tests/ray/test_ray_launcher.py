@@ -183,10 +183,8 @@ def kill_actor_when(config: Path, run_dir: Path, process: str, when: Path) -> su
     return out
 
 
-def leftovers(run_dir: Path) -> list[str]:
-    """Live processes of the run (command lines naming its directory) and Ray actors of the run."""
-    import ray
-
+def live_processes(path: Path) -> list[str]:
+    """Live processes whose command lines name ``path``."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
@@ -194,8 +192,16 @@ def leftovers(run_dir: Path) -> list[str]:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if str(run_dir) in cmdline:
+            if str(path) in cmdline:
                 found.append(f"pid {entry.name}: {cmdline}")
+    return found
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Live processes of the run (command lines naming its directory) and Ray actors of the run."""
+    import ray
+
+    found = live_processes(run_dir)
     prefix = run_dir.name + "-"
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["name"].startswith(prefix):
@@ -311,9 +317,7 @@ def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, t
         launcher.reserve(trainer_ranks=2, num_engines=1, colocate=True, device="cpu", gpus_per_engine=1)
         host, port = launcher.engine_address(0, "127.0.0.1")
         server = [sys.executable, "-m", "http.server", str(port), "--bind", host]
-        (url,) = launcher.start_engines(
-            [EngineLaunch(argv=server, url=f"http://{host}:{port}", health_path="/")], timeout=60
-        )
+        launcher.start_engines([EngineLaunch(argv=server, url=f"http://{host}:{port}", health_path="/")], timeout=60)
         launcher.start_trainers(trainer_specs([sys.executable, "-c", ALL_REDUCE], 2))
         assert launcher.wait_trainers(timeout=120) == 0
         logs = [Path(t.log_path).read_text() for t in launcher.trainers]
@@ -328,7 +332,48 @@ def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, t
             trainer_ranks=1, num_engines=2, colocate=True, device="cpu", gpus_per_engine=1
         )
     ungrantable = settings.model_copy(update={"engine_resources": {"gpu_node": 1.0}, "placement_timeout": 2.0})
-    with RayLauncher(ungrantable, run_dir=str(tmp_path / "ungrantable")) as launcher:
-        with pytest.raises(LaunchError, match=r"did not grant 3 bundles .*gpu_node.* within 2 s.*engine_resources"):
-            launcher.reserve(trainer_ranks=2, num_engines=1, colocate=False, device="cpu", gpus_per_engine=1)
+    refused = r"did not grant 3 bundles .*gpu_node.* within 2 s.*engine_resources"
+    with (
+        RayLauncher(ungrantable, run_dir=str(tmp_path / "ungrantable")) as launcher,
+        pytest.raises(LaunchError, match=refused),
+    ):
+        launcher.reserve(trainer_ranks=2, num_engines=1, colocate=False, device="cpu", gpus_per_engine=1)
     wait_resources_free(ray_cluster)
+
+
+ONE_NODE = """
+import json, logging, sys
+from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
+from miles.launch.rendezvous import trainer_specs
+
+logging.basicConfig(level=logging.INFO)
+settings = RayLauncherSettings(temp_dir=sys.argv[1], handle_signals=False, poll_interval=0.1)
+with RayLauncher(settings, run_dir=sys.argv[2]) as launcher:
+    launcher.reserve(trainer_ranks=1, num_engines=0, colocate=False, device="cpu", gpus_per_engine=0)
+    launcher.start_trainers(trainer_specs([sys.executable, "-c", "print('rank 0 ran')"], 1))
+    assert launcher.wait_trainers(timeout=60) == 0
+    print(json.dumps(launcher.placement["trainer-0"]))
+"""
+
+
+def test_without_an_address_a_one_node_cluster_on_loopback_is_started_and_stopped(tmp_path: Path) -> None:
+    """A driver of its own (one Ray session per process): the launcher starts Ray on 127.0.0.1 and stops it."""
+    ray_tmp = tempfile.mkdtemp(prefix="mq", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    # token auth with the token in the environment: nothing is written to ~/.ray
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex, RAY_USAGE_STATS_ENABLED="0")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", ONE_NODE, ray_tmp, str(tmp_path / "run")],
+            capture_output=True,
+            text=True,
+            env={**env, "OMP_NUM_THREADS": "1"},
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert json.loads(out.stdout.strip().splitlines()[-1])["ip"] == "127.0.0.1"
+        assert "rank 0 ran" in (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+        assert "started a one-node Ray cluster on 127.0.0.1" in out.stderr
+        assert live_processes(Path(ray_tmp)) == []  # raylet, GCS, workers: their command lines name the session dir
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

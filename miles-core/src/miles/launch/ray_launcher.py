@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import uuid
 from typing import Any, Literal
 
@@ -74,6 +75,10 @@ class RayLauncher(LocalLauncher):
         settings = settings if settings is not None else RayLauncherSettings()
         super().__init__(settings, run_dir=run_dir)
         self.ray_settings = settings
+        if settings.address is None and "ray" not in sys.modules:
+            # the one-node cluster binds 127.0.0.1: without this Ray swaps a loopback address for the host's
+            # IP (read once, when ray is imported; it also keeps ray from joining other hosts' clusters)
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         assert self.run_dir is not None
         self.run_id = f"{os.path.basename(os.path.normpath(self.run_dir))}-{uuid.uuid4().hex[:8]}"
         """Prefix of this run's actor names."""

@@ -287,13 +287,12 @@ class RayLauncher(LocalLauncher):
         from miles.launch.ray_owner import RayProcess
 
         if isinstance(process, RayProcess):
-            ray_process = process
-            where = ray_process.where()
-            what = (
-                f"{what}: its {where} died ({ray_process.died})"
-                if ray_process.died is not None
-                else f"{what} (in {where})"
-            )
+            # "<what>: its Ray actor ... on node ... died (...)[; all other processes were terminated]"
+            aborted = "; all other processes were terminated"
+            head, tail = (what[: -len(aborted)], aborted) if what.endswith(aborted) else (what, "")
+            where = process.where()
+            head = f"{head}: its {where} died ({process.died})" if process.died is not None else f"{head} (in {where})"
+            what = head + tail
         return super()._failure(process, what, code)
 
     def shutdown(self) -> None:

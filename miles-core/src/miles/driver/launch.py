@@ -71,8 +71,6 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
     On CUDA engine ``i`` gets ``gpus_per_engine`` GPUs from ``first + i x gpus_per_engine``: ``first`` is 0
     when colocated (engines share the trainer ranks' GPUs) and ``cluster.trainer_ranks`` otherwise (trainer
     rank ``r`` uses GPU ``r``)."""
-    from miles.launch.rendezvous import free_port
-
     settings = run.settings
     if settings.cluster.num_engines == 0:
         return []
@@ -87,10 +85,11 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
     # colocated engines share the trainer's GPUs; the others take the GPUs after the trainer ranks'
     first = 0 if settings.cluster.colocate else settings.cluster.trainer_ranks
     for i in range(settings.cluster.num_engines):
+        host, port = launcher.engine_address(i, settings.cluster.host)
         launch = engine.launch(
             model_path=path,
-            host=settings.cluster.host,
-            port=free_port(settings.cluster.host),
+            host=host,
+            port=port,
             device=settings.cluster.device,
             dtype=run.engine_dtype,
             devices=list(range(first + i * gpus, first + (i + 1) * gpus)) if settings.cluster.device == "cuda" else [],
@@ -178,6 +177,14 @@ def run_training(
     settings.log.run_dir = str(run_dir)
     write_resolved_settings(settings, run_dir / "settings.json")
     with run.launcher(run_dir=str(run_dir)) as launcher:
+        cluster = settings.cluster
+        launcher.reserve(
+            trainer_ranks=cluster.trainer_ranks,
+            num_engines=cluster.num_engines if run.algorithm.needs.rollout else 0,
+            colocate=cluster.colocate,
+            device=cluster.device,
+            gpus_per_engine=run.rollout_engine().gpus_per_engine if run.algorithm.needs.rollout else 0,
+        )
         # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
         # rank 0 waits for the engines' health before it talks to them (with a router they are waited for here)
         fleet = launch_fleet(run, launcher, wait=False) if run.algorithm.needs.rollout else None

@@ -58,6 +58,20 @@ class Launcher(Component[SettingsT], ABC):
         super().__init__(settings)
         self.run_dir = run_dir
 
+    def reserve(
+        self, *, trainer_ranks: int, num_engines: int, colocate: bool, device: str, gpus_per_engine: int
+    ) -> None:
+        """The run's shape, told before anything starts: a launcher that places processes on a cluster
+        reserves their resources here (the ``ray`` launcher makes its placement group). Default: nothing."""
+
+    def engine_address(self, index: int, host: str) -> tuple[str, int]:
+        """Host and port engine ``index`` will listen on (default: a free port on ``host``, this machine).
+
+        A launcher that runs engines elsewhere answers with an address on the engine's own machine."""
+        from miles.launch.rendezvous import free_port
+
+        return host, free_port(host)
+
     @abstractmethod
     def start_process(self, spec: ProcessSpec) -> ProcessHandle:
         """Start one process (a router, a reward server ...) that the launcher then owns."""

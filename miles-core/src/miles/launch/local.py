@@ -21,7 +21,7 @@ from miles.components import ComponentSettings
 from miles.errors import LaunchError
 from miles.launch import cleanup
 from miles.launch.base import Launcher, ProcessSpec
-from miles.launch.process import LocalProcess, describe_exit
+from miles.launch.process import LocalProcess, SupervisedProcess, describe_exit
 from miles.rollout.engine import EngineLaunch
 
 __all__ = ["LocalLauncher", "LocalLauncherSettings"]
@@ -58,12 +58,12 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         assert self.run_dir is not None
         self.log_dir = os.path.join(self.run_dir, "logs")
         """Where each child's ``<name>.log`` goes."""
-        self.processes: list[LocalProcess] = []
+        self.processes: list[SupervisedProcess] = []
         """Every process started, in order (reaped ones included)."""
-        self.engines: list[LocalProcess] = []
-        self._starting: list[tuple[LocalProcess, str]] = []
+        self.engines: list[SupervisedProcess] = []
+        self._starting: list[tuple[SupervisedProcess, str]] = []
         """Engines started without waiting, with their health URLs (see :meth:`wait_engines`)."""
-        self.trainers: list[LocalProcess] = []
+        self.trainers: list[SupervisedProcess] = []
         self._closed = False
         self._stopping = False
         self._stopped = False
@@ -80,13 +80,17 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         self.processes.append(process)
         return process
 
+    def _start_member(self, spec: ProcessSpec, role: str, index: int) -> SupervisedProcess:
+        """Start engine ``index`` or trainer rank ``index`` (``role``); here a child of this host."""
+        return self.start_process(spec)
+
     def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
-        started: list[LocalProcess] = []
+        started: list[SupervisedProcess] = []
         first = len(self.engines)
         try:
             for i, launch in enumerate(launches):
                 spec = ProcessSpec(name=f"engine-{first + i}", argv=list(launch.argv), env=dict(launch.env))
-                started.append(self.start_process(spec))
+                started.append(self._start_member(spec, "engine", first + i))
         except BaseException:
             self._stop(started)
             raise
@@ -135,7 +139,7 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         finally:
             self._starting = []
 
-    def _note_progress(self, pending: dict[str, tuple[LocalProcess, str]], next_note: float) -> float:
+    def _note_progress(self, pending: dict[str, tuple[SupervisedProcess, str]], next_note: float) -> float:
         """Every ``progress_interval`` seconds, say which engines are still starting and what each is doing
         (its latest log line: loading weights, building the CPU kernels ...)."""
         now = time.monotonic()
@@ -152,10 +156,10 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         running = [p.name for p in self.trainers if p.exit_status() is None]
         if running:
             raise LaunchError(f"trainer ranks still running: {', '.join(running)}")
-        trainers: list[LocalProcess] = []
+        trainers: list[SupervisedProcess] = []
         try:
-            for spec in specs:
-                trainers.append(self.start_process(spec))
+            for rank, spec in enumerate(specs):
+                trainers.append(self._start_member(spec, "trainer", rank))
         except BaseException:
             self._stop(trainers)
             raise
@@ -192,7 +196,7 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
                 raise self._abort(None, f"trainer ranks {', '.join(waiting)} still running after {timeout:g} s", None)
             time.sleep(self.settings.poll_interval)
 
-    def _failure(self, process: LocalProcess | None, what: str, code: int | None) -> LaunchError:
+    def _failure(self, process: SupervisedProcess | None, what: str, code: int | None) -> LaunchError:
         if process is None:
             return LaunchError(what)
         tail = process.log_tail(self.settings.log_tail_lines)
@@ -203,14 +207,14 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         )
         return LaunchError(message, process=process.name, returncode=code, log_tail=tail)
 
-    def _abort(self, process: LocalProcess | None, what: str, code: int | None) -> LaunchError:
+    def _abort(self, process: SupervisedProcess | None, what: str, code: int | None) -> LaunchError:
         error = self._failure(process, what + "; all other processes were terminated", code)
         log.error("%s", error)
         self.shutdown()
         return error
 
     # -- stopping ----------------------------------------------------------------------------------
-    def _stop(self, processes: Sequence[LocalProcess]) -> None:
+    def _stop(self, processes: Sequence[SupervisedProcess]) -> None:
         """SIGTERM each group, wait up to ``terminate_timeout`` in all, SIGKILL the rest, reap all."""
         live = [p for p in processes if not p.reaped]
         for process in live:

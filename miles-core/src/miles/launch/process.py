@@ -14,11 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 
 from miles.launch.base import ProcessHandle, ProcessSpec
 
-__all__ = ["LocalProcess", "describe_exit"]
+__all__ = ["LocalProcess", "SupervisedProcess", "describe_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,34 @@ def _die_with_parent_hook() -> Callable[[], None] | None:
     return hook
 
 
-class LocalProcess(ProcessHandle):
+class SupervisedProcess(ProcessHandle):
+    """A process a launcher signals and reaps: a child of this host (:class:`LocalProcess`) or one owned by
+    an actor elsewhere (the ``ray`` launcher's)."""
+
+    pid: int
+    """Process id (on the machine it runs on)."""
+    log_path: str
+    """Its log file (``<run_dir>/logs/<name>.log``)."""
+    started_at: float
+    """``time.monotonic()`` when it was started."""
+
+    @property
+    @abstractmethod
+    def reaped(self) -> bool:
+        """Whether the exit status has been collected (the pid is gone)."""
+
+    @abstractmethod
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the process group (while it is not reaped)."""
+
+    @abstractmethod
+    def reap(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` for it; once it exited, kill what is left of its group and reap it.
+
+        Returns the exit code, or ``None`` when it still runs after ``timeout``."""
+
+
+class LocalProcess(SupervisedProcess):
     """A started child: ``Popen`` with ``start_new_session=True``, stdout and stderr to ``log_path``."""
 
     def __init__(self, spec: ProcessSpec, log_dir: str, *, die_with_parent: bool = True) -> None:

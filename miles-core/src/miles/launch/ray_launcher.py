@@ -1,0 +1,328 @@
+"""The ``ray`` launcher: trainer ranks and engine servers on the nodes of a Ray cluster.
+
+It joins the cluster at ``address`` (or starts a one-node cluster on 127.0.0.1 when unset) and reserves one
+placement group: a bundle per trainer rank and, disaggregated, a bundle per engine (colocated, engine ``i``
+shares trainer rank ``i``'s bundle). Each trainer rank and each engine is a :class:`ProcessOwner` actor
+in its bundle that starts the same command line the ``local`` launcher would, on its node, and reaps it;
+trainer rank 0's actor hands out the ``torch.distributed`` address (its node IP, a free port there), and
+each engine listens on its own node's IP. The driver (rollout manager included, in trainer rank 0) is the
+same code as with ``local``; helpers such as the router run on the driver's host. Supervision, error
+messages and the stop order are the ``local`` launcher's, with the actor and its node named; a dead actor
+reads as a process killed by SIGKILL. Shutdown reaps every process through its actor, ends the actors,
+removes the placement group and leaves the cluster (stopping it when this launcher started it).
+
+``ray`` is an optional dependency (``pip install miles-core[ray]``), imported only when this launcher runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field
+
+from miles.errors import LaunchError
+from miles.launch.base import ProcessSpec
+from miles.launch.local import LocalLauncher, LocalLauncherSettings
+from miles.launch.process import SupervisedProcess
+
+__all__ = ["RayLauncher", "RayLauncherSettings"]
+
+log = logging.getLogger(__name__)
+
+
+class RayLauncherSettings(LocalLauncherSettings):
+    """Settings of the ``ray`` launcher (``[cluster.launcher] name = "ray"``); the ``local`` launcher's apply too."""
+
+    address: str | None = None
+    """Ray cluster to join (``auto``, ``10.0.0.1:6379``, ``ray://head:10001``); unset: start a one-node
+    cluster on 127.0.0.1 for this run and stop it afterwards."""
+    namespace: str = "miles"
+    """Ray namespace of the run's actors (named ``<run>-<id>/<process>``)."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the cluster this launcher starts (unset: what the bundles need); ignored with ``address``."""
+    temp_dir: str | None = None
+    """Ray's session files of the cluster this launcher starts (unset: Ray's default, ``/tmp/ray``)."""
+    trainer_cpus: float = Field(1.0, gt=0)
+    """CPUs in each trainer rank's bundle."""
+    engine_cpus: float = Field(1.0, gt=0)
+    """CPUs in each engine's bundle."""
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources in each trainer bundle (``{trainer_node = 1}`` pins ranks to nodes offering it)."""
+    engine_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources in each engine bundle."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy across nodes."""
+    placement_timeout: float = Field(120.0, gt=0)
+    """Seconds to wait for the cluster to grant the placement group (then the error says what was asked)."""
+    call_timeout: float = Field(30.0, gt=0)
+    """Seconds one call to an actor may take before it counts as not answering."""
+    poll_interval: float = Field(0.5, gt=0)
+    """Seconds between checks of the actors' processes and of engine health URLs."""
+
+
+class RayLauncher(LocalLauncher):
+    """Runs trainer ranks and engine servers as processes owned by Ray actors, placed by one placement group."""
+
+    name = "ray"
+    Settings = RayLauncherSettings
+
+    def __init__(self, settings: RayLauncherSettings | None = None, *, run_dir: str | None = None) -> None:
+        settings = settings if settings is not None else RayLauncherSettings()
+        super().__init__(settings, run_dir=run_dir)
+        self.ray_settings = settings
+        if settings.address is None and "ray" not in sys.modules:
+            # the one-node cluster binds 127.0.0.1: without this Ray swaps a loopback address for the host's
+            # IP (read once, when ray is imported; it also keeps ray from joining other hosts' clusters)
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        assert self.run_dir is not None
+        self.run_id = f"{os.path.basename(os.path.normpath(self.run_dir))}-{uuid.uuid4().hex[:8]}"
+        """Prefix of this run's actor names."""
+        self._started_ray = False
+        self._connected = False
+        """Whether this launcher called ``ray.init`` (then it calls ``ray.shutdown``)."""
+        self._groups: list[Any] = []
+        self._slots: dict[tuple[str, int], tuple[Any, int, dict[str, float]]] = {}
+        """(role, index) -> (placement group, bundle index, actor resources)."""
+        self._owners: dict[tuple[str, int], tuple[Any, dict[str, Any], str]] = {}
+        """(role, index) -> (actor, its node, its name), created on first use."""
+        self._device = "cpu"
+        self.placement: dict[str, dict[str, Any]] = {}
+        """Process name -> its actor's node (also written to ``<run_dir>/logs/placement.json``)."""
+
+    # -- the cluster -------------------------------------------------------------------------------
+    def _connect(self, cpus: float, resources: dict[str, float]) -> None:
+        import ray
+
+        if self._connected or ray.is_initialized():
+            return
+        s = self.ray_settings
+        self._connected = True
+        if s.address is not None:
+            ray.init(address=s.address, namespace=s.namespace, log_to_driver=False)
+            log.info("joined the Ray cluster at %s (%s)", s.address, ray.cluster_resources())
+            return
+        ray.init(
+            num_cpus=s.num_cpus if s.num_cpus is not None else max(1, int(-(-cpus // 1))),
+            resources={k: float(v) for k, v in resources.items()} or None,
+            include_dashboard=False,
+            namespace=s.namespace,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+            _temp_dir=s.temp_dir,
+        )
+        self._started_ray = True
+        log.info("started a one-node Ray cluster on 127.0.0.1 (%s)", ray.cluster_resources())
+
+    def reserve(
+        self, *, trainer_ranks: int, num_engines: int, colocate: bool, device: str, gpus_per_engine: int
+    ) -> None:
+        """One placement group: a bundle per trainer rank, then (disaggregated) one per engine."""
+        s = self.ray_settings
+        self._device = device
+        cuda = device == "cuda"
+        trainer = {"CPU": s.trainer_cpus, **s.trainer_resources, **({"GPU": 1.0} if cuda else {})}
+        engine = {"CPU": s.engine_cpus, **s.engine_resources, **({"GPU": float(gpus_per_engine)} if cuda else {})}
+        bundles: list[dict[str, float]] = []
+        slots: dict[tuple[str, int], tuple[int, dict[str, float]]] = {}
+        if colocate and trainer_ranks and num_engines:
+            if num_engines > trainer_ranks or (cuda and gpus_per_engine != 1):
+                raise LaunchError(
+                    f"cluster.colocate with the ray launcher: engine i shares trainer rank i's bundle, so "
+                    f"cluster.num_engines ({num_engines}) must be <= cluster.trainer_ranks ({trainer_ranks})"
+                    + (f" and each engine must use 1 GPU (it uses {gpus_per_engine})" if cuda else "")
+                )
+            for rank in range(trainer_ranks):
+                shared = dict(trainer)
+                if rank < num_engines:
+                    for key, value in engine.items():
+                        shared[key] = value if key == "GPU" else shared.get(key, 0.0) + value
+                bundles.append(shared)
+                # the trainer rank and its engine each take half of the bundle's GPU: the same device
+                slots["trainer", rank] = (rank, {**trainer, **({"GPU": 0.5} if cuda and rank < num_engines else {})})
+                if rank < num_engines:
+                    slots["engine", rank] = (rank, {**engine, **({"GPU": 0.5} if cuda else {})})
+        else:
+            for rank in range(trainer_ranks):
+                slots["trainer", rank] = (len(bundles), trainer)
+                bundles.append(dict(trainer))
+            for i in range(num_engines):
+                slots["engine", i] = (len(bundles), engine)
+                bundles.append(dict(engine))
+        self._place(bundles, slots)
+
+    def _place(
+        self, bundles: list[dict[str, float]], slots: dict[tuple[str, int], tuple[int, dict[str, float]]]
+    ) -> None:
+        """Connect to the cluster and wait for one placement group of ``bundles``; record each slot's bundle."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        if not bundles:
+            return
+        s = self.ray_settings
+        custom: dict[str, float] = {}
+        for b in bundles:
+            for key, value in b.items():
+                if key not in ("CPU", "GPU"):
+                    custom[key] = custom.get(key, 0.0) + value
+        self._connect(sum(b.get("CPU", 0.0) for b in bundles), custom)
+        group = placement_group(bundles, strategy=s.strategy, name=f"{self.run_id}/placement-{len(self._groups)}")
+        try:
+            ray.get(group.ready(), timeout=s.placement_timeout)
+        except GetTimeoutError:
+            remove_placement_group(group)
+            raise LaunchError(
+                f"the Ray cluster did not grant {len(bundles)} bundles {bundles} (strategy {s.strategy}) within "
+                f"{s.placement_timeout:g} s; it has {ray.available_resources()} available "
+                "(see cluster.launcher.trainer_cpus / engine_cpus / trainer_resources / engine_resources)"
+            ) from None
+        self._groups.append(group)
+        for slot, (index, resources) in slots.items():
+            self._slots[slot] = (group, index, resources)
+        log.info("placement group %s: %d bundles %s", group.id.hex()[:12], len(bundles), bundles)
+
+    def _owner(self, role: str, index: int) -> tuple[Any, dict[str, Any], str]:
+        """The actor of engine / trainer rank ``index``, created in its bundle on first use."""
+        if (role, index) in self._owners:
+            return self._owners[role, index]
+        if (role, index) not in self._slots:  # not reserved (``miles generate`` starts engines only): one bundle
+            s = self.ray_settings
+            cpus, extra = (
+                (s.engine_cpus, s.engine_resources) if role == "engine" else (s.trainer_cpus, s.trainer_resources)
+            )
+            alone = {"CPU": cpus, **extra, **({"GPU": 1.0} if self._device == "cuda" else {})}
+            self._place([alone], {(role, index): (0, alone)})
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from miles.launch.ray_owner import ProcessOwner
+
+        group, bundle, resources = self._slots[role, index]
+        name = f"{self.run_id}/{role}-{index}"
+        custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+        actor = (
+            ray.remote(ProcessOwner)
+            .options(
+                name=name,
+                num_cpus=resources.get("CPU", 0.0),
+                num_gpus=resources.get("GPU", 0.0),
+                resources=custom or None,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=bundle
+                ),
+            )
+            .remote(self.log_dir, self.settings.die_with_parent)
+        )
+        try:
+            node = ray.get(actor.node.remote(), timeout=self.ray_settings.placement_timeout)
+        except Exception as exc:
+            ray.kill(actor, no_restart=True)
+            raise LaunchError(f"Ray actor {name!r} did not start: {exc}") from exc
+        self._owners[role, index] = (actor, node, name)
+        return self._owners[role, index]
+
+    # -- starting ----------------------------------------------------------------------------------
+    def engine_address(self, index: int, host: str) -> tuple[str, int]:
+        """Engine ``index`` listens on its actor's node IP, on a port free there."""
+        import ray
+
+        actor, node, _ = self._owner("engine", index)
+        ip = str(node["ip"])
+        return ip, int(ray.get(actor.free_port.remote(ip), timeout=self.ray_settings.call_timeout))
+
+    def start_trainers(self, specs: list[ProcessSpec]) -> None:
+        """Rank 0's actor hands out the rendezvous address; ranks count per node for ``LOCAL_RANK``."""
+        import ray
+
+        if not specs:
+            raise LaunchError("start_trainers: no trainer ranks")
+        owners = [self._owner("trainer", rank) for rank in range(len(specs))]
+        actor0, node0, _ = owners[0]
+        addr = str(node0["ip"])
+        port = int(ray.get(actor0.free_port.remote(addr), timeout=self.ray_settings.call_timeout))
+        per_node: dict[str, int] = {}
+        local_ranks = []
+        for _, node, _ in owners:
+            local_ranks.append(per_node.get(node["node_id"], 0))
+            per_node[node["node_id"]] = local_ranks[-1] + 1
+        for rank, spec in enumerate(specs):
+            node = owners[rank][1]
+            spec.env.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+            if self._device == "cuda":  # the actor's one GPU is the only one its process sees
+                spec.env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            else:
+                spec.env.update(LOCAL_RANK=str(local_ranks[rank]), LOCAL_WORLD_SIZE=str(per_node[node["node_id"]]))
+        log.info("trainer rendezvous at %s:%d (rank 0's node)", addr, port)
+        super().start_trainers(specs)
+
+    def _start_member(self, spec: ProcessSpec, role: str, index: int) -> SupervisedProcess:
+        from miles.launch import cleanup
+        from miles.launch.ray_owner import RayProcess
+
+        if self._closed:
+            raise LaunchError(f"cannot start {spec.name!r}: the launcher was shut down")
+        actor, node, name = self._owner(role, index)
+        os.makedirs(self.log_dir, exist_ok=True)
+        cleanup.track(self, handle_signals=self.settings.handle_signals)
+        process = RayProcess(spec, actor, node, name, self.log_dir, self.ray_settings.call_timeout)
+        del self._owners[role, index]  # the process owns the actor now (a restart gets a fresh one)
+        if process.died is not None:
+            raise LaunchError(f"{process.where()} died before starting {spec.name}: {process.died}")
+        self.processes.append(process)
+        self.placement[spec.name] = {**node, "actor": name, "process_pid": process.pid}
+        with open(os.path.join(self.log_dir, "placement.json"), "w") as fh:
+            json.dump(self.placement, fh, indent=1)
+        log.info("started %s (pid %d) in %s", spec.name, process.pid, process.where())
+        return process
+
+    # -- errors and stopping -----------------------------------------------------------------------
+    def _failure(self, process: SupervisedProcess | None, what: str, code: int | None) -> LaunchError:
+        from miles.launch.ray_owner import RayProcess
+
+        if isinstance(process, RayProcess):
+            # "<what>: its Ray actor ... on node ... died (...)[; all other processes were terminated]"
+            aborted = "; all other processes were terminated"
+            head, tail = (what[: -len(aborted)], aborted) if what.endswith(aborted) else (what, "")
+            where = process.where()
+            head = f"{head}: its {where} died ({process.died})" if process.died is not None else f"{head} (in {where})"
+            what = head + tail
+        return super()._failure(process, what, code)
+
+    def shutdown(self) -> None:
+        if self._stopped or self._stopping:
+            return
+        try:
+            super().shutdown()
+        finally:
+            self._release_cluster()
+
+    def _release_cluster(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        for actor, _, _ in self._owners.values():
+            ray.kill(actor, no_restart=True)
+        self._owners.clear()
+        for process in self.processes:
+            release = getattr(process, "release", None)
+            if release is not None:
+                release()
+        for group in self._groups:
+            remove_placement_group(group)
+        self._groups.clear()
+        self._slots.clear()
+        if not self._connected:  # the caller's Ray session: left as it was
+            return
+        ray.shutdown()
+        self._connected = False
+        if self._started_ray:
+            log.info("stopped the Ray cluster this run started")

@@ -1,0 +1,381 @@
+"""``miles train`` with ``cluster.launcher = "ray"`` on a two-node Ray cluster on this host.
+
+``ray.cluster_utils.Cluster`` starts a head node (2 CPUs and the custom resource ``trainer_node``) and a
+worker node (its own raylet, 1 CPU and ``engine_node``); the launcher's bundles ask for those resources, so
+the two trainer ranks land on the head node and the engine on the worker node. Real GRPO on a tiny Qwen2,
+weight pushes verified, a trainer actor and an engine actor killed mid-run, an exact resume. One cluster for
+the module (Ray costs ~12 s and ~0.5 GiB to start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A head node with ``trainer_node: 2`` and a worker node with ``engine_node: 1``, all on 127.0.0.1.
+
+    Hermetic: Ray's session files go to a fresh short temp dir (``RAY_TMPDIR``; unix sockets limit path
+    lengths), token auth uses a token from the environment (nothing written to ``~/.ray``), and addresses
+    stay on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` stops Ray from swapping 127.0.0.1 for the
+    host's IP)."""
+    ray_tmp = tempfile.mkdtemp(prefix="mr", dir="/tmp")
+    token_file = Path.home() / ".ray" / "auth_token"
+    had_token = token_file.exists()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TMPDIR", ray_tmp)
+        mp.setenv("RAY_AUTH_MODE", "token")
+        mp.setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
+        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+        from ray.cluster_utils import Cluster
+
+        head_args = {"num_cpus": 2, "resources": {"trainer_node": 2}, "include_dashboard": False}
+        cluster = Cluster(initialize_head=True, head_node_args={**head_args, "node_ip_address": "127.0.0.1"})
+        worker = cluster.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="miles", log_to_driver=False)
+        cluster.trainer_node_id = cluster.head_node.node_id  # type: ignore[attr-defined]
+        cluster.engine_node_id = worker.node_id  # type: ignore[attr-defined]
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert had_token or not token_file.exists(), f"Ray wrote {token_file}"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", "qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "label": str(a + b)}
+        for a in range(3, 9)
+        for b in range(2, 6)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_config(tmp_path: Path, address: str, model: Path, data: Path, run_dir: Path, *, rollouts: int) -> Path:
+    config = tmp_path / f"{run_dir.name}.toml"
+    config.write_text(
+        textwrap.dedent(
+            f"""
+            [cluster]
+            trainer_ranks = 2
+            num_engines = 1
+
+            [cluster.launcher]
+            name = "ray"
+            address = "{address}"
+            trainer_resources = {{ trainer_node = 1 }}
+            engine_resources = {{ engine_node = 1 }}
+            terminate_timeout = 5
+
+            [data]
+            path = "{data}"
+
+            [rollout]
+            rollout_batch_size = 4
+            n_samples_per_prompt = 4
+            max_new_tokens = 6
+            temperature = 1.0
+
+            [rollout.engine]
+            name = "local"
+            enable_deterministic_inference = true
+
+            [train]
+            model_path = "{model}"
+            num_rollouts = {rollouts}
+            global_batch_size = 8
+            lr = 1e-3
+
+            [algorithm]
+            name = "grpo"
+
+            [[reward.functions]]
+            name = "length_penalty"
+            max_length = 6
+            buffer_length = 4
+            mode = "linear"
+
+            [checkpoint]
+            save_interval = 1
+
+            [log]
+            run_dir = "{run_dir}"
+            """
+        )
+    )
+    return config
+
+
+def train(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "miles", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def kill_actor_when(config: Path, run_dir: Path, process: str, when: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``miles train config`` and ``ray.kill`` the actor owning ``process`` once ``when`` exists."""
+    import ray
+
+    proc = train(str(config))
+    placement = run_dir / "logs" / "placement.json"
+    deadline = time.monotonic() + 300
+    killed = False
+    try:
+        while not killed and proc.poll() is None and time.monotonic() < deadline:
+            if when.exists() and placement.exists():
+                name = json.loads(placement.read_text())[process]["actor"]
+                ray.kill(ray.get_actor(name, namespace="miles"), no_restart=True)
+                killed = True
+            time.sleep(0.05)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed, f"{process} was never killed (run ended with {proc.returncode}): {out.stderr[-3000:]}"
+    return out
+
+
+def live_processes(path: Path) -> list[str]:
+    """Live processes whose command lines name ``path``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(path) in cmdline:
+                found.append(f"pid {entry.name}: {cmdline}")
+    return found
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Live processes of the run (command lines naming its directory) and Ray actors of the run."""
+    import ray
+
+    found = live_processes(run_dir)
+    prefix = run_dir.name + "-"
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(prefix):
+            found.append(f"actor {actor['name']}")
+    return found
+
+
+def wait_resources_free(cluster: Any) -> None:
+    """Every CPU is free again (the run's placement group was removed)."""
+    import ray
+
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"still reserved: {ray.available_resources()}"
+        time.sleep(0.2)
+
+
+def metrics(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    address = ray_cluster.address
+    full_dir = tmp_path / "full"
+    out = finish(train(str(write_config(tmp_path, address, tiny_model, prompts, full_dir, rollouts=2))))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = metrics(full_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["weight_sync/verified"] == 1.0 and row["weight_sync/verified_tensors"] > 0
+        assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
+    placement = json.loads((full_dir / "logs" / "placement.json").read_text())
+    assert placement["trainer-0"]["node_id"] == placement["trainer-1"]["node_id"] == ray_cluster.trainer_node_id
+    assert placement["engine-0"]["node_id"] == ray_cluster.engine_node_id
+    assert leftovers(full_dir) == []
+    wait_resources_free(ray_cluster)
+
+    # trainer rank 1's actor killed after the step-1 checkpoint: the message names the rank, its actor and
+    # node with its log's tail; nothing is left; --resume gives the uninterrupted run's last step exactly
+    part_dir = tmp_path / "part"
+    config = write_config(tmp_path, address, tiny_model, prompts, part_dir, rollouts=2)
+    out = kill_actor_when(config, part_dir, "trainer-1", part_dir / "checkpoints" / "step_000001" / "driver.json")
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    said = " ".join(out.stderr.split())
+    assert "trainer rank 1 (trainer-1) failed: killed by SIGKILL: its Ray actor" in said, said[-3000:]
+    assert "died (" in said and "; all other processes were terminated; last lines of" in said, said[-3000:]
+    assert "/trainer-1' on node 127.0.0.1" in said and ray_cluster.trainer_node_id[:16] in said, said[-3000:]
+    assert "last lines of" in said and "trainer-1.log" in said, said[-3000:]
+    assert leftovers(part_dir) == []
+    wait_resources_free(ray_cluster)
+    assert [r["step"] for r in metrics(part_dir)] == [1]
+    out = finish(train(str(config), "--resume", str(part_dir)))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    resumed = metrics(part_dir)
+    assert resumed[-1]["step"] == 2
+    compared = [key for key in rows[-1] if not any(s in key for s in ("time/", "seconds", "per_second"))]
+    assert "fidelity/train_rollout_logprob_abs_diff" in compared
+    for key in compared:
+        assert resumed[-1][key] == rows[-1][key], key
+    assert leftovers(part_dir) == []
+    wait_resources_free(ray_cluster)
+
+
+def test_a_killed_engine_actor_stops_the_run_naming_it(
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    run_dir = tmp_path / "engine_dies"
+    config = write_config(tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=20)
+    out = kill_actor_when(config, run_dir, "engine-0", run_dir / "metrics.jsonl")
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    said = " ".join(out.stderr.split())
+    assert "engine-0 exited (killed by SIGKILL) while the trainers ran" in said, said[-3000:]
+    assert "/engine-0' on node 127.0.0.1" in said and ray_cluster.engine_node_id[:16] in said, said[-3000:]
+    assert "died (" in said and "; all other processes were terminated; last lines of" in said, said[-3000:]
+    assert "engine-0.log" in said, said[-3000:]
+    assert leftovers(run_dir) == []
+    wait_resources_free(ray_cluster)
+
+
+ALL_REDUCE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print("sum", t.item(), "rank", dist.get_rank(), "local", os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"])
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, tmp_path: Path) -> None:
+    """In process, on the test's own Ray session (the launcher leaves it connected): colocated engine 0
+    shares trainer rank 0's bundle; two trainer actors form a gloo group from rank 0's address; a
+    placement the cluster cannot grant and an impossible colocation are refused naming the settings."""
+    import ray
+
+    from miles.errors import LaunchError
+    from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
+    from miles.launch.rendezvous import trainer_specs
+    from miles.rollout.engine import EngineLaunch
+
+    settings = RayLauncherSettings(
+        address=ray_cluster.address,
+        trainer_resources={"trainer_node": 1},
+        trainer_cpus=0.5,
+        engine_cpus=0.5,
+        placement_timeout=30,
+        handle_signals=False,
+        poll_interval=0.1,
+    )
+    run_dir = tmp_path / "colocated"
+    with RayLauncher(settings, run_dir=str(run_dir)) as launcher:
+        launcher.reserve(trainer_ranks=2, num_engines=1, colocate=True, device="cpu", gpus_per_engine=1)
+        host, port = launcher.engine_address(0, "127.0.0.1")
+        server = [sys.executable, "-m", "http.server", str(port), "--bind", host]
+        launcher.start_engines([EngineLaunch(argv=server, url=f"http://{host}:{port}", health_path="/")], timeout=60)
+        launcher.start_trainers(trainer_specs([sys.executable, "-c", ALL_REDUCE], 2))
+        assert launcher.wait_trainers(timeout=120) == 0
+        logs = [Path(t.log_path).read_text() for t in launcher.trainers]
+    assert "sum 3.0 rank 0 local 0 2" in logs[0] and "sum 3.0 rank 1 local 1 2" in logs[1], logs
+    placement = json.loads((run_dir / "logs" / "placement.json").read_text())
+    assert {p["node_id"] for p in placement.values()} == {ray_cluster.trainer_node_id}
+    assert leftovers(run_dir) == [] and ray.is_initialized()
+    wait_resources_free(ray_cluster)
+
+    with pytest.raises(LaunchError, match=r"cluster.num_engines \(2\) must be <= cluster.trainer_ranks \(1\)"):
+        RayLauncher(settings, run_dir=str(tmp_path / "bad")).reserve(
+            trainer_ranks=1, num_engines=2, colocate=True, device="cpu", gpus_per_engine=1
+        )
+    ungrantable = settings.model_copy(update={"engine_resources": {"gpu_node": 1.0}, "placement_timeout": 2.0})
+    refused = r"did not grant 3 bundles .*gpu_node.* within 2 s.*engine_resources"
+    with (
+        RayLauncher(ungrantable, run_dir=str(tmp_path / "ungrantable")) as launcher,
+        pytest.raises(LaunchError, match=refused),
+    ):
+        launcher.reserve(trainer_ranks=2, num_engines=1, colocate=False, device="cpu", gpus_per_engine=1)
+    wait_resources_free(ray_cluster)
+
+
+ONE_NODE = """
+import json, logging, sys
+from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
+from miles.launch.rendezvous import trainer_specs
+
+logging.basicConfig(level=logging.INFO)
+settings = RayLauncherSettings(temp_dir=sys.argv[1], handle_signals=False, poll_interval=0.1)
+with RayLauncher(settings, run_dir=sys.argv[2]) as launcher:
+    launcher.reserve(trainer_ranks=1, num_engines=0, colocate=False, device="cpu", gpus_per_engine=0)
+    launcher.start_trainers(trainer_specs([sys.executable, "-c", "print('rank 0 ran')"], 1))
+    assert launcher.wait_trainers(timeout=60) == 0
+    print(json.dumps(launcher.placement["trainer-0"]))
+"""
+
+
+def test_without_an_address_a_one_node_cluster_on_loopback_is_started_and_stopped(tmp_path: Path) -> None:
+    """A driver of its own (one Ray session per process): the launcher starts Ray on 127.0.0.1 and stops it."""
+    ray_tmp = tempfile.mkdtemp(prefix="mq", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    # token auth with the token in the environment: nothing is written to ~/.ray
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex, RAY_USAGE_STATS_ENABLED="0")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", ONE_NODE, ray_tmp, str(tmp_path / "run")],
+            capture_output=True,
+            text=True,
+            env={**env, "OMP_NUM_THREADS": "1"},
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert json.loads(out.stdout.strip().splitlines()[-1])["ip"] == "127.0.0.1"
+        assert "rank 0 ran" in (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+        assert "started a one-node Ray cluster on 127.0.0.1" in out.stderr
+        assert live_processes(Path(ray_tmp)) == []  # raylet, GCS, workers: their command lines name the session dir
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -42,6 +42,7 @@ async def _run(run_dir: Path) -> None:
 
     from miles.driver.loop import TrainingLoop, run_to_completion
     from miles.driver.run import build_run
+    from miles.engine.launch import freeze_startup_objects
     from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 
@@ -53,6 +54,7 @@ async def _run(run_dir: Path) -> None:
     run = build_run(settings)
     fleet = EngineFleet.from_json(launch)
     loop = TrainingLoop(run, ctx, engine_urls=fleet.engine_urls, fleet=fleet, resume=launch.get("resume"))  # type: ignore[arg-type]
+    freeze_startup_objects()  # the exit's last garbage collection no longer walks every import-time object
     try:
         await run_to_completion(loop)
     finally:

@@ -79,6 +79,17 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
     )
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive after start-up (modules, the model, the tokenizer) out of the garbage
+    collector's reach (``gc.freeze``): the collections while serving traverse only what requests create,
+    and the last collection at interpreter exit no longer walks millions of import-time objects — it took
+    4-5 s of every engine's and trainer rank's exit."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def serve(opts: ServeOptions) -> None:
     """Serve until interrupted or terminated (what ``miles serve`` and ``python -m miles.engine`` run).
 
@@ -98,6 +109,7 @@ def serve(opts: ServeOptions) -> None:
     host, port = opts.host, opts.port
     state = start_engine(opts, start=False)
     scheduler = state.scheduler
+    freeze_startup_objects()
     config = uvicorn.Config(
         create_app(state), host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=10
     )

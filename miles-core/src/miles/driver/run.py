@@ -223,6 +223,10 @@ class Run:
     def trainer(self, dist: DistContext) -> Trainer:
         entry = self["train.backend"]
         trainer: Trainer = entry.registration.component(self.settings.train, entry.options, self.precision, dist)
+        if "train.adapter" in self.resolved:
+            if not trainer.supports_adapters:
+                raise SettingsError(f"train.adapter: trainer {trainer.name!r} cannot train adapters")
+            trainer.adapter = self["train.adapter"].create()
         return trainer
 
     def transport(self) -> WeightTransport:

@@ -1,0 +1,56 @@
+"""HTTP routes of LoRA adapters (see :mod:`miles.engine.lora`): SGLang's ``/load_lora_adapter {lora_name,
+lora_path}`` and ``/unload_lora_adapter {lora_name}``, and Miles' ``/lora_adapters`` (names, paths and
+per-tensor checksums, for push verification)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+
+if TYPE_CHECKING:
+    from miles.engine.lora import EngineLoras
+    from miles.engine.state import EngineState
+
+__all__ = ["add_lora_routes"]
+
+Admin = Callable[["HTTPRequest", Callable[[dict[str, Any]], Awaitable[Any]]], Awaitable[Any]]
+
+
+def add_lora_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
+    """Mount ``/load_lora_adapter``, ``/unload_lora_adapter`` and ``/lora_adapters`` on ``app``."""
+
+    sched = state.scheduler
+    loras: EngineLoras = sched.runner.lora
+
+    def on_scheduler(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return asyncio.wrap_future(sched.submit(fn, *args))
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise ValueError("lora_name and lora_path are required (strings)")
+            adapter = await on_scheduler(loras.load, name, path)
+            return {"success": True, "message": f"loaded LoRA adapter {name!r}", "num_tensors": len(adapter.checksums)}
+
+        return await admin(request, run)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise ValueError("lora_name is required (a string)")
+            await on_scheduler(loras.unload, name)
+            return {"success": True, "message": f"unloaded LoRA adapter {name!r}"}
+
+        return await admin(request, run)
+
+    @app.get("/lora_adapters")
+    async def lora_adapters() -> Any:
+        return {"adapters": await on_scheduler(loras.describe)}

@@ -20,8 +20,12 @@ from miles.testing.algorithms import RatioPG, RatioPGSettings
 from miles.training.batch import TrainBatch
 
 STEPS = 3
-LORA = dict(r=4, alpha=8.0, init="random", target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
-                                                            "gate_proj", "down_proj"])
+LORA = dict(
+    r=4,
+    alpha=8.0,
+    init="random",
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"],
+)
 
 
 def make_sequences(seed: int, n: int, vocab: int) -> tuple[list[list[int]], list[int]]:

@@ -55,8 +55,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("lora_engine")
     model = build_tiny_model(root / "model", "qwen2", seed=0)
-    a = save_random_adapter(model, root / "a", 1, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                   "down_proj"])
+    a = save_random_adapter(
+        model, root / "a", 1, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     b = save_random_adapter(model, root / "b", 2, ["q_proj", "v_proj", "down_proj"])
     with EngineProcess(model, extra_args=["--attention-backend", "sdpa"], log_path=root / "engine.log") as engine:
         yield {"engine": engine, "model": model, "a": a, "b": b}

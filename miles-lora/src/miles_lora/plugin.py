@@ -20,3 +20,10 @@ def miles_register_adapters(register: Register) -> None:
     from miles_lora.adapter import LoraAdapter
 
     register(LoraAdapter)
+
+
+@miles.hookimpl
+def miles_register_transports(register: Register) -> None:
+    from miles_lora.transport import LoraTransport
+
+    register(LoraTransport)

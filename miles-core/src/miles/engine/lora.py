@@ -13,7 +13,6 @@ an adapter bypass the prefix cache (their KV depends on the adapter).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -24,10 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles.transport.verify import tensor_checksum
+
 if TYPE_CHECKING:
     from miles.engine.model_runner import ModelRunner
 
-__all__ = ["ADAPTER_FILE", "CONFIG_FILE", "EngineLoras", "LoraWeights", "tensor_checksum"]
+__all__ = ["ADAPTER_FILE", "CONFIG_FILE", "EngineLoras", "LoraWeights"]
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,6 @@ CONFIG_FILE = "adapter_config.json"
 _NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
-
-
-def tensor_checksum(tensor: torch.Tensor) -> str:
-    """SHA-256 of a tensor's float32 bytes (the same on the trainer and the engine for equal values)."""
-    data = tensor.detach().to("cpu", torch.float32).contiguous()
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
 @dataclass
@@ -53,7 +48,7 @@ class LoraWeights:
     scaling: float
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     checksums: dict[str, str] = field(default_factory=dict)
-    """PEFT tensor name -> :func:`tensor_checksum` of the tensor as loaded."""
+    """PEFT tensor name -> :func:`~miles.transport.verify.tensor_checksum` of the tensor as served."""
 
 
 class EngineLoras:
@@ -141,8 +136,9 @@ class EngineLoras:
                 raise ValueError(f"{source}: tensor {tensor_name!r}: no such projection in the served model")
             if module in GATE_UP and self.runner._fused_mlp[layer] is None:
                 raise ValueError(f"{source}: tensor {tensor_name!r}: the layer's MLP is not a dense gate/up MLP")
-            halves.setdefault((layer, module), {})[half] = tensor.to(device=device, dtype=dtype)
-            adapter.checksums[tensor_name] = tensor_checksum(tensor)
+            served = tensor.to(device=device, dtype=dtype)
+            halves.setdefault((layer, module), {})[half] = served
+            adapter.checksums[tensor_name] = tensor_checksum(served)
         for (layer, module), pair in sorted(halves.items()):
             where = f"{source}: layer {layer} {module}"
             if set(pair) != {"A", "B"}:

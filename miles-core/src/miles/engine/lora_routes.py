@@ -51,6 +51,6 @@ def add_lora_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
         return await admin(request, run)
 
-    @app.get("/lora_adapters")
+    @app.api_route("/lora_adapters", methods=["GET", "POST"])
     async def lora_adapters() -> Any:
         return {"adapters": await on_scheduler(loras.describe)}

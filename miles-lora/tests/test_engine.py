@@ -116,3 +116,56 @@ def test_adapter_listing_unload_and_bad_input(setup: dict[str, Any]) -> None:
     assert r.status_code == 400 and "adapter_config.json" in r.json()["message"]
     r = post(engine, "/load_lora_adapter", {"lora_name": "x"})
     assert r.status_code == 400 and "lora_path" in r.json()["message"]
+
+
+def test_lora_transport_pushes_and_verification_names_a_missing_adapter(setup: dict[str, Any], tmp_path: Path) -> None:
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from miles.errors import WeightVerificationError
+    from miles.rollout.http_client import HttpEngineClient
+    from miles.training.trainer import DistContext
+    from miles_lora.adapter import LoraAdapter
+    from miles_lora.settings import LoraSettings
+    from miles_lora.transport import LoraTransport, LoraTransportSettings
+
+    engine = setup["engine"]
+    tensors = load_file(str(setup["a"] / "adapter_model.safetensors"))
+    adapter = LoraAdapter(LoraSettings(r=4, alpha=8, lora_name="run1"))
+
+    async def scenario() -> None:
+        transport = LoraTransport(
+            LoraTransportSettings(), run_dir=str(tmp_path), model_path=str(setup["model"]), engine_dtype="float32"
+        )
+        transport.adapter = adapter
+        async with HttpEngineClient([engine.url], max_retries=1) as client:
+            await transport.connect(client, DistContext())
+            with pytest.raises(WeightVerificationError, match=r"does not serve LoRA adapter 'run1'.*never reached"):
+                await transport.verify(client, _report("1", tensors))
+            report = await transport.push([list(tensors.items())], version="1", dist=DistContext())
+            assert report.num_tensors == len(tensors) and client.lora_path == "run1"
+            assert (await transport.verify(client, report))["weight_sync/verified"] == 1.0
+            # another adapter under that name on the engine: the differing tensor is named
+            await client.call(engine.url, "/load_lora_adapter", {"lora_name": "run1", "lora_path": str(setup["b"])})
+            with pytest.raises(WeightVerificationError, match="run1"):
+                await transport.verify(client, report)
+            # a second run's adapter on the same engine and base: both served, each verified
+            other = LoraTransport(
+                LoraTransportSettings(), run_dir=str(tmp_path / "2"), model_path=None, engine_dtype="float32"
+            )
+            other.adapter = LoraAdapter(LoraSettings(r=4, alpha=8, lora_name="run2"))
+            await other.connect(client, DistContext())
+            report2 = await other.push([list(tensors.items())], version="5", dist=DistContext())
+            report1 = await transport.push([list(tensors.items())], version="2", dist=DistContext())
+            assert (await other.verify(client, report2))["weight_sync/verified"] == 1.0
+            assert (await transport.verify(client, report1))["weight_sync/verified"] == 1.0
+
+    asyncio.run(scenario())
+
+
+def _report(version: str, tensors: dict[str, torch.Tensor]) -> Any:
+    from miles.transport.verify import tensor_checksum
+    from miles.types import PushReport
+
+    return PushReport(version=version, checksums={n: tensor_checksum(t) for n, t in tensors.items()})

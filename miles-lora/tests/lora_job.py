@@ -63,14 +63,14 @@ def _save(path: Path, values: Sequence[object]) -> None:
 def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> None:
     import torch
     import torch.distributed as dist
+    from miles_lora.adapter import LoraAdapter
+    from miles_lora.settings import LoraSettings
 
     from miles.precision.builtin import FP32
     from miles.settings.model import TrainSettings
     from miles_fsdp.distributed import init_distributed, shutdown_distributed
     from miles_fsdp.settings import FSDPSettings
     from miles_fsdp.trainer import FSDPTrainer
-    from miles_lora.adapter import LoraAdapter
-    from miles_lora.settings import LoraSettings
 
     torch.set_num_threads(1)
     out = Path(out_dir)

@@ -121,14 +121,14 @@ def test_adapter_listing_unload_and_bad_input(setup: dict[str, Any]) -> None:
 def test_lora_transport_pushes_and_verification_names_a_missing_adapter(setup: dict[str, Any], tmp_path: Path) -> None:
     import asyncio
 
+    from miles_lora.adapter import LoraAdapter
+    from miles_lora.settings import LoraSettings
+    from miles_lora.transport import LoraTransport, LoraTransportSettings
     from safetensors.torch import load_file
 
     from miles.errors import WeightVerificationError
     from miles.rollout.http_client import HttpEngineClient
     from miles.training.trainer import DistContext
-    from miles_lora.adapter import LoraAdapter
-    from miles_lora.settings import LoraSettings
-    from miles_lora.transport import LoraTransport, LoraTransportSettings
 
     engine = setup["engine"]
     tensors = load_file(str(setup["a"] / "adapter_model.safetensors"))

@@ -53,7 +53,8 @@ class LoraAdapter(ModelAdapter[LoraSettings]):
         from peft import LoraConfig
 
         s = self.settings
-        init: bool | str = {"default": True, "gaussian": "gaussian", "random": False}[s.init]
+        inits: dict[str, bool | str] = {"default": True, "gaussian": "gaussian", "random": False}
+        init = inits[s.init]
         return LoraConfig(
             r=s.r,
             lora_alpha=s.alpha,
@@ -72,7 +73,7 @@ class LoraAdapter(ModelAdapter[LoraSettings]):
         missing = [t for t in self.settings.target_modules if t not in present]
         if missing:
             raise ValueError(f"train.adapter.target_modules: {', '.join(missing)} not found in {type(model).__name__}")
-        peft_model = get_peft_model(model, self.peft_config())  # type: ignore[arg-type]
+        peft_model = get_peft_model(model, self.peft_config())
         trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in peft_model.parameters())
         log.info(
@@ -86,7 +87,7 @@ class LoraAdapter(ModelAdapter[LoraSettings]):
 
     def disabled(self, model: nn.Module) -> AbstractContextManager[Any]:
         """PEFT's ``disable_adapter()``: the base model, computed by the same (sharded) modules."""
-        context: AbstractContextManager[Any] = model.disable_adapter()  # type: ignore[operator]
+        context: AbstractContextManager[Any] = model.disable_adapter()
         return context
 
     def adapter_name(self, name: str) -> str | None:

@@ -18,7 +18,7 @@ class LoraSettings(ComponentSettings):
 
     r: int = Field(8, ge=1)
     """Rank of each adapter's ``A`` / ``B`` matrices."""
-    alpha: float = Field(16.0, gt=0.0)
+    alpha: int = Field(16, ge=1)
     """Scale numerator: the adapter's update is multiplied by ``alpha / r``."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input in training forwards (logprob passes run without it)."""

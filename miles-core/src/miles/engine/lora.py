@@ -19,14 +19,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from miles.transport.verify import tensor_checksum
-
-if TYPE_CHECKING:
-    from miles.engine.model_runner import ModelRunner
 
 __all__ = ["ADAPTER_FILE", "CONFIG_FILE", "EngineLoras", "LoraWeights"]
 
@@ -37,6 +34,15 @@ CONFIG_FILE = "adapter_config.json"
 _NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
+
+
+class ServedModel(Protocol):
+    """What the adapters need of the model runner (:class:`~miles.engine.model_runner.ModelRunner`)."""
+
+    layers: list[Any]
+    device: torch.device
+    dtype: torch.dtype
+    _fused_mlp: list[torch.Tensor | None]
 
 
 @dataclass
@@ -52,9 +58,9 @@ class LoraWeights:
 
 
 class EngineLoras:
-    """The adapters a :class:`ModelRunner` serves, and the adapter of each row of the next forward."""
+    """The adapters a model runner serves, and the adapter of each row of the next forward."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ServedModel) -> None:
         self.runner = runner
         self.adapters: dict[str, LoraWeights] = {}
         self._rows: list[str | None] = []

@@ -51,6 +51,8 @@ def add_lora_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
         return await admin(request, run)
 
-    @app.api_route("/lora_adapters", methods=["GET", "POST"])
-    async def lora_adapters() -> Any:
+    async def describe() -> Any:
         return {"adapters": await on_scheduler(loras.describe)}
+
+    app.get("/lora_adapters")(describe)
+    app.post("/lora_adapters", operation_id="lora_adapters_post")(describe)

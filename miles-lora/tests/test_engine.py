@@ -151,14 +151,18 @@ def test_lora_transport_pushes_and_verification_names_a_missing_adapter(setup: d
             with pytest.raises(WeightVerificationError, match="run1"):
                 await transport.verify(client, report)
             # a second run's adapter on the same engine and base: both served, each verified
-            other = LoraTransport(
-                LoraTransportSettings(), run_dir=str(tmp_path / "2"), model_path=None, engine_dtype="float32"
+            other = LoraTransport(  # delivered in the request body, not through a file
+                LoraTransportSettings(delivery="tensors"),
+                run_dir=str(tmp_path / "2"),
+                model_path=None,
+                engine_dtype="float32",
             )
             other.adapter = LoraAdapter(LoraSettings(r=4, alpha=8, lora_name="run2"))
             await other.connect(client, DistContext())
             report2 = await other.push([list(tensors.items())], version="5", dist=DistContext())
             report1 = await transport.push([list(tensors.items())], version="2", dist=DistContext())
             assert (await other.verify(client, report2))["weight_sync/verified"] == 1.0
+            assert not (tmp_path / "2" / "lora" / "run2-v5").exists()
             assert (await transport.verify(client, report1))["weight_sync/verified"] == 1.0
 
     asyncio.run(scenario())

@@ -3,7 +3,8 @@
 Rank 0 writes the adapter of each version as a PEFT directory (``adapter_model.safetensors`` +
 ``adapter_config.json``) under ``{run_dir}/lora/``, has every engine load it with SGLang's
 ``/load_lora_adapter {lora_name, lora_path}`` and bump its weight version, and from then on the rollout
-client sends ``lora_path`` with every generate request. :meth:`LoraTransport.verify` asks each engine
+client sends ``lora_path`` with every generate request. With ``delivery = "tensors"`` nothing is written:
+the adapter travels in the request (``/load_lora_adapter_from_tensors``, base64 safetensors). :meth:`LoraTransport.verify` asks each engine
 which adapters it serves (``/lora_adapters``) and compares the checksums: an adapter an engine lacks is
 named, as is a tensor that differs.
 """
@@ -16,7 +17,7 @@ import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 class LoraTransportSettings(ComponentSettings):
     """Settings of the ``lora`` transport."""
 
+    delivery: Literal["disk", "tensors"] = "disk"
+    """``disk``: write a PEFT adapter directory under ``{run_dir}/lora`` and have the engines load it
+    (``/load_lora_adapter``; engines on this host or a shared file system); ``tensors``: send the adapter in
+    the request (``/load_lora_adapter_from_tensors``, a base64 safetensors payload; engines anywhere)."""
     keep_versions: int = Field(2, ge=1)
     """Adapter directories kept under ``{run_dir}/lora`` (older ones are removed)."""
 
@@ -90,23 +95,40 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
         if not tensors:
             raise RuntimeError("transport 'lora': the trainer yielded no adapter tensors")
         target = self.root / f"{self.lora_name}-v{version}"
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
-        save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = {**self.adapter.adapter_config(), "base_model_name_or_path": self.model_path}
-        (target / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.settings.delivery == "disk":
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+            (target / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+            self.written.append(target)
+            while len(self.written) > self.settings.keep_versions:
+                shutil.rmtree(self.written.pop(0), ignore_errors=True)
         report.num_tensors = len(tensors)
         report.num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         report.checksums = {n: tensor_checksum(t) for n, t in tensors.items()}
         if self.client is None:
             raise RuntimeError("transport 'lora': push on rank 0 before connect() gave it the engines")
+        body: dict[str, Any] = {"lora_name": self.lora_name, "lora_path": str(target)}
+        endpoint = "/load_lora_adapter"
+        if self.settings.delivery == "tensors":
+            import base64
+
+            from safetensors.torch import save
+
+            payload = base64.b64encode(save(tensors)).decode("ascii")
+            endpoint = "/load_lora_adapter_from_tensors"
+            body = {
+                "lora_name": self.lora_name,
+                "config_dict": config,
+                "serialized_tensors": payload,
+                "load_format": "safetensors",
+                "lora_id": self._served_as(version),
+            }
         for url in self.client.urls:
-            await self.client.call(url, "/load_lora_adapter", {"lora_name": self.lora_name, "lora_path": str(target)})
+            await self.client.call(url, endpoint, body)
             await self.client.call(url, "/update_weight_version", {"new_version": version})
         self.client.lora_path = self.lora_name  # rollouts from now on run the adapter
-        self.written.append(target)
-        while len(self.written) > self.settings.keep_versions:
-            shutil.rmtree(self.written.pop(0), ignore_errors=True)
         report.seconds = time.perf_counter() - start
         report.metrics["weight_sync/adapter_bytes"] = float(report.num_bytes)
         log.info(
@@ -118,6 +140,12 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
             report.seconds,
         )
         return report
+
+    def _served_as(self, version: str) -> str:
+        """The ``lora_path`` an engine reports for ``version``: its directory, or its id (``tensors``)."""
+        if self.settings.delivery == "tensors":
+            return f"{self.lora_name}-v{version}"
+        return str(self.root / f"{self.lora_name}-v{version}")
 
     async def verify(self, client: EngineClient, report: PushReport) -> dict[str, float]:
         """Every engine serves this push's adapter, at the push's version, tensor for tensor."""
@@ -132,7 +160,7 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
                     f"engine {url} does not serve LoRA adapter {self.lora_name!r} (version {report.version}): "
                     f"it never reached the engine (served: {sorted(served) or 'none'})"
                 )
-            expected = str(self.root / f"{self.lora_name}-v{report.version}")
+            expected = self._served_as(report.version)
             if adapter["lora_path"] != expected:
                 raise WeightVerificationError(
                     f"engine {url} serves LoRA adapter {self.lora_name!r} from {adapter['lora_path']}, "

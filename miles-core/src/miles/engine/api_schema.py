@@ -118,6 +118,17 @@ class LoadLoraAdapterBody(_Body):
     lora_id: str | SkipJsonSchema[None] = None
 
 
+class LoadLoraAdapterFromTensorsBody(_Body):
+    """SGLang's ``LoadLoRAAdapterFromTensorsReqInput`` (``serialized_tensors``: base64 of a safetensors file)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_tensors: str
+    load_format: str | SkipJsonSchema[None] = None
+    lora_id: str | SkipJsonSchema[None] = None
+    pinned: bool | SkipJsonSchema[None] = None
+
+
 class UnloadLoraAdapterBody(_Body):
     lora_name: str
     lora_id: str | SkipJsonSchema[None] = None
@@ -141,6 +152,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "/get_weights_by_name": WeightsByNameBody,
     "/debug/randomize_weights": RandomizeBody,
     "/load_lora_adapter": LoadLoraAdapterBody,
+    "/load_lora_adapter_from_tensors": LoadLoraAdapterFromTensorsBody,
     "/unload_lora_adapter": UnloadLoraAdapterBody,
 }
 """The body model of each route that reads one."""

@@ -60,7 +60,7 @@ class LoraAdapter(ModelAdapter[LoraSettings]):
             lora_alpha=s.alpha,
             lora_dropout=s.dropout,
             target_modules=list(s.target_modules),
-            init_lora_weights=init,  # type: ignore[arg-type]
+            init_lora_weights=init,
             bias="none",
             task_type="CAUSAL_LM",
         )

@@ -117,3 +117,6 @@ def test_lora_grpo_pushes_adapters_verifies_resumes_and_exports(tmp_path: Path) 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [int(m["step"]) for m in metrics][-1] == 3 and metrics[-1]["weight_sync/verified"] == 1.0
+    # the resumed run pushed the checkpoint's adapter before generating: its rollouts ran that adapter
+    assert metrics[-1]["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
+    assert [p.name for p in sorted((run_dir / "lora").iterdir())] == ["policy-v2", "policy-v3"]

@@ -74,6 +74,13 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
         if dist.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
+            # a resumed run's earlier versions count towards keep_versions
+            def version_of(path: Path) -> int:
+                tail = path.name.rsplit("-v", 1)[-1]
+                return int(tail) if tail.isdigit() else -1
+
+            self.written = sorted(self.root.glob(f"{self.lora_name}-v*"), key=version_of)
+
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
         """Gather the adapter (every rank iterates), write it, have every engine load it (rank 0)."""
         import torch
@@ -101,7 +108,7 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
             target.mkdir(parents=True)
             save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
             (target / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-            self.written.append(target)
+            self.written = [p for p in self.written if p != target] + [target]
             while len(self.written) > self.settings.keep_versions:
                 shutil.rmtree(self.written.pop(0), ignore_errors=True)
         report.num_tensors = len(tensors)

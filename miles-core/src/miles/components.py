@@ -88,6 +88,7 @@ class ComponentKind(str, enum.Enum):
     )
     ROLLOUT_FUNCTION = ("rollout_function", "miles_register_rollout_functions", "rollout.function", "")
     TRAINER = ("trainer", "miles_register_trainers", "train.backend", "miles.training.trainer:Trainer")
+    ADAPTER = ("adapter", "miles_register_adapters", "train.adapter", "miles.training.adapter:ModelAdapter")
     ALGORITHM = ("algorithm", "miles_register_algorithms", "algorithm", "miles.algorithms.base:Algorithm")
     TRANSPORT = ("transport", "miles_register_transports", "transport", "miles.transport.base:WeightTransport")
     PRECISION = ("precision", "miles_register_precisions", "precision", "miles.precision.base:PrecisionRecipe")

@@ -81,6 +81,19 @@ def miles_register_trainers(register: Register) -> None:
     """
 
 
+@hookspec
+def miles_register_adapters(register: Register) -> None:
+    """Register model adapters: classes deriving from :class:`miles.training.adapter.ModelAdapter` that
+    wrap the policy with trainable adapters (parameter-efficient fine-tuning).
+
+    Selected by ``train.adapter``. miles-lora adds ``lora``.
+
+    :param register: call ``register(AdapterClass)``.
+
+    .. versionadded:: 0.1
+    """
+
+
 # ----------------------------------------------------------------------------------------------------
 # weight transport
 # ----------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
     """PyTorch FSDP2 over Hugging Face causal LMs: CPU with gloo, GPUs with NCCL; no weight conversion."""
 
     name: ClassVar[str] = "fsdp"
+    supports_adapters: ClassVar[bool] = True
 
     def __init__(
         self, train: TrainSettings, options: FSDPSettings | None, precision: PrecisionRecipe, dist: DistContext
@@ -98,6 +99,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         from miles_fsdp.routing import patch_routers
 
         self._routing = patch_routers(actor, replay=train.routing_replay)
+        if self.adapter is not None:  # the base frozen; the reference is this model with its adapters off
+            if train.true_on_policy:
+                raise ValueError("train.true_on_policy: not supported with train.adapter")
+            actor = self.adapter.apply(actor)
         self.actor = shard_model(
             actor,
             reshard_after_forward=opts.reshard_after_forward,
@@ -107,7 +112,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         )
         optimizer = build_optimizer(self.actor.parameters(), train)
         self._parts = {"actor": (self.actor, optimizer, build_scheduler(optimizer, train))}
-        if need_ref:
+        if need_ref and self.adapter is None:
             ref = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
             ref.requires_grad_(False)
             ref.eval()
@@ -190,6 +195,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         from miles.training.logprobs import token_logprobs
 
         self._require_setup()
+        if model == "ref" and self.adapter is not None:  # the reference: the base, adapters switched off
+            with self.adapter.disabled(self.actor):
+                return self.compute_logprobs(batch, temperature=temperature, with_entropy=with_entropy)
         module = self.actor if model == "actor" else self.ref
         if module is None:
             raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
@@ -272,18 +280,28 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         return metrics
 
     def iter_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """The actor's full weights in HF naming, gathered one parameter at a time into buckets on rank 0."""
+        """The actor's full weights in HF naming, gathered one parameter at a time into buckets on rank 0
+        (with an adapter: only the adapter's tensors, in its naming)."""
         from miles_fsdp.weights import iter_full_weights
 
         self._require_setup()
-        yield from iter_full_weights(self.actor, bucket_bytes, rank=self.dist.rank)
+        rename = self.adapter.adapter_name if self.adapter is not None else None
+        yield from iter_full_weights(self.actor, bucket_bytes, rank=self.dist.rank, rename=rename)
 
     def iter_weight_shards(self, bucket_bytes: int = 256 << 20) -> Iterator[WeightShard]:
         """The actor's DTensor shards on this rank, with their offsets (nothing is gathered)."""
         from miles_fsdp.weights import iter_weight_shards
 
         self._require_setup()
-        yield from iter_weight_shards(self.actor)
+        if self.adapter is None:
+            yield from iter_weight_shards(self.actor)
+            return
+        import dataclasses
+
+        for shard in iter_weight_shards(self.actor):
+            name = self.adapter.adapter_name(shard.name)
+            if name is not None:
+                yield dataclasses.replace(shard, name=name)
 
     def save_checkpoint(self, path: str) -> None:
         """Sharded DCP checkpoint of actor (+ critic) and optimizers, scheduler, RNG states and step."""
@@ -312,14 +330,27 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         from miles_fsdp.weights import export_hf_dir
 
         self._require_setup()
-        export_hf_dir(
-            self.actor,
-            self._config,
-            path,
-            rank=self.dist.rank,
-            bucket_bytes=bucket_bytes,
-            source_dir=self.train_settings.model_path,
-        )
+        if self.adapter is not None:
+            from miles_fsdp.weights import export_adapted
+
+            export_adapted(
+                self.actor,
+                self.adapter,
+                self._config,
+                path,
+                rank=self.dist.rank,
+                bucket_bytes=bucket_bytes,
+                source_dir=self.train_settings.model_path,
+            )
+        else:
+            export_hf_dir(
+                self.actor,
+                self._config,
+                path,
+                rank=self.dist.rank,
+                bucket_bytes=bucket_bytes,
+                source_dir=self.train_settings.model_path,
+            )
         import torch.distributed as dist
 
         if dist.is_initialized():

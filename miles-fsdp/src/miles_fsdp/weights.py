@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,9 +20,10 @@ from torch import nn
 from miles.training.hf_export import write_hf_checkpoint
 
 if TYPE_CHECKING:
+    from miles.training.adapter import ModelAdapter
     from miles.training.trainer import WeightShard
 
-__all__ = ["export_hf_dir", "hf_name", "iter_full_weights", "iter_weight_shards"]
+__all__ = ["export_adapted", "export_hf_dir", "hf_name", "iter_full_weights", "iter_weight_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,13 @@ def hf_name(name: str) -> str:
     return name
 
 
-def iter_full_weights(model: nn.Module, bucket_bytes: int, *, rank: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_full_weights(
+    model: nn.Module, bucket_bytes: int, *, rank: int, rename: Callable[[str], str | None] | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of ``(hf_name, full tensor)`` of ``model``'s parameters (tied ones once).
+
+    ``rename`` (a model adapter's ``adapter_name``) selects and names the parameters: those it maps to
+    ``None`` are skipped without being gathered.
 
     A collective: every rank iterates and yields the same number of buckets; only rank 0's are filled.
     A bucket closes once it reaches ``bucket_bytes`` (a parameter larger than that is a bucket alone).
@@ -48,13 +54,16 @@ def iter_full_weights(model: nn.Module, bucket_bytes: int, *, rank: int) -> Iter
     size = 0
     count = 0
     for name, param in model.named_parameters():
+        out_name = hf_name(name) if rename is None else rename(hf_name(name))
+        if out_name is None:
+            continue
         data = param.detach()
         full_tensor = getattr(data, "full_tensor", None)
         full = full_tensor() if full_tensor is not None else data
         count += 1
         size += full.numel() * full.element_size()
         if rank == 0:
-            bucket.append((hf_name(name), full))
+            bucket.append((out_name, full))
         del full
         if size >= bucket_bytes:
             yield bucket
@@ -120,3 +129,59 @@ def export_hf_dir(
         source_dir=source_dir,
         generation_config=getattr(model, "generation_config", None),
     )
+
+
+def _rebucket(pairs: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in pairs:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    yield bucket
+
+
+def export_adapted(
+    model: nn.Module,
+    adapter: ModelAdapter[Any],
+    config: object,
+    path: str,
+    *,
+    rank: int,
+    bucket_bytes: int,
+    source_dir: str | None,
+) -> None:
+    """A model trained with ``adapter``: the merged model as a HF directory at ``path`` (as
+    :func:`export_hf_dir` writes it) and the adapter alone in ``path/adapter`` (``adapter_model.safetensors``
+    and ``adapter_config.json``, PEFT's format). A collective: every rank calls; rank 0 writes."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    full = (pair for bucket in iter_full_weights(model, bucket_bytes, rank=rank) for pair in bucket)
+    write_hf_checkpoint(
+        _rebucket(adapter.merged(full), bucket_bytes),
+        path,
+        rank=rank,
+        config=config,
+        source_dir=source_dir,
+        generation_config=getattr(model, "generation_config", None),
+    )
+    tensors = [
+        pair
+        for bucket in iter_full_weights(model, bucket_bytes, rank=rank, rename=adapter.adapter_name)
+        for pair in bucket
+    ]
+    if rank == 0:
+        out = Path(path) / "adapter"
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {n: t.detach().cpu().contiguous() for n, t in tensors},
+            str(out / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        adapter_config = {**adapter.adapter_config(), "base_model_name_or_path": source_dir}
+        (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")

@@ -391,7 +391,13 @@ class TrainingLoop:
         from miles.transport.verify import verify_engines, verify_sampled
 
         assert self.transport is not None
-        if self.settings.transport.verify and self.sampler is not None:
+        own = None
+        if self.settings.transport.verify:
+            assert self.client is not None
+            own = await self.transport.verify(self.client, report)
+        if own is not None:
+            report.verification = own
+        elif self.settings.transport.verify and self.sampler is not None:
             assert self.client is not None
             report.verification = await verify_sampled(
                 self.client, version=report.version, samples=self.sampler.samples

@@ -120,6 +120,13 @@ def build_run(
                 resolved[field] = Resolved(field, entry, options)
             except MilesError as exc:
                 problems.append(exc)
+    adapter, backend = resolved.get("train.adapter"), resolved.get("train.backend")
+    if (
+        adapter is not None
+        and backend is not None
+        and not getattr(backend.registration.component, "supports_adapters", False)
+    ):
+        problems.append(SettingsError(f"train.adapter: trainer {backend.registration.name!r} cannot train adapters"))
     if kinds is None or {ComponentKind.TRAINER, ComponentKind.ROLLOUT_ENGINE} & set(kinds):
         from miles.models import check_model_source
 
@@ -223,6 +230,10 @@ class Run:
     def trainer(self, dist: DistContext) -> Trainer:
         entry = self["train.backend"]
         trainer: Trainer = entry.registration.component(self.settings.train, entry.options, self.precision, dist)
+        if "train.adapter" in self.resolved:
+            if not trainer.supports_adapters:
+                raise SettingsError(f"train.adapter: trainer {trainer.name!r} cannot train adapters")
+            trainer.adapter = self["train.adapter"].create()
         return trainer
 
     def transport(self) -> WeightTransport:

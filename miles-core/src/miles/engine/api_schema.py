@@ -54,6 +54,7 @@ class GenerateBody(_Body):
     return_original_logprob: bool | SkipJsonSchema[None] = None
     stream: bool | SkipJsonSchema[None] = None
     rid: str | list[str] | SkipJsonSchema[None] = None
+    lora_path: str | list[str | None] | SkipJsonSchema[None] = None
 
 
 class AbortBody(_Body):
@@ -108,6 +109,31 @@ class WeightsByNameBody(_Body):
     truncate_size: int | SkipJsonSchema[None] = None
 
 
+class LoadLoraAdapterBody(_Body):
+    """SGLang's ``LoadLoRAAdapterReqInput``."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool | SkipJsonSchema[None] = None
+    lora_id: str | SkipJsonSchema[None] = None
+
+
+class LoadLoraAdapterFromTensorsBody(_Body):
+    """SGLang's ``LoadLoRAAdapterFromTensorsReqInput`` (``serialized_tensors``: base64 of a safetensors file)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_tensors: str
+    load_format: str | SkipJsonSchema[None] = None
+    lora_id: str | SkipJsonSchema[None] = None
+    pinned: bool | SkipJsonSchema[None] = None
+
+
+class UnloadLoraAdapterBody(_Body):
+    lora_name: str
+    lora_id: str | SkipJsonSchema[None] = None
+
+
 class RandomizeBody(_Body):
     seed: int | SkipJsonSchema[None] = None
 
@@ -125,6 +151,9 @@ BODIES: dict[str, type[BaseModel]] = {
     "/resume_memory_occupation": MemoryTagsBody,
     "/get_weights_by_name": WeightsByNameBody,
     "/debug/randomize_weights": RandomizeBody,
+    "/load_lora_adapter": LoadLoraAdapterBody,
+    "/load_lora_adapter_from_tensors": LoadLoraAdapterFromTensorsBody,
+    "/unload_lora_adapter": UnloadLoraAdapterBody,
 }
 """The body model of each route that reads one."""
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles.engine.lora import GATE_UP, QKV
 from miles.engine.options import ATTENTION_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "SUPPORTED_MODEL_TYPES", "ModelRunner"]
@@ -129,6 +130,10 @@ class ModelRunner:
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._fuse_projections()
+        from miles.engine.lora import EngineLoras
+
+        self.lora = EngineLoras(self)
+        """LoRA adapters served over this base model, applied per batch row (:mod:`miles.engine.lora`)."""
         self.attention_backend = self._decode_attention_backend(attention_backend)
         self._ops: Any = None  # Miles' CPU kernels for the fused norm and rotary steps
         if self.attention_backend == "miles_cpu" and self.dtype in (torch.bfloat16, torch.float32):
@@ -222,6 +227,11 @@ class ModelRunner:
             entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH))
             self._packed[key] = entry
         return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+
+    def _with_lora(self, y: torch.Tensor, layer: int, modules: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the LoRA adapters' addition of each row that has one (``y`` itself when none does)."""
+        extra = self.lora.delta(layer, modules, x)
+        return y if extra is None else y + extra
 
     def drop_packed(self) -> None:
         """Free the packed weights (memory release; they are rebuilt on the next forward)."""
@@ -336,6 +346,7 @@ class ModelRunner:
             x, h = self._norm(layer.input_layernorm, x, delta)
             weight, bias = self._fused_qkv[i]
             qkv = self._linear(f"qkv{i}", h, weight, bias, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+            qkv = self._with_lora(qkv, i, QKV, h)
             qkv = qkv.view(b, t, -1, self.head_dim)  # [B, T, heads + 2 x kv_heads, head_dim]
             heads = self.num_heads
             if hasattr(attn, "q_norm"):
@@ -349,16 +360,22 @@ class ModelRunner:
             v = qkv[:, :, heads + self.num_kv_heads :]
             out = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             o = attn.o_proj
-            delta = self._linear(f"o{i}", out.transpose(1, 2).reshape(b, t, -1), o.weight, o.bias, (o.weight,))
+            attn_out = out.transpose(1, 2).reshape(b, t, -1)
+            delta = self._with_lora(
+                self._linear(f"o{i}", attn_out, o.weight, o.bias, (o.weight,)), i, ("o_proj",), attn_out
+            )
             x, h = self._norm(layer.post_attention_layernorm, x, delta)
             gate_up = self._fused_mlp[i]
             if gate_up is None:
                 delta = layer.mlp(h)
             else:
                 mlp = layer.mlp
-                g, u = self._linear(f"gu{i}", h, gate_up, None, (mlp.gate_proj.weight, mlp.up_proj.weight)).chunk(2, -1)
-                down = mlp.down_proj
-                delta = self._linear(f"down{i}", mlp.act_fn(g) * u, down.weight, down.bias, (down.weight,))
+                gu = self._linear(f"gu{i}", h, gate_up, None, (mlp.gate_proj.weight, mlp.up_proj.weight))
+                g, u = self._with_lora(gu, i, GATE_UP, h).chunk(2, -1)
+                down, act = mlp.down_proj, mlp.act_fn(g) * u
+                delta = self._with_lora(
+                    self._linear(f"down{i}", act, down.weight, down.bias, (down.weight,)), i, ("down_proj",), act
+                )
         return self._norm(base.norm, x, delta)[1]
 
     @torch.inference_mode()

@@ -163,8 +163,14 @@ def parse_generate(
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts):
         raise RequestError("rid: a list must have one entry per prompt")
+    lora = body.get("lora_path")
+    loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+    if len(loras) != len(prompts) or not all(n is None or (isinstance(n, str) and n) for n in loras):
+        raise RequestError("lora_path: an adapter name, or a list with one name (or null) per prompt")
     requests: list[Request] = []
-    for prompt, cfg, parent, top_num, start in zip(prompts, configs, rids, top_nums, starts, strict=True):
+    for prompt, cfg, parent, top_num, start, lora_name in zip(
+        prompts, configs, rids, top_nums, starts, loras, strict=True
+    ):
         parent = str(parent) if parent is not None else uuid.uuid4().hex
         for j in range(cfg.n):
             requests.append(
@@ -181,6 +187,7 @@ def parse_generate(
                     return_original_logprob=bool(body.get("return_original_logprob", return_original_logprob_default)),
                     top_logprobs_num=top_num if return_logprob else 0,
                     stream=bool(body.get("stream", False)),
+                    lora_name=lora_name,
                 )
             )
     batched = batched or (len(requests) > 1)

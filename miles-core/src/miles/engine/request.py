@@ -48,6 +48,8 @@ class Request:
     """SGLang's ``top_logprobs_num``: report the ``k`` most likely tokens at each position (with
     ``return_logprob``)."""
     stream: bool = False
+    lora_name: str | None = None
+    """SGLang's ``lora_path``: the LoRA adapter this request is generated with (``None``: the base model)."""
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)

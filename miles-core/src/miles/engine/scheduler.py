@@ -338,7 +338,7 @@ class Scheduler:
             need = len(seq) - 1  # the last token is fed by the decode step
             want_input = not req.admitted and req.return_logprob and 0 <= req.logprob_start_len < len(req.prompt_ids)
             limit = min(need, max(req.logprob_start_len - 1, 0)) if want_input else need
-            match = self.cache.match(seq[:need], limit=limit)
+            match = self.cache.match(seq[:need], limit=0 if req.lora_name else limit)  # KV depends on the adapter
             plans.append(_Plan(req, seq, need, want_input, match))
         plans.sort(key=lambda plan: plan.need - plan.match.length)
         first_slot = len(self.running)
@@ -367,6 +367,7 @@ class Scheduler:
                     break
                 group.append(item)
             chunks = [p.seq[p.done : min(p.need, p.done + _CHUNK)] for _, p in group]
+            self.runner.lora.set_rows([p.req.lora_name for _, p in group])
             logits, experts = self.runner.prefill(
                 group[0][0], chunks, [p.done for _, p in group], [p.want_input for _, p in group]
             )
@@ -380,7 +381,7 @@ class Scheduler:
             work.sort(key=lambda item: item[0])
         for offset, plan in enumerate(plans):
             req = plan.req
-            if plan.need > plan.match.length:
+            if plan.need > plan.match.length and req.lora_name is None:
                 k, v = self.runner.read_kv(first_slot + offset, plan.need)
                 experts = torch.cat(plan.routed) if self.runner.is_moe and plan.routed else None
                 self.cache.insert(plan.seq[: plan.need], k, v, experts)
@@ -420,9 +421,14 @@ class Scheduler:
     def _forward(self, running: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[B, vocab]`` (and routed experts) of the next token of every running request: one
         batched forward, or one forward per request in deterministic mode."""
+        lora = self.runner.lora
         if not self.config.deterministic:
+            lora.set_rows([r.lora_name for r in running])
             return self.runner.decode([r.last_token for r in running], [r.kv_len for r in running])
-        rows = [self.runner.decode([r.last_token], [r.kv_len], first_slot=i) for i, r in enumerate(running)]
+        rows = []
+        for i, r in enumerate(running):
+            lora.set_rows([r.lora_name])
+            rows.append(self.runner.decode([r.last_token], [r.kv_len], first_slot=i))
         routed = None if rows[0][1] is None else torch.cat([r for _, r in rows if r is not None])
         return torch.cat([lg for lg, _ in rows]), routed
 
@@ -505,7 +511,8 @@ class Scheduler:
         if req in self.running:
             seq = req.tokens[: req.kv_len]
             # deterministic mode caches prefills only: decode-step KV differs in the last bits from a prefill's
-            if cache and reason["type"] != "abort" and req.kv_len and not self.config.deterministic:
+            cacheable = cache and req.lora_name is None  # an adapter's KV is not the base model's
+            if cacheable and reason["type"] != "abort" and req.kv_len and not self.config.deterministic:
                 k, v = self.runner.read_kv(self.running.index(req), req.kv_len)
                 experts = torch.cat(req.routed) if self.runner.is_moe and req.routed else None
                 self.cache.insert(seq, k, v, experts)

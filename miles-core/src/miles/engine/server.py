@@ -66,6 +66,13 @@ def create_app(state: EngineState) -> FastAPI:
             sink_factory=sink_factory,
             return_original_logprob_default=state.return_original_logprob,
         )
+        unknown = sorted(
+            {r.lora_name for r in batch.requests if r.lora_name and r.lora_name not in sched.runner.lora.adapters}
+        )
+        if unknown:
+            raise RequestError(
+                f"lora_path: LoRA adapter {', '.join(map(repr, unknown))} is not loaded (/load_lora_adapter)"
+            )
         sched.add(batch.requests)
         return batch, batch.stream, queues, batch.requests
 
@@ -243,5 +250,8 @@ def create_app(state: EngineState) -> FastAPI:
     add_weight_routes(app, state, admin)
     add_delta_routes(app, state, admin)
     add_p2p_routes(app, state, admin)
+    from miles.engine.lora_routes import add_lora_routes
+
+    add_lora_routes(app, state, admin)
     describe_bodies(app, vocab_size=sched.runner.vocab_size, context_length=sched.context_length)
     return app

@@ -19,6 +19,10 @@ __all__ = ["EngineClient"]
 class EngineClient(ABC):
     """Async client over one or more engines speaking SGLang's protocol."""
 
+    lora_path: str | None = None
+    """SGLang's ``lora_path`` sent with every generate request: the LoRA adapter the rollouts run (set by
+    the ``lora`` transport once the engines serve it; ``None``: the base model)."""
+
     @property
     @abstractmethod
     def urls(self) -> Sequence[str]:

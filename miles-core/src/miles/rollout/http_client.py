@@ -215,6 +215,8 @@ class HttpEngineClient(EngineClient):
             payload["return_routed_experts"] = True
         if rid is not None:
             payload["rid"] = rid
+        if self.lora_path is not None:
+            payload["lora_path"] = self.lora_path
         if self.router_url is not None:
             body, url = await self._generate_via_router(payload, routing_key)
             return self._outputs(body, url)

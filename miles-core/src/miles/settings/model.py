@@ -237,6 +237,9 @@ class TrainSettings(_Section):
 
     backend: PluginSpec = Field(default_factory=lambda: PluginSpec(name="fsdp"))
     """Trainer backend: ``fsdp`` or ``megatron``; other keys are the backend's settings."""
+    adapter: PluginSpec | None = None
+    """Train adapters instead of the full weights (``name = "lora"`` with miles-lora; other keys are the
+    adapter's settings). Only adapter parameters are trained and pushed to the engines."""
     model_path: str | None = None
     """Initial policy: a Hugging Face model directory (safetensors) or a ``.gguf`` file."""
     num_rollouts: int = Field(1, ge=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from miles.components import Component, SettingsT
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from miles.algorithms.base import Algorithm
     from miles.precision.base import PrecisionRecipe
     from miles.settings.model import TrainSettings
+    from miles.training.adapter import ModelAdapter
     from miles.training.batch import TrainBatch
 
 __all__ = ["DistContext", "LogprobOutput", "Trainer", "WeightBucket", "WeightShard"]
@@ -67,6 +68,11 @@ class LogprobOutput:
 
 class Trainer(Component[SettingsT], ABC):
     """A training backend. Registered with ``miles_register_trainers``."""
+
+    supports_adapters: ClassVar[bool] = False
+    """Whether :meth:`setup` applies :attr:`adapter` (the composition root refuses ``train.adapter`` otherwise)."""
+    adapter: ModelAdapter[Any] | None = None
+    """The ``train.adapter`` the run selected, set by the composition root before :meth:`setup`."""
 
     def __init__(
         self,

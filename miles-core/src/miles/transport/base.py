@@ -58,6 +58,15 @@ class WeightTransport(Component[SettingsT], ABC):
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
         """Deliver every bucket and make the engines report ``version``. Every rank calls it."""
 
+    async def verify(self, client: EngineClient, report: PushReport) -> dict[str, float] | None:
+        """Rank 0, after a push when ``transport.verify`` is on: check what the engines serve in this
+        transport's own way and return the metrics, or ``None`` for the driver's check of the full weights
+        (``/weights_checksum``). A mismatch raises :class:`~miles.errors.WeightVerificationError`.
+
+        .. versionadded:: 0.1
+        """
+        return None
+
     async def close(self) -> None:
         """Tear channels down."""
 

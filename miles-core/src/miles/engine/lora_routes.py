@@ -1,0 +1,85 @@
+"""HTTP routes of LoRA adapters (see :mod:`miles.engine.lora`): SGLang's ``/load_lora_adapter {lora_name,
+lora_path}``, ``/load_lora_adapter_from_tensors {lora_name, config_dict, serialized_tensors, load_format,
+lora_id}`` (here ``serialized_tensors`` is base64 of a safetensors file and ``load_format`` must be
+``safetensors``: no pickles) and ``/unload_lora_adapter {lora_name}``, and Miles' ``/lora_adapters`` (names,
+paths or ids, and per-tensor checksums, for push verification)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+
+if TYPE_CHECKING:
+    from miles.engine.lora import EngineLoras
+    from miles.engine.state import EngineState
+
+__all__ = ["add_lora_routes"]
+
+Admin = Callable[["HTTPRequest", Callable[[dict[str, Any]], Awaitable[Any]]], Awaitable[Any]]
+
+
+def add_lora_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
+    """Mount ``/load_lora_adapter``, ``/unload_lora_adapter`` and ``/lora_adapters`` on ``app``."""
+
+    sched = state.scheduler
+    loras: EngineLoras = sched.runner.lora
+
+    def on_scheduler(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return asyncio.wrap_future(sched.submit(fn, *args))
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise ValueError("lora_name and lora_path are required (strings)")
+            adapter = await on_scheduler(loras.load, name, path)
+            return {"success": True, "message": f"loaded LoRA adapter {name!r}", "num_tensors": len(adapter.checksums)}
+
+        return await admin(request, run)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise ValueError("lora_name is required (a string)")
+            await on_scheduler(loras.unload, name)
+            return {"success": True, "message": f"unloaded LoRA adapter {name!r}"}
+
+        return await admin(request, run)
+
+    @app.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            import base64
+
+            from safetensors.torch import load as load_safetensors
+
+            name, config, data = body.get("lora_name"), body.get("config_dict"), body.get("serialized_tensors")
+            if not isinstance(name, str) or not name or not isinstance(config, dict) or not isinstance(data, str):
+                raise ValueError(
+                    "lora_name (string), config_dict (object) and serialized_tensors (string) are required"
+                )
+            if body.get("load_format", "safetensors") != "safetensors":
+                raise ValueError("load_format: only 'safetensors' (base64 of a safetensors file; never pickles)")
+            try:
+                tensors = load_safetensors(base64.b64decode(data, validate=True))
+            except Exception as exc:
+                raise ValueError(f"serialized_tensors: not base64 of a safetensors file ({exc})") from None
+            source = str(body.get("lora_id") or "/load_lora_adapter_from_tensors")
+            adapter = await on_scheduler(functools.partial(loras.load_tensors, source=source), name, tensors, config)
+            return {"success": True, "message": f"loaded LoRA adapter {name!r}", "num_tensors": len(adapter.checksums)}
+
+        return await admin(request, run)
+
+    async def describe() -> Any:
+        return {"adapters": await on_scheduler(loras.describe)}
+
+    app.get("/lora_adapters")(describe)
+    app.post("/lora_adapters", operation_id="lora_adapters_post")(describe)

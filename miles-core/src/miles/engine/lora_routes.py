@@ -38,6 +38,7 @@ def add_lora_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             name, path = body.get("lora_name"), body.get("lora_path")
             if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
                 raise ValueError("lora_name and lora_path are required (strings)")
+            path = state.weight_path(path, field="lora_path")
             adapter = await on_scheduler(loras.load, name, path)
             return {"success": True, "message": f"loaded LoRA adapter {name!r}", "num_tensors": len(adapter.checksums)}
 

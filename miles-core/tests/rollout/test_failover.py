@@ -1,4 +1,7 @@
-"""Engine failover with two real engine processes: one SIGKILLed while requests are in flight."""
+"""Engine failover with two real engine processes: one SIGKILLed while requests are in flight.
+
+(The restart and rejoin at a weight push run for real in
+``tests/integration/test_train.py::test_an_engine_sigkilled_mid_rollout_is_failed_over_restarted_and_rejoins``.)"""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ async def _generate_all(client: HttpEngineClient) -> list[GenerateOutput]:
     return [o[0] for o in outs]
 
 
-def test_a_killed_engines_requests_are_resent_with_their_seeds_and_it_rejoins(tmp_path: Path) -> None:
+def test_a_killed_engines_requests_are_resent_with_their_seeds(tmp_path: Path) -> None:
     from miles.testing.models import build_tiny_model
 
     torch.set_num_threads(1)
@@ -72,22 +75,10 @@ def test_a_killed_engines_requests_are_resent_with_their_seeds_and_it_rejoins(tm
             infos = await client.model_info()
             assert len(infos) == 1
 
-            # restarted on the same port: it rejoins for the next weight push, and serves after it
-            victim.proc.wait()
-            victim.start()
-            assert await client.check_engines() == [victim.url]
-            assert list(client.urls) == [e.url for e in engines]  # it takes the push ...
-            assert client.route(lost[0]) == engines[0].url  # ... but no generation yet
-            assert client.weights_reached("1") == [victim.url]
-            assert client.route(lost[0]) == victim.url
-            back = await _generate_all(client)
-            assert [o.output_ids for o in back] == [o.output_ids for o in reference]
-
             # every engine dead: generation stops with a clear error, it does not hang
-            for engine in engines:
-                assert engine.proc is not None
-                os.kill(engine.proc.pid, signal.SIGKILL)
-                engine.proc.wait()
+            assert engines[0].proc is not None
+            os.kill(engines[0].proc.pid, signal.SIGKILL)
+            engines[0].proc.wait()
             with pytest.raises(NoEngineLeftError, match="no engine is left"):
                 await _generate_all(client)
 

@@ -605,3 +605,82 @@ def test_debug_mode_runs_engine_driver_and_trainer_in_one_process(
     assert children_of_run(run_dir) == []
     two_ranks = miles("train", str(config), "--debug", "--overwrite", "--set", "cluster.trainer_ranks=2")
     assert two_ranks.returncode == 2 and "cluster.trainer_ranks: --debug runs one trainer rank" in two_ranks.stderr
+
+
+def engine_pid(run_dir: Path, index: int) -> int | None:
+    """The PID of engine ``index`` of the run (found by the port of its URL in ``launch.json``)."""
+    try:
+        url = json.loads((run_dir / "launch.json").read_text())["engine_urls"][index]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    port = f"--port {url.rsplit(':', 1)[1]} ".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ") + b" "
+        except OSError:
+            continue
+        if entry.name.isdigit() and b"miles.engine" in cmdline and port in cmdline:
+            return int(entry.name)
+    return None
+
+
+def test_an_engine_sigkilled_mid_rollout_is_failed_over_restarted_and_rejoins(
+    tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    """2 engines; engine-1 SIGKILLed as step 3's rollout starts: its requests go to engine-0 with their seeds,
+    the launcher restarts it (``rollout.engine_restarts = 1``), the broadcast group is formed again and it
+    rejoins (steps 4-6 give its restart time to load the model on a loaded CI machine); every step has exactly
+    its samples, none twice."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, rollouts=6)
+    text = config.read_text().replace("num_engines = 1", "num_engines = 2")
+    config.write_text(text.replace("max_new_tokens = 6", "max_new_tokens = 32\nmin_new_tokens = 32"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles", "train", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    killed = False
+    deadline = time.monotonic() + 400
+    try:
+        metrics_file = run_dir / "metrics.jsonl"
+        while not killed and proc.poll() is None and time.monotonic() < deadline:
+            steps = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0
+            pid = engine_pid(run_dir, 1) if steps >= 2 else None
+            if pid is not None:  # step 2 is logged: step 3's rollout is starting
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.02)
+        _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert killed, stderr[-3000:]
+    assert proc.returncode == 0, stderr[-4000:]
+    assert "engine-1 exited (killed by SIGKILL) while the trainers ran: restarting it (restart 1 of 1" in stderr
+    trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "is down" in trainer_log and "re-sending a /generate" in trainer_log, trainer_log[-3000:]
+    assert "forming a new group" in trainer_log and "rejoined at weight version" in trainer_log, trainer_log[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert sum(r["rollout/engine_failures"] for r in rows) == 1
+    assert sum(r["rollout/requests_retried"] for r in rows) >= 1
+    assert rows[2]["rollout/engines_serving"] in (1.0, 2.0) and rows[-1]["rollout/engines_serving"] == 2.0
+    seen: set[tuple[int, int]] = set()
+    for step in range(1, 7):
+        samples = [
+            json.loads(line) for line in (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
+        ]
+        assert len(samples) == 16  # 4 prompts x 4 samples, every step
+        ids = {(s["group_id"], s["index"]) for s in samples}
+        assert len(ids) == 16 and not ids & seen
+        seen |= ids
+        assert all(s["status"] != "failed" and len(s["response_ids"]) == 32 for s in samples)
+    assert children_of_run(run_dir) == [] and engine_pid(run_dir, 0) is None and engine_pid(run_dir, 1) is None

@@ -212,6 +212,65 @@ def test_engine_dying_while_trainers_run_stops_the_run(tmp_path: Path, script: S
         assert all(gone(p.pid) for p in lau.processes)
 
 
+def test_a_dead_engine_is_restarted_then_left_out_then_the_run_stops_when_none_is_left(
+    tmp_path: Path, script: Script, caplog: pytest.LogCaptureFixture
+) -> None:
+    from miles.launch.engine_restarts import EngineDeathPolicy
+
+    caplog.set_level("ERROR", logger="miles.launch.engine_restarts")
+    errors: list[BaseException] = []
+    with launcher(tmp_path) as lau:
+        lau.engine_deaths = EngineDeathPolicy(restarts=1)
+        first = lau.engines
+        urls = lau.start_engines([http_engine(tmp_path), http_engine(tmp_path)], timeout=60)
+        lau.start_trainers(trainer_specs(script("sleep", SLEEP), 1, env=CHILD_ENV))
+        dead = lau.engines[1]
+
+        def kill() -> None:
+            try:
+                os.kill(dead.pid, signal.SIGKILL)
+                # restarted with the same command: a new process answering the same URL
+                deadline = time.monotonic() + 60
+                while not answers(urls[1]) or lau.engines[1] is dead:
+                    assert time.monotonic() < deadline, "engine-1 was not restarted"
+                    time.sleep(0.1)
+                again = lau.engines[1]
+                os.kill(again.pid, signal.SIGKILL)  # no restart left: left out, the run goes on
+                while not again.reaped:
+                    time.sleep(0.05)
+                time.sleep(0.3)
+                assert lau.engines[0].exit_status() is None and not lau.stopping
+                zero = lau.engines[0]
+                os.kill(zero.pid, signal.SIGKILL)  # engine-0 has its own restart
+                while lau.engines[0] is zero:
+                    assert time.monotonic() < deadline + 60, "engine-0 was not restarted"
+                    time.sleep(0.05)
+                os.kill(lau.engines[0].pid, signal.SIGKILL)  # none left, no restart left: the run stops
+            except BaseException as exc:  # the main thread asserts it
+                errors.append(exc)
+
+        def answers(url: str) -> bool:
+            try:
+                return httpx.get(url, timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        with pytest.raises(LaunchError) as info:
+            lau.wait_trainers(timeout=60)
+        killer.join()
+        assert not errors, errors
+        assert "engine-0 exited (killed by SIGKILL) while the trainers ran; no engine is left" in str(info.value)
+        assert first is lau.engines and [p.name for p in lau.processes].count("engine-1") == 2
+        assert [p.name for p in lau.processes].count("engine-0") == 2
+        assert all(gone(p.pid) for p in lau.processes)
+    said = caplog.text
+    assert "engine-1 exited (killed by SIGKILL) while the trainers ran: restarting it (restart 1 of 1" in said
+    assert "no restarts left (rollout.engine_restarts = 1): the run goes on with engine-0" in said
+    assert "engine-0 exited (killed by SIGKILL) while the trainers ran: restarting it (restart 1 of 1" in said
+
+
 def test_shutdown_kills_sigterm_ignorers_and_their_group(tmp_path: Path, script: Script) -> None:
     stubborn = script(
         "stubborn",

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from miles.driver.run import Run
     from miles.launch.base import Launcher
+    from miles.launch.engine_restarts import EngineDeathPolicy
     from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 
@@ -160,6 +161,20 @@ def launch_fleet(run: Run, launcher: Launcher, *, model_path: str | None = None,
     return EngineFleet(urls, router_url=router_url, routing_key_header=router.routing_key_header)
 
 
+def _engine_death_policy(settings: MilesSettings) -> EngineDeathPolicy:
+    """``rollout.engine_restarts``, unless a router sits in front of the engines (it would send traffic to a
+    restarted engine before the weight push has reached it: dead engines are then left out, not restarted)."""
+    from miles.launch.engine_restarts import EngineDeathPolicy
+
+    restarts = settings.rollout.engine_restarts
+    if restarts and settings.rollout.router.name == "smg":
+        log.warning(
+            "rollout.engine_restarts = %d is ignored with rollout.router = smg: dead engines are left out", restarts
+        )
+        restarts = 0
+    return EngineDeathPolicy(restarts)
+
+
 def run_training(
     run: Run, *, resume: str | None = None, overwrite: bool = False, console: Console | None = None
 ) -> int:
@@ -185,6 +200,7 @@ def run_training(
             device=cluster.device,
             gpus_per_engine=run.rollout_engine().gpus_per_engine if run.algorithm.needs.rollout else 0,
         )
+        launcher.engine_deaths = _engine_death_policy(settings)
         # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
         # rank 0 waits for the engines' health before it talks to them (with a router they are waited for here)
         fleet = launch_fleet(run, launcher, wait=False) if run.algorithm.needs.rollout else None

@@ -264,6 +264,8 @@ class TrainingLoop:
             await self.client.continue_generation()
         if self.is_driver:
             metrics.update(self.publisher.metrics(report))
+            if self.client is not None:
+                metrics.update(self.client.failover_metrics())
             metrics["time/step_seconds"] = time.perf_counter() - start
             metrics.update(await self.maybe_evaluate())
             self.log_step(metrics)

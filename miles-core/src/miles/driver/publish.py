@@ -100,6 +100,17 @@ class WeightPublisher(ABC):
         out.update(report.verification)
         return out
 
+    async def _check_engines(self) -> None:
+        """Rank 0, before a push: engines that died are left out of it, restarted ones take it and rejoin
+        (:mod:`miles.rollout.failover`)."""
+        if self.is_driver and self.loop.client is not None:
+            await self.loop.client.check_engines()
+
+    def _weights_reached(self, version: str) -> None:
+        """Rank 0, after a verified push: the engines that took it while rejoining serve again."""
+        if self.is_driver and self.loop.client is not None:
+            self.loop.client.weights_reached(version)
+
     async def _paused(self, work: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``work`` with the engines paused when the source is generating meanwhile (rank 0)."""
         loop, source = self.loop, self.loop.source
@@ -129,10 +140,12 @@ class InlinePublisher(WeightPublisher):
         version = str(step)
 
         async def push() -> PushReport:
+            await self._check_engines()
             await loop.randomize_engines(step)
             report = await transport.push(loop.rollout_buckets(), version=version, dist=loop.dist)
             self.weight_version = version
             await loop.verify_push(report, step=step)
+            self._weights_reached(version)
             return report
 
         report: PushReport = await self._paused(push)
@@ -180,6 +193,7 @@ class OverlappedPublisher(WeightPublisher):
         pause_start = time.perf_counter()
 
         async def load() -> None:
+            await self._check_engines()
             await loop.randomize_engines(step)
             await transport.commit(report)
             if loop.source is not None:
@@ -188,6 +202,7 @@ class OverlappedPublisher(WeightPublisher):
         await self._paused(load)
         loaded = time.perf_counter()
         await loop.verify_push(report, step=step)
+        self._weights_reached(report.version)
         done = time.perf_counter()
         report.seconds = staged_seconds  # what the trainer waited for; the commit is reported apart
         self._committed = {

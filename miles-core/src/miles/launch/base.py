@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from miles.components import Component, SettingsT
+from miles.launch.engine_restarts import EngineDeathPolicy
 from miles.rollout.engine import EngineLaunch
 
 __all__ = ["Launcher", "ProcessHandle", "ProcessSpec"]
@@ -57,6 +58,8 @@ class Launcher(Component[SettingsT], ABC):
     def __init__(self, settings: SettingsT, *, run_dir: str | None = None) -> None:
         super().__init__(settings)
         self.run_dir = run_dir
+        self.engine_deaths = EngineDeathPolicy()
+        """What :meth:`wait_trainers` does when an engine dies (the driver sets ``rollout.engine_restarts``)."""
 
     def reserve(
         self, *, trainer_ranks: int, num_engines: int, colocate: bool, device: str, gpus_per_engine: int
@@ -98,8 +101,9 @@ class Launcher(Component[SettingsT], ABC):
     def wait_trainers(self, *, timeout: float | None = None) -> int:
         """Block until every trainer rank exits successfully; return 0.
 
-        When a rank fails (or an engine dies, or ``timeout`` passes), everything is shut down and
-        :class:`~miles.errors.LaunchError` names the process, its exit code and its log tail.
+        When a rank fails (or ``timeout`` passes), everything is shut down and
+        :class:`~miles.errors.LaunchError` names the process, its exit code and its log tail. An engine that
+        dies is restarted, left out or ends the run as :attr:`engine_deaths` decides.
         """
 
     @abstractmethod

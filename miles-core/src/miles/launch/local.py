@@ -171,12 +171,10 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
             raise LaunchError("wait_trainers: no trainer ranks were started")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for engine in self.engines:
+            for engine in list(self.engines):
                 code = engine.exit_status()
                 if code is not None and not engine.reaped:
-                    raise self._abort(
-                        engine, f"{engine.name} exited ({describe_exit(code)}) while the trainers ran", code
-                    )
+                    self._engine_died(engine, code)
             done = True
             for rank, trainer in enumerate(self.trainers):
                 code = trainer.exit_status()
@@ -195,6 +193,20 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
                 waiting = [t.name for t in self.trainers if t.exit_status() is None]
                 raise self._abort(None, f"trainer ranks {', '.join(waiting)} still running after {timeout:g} s", None)
             time.sleep(self.settings.poll_interval)
+
+    def _engine_died(self, engine: SupervisedProcess, code: int) -> None:
+        """An engine exited while the trainers ran: restart it (same command, same URL), leave it out or stop
+        the run, as :attr:`engine_deaths` decides."""
+        alive = [e.name for e in self.engines if e is not engine and e.exit_status() is None]
+        decision = self.engine_deaths.decide(engine.name, f"exited ({describe_exit(code)})", alive=alive)
+        if decision == "stop":
+            raise self._abort(
+                engine, f"{engine.name} exited ({describe_exit(code)}) while the trainers ran; no engine is left", code
+            )
+        engine.reap()
+        if decision == "restart":
+            index = self.engines.index(engine)
+            self.engines[index] = self._start_member(engine.spec, "engine", index)
 
     def _failure(self, process: SupervisedProcess | None, what: str, code: int | None) -> LaunchError:
         if process is None:

@@ -61,6 +61,8 @@ class SupervisedProcess(ProcessHandle):
     """A process a launcher signals and reaps: a child of this host (:class:`LocalProcess`) or one owned by
     an actor elsewhere (the ``ray`` launcher's)."""
 
+    spec: ProcessSpec
+    """What was started (a restart starts it again)."""
     pid: int
     """Process id (on the machine it runs on)."""
     log_path: str

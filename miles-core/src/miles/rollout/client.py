@@ -128,6 +128,29 @@ class EngineClient(ABC):
                 raise EngineError(f"engines {', '.join(down)} did not answer /health within {timeout:g} s")
             await asyncio.sleep(interval)
 
+    async def check_engines(self) -> list[str]:
+        """Probe the engines: mark the ones that do not answer down, let the ones back up rejoin at the next
+        weight push (:mod:`miles.rollout.failover`); returns the rejoining engines.
+
+        .. versionadded:: 0.1 (not abstract: the default knows of no failures)
+        """
+        return []
+
+    def weights_reached(self, version: str) -> list[str]:
+        """Weight version ``version`` reached every engine that takes control calls: the rejoining ones serve
+        again; returns them.
+
+        .. versionadded:: 0.1
+        """
+        return []
+
+    def failover_metrics(self) -> dict[str, float]:
+        """Engine failures and re-sent requests since the last call (``rollout/engine_failures`` ...).
+
+        .. versionadded:: 0.1
+        """
+        return {}
+
     @abstractmethod
     async def close(self) -> None:
         """Close connections (engines keep running; the launcher owns their processes)."""

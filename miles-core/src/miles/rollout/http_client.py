@@ -14,7 +14,10 @@ router picks the engine (it names it in its response; ``meta_info["engine_url"]`
 directly.
 
 Failures: transport errors (refused connection, reset, timeout) and HTTP 502/503/504 are retried with
-exponential backoff; unkeyed requests retry on another engine. HTTP 4xx is not retried: it raises
+exponential backoff. An engine that still gives no answer is down (:mod:`miles.rollout.failover`): a
+``/generate`` it had is re-sent, same payload and seed, to the engine the ring gives next (keyed or not),
+and control calls to every engine skip it until it answers ``/health`` and a weight push reaches it. An
+unkeyed request that got HTTP 5xx tries another engine. HTTP 4xx is not retried: it raises
 :class:`~miles.errors.EngineError` with the engine's message (SGLang's ``{"error": {"message"}}`` or
 ``{"success": false, "message"}``).
 """
@@ -33,6 +36,7 @@ import httpx
 
 from miles.errors import EngineError
 from miles.rollout.client import EngineClient
+from miles.rollout.failover import EngineHealth
 from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
 
 __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routing_header_value"]
@@ -134,15 +138,23 @@ class HttpEngineClient(EngineClient):
         self.router_url = router_url.rstrip("/") if router_url else None
         """The router generation goes through, if any."""
         self.routing_key_header = routing_key_header
+        self.health_state = EngineHealth(self._urls)
+        """Which engines serve, are down or rejoin (:mod:`miles.rollout.failover`)."""
 
     @property
     def urls(self) -> Sequence[str]:
-        return tuple(self._urls)
+        """The engines that take control calls: every engine but those down."""
+        return tuple(self.health_state.reachable())
 
     # ----------------------------------------------------------------- routing
     def route(self, routing_key: str | None, exclude: Sequence[str] = ()) -> str:
-        """The engine a request goes to (see the module docstring)."""
-        candidates = [u for u in self._urls if u not in exclude] or self._urls
+        """The engine a request goes to (see the module docstring); only serving engines are candidates.
+
+        :raises NoEngineLeftError: no engine serves."""
+        serving = self.health_state.serving()
+        if not serving:
+            raise self.health_state.no_engine_left()
+        candidates = [u for u in serving if u not in exclude] or serving
         if routing_key is not None:
             i = bisect.bisect(self._ring_keys, _hash(routing_key)) % len(self._ring)
             for step in range(len(self._ring)):
@@ -192,7 +204,48 @@ class HttpEngineClient(EngineClient):
         return result if isinstance(result, dict) else {"result": result}
 
     async def _all(self, method: str, endpoint: str, payload: dict[str, Any] | None = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._request(method, url, endpoint, payload) for url in self._urls)))
+        """``endpoint`` of every reachable engine; one that gives no answer is marked down and skipped (its
+        answer left out), an HTTP error raises. Raises :class:`NoEngineLeftError` when none answered."""
+        return await self._each(list(self.urls), method, endpoint, payload)
+
+    async def _each(
+        self, urls: Sequence[str], method: str, endpoint: str, payload: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """:meth:`_all` over ``urls``."""
+        results = await asyncio.gather(
+            *(self._request(method, url, endpoint, payload) for url in urls), return_exceptions=True
+        )
+        answers = []
+        for url, result in zip(urls, results, strict=True):
+            if isinstance(result, EngineError) and not isinstance(result, EngineHTTPError):
+                self.health_state.mark_down(url, str(result))
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                answers.append(result)
+        if not answers:
+            raise self.health_state.no_engine_left()
+        return answers
+
+    # ---------------------------------------------------------------- failover
+    async def check_engines(self) -> list[str]:
+        """Probe every engine's ``/health``: a reachable one that does not answer is marked down, a down
+        one that answers rejoins (it takes the next weight push); returns the rejoining engines."""
+        state = self.health_state
+        answers = await self._health(state.engines)
+        for url, ok in zip(state.engines, answers, strict=True):
+            if ok:
+                state.back_up(url)
+            elif url not in state.down:
+                state.mark_down(url, "no answer to /health")
+        return sorted(state.rejoining)
+
+    def weights_reached(self, version: str) -> list[str]:
+        """The weight push of ``version`` reached every reachable engine: rejoining ones serve again."""
+        return self.health_state.rejoined(version)
+
+    def failover_metrics(self) -> dict[str, float]:
+        return self.health_state.take_metrics()
 
     # ---------------------------------------------------------------- generate
     async def generate(
@@ -230,14 +283,18 @@ class HttpEngineClient(EngineClient):
             try:
                 body = await self._request("POST", url, "/generate", payload)
                 break
-            except EngineError as exc:
-                # an unreachable engine: an unkeyed request may still be served by another one
-                client_error = isinstance(exc, EngineHTTPError) and exc.status < 500
-                if routing_key is not None or client_error or len(tried) + 1 >= len(self._urls):
+            except EngineHTTPError as exc:
+                # an engine error: an unkeyed request may still be served by another engine
+                if routing_key is not None or exc.status < 500 or len(tried) + 1 >= len(self.health_state.serving()):
                     raise
                 tried.append(url)
                 log.warning("engine %s failed (%s); trying another", url, exc)
                 await asyncio.sleep(delay)
+            except EngineError as exc:
+                # no answer: the engine is down; the request (same seed) goes to the next engine
+                self.health_state.mark_down(url, str(exc))
+                self.health_state.requests_retried += 1
+                log.warning("re-sending a /generate (rid %s, key %s) that %s did not answer", rid, routing_key, url)
             finally:
                 self.outstanding[url] -= 1
                 if rid is not None:
@@ -268,8 +325,9 @@ class HttpEngineClient(EngineClient):
             await self._all("POST", "/abort_request", {"abort_all": True})
             return
         url = self._rid_url.get(rid)
-        targets = [url] if url else self._urls
-        await asyncio.gather(*(self._request("POST", u, "/abort_request", {"rid": rid}) for u in targets))
+        await self._each(
+            [url] if url is not None and url in self.urls else list(self.urls), "POST", "/abort_request", {"rid": rid}
+        )
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
         await self._all("POST", "/pause_generation", {"mode": mode})
@@ -295,6 +353,10 @@ class HttpEngineClient(EngineClient):
         await self._all("POST", "/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
 
     async def health(self) -> list[bool]:
+        """Whether each engine given to the client answers ``/health`` (down ones included)."""
+        return await self._health(self._urls)
+
+    async def _health(self, urls: Sequence[str]) -> list[bool]:
         async def one(url: str) -> bool:
             try:
                 resp = await self._http.get(url + "/health", timeout=10)
@@ -302,7 +364,7 @@ class HttpEngineClient(EngineClient):
                 return False
             return resp.status_code == 200
 
-        return list(await asyncio.gather(*(one(u) for u in self._urls)))
+        return list(await asyncio.gather(*(one(u) for u in urls)))
 
     async def close(self) -> None:
         await self._http.aclose()

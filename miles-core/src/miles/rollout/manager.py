@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.rewards.scoring import Scorer
 from miles.rollout.facts import RoutedExpertsClient, logit_masks
+from miles.rollout.failover import NoEngineLeftError
 from miles.rollout.protocol import GenerateOutput, SamplingParams
 from miles.rollout.teacher import TeacherScorer, teacher_for
 from miles.types import Sample, SampleGroup, SampleStatus, WeightSpan
@@ -268,6 +269,8 @@ class RolloutManager:
         for attempt in range(retries + 1):
             try:
                 result = await self.rollout_function(self._generate_client, sample, params)
+            except NoEngineLeftError:
+                raise  # every engine is down: the run stops (fail-stop), it does not fail every sample
             except Exception as exc:  # an engine or tool failure marks the sample, never stops the run
                 log.warning("sample %d/%d failed: %s", sample.group_id, sample.index, exc)
                 return replace(sample, status=SampleStatus.FAILED, status_reason=f"rollout failed: {exc}")

@@ -189,6 +189,12 @@ class RolloutSettings(_Section):
     """Rollout-engine backend: ``local`` (``miles serve``) or ``sglang``."""
     router: RouterSettings = Field(default_factory=RouterSettings)
     """Router in front of the engines: ``none`` (the client routes) or ``smg`` (see ``[rollout.router]``)."""
+    engine_restarts: int = Field(1, ge=0)
+    """Times the launcher restarts each engine that dies while the trainers run. Its requests in flight are
+    re-sent to the other engines at once, with the same seeds, whatever this is; a restarted engine serves
+    again once the next weight push has reached it. Past the budget the run goes on with the engines left,
+    and stops when none is left. Ignored with a router (it would send traffic to a restarted engine before
+    it has the trainer's weights)."""
     function: str | None = None
     """Custom rollout function: a registered name or ``package.module:function`` (default: single-turn)."""
     mode: Literal["sync", "one_step_off", "fully_async"] = "sync"

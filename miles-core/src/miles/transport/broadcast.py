@@ -7,6 +7,12 @@ broadcasts the tensors in that order; the engines receive and load them. A last,
 new ``weight_version`` (and flushes the prefix cache) once every bucket has arrived. The buckets travel
 inside a weight-update session, SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` (SGLang
 refuses ``/update_weights_from_distributed`` outside one; the local engine accepts both).
+
+A dead member breaks a group (its collectives would fail or wait for the timeout), so the group always
+spans the engines that take control calls *at the push*: when they differ from the group's members (an
+engine died, a restarted one rejoins; :mod:`miles.rollout.failover`) the surviving engines leave the old
+group and a new one is formed, on a new port, before the push. An engine dying *during* a push still
+fails that push (the run stops).
 """
 
 from __future__ import annotations
@@ -152,6 +158,9 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         self.device = "cpu"
         self.group_name = settings.group_name
         """The group's name on the engines (``group_name`` plus the run's secret)."""
+        self.members: list[str] = []
+        """The engines of the current group, rank ``1 + i`` for ``members[i]``."""
+        self._dist: DistContext | None = None
 
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
         if dist.rank != 0:
@@ -159,9 +168,11 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         if client is None:
             raise RuntimeError("broadcast transport: rank 0 needs the engine client")
         self.client = client
+        self._dist = dist
         self.device = dist.device
         backend = "nccl" if dist.device == "cuda" else "gloo"
         port = self.options.master_port or free_port(self.options.master_address)
+        members = list(client.urls)
         offsets, world_size = group_ranks(await client.server_info())
         self.group_name = self.options.group_name
         if self.options.secret_group_name:
@@ -181,7 +192,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                     },
                 )
             )
-            for i, url in enumerate(client.urls)
+            for i, url in enumerate(members)
         ]
         # the rendezvous blocks until every engine joins; if an engine refuses, fail now, not at the timeout
         # (a daemon thread: a rendezvous left waiting must not keep the process alive)
@@ -206,6 +217,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                         other.cancel()
                     raise task.exception()  # type: ignore[misc]
         self.group, self._store = rendezvous.result()
+        self.members = members
         log.info(
             "broadcast transport: group %r with %d engines on port %d", self.options.group_name, world_size - 1, port
         )
@@ -217,6 +229,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         report = PushReport(version=version)
         dtype = getattr(torch, self.engine_dtype)
         if dist.rank == 0:
+            await self._regroup_if_changed()
             await self._on_engines("/begin_weight_update", {})
         for bucket in buckets:
             if dist.rank != 0 or not bucket:
@@ -234,7 +247,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
             }
             receives = [
                 asyncio.create_task(self.client.call(url, "/update_weights_from_distributed", payload))
-                for url in self.client.urls
+                for url in self.members
             ]
             await asyncio.to_thread(broadcast_tensors, self.group, tensors)
             await asyncio.gather(*receives)
@@ -262,16 +275,32 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         if self.client is None:
             raise RuntimeError("broadcast transport: push before connect()")
         client = self.client
-        await asyncio.gather(*(client.call(url, endpoint, payload) for url in client.urls))
+        await asyncio.gather(*(client.call(url, endpoint, payload) for url in self.members))
+
+    async def _regroup_if_changed(self) -> None:
+        """Rank 0: form a new group when the engines that take control calls are not the group's members."""
+        assert self.client is not None and self._dist is not None
+        if list(self.client.urls) == self.members:
+            return
+        log.warning(
+            "broadcast transport: the engines changed (%s -> %s); forming a new group",
+            ", ".join(self.members),
+            ", ".join(self.client.urls),
+        )
+        await self.close()
+        await self.connect(self.client, self._dist)
 
     async def close(self) -> None:
         if self.client is not None and self.group is not None:
+            reachable = set(self.client.urls)
             await asyncio.gather(
                 *(
                     self.client.call(url, "/destroy_weights_update_group", {"group_name": self.group_name})
-                    for url in self.client.urls
+                    for url in self.members
+                    if url in reachable
                 ),
                 return_exceptions=True,
             )
         self.group = None
         self._store = None
+        self.members = []

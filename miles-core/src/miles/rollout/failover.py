@@ -1,0 +1,98 @@
+"""Engine failover: which engines of a client serve generation, which are down, which rejoin.
+
+An engine that gives no answer (refused or reset connection, a timeout: its process died) is marked
+*down* by the :class:`~miles.rollout.http_client.HttpEngineClient` that saw it; the requests it had in
+flight are re-sent, with the same payload and so the same ``sampling_seed``, to another serving engine,
+which produces what the dead one would have (the sampler is seeded per request). A request gets exactly
+one answer: a ``/generate`` is not streamed, so a dead engine leaves nothing behind but the error.
+
+A down engine takes no traffic and no control calls. When it answers ``/health`` again (the launcher
+restarted it, ``rollout.engine_restarts``), :meth:`EngineHealth.back_up` makes it *rejoining*: it takes
+the control calls of the next weight push, so it loads the trainer's current weights, and only after
+that push (verified) does :meth:`EngineHealth.rejoined` give it generation again. When no engine serves,
+generation raises :class:`NoEngineLeftError` and the run stops (fail-stop).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from miles.errors import EngineError
+
+__all__ = ["EngineHealth", "NoEngineLeftError"]
+
+log = logging.getLogger(__name__)
+
+
+class NoEngineLeftError(EngineError):
+    """Every engine of the client is down: nothing can generate (the run stops)."""
+
+
+class EngineHealth:
+    """The state of each engine of one client: serving, down (with why) or rejoining."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.engines = list(urls)
+        """Every engine the client was given, in order."""
+        self.down: dict[str, str] = {}
+        """Engines that gave no answer, with what the client saw."""
+        self.rejoining: set[str] = set()
+        """Engines back up that wait for the next weight push before they serve."""
+        self.engine_failures = 0
+        """Engines marked down since the last :meth:`take_metrics`."""
+        self.requests_retried = 0
+        """Requests re-sent to another engine since the last :meth:`take_metrics`."""
+
+    def serving(self) -> list[str]:
+        """Engines that take generation."""
+        return [u for u in self.engines if u not in self.down and u not in self.rejoining]
+
+    def reachable(self) -> list[str]:
+        """Engines that take control calls (pause, weights, verification): serving and rejoining ones."""
+        return [u for u in self.engines if u not in self.down]
+
+    def mark_down(self, url: str, why: str) -> bool:
+        """Record that ``url`` gave no answer; whether it was news (each death is logged and counted once)."""
+        if url in self.down or url not in self.engines:
+            return False
+        self.down[url] = why
+        self.rejoining.discard(url)
+        self.engine_failures += 1
+        left = self.serving()
+        log.error(
+            "engine %s is down (%s); %s",
+            url,
+            why,
+            f"its requests go to {', '.join(left)}" if left else "no engine is left to generate",
+        )
+        return True
+
+    def back_up(self, url: str) -> None:
+        """``url`` answers again: it rejoins at the next weight push."""
+        if self.down.pop(url, None) is not None:
+            self.rejoining.add(url)
+            log.warning("engine %s answers again; it serves once the next weight push has reached it", url)
+
+    def rejoined(self, version: str) -> list[str]:
+        """The rejoining engines loaded weight version ``version``: they serve again; returns them."""
+        back = [u for u in self.engines if u in self.rejoining]
+        self.rejoining.clear()
+        for url in back:
+            log.warning("engine %s rejoined at weight version %s and serves again", url, version)
+        return back
+
+    def no_engine_left(self) -> NoEngineLeftError:
+        why = "; ".join(f"{url}: {reason}" for url, reason in self.down.items()) or "none is serving"
+        return NoEngineLeftError(f"no engine is left to generate (every engine is down: {why})")
+
+    def take_metrics(self) -> dict[str, float]:
+        """``rollout/engine_failures``, ``rollout/requests_retried`` (since the last call) and
+        ``rollout/engines_serving`` (now)."""
+        out = {
+            "rollout/engine_failures": float(self.engine_failures),
+            "rollout/requests_retried": float(self.requests_retried),
+            "rollout/engines_serving": float(len(self.serving())),
+        }
+        self.engine_failures = self.requests_retried = 0
+        return out

@@ -51,6 +51,9 @@ class EngineOptions(ComponentSettings):
     """Attention and fused kernels: ``miles_cpu`` runs decode attention and the RMSNorm / rotary steps on
     Miles' CPU kernels (compiled on first use: a C++ compiler and ``ninja``); ``sdpa`` runs PyTorch ops
     only; ``auto`` takes the kernels on CPU where they build."""
+    quantization: Literal["fp8_block", "fp8_row", "fp8_tensor", "mxfp8", "nvfp4"] | None = None
+    """Low-precision projection weights the engine holds and computes with (:mod:`miles.engine.quantized`);
+    a run sets it from its precision recipe (``fp8``, ``mxfp8``, ``nvfp4``). Default: none."""
     enable_debug_endpoints: bool = False
     """Serve ``/debug/*`` routes (``/debug/randomize_weights`` for ``transport.randomize_engines_first``)."""
 

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchao", reason="torchao (miles-core[quant]) is not installed")
 
-from miles.engine.model_runner import ModelRunner  # noqa: E402
-from miles.engine.quantized import QuantizedLinear, quantize_model  # noqa: E402
-from miles.engine.weight_sync import weights_checksum  # noqa: E402
-from miles.precision.formats import dequantize, get_format  # noqa: E402
-from miles.precision.quantized import FP8, MXFP8, NVFP4, QuantizedRecipe  # noqa: E402
-from miles.transport.base import wire_dtype  # noqa: E402
-from miles.transport.verify import compare_checksums, tensor_checksum  # noqa: E402
+from miles.engine.model_runner import ModelRunner
+from miles.engine.quantized import QuantizedLinear, quantize_model
+from miles.engine.weight_sync import weights_checksum
+from miles.precision.formats import dequantize, get_format
+from miles.precision.quantized import FP8, MXFP8, NVFP4, QuantizedRecipe
+from miles.transport.base import wire_dtype
+from miles.transport.verify import compare_checksums, tensor_checksum
 
 RECIPES: dict[str, QuantizedRecipe] = {  # type: ignore[type-arg]
     "fp8_block": FP8(FP8.Settings()),
@@ -48,7 +48,9 @@ def trainer_weights(llama: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     g = torch.Generator().manual_seed(5)
-    return {n: t + 0.002 * torch.randn(t.shape, generator=g) for n, t in load_file(str(llama / "model.safetensors")).items()}
+    return {
+        n: t + 0.002 * torch.randn(t.shape, generator=g) for n, t in load_file(str(llama / "model.safetensors")).items()
+    }
 
 
 def _logprobs(runner: ModelRunner) -> torch.Tensor:

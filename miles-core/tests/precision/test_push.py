@@ -14,14 +14,14 @@ import torch
 
 pytest.importorskip("torchao", reason="torchao (miles-core[quant]) is not installed")
 
-from miles.engine.process import EngineProcess  # noqa: E402
-from miles.precision.quantized import NVFP4  # noqa: E402
-from miles.rollout.http_client import HttpEngineClient  # noqa: E402
-from miles.training.trainer import DistContext  # noqa: E402
-from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings  # noqa: E402
-from miles.transport.disk import DiskTransport, DiskTransportSettings  # noqa: E402
-from miles.transport.disk_delta import DiskDeltaTransport, DiskDeltaTransportSettings  # noqa: E402
-from miles.transport.verify import verify_engines  # noqa: E402
+from miles.engine.process import EngineProcess
+from miles.precision.quantized import NVFP4
+from miles.rollout.http_client import HttpEngineClient
+from miles.training.trainer import DistContext
+from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings
+from miles.transport.disk import DiskTransport, DiskTransportSettings
+from miles.transport.disk_delta import DiskDeltaTransport, DiskDeltaTransportSettings
+from miles.transport.verify import verify_engines
 
 pytestmark = pytest.mark.slow  # an engine process
 

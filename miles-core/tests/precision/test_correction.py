@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("torchao", reason="torchao (miles-core[quant]) is not installed")
 
-from miles.algorithms.correction import icepop_weights, mismatch_log_ratio, tis_weights  # noqa: E402
-from miles.engine.model_runner import ModelRunner  # noqa: E402
-from miles.precision.quantized import NVFP4  # noqa: E402
+from miles.algorithms.correction import icepop_weights, mismatch_log_ratio, tis_weights
+from miles.engine.model_runner import ModelRunner
+from miles.precision.quantized import NVFP4
 
 
 def test_tis_and_icepop_on_an_nvfp4_rollout(tmp_path: Path) -> None:

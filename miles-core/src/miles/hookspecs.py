@@ -120,7 +120,7 @@ def miles_register_transports(register: Register) -> None:
 def miles_register_precisions(register: Register) -> None:
     """Register precision recipes: classes deriving from :class:`miles.precision.base.PrecisionRecipe`.
 
-    Selected by ``precision``. Built in: ``fp32``, ``bf16``.
+    Selected by ``precision``. Built in: ``fp32``, ``bf16``, ``fp8``, ``mxfp8``, ``nvfp4``.
 
     :param register: call ``register(RecipeClass)``.
 

@@ -60,7 +60,7 @@ def test_plugins_list_shows_blocked(tmp_path: Path) -> None:
         (
             '[precision]\nname = "fp7"\n',
             [],
-            "precision.name ({path}:2): unknown precision 'fp7' (available: bf16, fp32)",
+            "precision.name ({path}:2): unknown precision 'fp7' (available: bf16, fp32, fp8, mxfp8, nvfp4)",
         ),
         ("", ["--set", "precision=fp7"], "precision (--set precision=fp7): unknown precision 'fp7'"),
     ],

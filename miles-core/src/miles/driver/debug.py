@@ -75,7 +75,7 @@ def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -
     if not (run.algorithm.needs.rollout and settings.cluster.num_engines):
         asyncio.run(_train(run, [], resume))
         return 0
-    options = run["rollout.engine"].options
+    options = run.rollout_engine().settings
     serve = ServeOptions(
         **options.model_dump(),
         model=settings.train.model_path,

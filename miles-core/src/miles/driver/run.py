@@ -250,7 +250,23 @@ class Run:
         return capabilities
 
     def rollout_engine(self) -> RolloutEngine:
+        """The rollout engine, told the weight format of the precision recipe (``engine_quantization``)."""
         engine: RolloutEngine = self["rollout.engine"].create()
+        wanted = self.precision.engine_quantization
+        if wanted is None:
+            return engine
+        if "quantization" not in type(engine.settings).model_fields:
+            raise SettingsError(
+                f"precision: {self.precision.name!r} sends {wanted} weights, which rollout engine "
+                f"{engine.name!r} cannot load (it has no quantization setting); use the local engine"
+            )
+        current = getattr(engine.settings, "quantization", None)
+        if current not in (None, wanted):
+            raise SettingsError(
+                f"rollout.engine.quantization = {current!r} contradicts precision {self.precision.name!r} "
+                f"(which sends {wanted} weights): leave it unset"
+            )
+        engine.settings = engine.settings.model_copy(update={"quantization": wanted})
         return engine
 
     def launcher(self, *, run_dir: str | None = None) -> Launcher:

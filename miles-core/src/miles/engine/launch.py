@@ -41,7 +41,13 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
     from miles.models import eos_token_ids
 
     path = opts.model
-    runner = ModelRunner(path, device=opts.device, dtype=opts.dtype, attention_backend=opts.attention_backend)
+    runner = ModelRunner(
+        path,
+        device=opts.device,
+        dtype=opts.dtype,
+        attention_backend=opts.attention_backend,
+        quantization=opts.quantization,
+    )
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     def text_of(ids: list[int], skip_special: bool) -> str:

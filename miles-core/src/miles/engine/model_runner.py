@@ -72,11 +72,22 @@ def _packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
+def plain_linear(module: Any) -> bool:
+    """An ``nn.Linear`` (not a quantized projection, :mod:`miles.engine.quantized`)."""
+    return type(module) is torch.nn.Linear
+
+
 class ModelRunner:
     """Loads a HF checkpoint and runs prefill / batched decode over slot-indexed KV buffers."""
 
     def __init__(
-        self, model_path: str | Path, *, device: str = "cpu", dtype: str = "float32", attention_backend: str = "auto"
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention_backend: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -103,6 +114,10 @@ class ModelRunner:
         self.model.requires_grad_(False)
         self.config = config
         self.dtype = next(self.model.parameters()).dtype
+        if quantization is not None:  # projections hold and compute with the pushed low-precision weights
+            from miles.engine.quantized import quantize_model
+
+            quantize_model(self.model, quantization)
         base = self.model.model
         self.layers = list(base.layers)
         attn0 = self.layers[0].self_attn
@@ -127,7 +142,7 @@ class ModelRunner:
                 gate.register_forward_hook(self._router_hook(slot))
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.pack_weights = self.device.type == "cpu" and _packing_works(self.dtype)
-        self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._fuse_projections()
         from miles.engine.lora import EngineLoras
@@ -204,12 +219,21 @@ class ModelRunner:
                 offset += size
             return weight, bias
 
+        def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused
+            return all(plain_linear(m) for m in modules)
+
         for layer in self.layers:
             attn = layer.self_attn
-            self._fused_qkv.append(fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+            self._fused_qkv.append(fuse(list(qkv)) if plain(*qkv) else None)
             mlp = layer.mlp
             dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            if dense and mlp.gate_proj.bias is None and mlp.up_proj.bias is None:
+            if (
+                dense
+                and plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+                and mlp.gate_proj.bias is None
+                and mlp.up_proj.bias is None
+            ):
                 self._fused_mlp.append(fuse([mlp.gate_proj, mlp.up_proj])[0])
             else:
                 self._fused_mlp.append(None)
@@ -344,8 +368,12 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, h = self._norm(layer.input_layernorm, x, delta)
-            weight, bias = self._fused_qkv[i]
-            qkv = self._linear(f"qkv{i}", h, weight, bias, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+            fused = self._fused_qkv[i]
+            if fused is None:
+                qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+            else:
+                sources = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+                qkv = self._linear(f"qkv{i}", h, fused[0], fused[1], sources)
             qkv = self._with_lora(qkv, i, QKV, h)
             qkv = qkv.view(b, t, -1, self.head_dim)  # [B, T, heads + 2 x kv_heads, head_dim]
             heads = self.num_heads
@@ -359,11 +387,9 @@ class ModelRunner:
                 q, k = qk[:, :, :heads], qk[:, :, heads:]
             v = qkv[:, :, heads + self.num_kv_heads :]
             out = attend(i, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            o = attn.o_proj
-            attn_out = out.transpose(1, 2).reshape(b, t, -1)
-            delta = self._with_lora(
-                self._linear(f"o{i}", attn_out, o.weight, o.bias, (o.weight,)), i, ("o_proj",), attn_out
-            )
+            o, attn_out = attn.o_proj, out.transpose(1, 2).reshape(b, t, -1)
+            o_out = self._linear(f"o{i}", attn_out, o.weight, o.bias, (o.weight,)) if plain_linear(o) else o(attn_out)
+            delta = self._with_lora(o_out, i, ("o_proj",), attn_out)
             x, h = self._norm(layer.post_attention_layernorm, x, delta)
             gate_up = self._fused_mlp[i]
             if gate_up is None:

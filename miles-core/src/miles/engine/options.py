@@ -56,6 +56,9 @@ class EngineOptions(ComponentSettings):
     may load from, besides the served model's own directory and those in the environment variable
     ``MILES_ALLOWED_WEIGHT_DIRS``; any other path is refused. ``miles train`` allows the run's directory and
     the transport's ``dir``."""
+    quantization: Literal["fp8_block", "fp8_row", "fp8_tensor", "mxfp8", "nvfp4"] | None = None
+    """Low-precision projection weights the engine holds and computes with (:mod:`miles.engine.quantized`);
+    a run sets it from its precision recipe (``fp8``, ``mxfp8``, ``nvfp4``). Default: none."""
     enable_debug_endpoints: bool = False
     """Serve ``/debug/*`` routes (``/debug/randomize_weights`` for ``transport.randomize_engines_first``)."""
 

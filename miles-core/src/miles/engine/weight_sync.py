@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from miles.transport.broadcast import make_process_group
+from miles.transport.broadcast import broadcast_tensors, make_process_group
 from miles.transport.verify import tensor_checksum
 
 __all__ = ["WeightGroups", "load_named_tensors", "parameter_aliases", "weights_by_name", "weights_checksum"]
@@ -145,8 +145,6 @@ class WeightGroups:
         self, model: torch.nn.Module, *, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]
     ) -> int:
         """Receive one bucket (broadcast from rank 0, in ``names`` order) and load it."""
-        import torch.distributed as dist
-
         entry = self.groups.get(group_name)
         if entry is None:
             raise ValueError(f"no weight update group {group_name!r} (call /init_weights_update_group first)")
@@ -159,9 +157,7 @@ class WeightGroups:
         received = {}
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=entry.device)
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            entry.group.broadcast([buffer], opts).wait()
+            broadcast_tensors(entry.group, [buffer])
             received[name] = buffer
         return load_named_tensors(model, received)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("precision", "miles.precision.builtin"),
+    ("quantized_precision", "miles.precision.quantized"),
     ("jsonl", "miles.metrics.jsonl"),
     ("tensorboard", "miles.metrics.tensorboard"),
     ("wandb", "miles.metrics.wandb"),

@@ -23,8 +23,12 @@ class PrecisionRecipe(Component[SettingsT]):
     """Dtype the trainer computes in (``float32`` / ``bfloat16``)."""
     reduce_dtype: ClassVar[str] = "float32"
     """Dtype of gradient reduction across ranks."""
-    engine_quantization: ClassVar[str | None] = None
-    """What the engine must be launched with to load converted weights (``None``: same dtype as sent)."""
+
+    @property
+    def engine_quantization(self) -> str | None:
+        """The weight format the engines must be launched with to load converted weights
+        (``rollout.engine.quantization``; ``None``: the same dtype as sent)."""
+        return None
 
     def rollout_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Convert HF-named trainer weights to what the engines load (may add scale tensors)."""

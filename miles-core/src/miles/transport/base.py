@@ -19,10 +19,21 @@ from miles.components import Component, SettingsT
 from miles.types import PushReport
 
 if TYPE_CHECKING:
+    import torch
+
     from miles.rollout.client import EngineClient
     from miles.training.trainer import DistContext, Trainer, WeightBucket
 
-__all__ = ["PushReport", "StagedTransport", "WeightTransport"]
+__all__ = ["PushReport", "StagedTransport", "WeightTransport", "wire_dtype"]
+
+
+def wire_dtype(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor travels in: weights in the engine dtype; quantized values (float8, e8m0, packed
+    integers) and their scales (``*.weight_scale``, ``*.weight_scale_2``) as the precision recipe made
+    them (:mod:`miles.precision.formats`)."""
+    from miles.precision.formats import keeps_dtype
+
+    return tensor.dtype if keeps_dtype(name, tensor) else engine_dtype
 
 
 class WeightTransport(Component[SettingsT], ABC):

@@ -28,7 +28,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from miles.components import ComponentSettings
-from miles.transport.base import PushReport, WeightTransport
+from miles.transport.base import PushReport, WeightTransport, wire_dtype
 from miles.transport.verify import tensor_checksum
 
 if TYPE_CHECKING:
@@ -134,9 +134,12 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
 
 def broadcast_tensors(group: Any, tensors: list[torch.Tensor], *, src: int = 0) -> None:
     """Broadcast ``tensors`` in order over ``group`` (blocking)."""
+    import torch
     import torch.distributed as dist
 
     for tensor in tensors:
+        if tensor.element_size() == 1 and tensor.dtype not in (torch.uint8, torch.int8, torch.bool):
+            tensor = tensor.view(torch.uint8)  # gloo has no float8 types: the same bytes (a view: filled in place)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         group.broadcast([tensor], opts).wait()
@@ -236,7 +239,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                 continue
             if self.client is None or self.group is None:
                 raise RuntimeError("broadcast transport: push before connect()")
-            tensors = [t.detach().to(dtype).to(self.device).contiguous() for _, t in bucket]
+            tensors = [t.detach().to(wire_dtype(n, t, dtype)).to(self.device).contiguous() for n, t in bucket]
             names = [name for name, _ in bucket]
             payload = {
                 "names": names,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles.components import ComponentSettings
-from miles.transport.base import PushReport, StagedTransport
+from miles.transport.base import PushReport, StagedTransport, wire_dtype
 from miles.transport.folders import VersionFolders
 from miles.transport.verify import tensor_checksum
 
@@ -86,7 +86,10 @@ class DiskTransport(VersionFolders, StagedTransport[DiskTransportSettings]):
         for bucket in buckets:
             if dist.rank != 0 or not bucket:
                 continue  # other ranks only take part in the gathers
-            tensors = {name: t.detach().to(device="cpu", dtype=dtype, copy=snapshot).contiguous() for name, t in bucket}
+            tensors = {
+                name: t.detach().to(device="cpu", dtype=wire_dtype(name, t, dtype), copy=snapshot).contiguous()
+                for name, t in bucket
+            }
             shards.append(tensors)
             report.num_tensors += len(tensors)
             report.num_bytes += sum(t.numel() * t.element_size() for t in tensors.values())

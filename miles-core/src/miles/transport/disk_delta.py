@@ -32,7 +32,7 @@ from pydantic import Field
 
 from miles.components import ComponentSettings
 from miles.errors import EngineError
-from miles.transport.base import PushReport, StagedTransport
+from miles.transport.base import PushReport, StagedTransport, wire_dtype
 from miles.transport.disk import _COPIED
 from miles.transport.files import atomic_directory, write_safetensors
 from miles.transport.folders import VersionFolders
@@ -112,7 +112,7 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
             for name, t in bucket:
                 if name in tensors:
                     raise ValueError(f"disk_delta transport: tensor {name!r} appears twice in one push")
-                tensors[name] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+                tensors[name] = t.detach().to(device="cpu", dtype=wire_dtype(name, t, dtype), copy=True).contiguous()
         if dist.rank == 0:
             self._staged[version] = tensors
             report.num_tensors = len(tensors)

@@ -39,6 +39,7 @@ DTYPE_CODES: dict[str, str] = {
     "bool": "BOOL",
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
 }
 """torch dtype name -> safetensors dtype code."""
 

@@ -68,6 +68,10 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _norm_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return float(sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) ** 0.5)
+
+
 def test_plain_and_fused_train_the_wrapped_full_logits_weights(model: Path, world: Any, tmp_path: Path) -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -128,3 +132,47 @@ def test_fused_logprobs_refuses_a_head_it_cannot_fuse(model: Path, world: Any) -
     with pytest.raises(TypeError, match="fused_logprobs = false"):
         FusedHead(trainer.actor, chunk_tokens=8)
     trainer.close()
+
+
+def test_bf16_on_one_rank_autocasts_with_fp32_master_weights(model: Path, world: Any) -> None:
+    """bf16 at world size 1: the plain module under autocast (bf16 GEMMs, fp32 master weights and AdamW
+    state) scores and trains as the FSDP ``MixedPrecisionPolicy`` trainer does, to bf16 rounding."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from miles.precision.builtin import BF16
+    from miles.settings.model import TrainSettings
+    from miles_fsdp.settings import FSDPSettings
+    from miles_fsdp.trainer import FSDPTrainer
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    train = TrainSettings(model_path=str(model), **job.TRAIN)  # type: ignore[arg-type]
+    out = {}
+    fp32 = _trainer(model, world)
+    initial = _weights(fp32)
+    _, fp32_lp = _run(fp32, vocab, range(2))
+    fp32_weights = _weights(fp32)
+    fp32.close()
+    for wrap in (True, False):
+        trainer = FSDPTrainer(train, FSDPSettings(wrap_single_rank=wrap), BF16(None), world)  # type: ignore[arg-type]
+        trainer.setup()
+        assert isinstance(trainer.actor, FSDPModule) is wrap
+        seen: list[torch.dtype] = []
+        proj = trainer.actor.model.layers[0].self_attn.q_proj
+        hook = proj.register_forward_hook(lambda _m, _i, o: seen.append(o.dtype))
+        metrics, lp = _run(trainer, vocab, range(2))
+        hook.remove()
+        assert set(seen) == {torch.bfloat16}  # the GEMMs ran in bf16
+        optimizer = trainer._parts["actor"][1]
+        states = {v.dtype for s in optimizer.state.values() for v in s.values() if v.dim() > 0}
+        assert {p.dtype for p in trainer.actor.parameters()} == {torch.float32} and states == {torch.float32}
+        out[wrap] = (metrics, lp, _weights(trainer))
+        trainer.close()
+    for a, b, c in zip(out[False][1].logprobs, out[True][1].logprobs, fp32_lp.logprobs, strict=True):
+        assert float((a - c).abs().max()) < 0.1 and float((b - c).abs().max()) < 0.1  # bf16 vs fp32 rounding
+    for m, r in zip(out[False][0], out[True][0], strict=True):
+        assert m["loss"] == pytest.approx(r["loss"], rel=0.05, abs=0.02)
+    # the two bf16 trainers take nearly the same steps: their difference is small against the steps themselves
+    moved = _norm_diff(out[True][2], initial)
+    assert moved > 1e-3
+    assert _norm_diff(out[False][2], fp32_weights) < 0.1 * moved  # measured 0.04
+    assert _norm_diff(out[False][2], out[True][2]) < 0.1 * moved, (_norm_diff(out[False][2], out[True][2]), moved)

@@ -49,6 +49,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._config: Any = None
         self._replica: Any = None
         self._routing: Any = None
+        self._precision_context: Any = None
+        """A fresh context for each forward (:func:`miles_fsdp.wrap.forward_precision`)."""
         self._heads: dict[int, Any] = {}
         """``id(module)`` -> its :class:`~miles_fsdp.fused_head.FusedHead` (``fused_logprobs``)."""
         """MoE actors: the :class:`~miles.training.routing.RouterReplay` its routers go through (R3 and the
@@ -77,7 +79,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
 
         from miles_fsdp.model import load_causal_lm, load_value_model, torch_dtype
         from miles_fsdp.optim import build_optimizer, build_scheduler
-        from miles_fsdp.wrap import stays_plain, wrap_model
+        from miles_fsdp.wrap import forward_precision, stays_plain, wrap_model
 
         train, opts = self.train_settings, self.options
         if not train.model_path:
@@ -91,7 +93,12 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         param_dtype = torch_dtype(self.precision.param_dtype)
         shard = dict(
             mesh=mesh,
-            plain=stays_plain(self.dist.world_size, param_dtype, wrap_single_rank=opts.wrap_single_rank),
+            plain=stays_plain(
+                self.dist.world_size,
+                param_dtype,
+                wrap_single_rank=opts.wrap_single_rank,
+                true_on_policy=train.true_on_policy,
+            ),
             device=self.device,
             param_dtype=param_dtype,
             reduce_dtype=torch_dtype(self.precision.reduce_dtype),
@@ -142,6 +149,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             from miles_fsdp.true_on_policy import EngineReplica
 
             self._replica = EngineReplica(train.model_path, dtype=self.precision.param_dtype)
+        self._precision_context = lambda: forward_precision(bool(shard["plain"]), param_dtype, self.device)
         if opts.fused_logprobs:
             self._install_fused_heads()
         pad = self._config.pad_token_id if self._config.pad_token_id is not None else self._config.eos_token_id
@@ -176,9 +184,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         if module is self.actor and self._routing is not None:
             # the micro-batch's rollout experts, kept for an activation-checkpointing recompute in backward
             self._routing.set_rows(mb.routed_experts)
-        out = module(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
-        )
+        with self._precision_context():
+            out = module(
+                input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
+            )
         return out.logits[0]
 
     def _install_fused_heads(self) -> None:
@@ -205,14 +214,16 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         if module is self.actor and self._routing is not None:
             self._routing.set_rows(mb.routed_experts)
         targets = mb.targets if not mb.is_empty else torch.zeros_like(mb.keep_index)
-        with head.scoring(targets, temperature, mb.mask_ids, entropy_grad=entropy_grad):
+        with head.scoring(targets, temperature, mb.mask_ids, entropy_grad=entropy_grad), self._precision_context():
             out = module(
                 input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
             ).logits[0]
         return out[:, 0], (out[:, 1] if with_entropy else None)
 
     def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
-        return self.critic(mb.input_ids, mb.position_ids)[0].index_select(0, mb.keep_index)
+        with self._precision_context():
+            values = self.critic(mb.input_ids, mb.position_ids)
+        return values[0].index_select(0, mb.keep_index)
 
     # -- trainer interface -------------------------------------------------------------------------
     def compute_logprobs(

@@ -86,22 +86,25 @@ class _FusedLogprobs(torch.autograd.Function):
         for rows in _chunks(hidden.shape[0], ctx.chunk_tokens):
             masks = mask_ids[rows] if mask_ids is not None else None
             logp = torch.log_softmax(_scaled_chunk(hidden[rows], weight, masks, temperature), dim=-1)
-            p = logp.exp()
-            grad = torch.zeros_like(logp)
+            p = logp.exp_()  # logp is not needed after this but for the entropy term, which recomputes it
+            grad = torch.zeros_like(p)
+            if grad_entropy is not None:  # d H / d scaled = -p (log p + H); masked ids (p = 0) get 0
+                logp = torch.log(p).masked_fill_(p == 0, 0.0)
+                grad = grad - grad_entropy[rows].float().unsqueeze(-1) * p * (logp + entropy[rows].unsqueeze(-1))
             if grad_logprobs is not None:  # d logprob / d scaled = onehot(target) - p
                 g = grad_logprobs[rows].float().unsqueeze(-1)
-                grad = grad - g * p
+                grad.sub_(p.mul_(g))
                 grad.scatter_add_(-1, targets[rows].unsqueeze(-1), g)
-            if grad_entropy is not None:  # d H / d scaled = -p (log p + H); masked ids (p = 0) get 0
-                finite = logp.masked_fill(torch.isinf(logp), 0.0)
-                grad = grad - grad_entropy[rows].float().unsqueeze(-1) * p * (finite + entropy[rows].unsqueeze(-1))
             if scale != 1.0:
-                grad = grad * scale
+                grad.mul_(scale)
             grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad @ weight
             if ctx.needs_input_grad[1]:
-                grad_weight += (grad.t() @ hidden[rows]).float()
+                if grad.dtype == torch.float32:
+                    grad_weight.addmm_(grad.t(), hidden[rows])
+                else:
+                    grad_weight += (grad.t() @ hidden[rows]).float()
         return grad_hidden, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None
 
 
@@ -131,6 +134,10 @@ def fused_token_logprobs(
         mask_ids = None
     if mask_ids is not None and int(mask_ids.max()) >= weight.shape[0]:
         raise ValueError(f"logit mask: token id {int(mask_ids.max())} is outside the vocabulary of {weight.shape[0]}")
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # the head's GEMM in the autocast dtype, as autocast runs nn.Linear
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
     logprobs, entropy = _FusedLogprobs.apply(hidden, weight, targets, mask_ids, temperature, chunk_tokens)
     if not with_entropy:
         return logprobs, None

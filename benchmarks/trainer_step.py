@@ -5,7 +5,8 @@ Each round builds the trainer of every configuration in turn (one at a time: one
 of the kit's ``RatioPG`` loss on a fixed batch of ``--seqs`` sequences of ``--prompt-len`` + ``--response-len``
 tokens, lr 1e-5) and records their wall times and losses; rounds rotate the order. The table shows the median
 step time, its ratio to the first configuration, and the largest difference of the losses of consecutive
-steps (the loss curve from the same start on the same batch) from the first configuration's::
+steps (the loss curve from the same start on the same batch) from the first configuration's; ``--profile``
+adds a ``torch.profiler`` table of one step per configuration::
 
     python -m benchmarks.trainer_step --threads 2
     python -m benchmarks.trainer_step --configs fsdp-fp32,plain-fp32-fused,plain-bf16-fused
@@ -85,6 +86,12 @@ def _run_config(name: str, model: Path, args: argparse.Namespace, ctx: Any) -> d
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(metrics["loss"])
+    if args.profile:  # one more step under torch.profiler: where the step's CPU time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            trainer.train_step(batch, RatioPG())
+        log.info("%s profile:\n%s", name, prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     trainer.close()
     return {"times": times, "losses": losses}
 
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=32)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one more step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]

@@ -158,7 +158,7 @@ def test_bf16_on_one_rank_autocasts_with_fp32_master_weights(model: Path, world:
         assert isinstance(trainer.actor, FSDPModule) is wrap
         seen: list[torch.dtype] = []
         proj = trainer.actor.model.layers[0].self_attn.q_proj
-        hook = proj.register_forward_hook(lambda _m, _i, o: seen.append(o.dtype))
+        hook = proj.register_forward_hook(lambda _m, _i, o, seen=seen: seen.append(o.dtype))
         metrics, lp = _run(trainer, vocab, range(2))
         hook.remove()
         assert set(seen) == {torch.bfloat16}  # the GEMMs ran in bf16

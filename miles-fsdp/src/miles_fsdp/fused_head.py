@@ -64,7 +64,7 @@ class FusedHead:
         reason = unsupported_reason(model)
         if reason is not None:
             raise TypeError(f"[train.backend] fused_logprobs: {reason}; set fused_logprobs = false")
-        self.head: Any = model.get_output_embeddings()  # type: ignore[operator]
+        self.head: Any = model.get_output_embeddings()
         self.chunk_tokens = chunk_tokens
         self._request: _Request | None = None
         self._linear_forward = self.head.forward
@@ -73,7 +73,7 @@ class FusedHead:
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         request = self._request
         if request is None:
-            return self._linear_forward(hidden)  # type: ignore[no-any-return]
+            return self._linear_forward(hidden)
         flat = hidden.reshape(-1, hidden.shape[-1])
         logprobs, entropy = fused_token_logprobs(
             flat,

@@ -51,7 +51,7 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
 
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,

@@ -19,7 +19,15 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["ValueModel", "decoder_layers", "load_causal_lm", "load_value_model", "shard_model", "torch_dtype"]
+__all__ = [
+    "ValueModel",
+    "decoder_layers",
+    "enable_activation_checkpointing",
+    "load_causal_lm",
+    "load_value_model",
+    "shard_model",
+    "torch_dtype",
+]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +125,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of each decoder layer (the model's or its ``backbone``'s)."""
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    target = model if enable is not None else getattr(model, "backbone", None)
+    if target is None or not hasattr(target, "gradient_checkpointing_enable"):
+        raise TypeError(f"{type(model).__name__} does not support activation checkpointing")
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -133,11 +150,7 @@ def shard_model(
     reduced gradient by the world size is switched off (divide factor 1, plain SUM reductions).
     """
     if activation_checkpointing:
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        target = model if enable is not None else getattr(model, "backbone", None)
-        if target is None or not hasattr(target, "gradient_checkpointing_enable"):
-            raise TypeError(f"{type(model).__name__} does not support activation checkpointing")
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs: dict[str, object] = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:

@@ -53,6 +53,12 @@ class StepContext:
     micro_batches: Callable[[TrainBatch], Iterator[PackedMicroBatch]]
     logits: Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
     values: Callable[[PackedMicroBatch], torch.Tensor]
+    fused_logprobs: (
+        Callable[[nn.Module, PackedMicroBatch, float, bool, bool], tuple[torch.Tensor, torch.Tensor | None] | None]
+        | None
+    ) = None
+    """``(model, mb, temperature, with_entropy, entropy_grad) -> (logprobs, entropy)`` through the fused LM head
+    (:mod:`miles_fsdp.fused_head`), or ``None`` (the model has none: score its full logits)."""
     step: int = 0
     """Optimizer steps taken before this one."""
     exact_logprobs: list[torch.Tensor] | None = None
@@ -112,8 +118,11 @@ def run_train_step(
         value = (per_token.detach().double() * mask.double()).sum()
         masked_sums[name] = masked_sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) + value
 
+    entropy_grad = bool(getattr(algorithm.needs, "entropy", False))
+    fused = ctx.fused_logprobs if topk == 0 and ctx.exact_logprobs is None else None
     for mb in ctx.micro_batches(batch):
-        logits = ctx.logits(actor, mb)
+        scored = fused(actor, mb, temperature, True, entropy_grad) if fused is not None else None
+        logits = ctx.logits(actor, mb) if scored is None else scored[0]
         values = ctx.values(mb) if needs_values else None
         if mb.is_empty:  # keeps this rank's collectives in step with the others; contributes nothing
             dummy = logits.sum() * 0.0
@@ -121,14 +130,11 @@ def run_train_step(
                 dummy = dummy + values.sum() * 0.0
             dummy.backward()
             continue
-        logprobs, entropy = token_logprobs(
-            logits,
-            mb.targets,
-            temperature,
-            with_entropy=True,
-            entropy_grad=getattr(algorithm.needs, "entropy", False),
-            mask_ids=mb.mask_ids,
-        )
+        if scored is None:
+            scored = token_logprobs(
+                logits, mb.targets, temperature, with_entropy=True, entropy_grad=entropy_grad, mask_ids=mb.mask_ids
+            )
+        logprobs, entropy = scored
         if ctx.exact_logprobs is not None:
             exact = torch.cat([ctx.exact_logprobs[i] for i in mb.indices])
             logprobs = with_exact_values(logprobs, exact)

@@ -50,6 +50,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._config: Any = None
         self._replica: Any = None
         self._routing: Any = None
+        self._precision_context: Any = None
+        """A fresh context for each forward (:func:`miles_fsdp.wrap.forward_precision`)."""
+        self._heads: dict[int, Any] = {}
+        """``id(module)`` -> its :class:`~miles_fsdp.fused_head.FusedHead` (``fused_logprobs``)."""
         """MoE actors: the :class:`~miles.training.routing.RouterReplay` its routers go through (R3 and the
         routing-agreement metric; :mod:`miles_fsdp.routing`)."""
         """``train.true_on_policy``: the engine's model runner at the actor's weights (:mod:`miles_fsdp.true_on_policy`)."""
@@ -74,8 +78,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
-        from miles_fsdp.model import load_causal_lm, load_value_model, shard_model, torch_dtype
+        from miles_fsdp.model import load_causal_lm, load_value_model, torch_dtype
         from miles_fsdp.optim import build_optimizer, build_scheduler
+        from miles_fsdp.wrap import forward_precision, stays_plain, wrap_model
 
         train, opts = self.train_settings, self.options
         if not train.model_path:
@@ -86,9 +91,17 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         offload = opts.cpu_offload_optimizer and self.dist.device == "cuda"
         if opts.cpu_offload_optimizer and not offload:
             log.warning("[train.backend] cpu_offload_optimizer has no effect on CPU ranks; ignored")
+        param_dtype = torch_dtype(self.precision.param_dtype)
         shard = dict(
             mesh=mesh,
-            param_dtype=torch_dtype(self.precision.param_dtype),
+            plain=stays_plain(
+                self.dist.world_size,
+                param_dtype,
+                wrap_single_rank=opts.wrap_single_rank,
+                true_on_policy=train.true_on_policy,
+            ),
+            device=self.device,
+            param_dtype=param_dtype,
             reduce_dtype=torch_dtype(self.precision.reduce_dtype),
         )
         attn = opts.attn_implementation
@@ -103,7 +116,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             if train.true_on_policy:
                 raise ValueError("train.true_on_policy: not supported with train.adapter")
             actor = self.adapter.apply(actor)
-        self.actor = shard_model(
+        self.actor = wrap_model(
             actor,
             reshard_after_forward=opts.reshard_after_forward,
             cpu_offload=offload,
@@ -116,7 +129,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             ref = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
             ref.requires_grad_(False)
             ref.eval()
-            self.ref = shard_model(
+            self.ref = wrap_model(
                 ref,
                 reshard_after_forward=opts.ref_reshard_after_forward,
                 cpu_offload=offload,
@@ -127,7 +140,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             critic = load_value_model(
                 train.model_path, seed=train.seed, attn_implementation=attn, init_std=opts.value_head_init_std
             )
-            self.critic = shard_model(
+            self.critic = wrap_model(
                 critic,
                 reshard_after_forward=opts.reshard_after_forward,
                 cpu_offload=offload,
@@ -141,12 +154,16 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             from miles_fsdp.true_on_policy import EngineReplica
 
             self._replica = EngineReplica(train.model_path, dtype=self.precision.param_dtype)
+        self._precision_context = lambda: forward_precision(bool(shard["plain"]), param_dtype, self.device)
+        if opts.fused_logprobs:
+            self._install_fused_heads()
         pad = self._config.pad_token_id if self._config.pad_token_id is not None else self._config.eos_token_id
         self._pad_token_id = int(pad if isinstance(pad, int) else 0)
         log.info(
-            "fsdp trainer ready on %s x%d (params %s, reduce %s, ref=%s, critic=%s)",
+            "fsdp trainer ready on %s x%d (%s, params %s, reduce %s, ref=%s, critic=%s)",
             self.dist.device,
             self.dist.world_size,
+            "plain module" if shard["plain"] else "FSDP2",
             self.precision.param_dtype,
             self.precision.reduce_dtype,
             need_ref,
@@ -172,13 +189,46 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         if module is self.actor and self._routing is not None:
             # the micro-batch's rollout experts, kept for an activation-checkpointing recompute in backward
             self._routing.set_rows(mb.routed_experts)
-        out = module(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
-        )
+        with self._precision_context():
+            out = module(
+                input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
+            )
         return out.logits[0]
 
+    def _install_fused_heads(self) -> None:
+        from miles_fsdp.fused_head import FusedHead, unsupported_reason
+
+        reason = unsupported_reason(self.actor)
+        if reason is not None:
+            log.warning("[train.backend] fused_logprobs: %s; scoring from the full logits", reason)
+            return
+        for module in (self.actor, self.ref):
+            if module is not None:
+                self._heads[id(module)] = FusedHead(module, chunk_tokens=self.options.fused_logprobs_chunk_tokens)
+
+    def _fused_logprobs(
+        self, module: nn.Module, mb: PackedMicroBatch, temperature: float, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Logprobs (and entropy) of ``mb``'s targets through ``module``'s fused head; ``None`` without one.
+        An empty micro-batch scores its one dummy position against token 0 (its loss is multiplied by 0)."""
+        import torch
+
+        head = self._heads.get(id(module))
+        if head is None:
+            return None
+        if module is self.actor and self._routing is not None:
+            self._routing.set_rows(mb.routed_experts)
+        targets = mb.targets if not mb.is_empty else torch.zeros_like(mb.keep_index)
+        with head.scoring(targets, temperature, mb.mask_ids, entropy_grad=entropy_grad), self._precision_context():
+            out = module(
+                input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
+            ).logits[0]
+        return out[:, 0], (out[:, 1] if with_entropy else None)
+
     def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
-        return self.critic(mb.input_ids, mb.position_ids)[0].index_select(0, mb.keep_index)
+        with self._precision_context():
+            values = self.critic(mb.input_ids, mb.position_ids)
+        return values[0].index_select(0, mb.keep_index)
 
     # -- trainer interface -------------------------------------------------------------------------
     def compute_logprobs(
@@ -210,11 +260,17 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         was_training = module.training
         module.eval()
         with torch.no_grad():
+            fused = model == "ref" or self._replica is None  # true on-policy: the full logits, as before
             for mb in self._micro_batches(batch):
-                logits = self._logits(module, mb)
+                scored = self._fused_logprobs(module, mb, temperature, with_entropy, False) if fused else None
+                if scored is None:
+                    logits = self._logits(module, mb)
+                    if mb.is_empty:
+                        continue
+                    scored = token_logprobs(logits, mb.targets, temperature, with_entropy, mask_ids=mb.mask_ids)
                 if mb.is_empty:
                     continue
-                lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy, mask_ids=mb.mask_ids)
+                lp, ent = scored
                 for i, part in zip(mb.indices, lp.split(mb.response_lengths), strict=True):
                     logprobs[i] = part.float().cpu()
                 if model == "actor" and self._replica is not None:  # the engine's values, bit for bit
@@ -266,6 +322,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             micro_batches=self._micro_batches,
             logits=self._logits,
             values=self._values,
+            fused_logprobs=self._fused_logprobs if self._replica is None else None,
             step=self.step,
             exact_logprobs=exact,
         )
@@ -361,4 +418,5 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         when the other ranks are not coming (the worker's teardown barriers after a completed run)."""
         self.actor = self.ref = self.critic = None
         self._replica = self._routing = None
+        self._heads = {}
         self._parts = {}

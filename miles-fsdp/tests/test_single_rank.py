@@ -1,0 +1,179 @@
+"""World size 1: the plain module (no FSDP wrapping) and the fused logprobs against the wrapped, full-logits
+trainer, on one in-process gloo rank and a tiny Llama with tied embeddings."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsdp_job as job
+import pytest
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[Any]:
+    from miles_fsdp.distributed import init_distributed, shutdown_distributed
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(0, 1, master_port=_free_port())
+    try:
+        yield ctx
+    finally:
+        shutdown_distributed()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("single") / "llama", "llama", seed=5, tie_word_embeddings=True)
+
+
+def _trainer(model: Path, world: Any, **options: Any) -> Any:
+    from miles.precision.builtin import FP32
+    from miles.settings.model import TrainSettings
+    from miles_fsdp.settings import FSDPSettings
+    from miles_fsdp.trainer import FSDPTrainer
+
+    train = TrainSettings(model_path=str(model), **job.TRAIN)  # type: ignore[arg-type]
+    options = {"wrap_single_rank": False, "fused_logprobs": True, **options}  # what these tests are about
+    trainer = FSDPTrainer(train, FSDPSettings(**options), FP32(None), world)
+    trainer.setup()
+    return trainer
+
+
+def _weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for bucket in trainer.iter_weights(1 << 30) for name, t in bucket}
+
+
+def _run(trainer: Any, vocab: int, steps: range) -> tuple[list[dict[str, float]], Any]:
+    metrics = [
+        trainer.train_step(batch, job.PolicyGradient(job.AGGREGATIONS[s]), temperature=job.TEMPERATURE)
+        for s, batch in zip(steps, job.step_batches(vocab)[steps.start : steps.stop], strict=True)
+    ]
+    return metrics, trainer.compute_logprobs(job.eval_batch(vocab, 1), temperature=0.7, with_entropy=True)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _norm_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return float(sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) ** 0.5)
+
+
+def test_plain_and_fused_train_the_wrapped_full_logits_weights(model: Path, world: Any, tmp_path: Path) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    wrapped = _trainer(model, world, wrap_single_rank=True, fused_logprobs=False)
+    assert isinstance(wrapped.actor, FSDPModule)
+    initial = _weights(wrapped)
+    ref_metrics, ref_lp = _run(wrapped, vocab, range(job.STEPS))
+    ref_weights = _weights(wrapped)
+    wrapped.close()
+
+    plain = _trainer(model, world, fused_logprobs=False)
+    assert not isinstance(plain.actor, FSDPModule)
+    plain_metrics, plain_lp = _run(plain, vocab, range(job.STEPS))
+    plain_weights = _weights(plain)
+    plain.close()
+
+    fused = _trainer(model, world)  # plain module, fused logprobs
+    assert not isinstance(fused.actor, FSDPModule)
+    assert id(fused.actor) in fused._heads and not plain._heads and not wrapped._heads  # the fused head is in use
+    metrics, _ = _run(fused, vocab, range(job.SAVE_AFTER))
+    fused.save_checkpoint(str(tmp_path / "ckpt"))
+    rest, fused_lp = _run(fused, vocab, range(job.SAVE_AFTER, job.STEPS))
+    fused_weights = _weights(fused)
+    fused.close()
+
+    assert _max_diff(ref_weights, initial) > 1e-4  # the steps moved the weights
+    assert _max_diff(plain_weights, ref_weights) < 1e-6  # AdamW foreach vs per-DTensor: fp32 rounding
+    assert _max_diff(fused_weights, ref_weights) < 1e-5
+    for mine, theirs in ((plain_metrics, ref_metrics), (metrics + rest, ref_metrics)):
+        for m, r in zip(mine, theirs, strict=True):
+            assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
+            assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+            assert m["entropy"] == pytest.approx(r["entropy"], rel=1e-5)
+    for out in (plain_lp, fused_lp):
+        for a, b in zip(out.logprobs, ref_lp.logprobs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip(out.entropy, ref_lp.entropy, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    # the plain trainer's DCP checkpoint resumes in an FSDP-wrapped trainer, and continues as the plain one did
+    resumed = _trainer(model, world, wrap_single_rank=True)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.step == job.SAVE_AFTER
+    resumed_metrics, _ = _run(resumed, vocab, range(job.SAVE_AFTER, job.STEPS))
+    assert _max_diff(_weights(resumed), fused_weights) < 1e-6
+    for m, r in zip(resumed_metrics, rest, strict=True):
+        assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
+    resumed.close()
+
+
+def test_fused_logprobs_refuses_a_head_it_cannot_fuse(model: Path, world: Any) -> None:
+    from miles_fsdp.fused_head import FusedHead, unsupported_reason
+
+    trainer = _trainer(model, world, fused_logprobs=False)
+    trainer.actor.config.final_logit_softcapping = 30.0
+    assert "final_logit_softcapping" in str(unsupported_reason(trainer.actor))
+    with pytest.raises(TypeError, match="fused_logprobs = false"):
+        FusedHead(trainer.actor, chunk_tokens=8)
+    trainer.close()
+
+
+def test_bf16_on_one_rank_autocasts_with_fp32_master_weights(model: Path, world: Any) -> None:
+    """bf16 at world size 1: the plain module under autocast (bf16 GEMMs, fp32 master weights and AdamW
+    state) scores and trains as the FSDP ``MixedPrecisionPolicy`` trainer does, to bf16 rounding."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from miles.precision.builtin import BF16
+    from miles.settings.model import TrainSettings
+    from miles_fsdp.settings import FSDPSettings
+    from miles_fsdp.trainer import FSDPTrainer
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    train = TrainSettings(model_path=str(model), **job.TRAIN)  # type: ignore[arg-type]
+    out = {}
+    fp32 = _trainer(model, world)
+    initial = _weights(fp32)
+    _, fp32_lp = _run(fp32, vocab, range(2))
+    fp32_weights = _weights(fp32)
+    fp32.close()
+    for wrap in (True, False):
+        trainer = FSDPTrainer(train, FSDPSettings(wrap_single_rank=wrap), BF16(None), world)  # type: ignore[arg-type]
+        trainer.setup()
+        assert isinstance(trainer.actor, FSDPModule) is wrap
+        seen: list[torch.dtype] = []
+        proj = trainer.actor.model.layers[0].self_attn.q_proj
+        hook = proj.register_forward_hook(lambda _m, _i, o, seen=seen: seen.append(o.dtype))
+        metrics, lp = _run(trainer, vocab, range(2))
+        hook.remove()
+        assert set(seen) == {torch.bfloat16}  # the GEMMs ran in bf16
+        optimizer = trainer._parts["actor"][1]
+        states = {v.dtype for s in optimizer.state.values() for v in s.values() if v.dim() > 0}
+        assert {p.dtype for p in trainer.actor.parameters()} == {torch.float32} and states == {torch.float32}
+        out[wrap] = (metrics, lp, _weights(trainer))
+        trainer.close()
+    for a, b, c in zip(out[False][1].logprobs, out[True][1].logprobs, fp32_lp.logprobs, strict=True):
+        assert float((a - c).abs().max()) < 0.1 and float((b - c).abs().max()) < 0.1  # bf16 vs fp32 rounding
+    for m, r in zip(out[False][0], out[True][0], strict=True):
+        assert m["loss"] == pytest.approx(r["loss"], rel=0.05, abs=0.02)
+    # the two bf16 trainers take nearly the same steps: their difference is small against the steps themselves
+    moved = _norm_diff(out[True][2], initial)
+    assert moved > 1e-3
+    assert _norm_diff(out[False][2], fp32_weights) < 0.1 * moved  # measured 0.04
+    assert _norm_diff(out[False][2], out[True][2]) < 0.1 * moved, (_norm_diff(out[False][2], out[True][2]), moved)

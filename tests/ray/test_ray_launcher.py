@@ -84,7 +84,9 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def write_config(tmp_path: Path, address: str, model: Path, data: Path, run_dir: Path, *, rollouts: int) -> Path:
+def write_config(
+    tmp_path: Path, address: str, model: Path, data: Path, run_dir: Path, *, rollouts: int, engine_restarts: int = 1
+) -> Path:
     config = tmp_path / f"{run_dir.name}.toml"
     config.write_text(
         textwrap.dedent(
@@ -108,6 +110,7 @@ def write_config(tmp_path: Path, address: str, model: Path, data: Path, run_dir:
             n_samples_per_prompt = 4
             max_new_tokens = 6
             temperature = 1.0
+            engine_restarts = {engine_restarts}
 
             [rollout.engine]
             name = "local"
@@ -271,7 +274,8 @@ def test_a_killed_engine_actor_stops_the_run_naming_it(
     ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
 ) -> None:
     run_dir = tmp_path / "engine_dies"
-    config = write_config(tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=20)
+    # no restart allowed (rollout.engine_restarts = 0): the run's only engine is gone, so the run stops
+    config = write_config(tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=20, engine_restarts=0)
     out = kill_actor_when(config, run_dir, "engine-0", run_dir / "metrics.jsonl")
     assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
     said = " ".join(out.stderr.split())

@@ -57,11 +57,11 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
 def _weight_dirs_env(run: Run) -> dict[str, str]:
     """``MILES_ALLOWED_WEIGHT_DIRS`` for the run's engines: the run directory and the transport's ``dir``
     (the local engine loads weights from nowhere else; see :mod:`miles.engine.weight_paths`)."""
-    dirs = [os.path.abspath(run.settings.log.run_dir)]
-    transport_dir = getattr(run["transport"].options, "dir", None)
-    if isinstance(transport_dir, str) and transport_dir:
-        dirs.append(os.path.abspath(transport_dir))
-    return {"MILES_ALLOWED_WEIGHT_DIRS": os.pathsep.join(dirs)}
+    from miles.transport.base import weight_dirs
+
+    return {
+        "MILES_ALLOWED_WEIGHT_DIRS": os.pathsep.join(weight_dirs(run.settings.log.run_dir, run["transport"].options))
+    }
 
 
 def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None, wait: bool = True) -> list[str]:

@@ -23,6 +23,7 @@ slices (``attach``: ``p2p``), as :class:`~miles.training.trainer.WeightShard` ob
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -103,6 +104,7 @@ def check_transport_delivery(
     from miles.rollout.http_client import HttpEngineClient
     from miles.testing.models import build_tiny_model
     from miles.training.trainer import DistContext
+    from miles.transport.base import weight_dirs
     from miles.transport.verify import tensor_checksum, verify_engines
 
     check_transport(cls, tmp_path, settings=settings, **init_kwargs)
@@ -119,12 +121,16 @@ def check_transport_delivery(
     dtype = getattr(torch, engine_dtype)
     expected = {n: tensor_checksum(t, dtype) for n, t in weights.items()}
     weights = {n: t.to(trainer_device) for n, t in weights.items()}
-    args = ["--enable-debug-endpoints", "--attention-backend", "sdpa", "--dtype", engine_dtype, *engine_args]
-    engine = EngineProcess(
-        model, extra_args=args, log_path=root / "delivery-engine.log", startup_timeout=startup_timeout
-    )
     options = component_settings(ComponentKind.TRANSPORT, cls, settings)
     kwargs = {"run_dir": str(root / "delivery-run"), "model_path": str(model), "engine_dtype": engine_dtype}
+    allowed = os.pathsep.join(weight_dirs(kwargs["run_dir"], options))  # as `miles train` allows them
+    args = ["--enable-debug-endpoints", "--attention-backend", "sdpa", "--dtype", engine_dtype, *engine_args]
+    engine = EngineProcess(
+        model,
+        extra_args=[*args, "--allowed-weight-dirs", allowed],
+        log_path=root / "delivery-engine.log",
+        startup_timeout=startup_timeout,
+    )
     transport = cls(options, **kwargs, **init_kwargs)
     dist = DistContext(device=trainer_device)
 

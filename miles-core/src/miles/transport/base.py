@@ -11,6 +11,7 @@ on rank 0, makes the engines load it. Async training overlaps the commit with th
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
     from miles.training.trainer import DistContext, Trainer, WeightBucket
 
-__all__ = ["PushReport", "StagedTransport", "WeightTransport", "wire_dtype"]
+__all__ = ["PushReport", "StagedTransport", "WeightTransport", "weight_dirs", "wire_dtype"]
 
 
 def wire_dtype(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> torch.dtype:
@@ -111,3 +112,14 @@ class StagedTransport(WeightTransport[SettingsT]):
     async def commit(self, report: PushReport) -> None:
         """Make the engines load what :meth:`stage` staged and report its version (rank 0);
         ``report.checksums`` is complete when it returns."""
+
+
+def weight_dirs(run_dir: str, options: object) -> list[str]:
+    """The directories a run's engines may load weights from (:mod:`miles.engine.weight_paths`): the run
+    directory and the transport's ``dir`` setting, for transports that have one (``disk``, ``disk_delta``,
+    a third party's ``/dev/shm`` transport ...)."""
+    dirs = [os.path.abspath(run_dir)]
+    extra = getattr(options, "dir", None)
+    if isinstance(extra, str) and extra:
+        dirs.append(os.path.abspath(extra))
+    return dirs

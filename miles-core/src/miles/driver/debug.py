@@ -61,9 +61,11 @@ async def _train(run: Run, urls: list[str], resume: str | None) -> None:
 
 def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -> int:
     """Run training with the engine and the trainer in this process; returns 0 (errors raise)."""
+    from miles.driver.launch import allowed_weight_dirs
     from miles.driver.loop import write_resolved_settings
     from miles.engine.launch import InProcessEngine
     from miles.engine.options import ServeOptions
+    from miles.engine.weight_paths import parse_weight_dirs
     from miles.launch.rendezvous import free_port
 
     _check(run)
@@ -76,13 +78,15 @@ def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -
         asyncio.run(_train(run, [], resume))
         return 0
     options = run.rollout_engine().settings
+    options_dirs = getattr(options, "allowed_weight_dirs", None)
     serve = ServeOptions(
-        **options.model_dump(),
+        **options.model_dump(exclude={"allowed_weight_dirs"}),
         model=settings.train.model_path,
         host=settings.cluster.host,
         port=free_port(settings.cluster.host),
         device=settings.cluster.device,
         dtype=run.engine_dtype,
+        allowed_weight_dirs=os.pathsep.join([*map(str, parse_weight_dirs(options_dirs)), *allowed_weight_dirs(run)]),
     )
     with InProcessEngine(serve) as engine:
         asyncio.run(_train(run, [engine.url], resume))

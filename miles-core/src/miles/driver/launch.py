@@ -57,11 +57,19 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
 def _weight_dirs_env(run: Run) -> dict[str, str]:
     """``MILES_ALLOWED_WEIGHT_DIRS`` for the run's engines: the run directory and the transport's ``dir``
     (the local engine loads weights from nowhere else; see :mod:`miles.engine.weight_paths`)."""
+    return {"MILES_ALLOWED_WEIGHT_DIRS": os.pathsep.join(allowed_weight_dirs(run))}
+
+
+def allowed_weight_dirs(run: Run) -> list[str]:
+    """Where the run's engines may load weights from: the run directory and the transport's ``dir`` (a run
+    without a transport, such as ``miles generate``: the run directory)."""
     from miles.transport.base import weight_dirs
 
-    return {
-        "MILES_ALLOWED_WEIGHT_DIRS": os.pathsep.join(weight_dirs(run.settings.log.run_dir, run["transport"].options))
-    }
+    try:
+        options = run["transport"].options
+    except KeyError:  # no transport in this run
+        options = None
+    return weight_dirs(run.settings.log.run_dir, options)
 
 
 def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None, wait: bool = True) -> list[str]:

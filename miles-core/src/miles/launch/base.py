@@ -71,7 +71,7 @@ class Launcher(Component[SettingsT], ABC):
         """Host and port engine ``index`` will listen on (default: a free port on ``host``, this machine).
 
         A launcher that runs engines elsewhere answers with an address on the engine's own machine."""
-        from miles.launch.rendezvous import free_port
+        from miles.launch.ports import free_port
 
         return host, free_port(host)
 

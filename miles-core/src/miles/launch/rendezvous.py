@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping, Sequence
 
 from miles.launch.base import ProcessSpec
+from miles.launch.ports import free_port
 
 __all__ = ["free_port", "trainer_specs"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free on ``host`` (bind to port 0, read it back, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def trainer_specs(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Literal
 
@@ -43,15 +44,16 @@ def quantizes(fmt: WeightFormat, name: str, shape: tuple[int, ...]) -> bool:
     return name.endswith(".weight") and not HIGH_PRECISION.search(name) and fmt.fits(shape)
 
 
-class QuantizedRecipe(PrecisionRecipe[SettingsT]):
+class QuantizedRecipe(PrecisionRecipe[SettingsT], ABC):
     """bf16 training (fp32 master weights, fp32 reduction); projection weights sent and served quantized."""
 
     param_dtype = "bfloat16"
     reduce_dtype = "float32"
 
     @property
+    @abstractmethod
     def weight_format(self) -> WeightFormat:
-        raise NotImplementedError
+        """The format projection weights travel and are served in (each recipe says which)."""
 
     @property
     def engine_quantization(self) -> str | None:

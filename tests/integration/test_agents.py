@@ -114,10 +114,11 @@ def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: P
         assert row["weight_sync/verified"] == 1.0
         # tool, user and template tokens are masked out of the comparison; every policy token matches
         assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
-    assert sum(r["sessions/tool_calls_per_episode_mean"] for r in rows_) > 0
-    # episodes that went on after a tool call (how many depends on the host: the tiny tool model is trained on
-    # it; 2 of 8 episodes in a step on this project's AMD EPYC hosts, most of them elsewhere)
-    assert max(r["sessions/turns_per_episode_mean"] for r in rows_) > 1
+    # the episodes start from the data's conversation (data.system_prompt, then the question): the tool
+    # model calls the calculator on nearly every question it was trained on, and goes on after the result
+    for row in rows_:
+        assert row["sessions/tool_calls_per_episode_mean"] >= 0.5
+        assert row["sessions/turns_per_episode_mean"] > 1
     for step, version in ((1, 0), (2, 1)):
         samples = [
             Sample.from_json(x) for x in (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
@@ -132,6 +133,7 @@ def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: P
             assert s.loss_mask == mask  # token by token: 1 exactly on what the policy sampled
             assert {w.version for w in s.weight_versions} == {version}  # step 2 sampled the pushed weights
             assert s.metadata["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+            assert s.metadata["messages"][1] == {"role": "user", "content": s.prompt} and s.prompt.startswith("What")
             assert s.reward is not None
         assert len({s.group_id for s in samples}) == 2 and all(
             len({s.index for s in samples if s.group_id == g}) == 4 for g in {s.group_id for s in samples}

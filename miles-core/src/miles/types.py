@@ -162,7 +162,12 @@ class Sample:
     index: int = 0
     """Index of the sample within its group."""
     prompt: str = ""
-    """The prompt as text (for logs and rewards; never re-tokenised)."""
+    """The prompt as text (for logs and rewards; never re-tokenised): for a chat prompt, the text of its
+    last user message."""
+    prompt_messages: list[dict[str, Any]] | None = None
+    """The prompt as chat messages (``data.system_prompt`` first, when set) when the data set gave messages
+    or a system prompt; ``None`` for a plain-text prompt. Agent episodes start from it
+    (:attr:`miles.sessions.rollout.EpisodeContext.messages`)."""
     response: str = ""
     """The response as text (decoded by the engine)."""
     label: Any = None

@@ -37,7 +37,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
 async def three_turns(ctx: EpisodeContext) -> dict[str, Any]:
     """Ask, then ask to go on twice: any OpenAI client works against ``ctx.base_url``."""
     client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-    messages: list[Any] = [{"role": "user", "content": ctx.sample.prompt}]
+    messages: list[Any] = ctx.messages
     for _ in range(3):
         reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=ctx.max_tokens)
         messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
@@ -53,14 +53,19 @@ class Prompts:
         return self.prompts[:n]
 
 
-def prompts(tokenizer: Any) -> Prompts:
+def prompts(tokenizer: Any, *, chat: bool = False) -> Prompts:
+    """Two prompts, as text or (``chat``) as the messages a data set with ``data.system_prompt`` gives."""
     texts = ["What is 2 + 3?", "Name a colour."]
-    return Prompts(
-        [
-            Prompt(t, label=str(i), prompt_ids=tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False))
-            for i, t in enumerate(texts)
-        ]
-    )  # fmt: skip
+    out = []
+    for i, t in enumerate(texts):
+        messages = [{"role": "system", "content": "Be brief."}] * chat + [{"role": "user", "content": t}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append(Prompt(messages if chat else t, label=str(i), prompt_ids=list(ids)))
+    return Prompts(out)
+
+
+def ctx_messages(prompt: Prompt) -> list[dict[str, Any]]:
+    return prompt.messages or [{"role": "user", "content": prompt.prompt}]
 
 
 async def score(samples: Sequence[Sample]) -> None:
@@ -74,11 +79,12 @@ def settings(**sessions: Any) -> RolloutSettings:
     )
 
 
-def test_the_manager_runs_a_grpo_group_of_episodes_per_prompt(engine: EngineProcess) -> None:
+@pytest.mark.parametrize("chat", [False, True], ids=["text-prompts", "chat-prompts"])
+def test_the_manager_runs_a_grpo_group_of_episodes_per_prompt(engine: EngineProcess, chat: bool) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
-    data = prompts(tokenizer)
+    data = prompts(tokenizer, chat=chat)
     function = SessionRollout(three_turns)
     check_rollout_function(function, name="three_turns")
 
@@ -99,8 +105,11 @@ def test_the_manager_runs_a_grpo_group_of_episodes_per_prompt(engine: EngineProc
         for i, s in enumerate(group.samples):
             s.validate()
             assert (s.group_id, s.index, s.label) == (group.group_id, i, prompt.label)
-            # the session's first prompt is the data pipeline's: one chat template, applied the same way
-            assert s.prompt_ids == prompt.prompt_ids and s.prompt == prompt.prompt
+            # the session's first prompt is the data pipeline's: one chat template, applied the same way, to
+            # the conversation the data gave (ctx.messages: the system message too, for chat prompts)
+            assert s.prompt_ids == prompt.prompt_ids and s.prompt == prompt.text
+            assert s.prompt_messages == prompt.messages and (s.prompt_messages is not None) == chat
+            assert s.metadata["messages"][: 1 + chat] == ctx_messages(prompt)
             assert s.metadata["session"]["turns"] == 3 and s.metadata["episode_turns"] == 3
             assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
             spans = s.metadata["session"]["policy_spans"]

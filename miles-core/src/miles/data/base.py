@@ -25,6 +25,25 @@ class Prompt:
     prompt_ids: list[int] | None = None
     """Token ids after the chat template (set once by the data pipeline; never re-tokenised)."""
 
+    @property
+    def text(self) -> str:
+        """The prompt as text: itself, or for chat messages the last user message's text (the question a
+        reward or a log line means by "the prompt")."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        for message in reversed(self.prompt):
+            if message.get("role") == "user":
+                content = message.get("content")
+                if isinstance(content, str):
+                    return content
+                return "".join(str(p.get("text", "")) for p in content or [] if isinstance(p, dict))
+        return ""
+
+    @property
+    def messages(self) -> list[dict[str, Any]] | None:
+        """The chat messages (copies), or ``None`` for a plain-text prompt."""
+        return None if isinstance(self.prompt, str) else [dict(m) for m in self.prompt]
+
 
 class DataSource(Component[SettingsT], ABC):
     """A prompt stream. Registered with ``miles_register_data_sources``.

@@ -62,6 +62,7 @@ def pending_group(group: SampleGroup) -> SampleGroup:
             group_id=s.group_id,
             index=s.index,
             prompt=s.prompt,
+            prompt_messages=s.prompt_messages,
             label=s.label,
             metadata={k: v for k, v in s.metadata.items() if k not in ("cached_tokens", "prompt_tokens")},
         )

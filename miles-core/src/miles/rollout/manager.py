@@ -228,13 +228,13 @@ class RolloutManager:
             raise ValueError(f"prompt from {prompt.source or '?'} was not tokenised (prompt_ids is None)")
         group_id = self.next_group_id
         self.next_group_id += 1
-        text = prompt.prompt if isinstance(prompt.prompt, str) else ""
         return [
             Sample(
                 prompt_ids=list(prompt.prompt_ids),
                 group_id=group_id,
                 index=i,
-                prompt=text,
+                prompt=prompt.text,
+                prompt_messages=prompt.messages,
                 label=prompt.label,
                 metadata={**prompt.metadata, "source": prompt.source} if prompt.source else dict(prompt.metadata),
             )

@@ -53,11 +53,21 @@ class EpisodeContext:
     """OpenAI ``base_url`` of this episode's session (``openai.AsyncOpenAI(base_url=..., api_key=...)``)."""
     session_id: str
     sample: Sample
-    """The pending sample: ``prompt`` (the data's text), ``label``, ``metadata``, ``group_id``, ``index``."""
+    """The pending sample: ``prompt`` (the data's text), ``prompt_messages``, ``label``, ``metadata``,
+    ``group_id``, ``index``."""
     max_tokens: int
     """The run's per-turn token budget (``rollout.max_new_tokens``)."""
     api_key: str = "miles"
     """Any string: the session server does not check it (OpenAI clients require one)."""
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation the data set gives this episode, to start the chat from (a new list each time):
+        the prompt's chat messages (``data.system_prompt`` first, when set), or one user message holding a
+        plain-text prompt."""
+        if self.sample.prompt_messages is not None:
+            return [dict(m) for m in self.sample.prompt_messages]
+        return [{"role": "user", "content": self.sample.prompt}]
 
 
 Episode = Callable[[EpisodeContext], Awaitable[dict[str, Any] | None]]

@@ -37,11 +37,14 @@ def _arguments(raw: str) -> str:
 
 
 async def calculator_episode(ctx: EpisodeContext) -> dict[str, Any]:
-    """Arithmetic with a calculator tool through the openai client (the question is ``sample.prompt``)."""
+    """Arithmetic with a calculator tool through the openai client (the question is the data's prompt;
+    :data:`SYSTEM_PROMPT` goes first unless the data set gives a system message)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
-    messages: list[Any] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ctx.sample.prompt}]
+    messages: list[Any] = ctx.messages
+    if messages[0].get("role") not in ("system", "developer"):
+        messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
     answer: str | None = None
     tool_calls = 0
     turns = int(ctx.sample.metadata.get("max_turns", MAX_TURNS))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 
 import pytest
@@ -26,6 +27,8 @@ def _full_sample() -> Sample:
         response="5 ✓",
         label={"answer": "5"},
         weight_versions=[WeightSpan(0, 1, 4), WeightSpan(1, 2, 5)],
+        request_spans=[(0, 1), (1, 2)],
+        prompt_messages=[{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 2+3?"}],
         routed_experts=experts,
         routed_experts_shape=(2, 3, 2),
         teacher_logprobs=[-0.5, -1.0 / 3.0],
@@ -75,13 +78,15 @@ def test_to_dict_detaches_from_sample() -> None:
         ({"teacher_topk_ids": [[4, 9]], "teacher_topk_logprobs": [[0.0, 0.0]]}, "teacher_topk_ids has 1 rows"),
         ({"teacher_topk_ids": [[4, 9], [5]]}, "row 1 has 1 / 2 entries; every row needs the same k"),
         ({"teacher_topk_ids": [[], []], "teacher_topk_logprobs": [[], []]}, "row 0 has 0 / 0 entries"),
+        ({"request_spans": [(0, 3)]}, "Sample.request_spans: [0, 3) is not an ordered, non-overlapping span"),
+        ({"request_spans": [(0, 2), (1, 2)]}, "Sample.request_spans: [1, 2) is not an ordered"),
     ],
 )
 def test_validate_names_the_field(change: dict[str, object], message: str) -> None:
     sample = _full_sample()
     for key, value in change.items():
         setattr(sample, key, value)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         sample.validate()
 
 

@@ -174,6 +174,77 @@ def test_trainer_logprobs_equal_the_engines_exactly(
         plain.close()
 
 
+def session_samples(url: str, temperature: float, *, episodes: int = 2, turns: int = 5) -> list[Sample]:
+    """Multi-turn episodes through the TITO session server (a user message after every reply), as the
+    ``rollout.function`` of an agent records them: one engine request per turn."""
+    import httpx
+
+    from miles.sessions.server import SessionServer
+    from miles.sessions.session import SessionSampling
+    from miles.settings.sessions import SessionSettings
+
+    async def go() -> list[Sample]:
+        async with HttpEngineClient([url]) as client:
+            server = await SessionServer.for_engines(client, SessionSettings(live_check=False))
+            await server.start()
+            out: list[Sample] = []
+            try:
+                async with httpx.AsyncClient(timeout=60) as http:
+                    for e in range(episodes):
+                        session = server.create_session(
+                            sampling=SessionSampling(temperature=temperature, seed=e, override=True)
+                        )
+                        messages: list[dict[str, Any]] = [{"role": "user", "content": f"Count to {e + 3}."}]
+                        for _ in range(turns):
+                            reply = await http.post(
+                                f"{server.url}/sessions/{session.id}/v1/chat/completions",
+                                json={"messages": messages, "max_tokens": 6},
+                            )
+                            reply.raise_for_status()
+                            messages += [reply.json()["choices"][0]["message"], {"role": "user", "content": "Go on."}]
+                        out.extend(session.samples())
+            finally:
+                await server.stop()
+            return out
+
+    return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_world: Any, tmp_path: Path) -> None:
+    """An agent's sample is several engine requests (``Sample.request_spans``); the replica replays each
+    turn as its own request, so every policy token's logprob is the engine's; the user and template
+    tokens between the turns keep the trainer's own values. A multi-turn sample without spans is refused."""
+    from dataclasses import replace
+
+    args = ["--enable-deterministic-inference"]
+    with EngineProcess(model, extra_args=args, log_path=tmp_path / "engine.log") as engine:  # the model's weights
+        samples = session_samples(engine.url, 0.9)
+    assert len(samples) == 2 and all(len(s.request_spans) == 5 and 0 in s.loss_mask for s in samples)
+    exact = new_trainer(model, dist_world, true_on_policy=True)
+    plain = new_trainer(model, dist_world, true_on_policy=False)
+    try:
+        batch = TrainBatch.from_samples(samples)
+        got = exact.compute_logprobs(batch, temperature=0.9).logprobs
+        own = plain.compute_logprobs(batch, temperature=0.9).logprobs
+        for g, o, s in zip(got, own, samples, strict=True):
+            assert g is not None and o is not None
+            policy = torch.tensor(s.loss_mask, dtype=torch.bool)
+            rollout_lp = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            assert torch.equal(g[policy], rollout_lp[policy])  # every policy token, bit for bit
+            assert torch.equal(g[~policy], o[~policy])  # the tokens between turns: the trainer's own
+            assert not torch.equal(o[policy], rollout_lp[policy])  # the trainer's own forward is not exact
+        metrics = exact.train_step(with_advantages(samples), RatioPG(), temperature=0.9)
+        assert metrics["train_rollout_logprob_abs_diff"] == 0.0
+
+        bare = [replace(s, request_spans=[]) for s in samples]
+        with pytest.raises(ValueError, match="no request_spans"):
+            exact.compute_logprobs(TrainBatch.from_samples(bare), temperature=0.9)
+    finally:
+        exact.close()
+        plain.close()
+
+
 def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: Path) -> None:
     from miles.driver.run import build_run
     from miles.errors import SettingsError
@@ -192,11 +263,12 @@ def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: 
         "rollout.engine.attention_backend=sdpa": "rollout.engine.attention_backend = 'sdpa'",
         "rollout.engine_dtype=bfloat16": "rollout.engine_dtype = 'bfloat16'",
         "rollout.mode=one_step_off": "rollout.mode = 'one_step_off'",
-        "rollout.function=miles.rollout.manager:single_turn": "rollout.function = ",
     }
     for override, message in cases.items():
         with pytest.raises(SettingsError, match=message):
             build_run(load_settings(config, overrides=[override]))
+    # rollout functions (agents' sessions too) are exact: each request is replayed as the engine ran it
+    build_run(load_settings(config, overrides=["rollout.function=miles.rollout.manager:single_turn"]))
     build_run(load_settings(config, overrides=["train.true_on_policy=false", "rollout.mode=one_step_off"]))
 
 

@@ -43,7 +43,10 @@ def children_of_run(run_dir: Path) -> list[int]:
     return found
 
 
-def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: Path) -> None:
+@pytest.mark.parametrize("true_on_policy", [False, True], ids=["default", "true-on-policy"])
+def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: Path, true_on_policy: bool) -> None:
+    """Agent episodes as a run trains on them; with ``train.true_on_policy`` (the deterministic engine) the
+    trainer's logprob of every policy token of every turn is the engine's exactly."""
     from miles_calculator_agent.episode import SYSTEM_PROMPT
 
     from miles.types import Sample
@@ -74,11 +77,16 @@ def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: P
             max_new_tokens = 48
             temperature = 0.7
 
+            [rollout.engine]
+            name = "local"
+            enable_deterministic_inference = {str(true_on_policy).lower()}
+
             [train]
             model_path = "{tool_model}"
             num_rollouts = 2
             global_batch_size = 8
             lr = 1e-4
+            true_on_policy = {str(true_on_policy).lower()}
 
             [algorithm]
             name = "grpo"
@@ -114,6 +122,8 @@ def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: P
         assert row["weight_sync/verified"] == 1.0
         # tool, user and template tokens are masked out of the comparison; every policy token matches
         assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
+        if true_on_policy:  # each turn replayed as the engine ran its request: exact, not merely close
+            assert row["fidelity/train_rollout_logprob_abs_diff"] == 0.0
     # the episodes start from the data's conversation (data.system_prompt, then the question): the tool
     # model calls the calculator on nearly every question it was trained on, and goes on after the result
     for row in rows_:

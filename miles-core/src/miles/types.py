@@ -174,6 +174,10 @@ class Sample:
     """The data set's label for the prompt (reference answer, test cases ...), JSON-serialisable."""
     weight_versions: list[WeightSpan] = field(default_factory=list)
     """Which weight version produced which span of the response (several after a mid-rollout update)."""
+    request_spans: list[tuple[int, int]] = field(default_factory=list)
+    """The response positions ``[start, end)`` each engine request sampled, in order: one per policy turn of
+    a multi-turn session (the tool, user and template tokens in between were not sampled). Empty: one
+    request sampled the whole response. True on-policy replays each request as the engine ran it."""
     logit_masks: list[LogitMask] = field(default_factory=list)
     """Token ids the engine masked out of the distribution of some response positions (EOS before
     ``min_new_tokens``); the trainer scores the same masked distribution."""
@@ -228,6 +232,14 @@ class Sample:
                     f"Sample.response_tensors[{name!r}] has shape {tensor.shape}, response_ids has {n} entries "
                     "(the first dimension must be the response length)"
                 )
+        end = 0
+        for start, stop in self.request_spans:
+            if not end <= start <= stop <= n:
+                raise ValueError(
+                    f"Sample.request_spans: [{start}, {stop}) is not an ordered, non-overlapping span of the {n} "
+                    "response tokens"
+                )
+            end = stop
         for mask in self.logit_masks:
             if not 0 <= mask.start <= mask.end <= n:
                 raise ValueError(
@@ -301,6 +313,8 @@ class Sample:
             kwargs["status"] = SampleStatus(kwargs["status"])
         if "weight_versions" in kwargs:
             kwargs["weight_versions"] = [WeightSpan.from_list(v) for v in kwargs["weight_versions"]]
+        if "request_spans" in kwargs:
+            kwargs["request_spans"] = [(int(a), int(b)) for a, b in kwargs["request_spans"]]
         if "logit_masks" in kwargs:
             kwargs["logit_masks"] = [LogitMask.from_list(v) for v in kwargs["logit_masks"]]
         if kwargs.get("routed_experts") is not None:

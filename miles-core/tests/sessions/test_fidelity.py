@@ -127,8 +127,8 @@ async def episode(server: SessionServer, sid: str) -> tuple[list[dict[str, Any]]
     return turns, messages
 
 
-def test_fifty_turn_episodes_are_token_exact(policy: tuple[str, Path, EngineProcess]) -> None:
-    family, model_dir, engine = policy
+def run_episode(engine: EngineProcess, family: str) -> tuple[SessionServer, list[dict[str, Any]], Sample]:
+    """One 50-turn episode through a session server in front of ``engine``: the server, the turns, the sample."""
     settings = SessionSettings(chat_template="qwen3" if family == "qwen3" else None)
 
     async def run() -> tuple[SessionServer, list[dict[str, Any]], Sample]:
@@ -145,7 +145,12 @@ def test_fifty_turn_episodes_are_token_exact(policy: tuple[str, Path, EngineProc
             finally:
                 await server.stop()
 
-    server, turns, sample = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_fifty_turn_episodes_are_token_exact(policy: tuple[str, Path, EngineProcess]) -> None:
+    family, model_dir, engine = policy
+    server, turns, sample = run_episode(engine, family)
     assert server.report.ok and server.live is not None and server.live.ok, server.live
     sample.validate()
     info = sample.metadata["session"]
@@ -196,3 +201,29 @@ def test_fifty_turn_episodes_are_token_exact(policy: tuple[str, Path, EngineProc
     # against HF fp32; smollm2: 5.28e-5 against fp64), hence the bound of 1e-4 on the maximum.
     assert within >= 0.99 and float(diff.max()) <= 1e-4, f"{family}: {float(diff.max()):.2e}"
     assert float(exact.max()) <= 1e-4, f"{family}: {float(exact.max()):.2e}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fifty_turn_episodes_replay_bit_for_bit_on_the_deterministic_engine(family: str, tmp_path: Path) -> None:
+    """``train.true_on_policy`` for agents: on the deterministic engine, replaying each of the 50 turns as its
+    own request (:func:`miles.engine.replay.request_logprobs`, what the trainer's replica runs) gives the
+    engine's logprob of every policy token bit for bit, thinking blocks and tool calls included (the HF
+    forward of the test above is within 1e-5 on 99% of them: float32 rounding of another schedule)."""
+    from miles.engine.model_runner import ModelRunner
+    from miles.engine.replay import request_logprobs
+    from miles.testing.tool_model import tool_model_for
+
+    torch.set_num_threads(1)
+    model_dir = tool_model_for(family)
+    args = ["--enable-deterministic-inference"]
+    with EngineProcess(model_dir, extra_args=args, log_path=tmp_path / "engine.log") as engine:
+        _, turns, sample = run_episode(engine, family)
+    sample.validate()
+    assert len(sample.request_spans) == TURNS and sum(1 for t in turns if t["calls"]) >= 8
+    runner = ModelRunner(model_dir, dtype="float32")
+    replayed = request_logprobs(runner, sample.tokens, len(sample.prompt_ids), sample.request_spans, TEMPERATURE)
+    policy = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    engine_lp = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+    assert torch.equal(replayed[policy], engine_lp[policy]), float((replayed[policy] - engine_lp[policy]).abs().max())
+    assert bool(torch.isnan(replayed[~policy]).all())  # no request sampled the tool, user and template tokens
+    print(f"{family}: {len(sample.tokens)} tokens, {int(policy.sum())} policy tokens replayed bit for bit")

@@ -274,9 +274,13 @@ class FSDPTrainer(Trainer[FSDPSettings]):
                 for i, part in zip(mb.indices, lp.split(mb.response_lengths), strict=True):
                     logprobs[i] = part.float().cpu()
                 if model == "actor" and self._replica is not None:  # the engine's values, bit for bit
+                    from miles_fsdp.true_on_policy import exact_or_own
+
                     exact = self._replica.logprobs(batch, mb.indices, temperature)
                     for i, values in zip(mb.indices, exact, strict=True):
-                        logprobs[i] = values
+                        own = logprobs[i]
+                        assert own is not None
+                        logprobs[i] = exact_or_own(own, values)
                 if ent is not None:
                     for i, part in zip(mb.indices, ent.split(mb.response_lengths), strict=True):
                         entropy[i] = part.float().cpu()

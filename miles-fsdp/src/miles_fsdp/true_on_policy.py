@@ -10,9 +10,12 @@ token, a causal attention kernel over the whole sequence), which changes the las
 
 :class:`EngineReplica` runs the engine's own :class:`~miles.engine.model_runner.ModelRunner` in the trainer
 process on the trainer's current weights (loaded as the engine loads a weight update, so the dtype cast is
-the engine's), and replays that schedule for each sequence: the same kernels (packed oneDNN GEMMs, Miles'
-CPU kernels or SDPA, as the engine resolved them on this machine), the same shapes, the same order. Its
-logprobs are exactly the engine's (:func:`engine_logprobs`).
+the engine's), and replays that schedule for each request (:mod:`miles.engine.replay`): the same kernels
+(packed oneDNN GEMMs, Miles' CPU kernels or SDPA, as the engine resolved them on this machine), the same
+shapes, the same order. Its logprobs are exactly the engine's. A multi-turn session's sample is one request
+per policy turn (``Sample.request_spans``): each turn is replayed as its own request, so every policy token
+of an agent episode is exact too; the tool, user and template tokens between the turns keep the trainer's
+own values (no request sampled them, and the loss masks them out).
 
 Gradients: the train step's loss sees ``replayed + (own - own.detach())``, whose value is the replayed
 logprob exactly and whose gradient is that of the trainer's own differentiable forward (the same function,
@@ -24,8 +27,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from miles.engine.replay import engine_logprobs
 from miles.errors import SettingsError
 
 if TYPE_CHECKING:
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
     from miles.settings.model import MilesSettings
     from miles.training.batch import TrainBatch
 
-__all__ = ["EngineReplica", "check_true_on_policy", "engine_logprobs", "with_exact_values"]
+__all__ = ["EngineReplica", "check_true_on_policy", "engine_logprobs", "exact_or_own", "with_exact_values"]
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +69,6 @@ def check_true_on_policy(settings: MilesSettings) -> None:
         )
     if settings.cluster.device != "cpu":
         problems.append(f"cluster.device = {settings.cluster.device!r}: true on-policy is exact on CPU only for now")
-    if rollout.function is not None:
-        problems.append(f"rollout.function = {rollout.function!r}: {why} for single-turn responses (one request each)")
     if rollout.mode != "sync":
         problems.append(
             f"rollout.mode = {rollout.mode!r}: a response sampled across a weight update has no single weight "
@@ -74,12 +76,6 @@ def check_true_on_policy(settings: MilesSettings) -> None:
         )
     if problems:
         raise SettingsError("\n".join(problems))
-
-
-def _chunk_size() -> int:
-    from miles.engine import scheduler
-
-    return int(scheduler._CHUNK)
 
 
 def _full_weights(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -117,65 +113,53 @@ class EngineReplica:
         log.debug("true on-policy replica: %d tensors of step %d loaded", count, step)
 
     def logprobs(self, batch: TrainBatch, indices: Sequence[int], temperature: float) -> list[torch.Tensor]:
-        """The engine's logprob of every response token of sequences ``indices`` (fp32, ``[R_i]`` each)."""
+        """The engine's logprob of every response token of sequences ``indices`` that a request sampled
+        (fp32, ``[R_i]`` each; NaN at the tokens between a session's turns)."""
+        from miles.engine.replay import request_logprobs
         from miles.training.logit_masks import LOGIT_MASK_IDS
+        from miles.training.request_spans import REQUEST_INDEX, spans_of
 
         out = []
         for i in indices:
             tokens = batch.sequence(i)
             prompt = int(batch.prompt_lengths[i])
             masks = batch.response_tensor_rows(LOGIT_MASK_IDS, [i])
-            out.append(engine_logprobs(self.runner, tokens, prompt, temperature, masks))
+            requests = batch.response_tensor_rows(REQUEST_INDEX, [i])
+            if requests is None or bool((requests == 0).all()):
+                _check_one_request(batch, i)
+                spans: list[tuple[int, int]] = []
+            else:
+                spans = spans_of(requests)
+            out.append(request_logprobs(self.runner, tokens, prompt, spans, temperature, masks))
         return out
 
 
-def engine_logprobs(
-    runner: Any, tokens: Sequence[int], prompt_length: int, temperature: float, mask_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The logprobs of ``tokens[prompt_length:]`` exactly as the deterministic engine reports them.
+def _check_one_request(batch: TrainBatch, i: int) -> None:
+    """Refuse a sequence that looks like several requests but says nothing of them: trained tokens after
+    untrained ones (a multi-turn rollout function that sets no ``Sample.request_spans``)."""
+    mask = batch.token_field("loss_mask", [i])
+    if mask is None:
+        return
+    trained = (mask > 0).tolist()
+    first_gap = next((t for t in range(1, len(trained)) if trained[t - 1] and not trained[t]), None)
+    if first_gap is not None and any(trained[first_gap:]):
+        raise ValueError(
+            f"train.true_on_policy: sequence {i} of the batch trains on tokens after untrained ones (a multi-turn "
+            "response) but its sample has no request_spans, so the trainer cannot replay the engine requests that "
+            "sampled it; a rollout function that makes several requests per sample must set Sample.request_spans "
+            "(sessions do)"
+        )
 
-    The scheduler's schedule for one request (:mod:`miles.engine.scheduler`): prefill ``tokens[:prompt - 1]``
-    from position 0 in chunks, then one decode step per response token (fed the token before it, in slot 0
-    over its own positions), and the sampler's arithmetic (:func:`miles.engine.sampling.sample_rows`): the
-    fp32 logits, ``-inf`` at the masked ids (``mask_ids`` ``[R, M]``, ``-1`` = none), ``log_softmax`` of them
-    (temperature 1) or of ``logits / temperature`` (a float32 tensor, as the engine divides).
-    """
+
+def exact_or_own(own: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """``exact``'s values, ``own``'s where ``exact`` is NaN (tokens no engine request sampled)."""
     import torch
 
-    with torch.inference_mode():
-        return _replay(runner, [int(t) for t in tokens], prompt_length, temperature, mask_ids)
-
-
-def _replay(
-    runner: Any, seq: list[int], prompt_length: int, temperature: float, mask_ids: torch.Tensor | None
-) -> torch.Tensor:
-    import torch
-
-    if not 0 < prompt_length < len(seq):
-        raise ValueError(f"engine_logprobs: prompt length {prompt_length} for a sequence of {len(seq)} tokens")
-    need = prompt_length - 1
-    chunk = _chunk_size()
-    done = 0
-    while done < need:
-        piece = seq[done : min(need, done + chunk)]
-        runner.prefill(0, [piece], [done], [False])
-        done += len(piece)
-    temps = torch.tensor([temperature], dtype=torch.float32)
-    out = torch.empty(len(seq) - prompt_length, dtype=torch.float32)
-    for r, position in enumerate(range(need, len(seq) - 1)):
-        logits, _ = runner.decode([seq[position]], [position], first_slot=0)
-        logits = logits.float().clone()
-        if mask_ids is not None:
-            banned = [int(t) for t in mask_ids[r].tolist() if t >= 0]
-            if banned:
-                logits[[0] * len(banned), banned] = float("-inf")
-        raw = torch.log_softmax(logits, dim=-1)
-        scaled = raw if bool((temps == 1.0).all()) else torch.log_softmax(logits / temps[:, None], dim=-1)
-        out[r] = scaled[0, seq[position + 1]]
-    return out
+    exact = exact.to(own.device, own.dtype)
+    return torch.where(torch.isnan(exact), own.detach(), exact)
 
 
 def with_exact_values(own: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """``exact``'s values with ``own``'s gradient: ``exact + (own - own.detach())`` (``own - own.detach()`` is
-    exactly 0 for finite values)."""
-    return exact.to(own.device, own.dtype) + (own - own.detach())
+    """``exact``'s values (``own``'s where it is NaN) with ``own``'s gradient: ``exact + (own - own.detach())``
+    (``own - own.detach()`` is exactly 0 for finite values)."""
+    return exact_or_own(own, exact) + (own - own.detach())

@@ -163,6 +163,7 @@ class SessionRollout:
             status=main.status,
             status_reason=main.status_reason,
             weight_versions=main.weight_versions,
+            request_spans=main.request_spans,
             routed_experts=main.routed_experts,
             routed_experts_shape=main.routed_experts_shape,
             metadata={**sample.metadata, **main.metadata, **(result or {})},

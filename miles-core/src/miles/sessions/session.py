@@ -333,6 +333,7 @@ class Session:
             prompt=self.renderer.decode(first.prompt_ids),
             response=self.renderer.decode(response),
             weight_versions=spans,
+            request_spans=[(a, b) for a, b in policy_spans],
             routed_experts=routed,
             routed_experts_shape=shape,
             metadata={

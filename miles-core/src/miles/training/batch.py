@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from miles.training.logit_masks import LOGIT_MASK_IDS, pack_logit_masks
+from miles.training.request_spans import REQUEST_INDEX, pack_request_spans
 from miles.training.routing import ROUTED_EXPERTS, pack_routed_experts
 from miles.types import Sample
 
@@ -496,6 +497,9 @@ class TrainBatch:
         masks = pack_logit_masks(samples)
         if masks is not None:
             batch.response_tensors[LOGIT_MASK_IDS] = masks
+        requests = pack_request_spans(samples)
+        if requests is not None:
+            batch.response_tensors[REQUEST_INDEX] = requests
         routed = pack_routed_experts(samples)
         if routed is not None:
             batch.token_tensors[ROUTED_EXPERTS] = routed

@@ -56,6 +56,11 @@ TRAIN = dict(
     grad_clip=0.5,
     max_tokens_per_micro_batch=MICRO_BATCH_TOKENS,
 )
+R3_LAYOUTS: dict[str, dict[str, Any]] = {
+    "r3_tp2": dict(tensor_parallel=2, sequence_parallel=True),
+    "r3_pp2": dict(pipeline_parallel=2),
+}
+"""MoE layouts whose routing replay is checked beside expert parallel 2."""
 ON_A_THREAD = "dp2"
 """The layout whose steps run on another thread than its set-up (torch's function modes are per thread)."""
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -174,10 +179,34 @@ def _vocab(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
-def _train_settings(model: str) -> Any:
+def _train_settings(model: str, **extra: Any) -> Any:
     from miles.settings.model import TrainSettings
 
-    return TrainSettings(model_path=model, **TRAIN)  # type: ignore[arg-type]
+    return TrainSettings(model_path=model, **TRAIN, **extra)  # type: ignore[arg-type]
+
+
+def with_forced_routing(batch: TrainBatch, model: str) -> TrainBatch:
+    """``batch`` with engine routing data (``ROUTED_EXPERTS``) that the model would rarely choose itself:
+    position ``t`` of layer ``l`` routed to experts ``(3t + l + j) % E``; the last token of each sequence has
+    none (``-1``), as from the engine."""
+    import torch
+
+    from miles.training.routing import ROUTED_EXPERTS
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    layers, k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    rows = []
+    for n in batch.lengths:
+        t = torch.arange(n)[:, None, None]
+        l = torch.arange(layers)[None, :, None]  # noqa: E741
+        j = torch.arange(k)[None, None, :]
+        table = (3 * t + l + j) % experts
+        table[-1] = -1
+        rows.append(table)
+    out = batch.select(range(len(batch)))
+    out.token_tensors[ROUTED_EXPERTS] = torch.cat(rows).to(torch.int16)
+    return out
 
 
 def _run_layout(trainer: Any, rank: int, world: int, model: str, out: Path) -> dict[str, Any]:
@@ -269,6 +298,23 @@ def _megatron_rank(
         trainer.export_hf(str(out / "hf"))
         results["nan_step"] = _nan_step(trainer, rank, world, _vocab(moe_model))
         trainer.close()
+        # R3: the engine's experts replayed by Megatron-Core's router hook, then one step with them
+        trainer = MegatronTrainer(_train_settings(moe_model, routing_replay=True), options, FP32(None), ctx)
+        trainer.setup()
+        forced = with_forced_routing(evals, moe_model)
+        lp = trainer.compute_logprobs(forced.shard(rank, world), temperature=EVAL_TEMPERATURE)
+        results["r3_logprobs"] = [t.tolist() for t in lp.logprobs]
+        step = with_forced_routing(step_batches(_vocab(moe_model))[0], moe_model)
+        results["r3_metrics"] = trainer.train_step(step.shard(rank, world), PolicyGradient(), temperature=TEMPERATURE)
+        trainer.close()
+        for name, layout in R3_LAYOUTS.items():  # each router's tokens and layers under TP + SP and PP
+            trainer = MegatronTrainer(
+                _train_settings(moe_model, routing_replay=True), MegatronSettings(**layout), FP32(None), ctx
+            )
+            trainer.setup()
+            lp = trainer.compute_logprobs(forced.shard(rank, world), temperature=EVAL_TEMPERATURE)
+            results[f"{name}_logprobs"] = [t.tolist() for t in lp.logprobs]
+            trainer.close()
         (out / f"results_rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()

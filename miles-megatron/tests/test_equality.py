@@ -159,6 +159,34 @@ def test_moe_at_expert_parallel_2_equals_hf(run: Run) -> None:
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
+def test_moe_routing_replay_at_expert_parallel_2_equals_hf_with_the_same_experts(run: Run) -> None:
+    """R3 on Megatron-Core: the routers take the engine's experts (a routing the model would not choose), so
+    the logprobs equal an HF forward forced to the same experts (miles-fsdp's router patch), differ from
+    the model's own routing, and the step reports how rarely the router agreed."""
+    from miles.training.routing import ROUTED_EXPERTS
+    from miles_fsdp.routing import patch_routers
+
+    model = _hf_model(run.moe)
+    state = patch_routers(model, replay=True)
+    assert state is not None
+    forced = job.with_forced_routing(job.eval_batch(job._vocab(str(run.moe))), str(run.moe))
+    want = []
+    with torch.no_grad():
+        for i, (tokens, prompt) in enumerate(zip(forced.sequences(), forced.prompt_lengths.tolist(), strict=True)):
+            state.set_rows(forced.token_tensor_rows(ROUTED_EXPERTS, [i]))
+            logits = model(torch.tensor([tokens])).logits[0, prompt - 1 : -1].float() / job.EVAL_TEMPERATURE
+            want.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[prompt:])[:, None])[:, 0])
+    got = run.logprobs("ep2", "r3_logprobs")
+    assert _max_diff(got, want) <= TOL
+    assert _max_diff(got, run.logprobs("ep2")) > 1e-3  # the forced experts are not the model's own
+    for name in job.R3_LAYOUTS:  # TP=2 with sequence parallel (each rank its slice of the tokens), PP=2
+        assert _max_diff(run.logprobs("ep2", f"{name}_logprobs"), want) <= TOL, name
+    for rank in run.ranks("ep2"):
+        metrics = rank["r3_metrics"]
+        assert metrics["grad_norm"] > 0 and 0.0 <= metrics["fidelity/routing_agreement"] < 0.5
+        assert metrics["fidelity/routing_agreement_layer0"] >= 0.0
+
+
 def test_a_nan_loss_refuses_the_step_on_every_rank(run: Run) -> None:
     """NaN advantages at EP=2: each rank refuses the optimizer step naming it; step count and weights kept."""
     for rank in run.ranks("ep2"):

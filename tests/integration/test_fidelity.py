@@ -139,3 +139,16 @@ def test_moe_grpo_with_routing_replay_resumes_bit_exactly(tmp_path: Path) -> Non
     a = load_file(tmp_path / "full" / "run" / "hf" / "model.safetensors")
     b = load_file(part_dir / "hf" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_moe_grpo_with_routing_replay_on_megatron_at_expert_parallel_2(tmp_path: Path) -> None:
+    """The engine's routing reaches Megatron-Core's routers: ``miles train`` with the megatron trainer at
+    expert parallel 2 replays every rollout token's experts (its layers numbered as the engine's), and scores
+    the engine's ``min_new_tokens``-masked distribution (a ~1e-3 mismatch when it scored the unmasked one)."""
+    megatron = '\n[train.backend]\nname = "megatron"\nexpert_parallel = 2\n'
+    rows = run(tmp_path, False, arch="qwen3_moe", replay=True, extra=megatron, rollouts=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert 0.0 < row["fidelity/routing_agreement"] <= 1.0
+        assert row["rollout/routed_experts_bytes_per_sample"] > 0
+        assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-5

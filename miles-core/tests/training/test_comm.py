@@ -31,6 +31,12 @@ JOB = textwrap.dedent(
         experts = torch.tensor([[[-1, 300], [7, 32767]]], dtype=torch.int16)  # gloo has no int16: sent as bytes
         sent = broadcast_tensors({"routed": experts} if rank == 0 else None)["routed"]
         int16_exact = sent.dtype == torch.int16 and torch.equal(sent, experts)
+        pooled16 = all_gather_tensors({"routed": experts[:, : rank + 1] + rank, "flags": torch.tensor([True, rank == 1])})
+        int16_exact = int16_exact and all(
+            p["routed"].dtype == torch.int16 and torch.equal(p["routed"], experts[:, : r + 1] + r)
+            and torch.equal(p["flags"], torch.tensor([True, r == 1]))
+            for r, p in enumerate(pooled16)
+        )
         mine = batch.shard(rank, 2)
         pooled = TrainBatch.concat([TrainBatch.from_tensors(t) for t in all_gather_tensors(mine.to_tensors())])
         pooled_same = all(torch.equal(getattr(pooled, k), v) for k, v in batch.to_tensors().items())

@@ -172,6 +172,7 @@ def _config_overrides(hf_config: Any, *, cpu: bool, dtype: torch.dtype, options:
             overrides.update(recompute_method="uniform", recompute_num_layers=1)
     model_type = hf_config.model_type
     if model_type in ("qwen2_moe", "qwen3_moe"):
+        overrides["moe_enable_routing_replay"] = True  # the routers' hook for R3 (miles_megatron.routing)
         # HF renormalises the top-k weights with norm_topk_prob: softmax over the top-k logits is the same
         overrides["moe_router_pre_softmax"] = not bool(getattr(hf_config, "norm_topk_prob", False))
     if model_type == "qwen2_moe":

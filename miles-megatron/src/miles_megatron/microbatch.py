@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from miles.training.batch import TrainBatch
+from miles.training.logit_masks import LOGIT_MASK_IDS
+from miles.training.routing import ROUTED_EXPERTS
 
 __all__ = ["MicroBatch", "make_micro_batch"]
 
@@ -38,6 +40,12 @@ class MicroBatch:
     """Response tokens per sequence (sums to ``T``); empty for a dummy micro-batch."""
     indices: list[int]
     """Positions of the sequences in the batch they came from."""
+    mask_ids: torch.Tensor | None = None
+    """``[T, M]`` the token ids the engine masked out of each response position's distribution (``-1``: none;
+    :data:`~miles.training.logit_masks.LOGIT_MASK_IDS`), or ``None``."""
+    routed_experts: torch.Tensor | None = None
+    """``[b, s, layers, k]`` the engine's experts of each position (``-1``: none, and the padding), or ``None``
+    when the batch has no routing data (:data:`~miles.training.routing.ROUTED_EXPERTS`)."""
 
     @property
     def is_empty(self) -> bool:
@@ -74,6 +82,14 @@ def make_micro_batch(
         pieces.append(tokens[prompt:])
         lengths.append(n - prompt)
     positions = torch.arange(width)[None].expand(len(indices), width).contiguous()
+    routed = None
+    if ROUTED_EXPERTS in batch.token_tensors:
+        table = batch.token_tensors[ROUTED_EXPERTS]
+        routed = torch.full((len(indices), width, *table.shape[1:]), -1, dtype=table.dtype)
+        for r, i in enumerate(indices):
+            experts = batch.token_tensor_rows(ROUTED_EXPERTS, [i])
+            assert experts is not None
+            routed[r, : experts.shape[0]] = experts
     return MicroBatch(
         input_ids=ids.to(device),
         position_ids=positions.to(device),
@@ -82,4 +98,6 @@ def make_micro_batch(
         targets=torch.cat(pieces).to(device=device, dtype=torch.long),
         response_lengths=lengths,
         indices=list(indices),
+        mask_ids=batch.response_tensor_rows(LOGIT_MASK_IDS, indices, device),
+        routed_experts=routed,
     )

@@ -12,12 +12,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles_megatron.modules import unwrap
 from miles_megatron.settings import MegatronSettings
+
+if TYPE_CHECKING:
+    from miles.training.routing import RouterReplay
 
 __all__ = [
     "ModelParts",
@@ -92,6 +95,8 @@ class ModelParts:
     bridge: Any
     vocab_size: int
     """The HF vocabulary (logits beyond it are TP padding)."""
+    routing: RouterReplay | None = None
+    """The MoE routers' replay and agreement counts (the actor of an MoE model; :mod:`miles_megatron.routing`)."""
 
 
 def build_model(

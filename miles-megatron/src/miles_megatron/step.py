@@ -33,6 +33,7 @@ from miles_megatron.microbatch import MicroBatch
 if TYPE_CHECKING:
     from miles.algorithms.base import Algorithm
     from miles.training.batch import TrainBatch
+    from miles.training.routing import RouterReplay
     from miles_megatron.model import ModelParts
 
 __all__ = ["StepTrainer", "forward_per_token", "lr_factor", "run_micro_batches", "run_train_step"]
@@ -86,15 +87,28 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
 
 
 def run_micro_batches(
-    module: Any, micro_batches: Sequence[MicroBatch], on_output: OnOutput, *, vocab_size: int | None, forward_only: bool
+    module: Any,
+    micro_batches: Sequence[MicroBatch],
+    on_output: OnOutput,
+    *,
+    vocab_size: int | None,
+    forward_only: bool,
+    routing: RouterReplay | None = None,
 ) -> None:
     """Run every micro-batch through the schedule (forward, and backward unless ``forward_only``).
 
     ``vocab_size`` is the HF vocabulary of a policy (its logits are gathered over tensor parallel and the
-    padding cut off); ``None`` for the critic, whose value head gives one value per position.
+    padding cut off); ``None`` for the critic, whose value head gives one value per position. ``routing``
+    (the actor's, :mod:`miles_megatron.routing`) gets each micro-batch's engine experts before its forward.
     """
+    from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from miles_megatron.routing import router_rows
+
+    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    sequence_parallel = bool(getattr(module.config, "sequence_parallel", False))
 
     def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         if vocab_size is None:
@@ -106,6 +120,8 @@ def run_micro_batches(
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
+        if routing is not None:
+            routing.set_rows(router_rows(mb, tp_rank=tp_rank, tp_size=tp_size, sequence_parallel=sequence_parallel))
         output = model(mb.input_ids, mb.position_ids, None)
         return output, partial(loss_func, mb)
 
@@ -152,7 +168,7 @@ def forward_per_token(
     module.eval()
     with torch.no_grad():
         vocab = None if values else parts.vocab_size
-        run_micro_batches(module, micro_batches, on_output, vocab_size=vocab, forward_only=True)
+        run_micro_batches(module, micro_batches, on_output, vocab_size=vocab, forward_only=True, routing=parts.routing)
     module.train(was_training)
     return filled
 
@@ -257,7 +273,12 @@ def run_train_step(
     def on_logits(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
         nonlocal loss_sum
         logprobs, entropy = token_logprobs(
-            logits, mb.targets, temperature, with_entropy=True, entropy_grad=getattr(algorithm.needs, "entropy", False)
+            logits,
+            mb.targets,
+            temperature,
+            with_entropy=True,
+            entropy_grad=getattr(algorithm.needs, "entropy", False),
+            mask_ids=mb.mask_ids,
         )
         assert entropy is not None
         student_topk = None
@@ -295,7 +316,9 @@ def run_train_step(
         parts.module.train()
         parts.module.zero_grad_buffer()
         optimizer.zero_grad()
-    run_micro_batches(actor.module, micro_batches, on_logits, vocab_size=actor.vocab_size, forward_only=False)
+    run_micro_batches(
+        actor.module, micro_batches, on_logits, vocab_size=actor.vocab_size, forward_only=False, routing=actor.routing
+    )
     if critic is not None:
         run_micro_batches(critic.module, micro_batches, on_values, vocab_size=None, forward_only=False)
     # the loss summed over every rank (pipeline stages without a loss add 0): a NaN anywhere refuses the step

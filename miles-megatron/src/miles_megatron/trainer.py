@@ -63,12 +63,18 @@ class MegatronTrainer(Trainer[MegatronSettings]):
     def check_settings(cls, options: MegatronSettings, settings: MilesSettings) -> None:
         """Check the parallel layout against ``cluster.trainer_ranks`` and the model's config, before any
         process starts (``build_run`` calls it). Raises :class:`~miles.errors.SettingsError` naming the field."""
-        for field in ("true_on_policy", "routing_replay"):
-            if getattr(settings.train, field):
-                raise SettingsError(
-                    f'train.{field}: the megatron trainer does not implement it yet; use train.backend = "fsdp" '
-                    f"or set train.{field} = false"
-                )
+        if settings.train.true_on_policy:
+            raise SettingsError(
+                'train.true_on_policy: the megatron trainer does not implement it yet; use train.backend = "fsdp" '
+                "or set train.true_on_policy = false"
+            )
+        if settings.train.routing_replay and options.recompute != "none" and options.pipeline_parallel > 1:
+            raise SettingsError(
+                f"train.routing_replay with train.backend.recompute = {options.recompute!r} and pipeline_parallel = "
+                f"{options.pipeline_parallel}: a recomputed forward in the 1F1B schedule runs after later "
+                'micro-batches\' forwards and would replay their routing; set recompute = "none" or '
+                "pipeline_parallel = 1"
+            )
         config = read_hf_config(settings.train.model_path) if settings.train.model_path else None
         try:
             check_parallel_layout(options, settings.cluster.trainer_ranks, config)
@@ -98,6 +104,11 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         self.actor = build_model(
             self._hf_config, opts, device=self.dist.device, dtype=dtype, weights=train.model_path, trainable=True
         )
+        from miles_megatron.routing import install
+
+        self.actor.routing = install(self.actor.module, replay=train.routing_replay)
+        if self.actor.routing is not None:
+            self.actor.routing.measure = False  # counted in train steps only
         self.optimizer = build_optimizer(self.actor.module, train, opts, dtype=dtype)
         if need_ref:
             self.ref = build_model(
@@ -265,7 +276,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
             raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
 
         def compute(mb: MicroBatch, logits: torch.Tensor) -> dict[str, torch.Tensor]:
-            lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy)
+            lp, ent = token_logprobs(logits, mb.targets, temperature, with_entropy, mask_ids=mb.mask_ids)
             return {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
 
         names = ["logprobs", "entropy"] if with_entropy else ["logprobs"]
@@ -284,8 +295,18 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         """One optimizer step over the step's sequences (this rank's share); see :mod:`miles_megatron.step`."""
         from miles_megatron.step import run_train_step
 
-        self._require_setup()
-        metrics = run_train_step(self, batch, algorithm, temperature=temperature)
+        actor = self._require_setup()
+        routing = actor.routing
+        if routing is not None:  # agreement is counted by the train step's forwards (once per step)
+            routing.stats.reset()
+            routing.measure = True
+        try:
+            metrics = run_train_step(self, batch, algorithm, temperature=temperature)
+        finally:
+            if routing is not None:
+                routing.measure = False
+        if routing is not None:  # a collective: every rank's counts (its stage's layers, its tokens)
+            metrics.update(routing.stats.metrics(routing.num_layers))
         self.step += 1
         self.critic_step += int(algorithm.needs.values)
         return metrics

@@ -146,12 +146,14 @@ def all_gather_tensors(tensors: Mapping[str, torch.Tensor], *, group: Any = None
     ]
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for j, name in enumerate(names):
+        # as raw bytes: exact for every dtype, and gloo has no all_gather for some (int16, bool)
         local = tensors[name].detach().contiguous()
-        counts = [int(torch.Size(rank_shapes[j]).numel()) for rank_shapes in shapes]
-        buf = torch.zeros(max(counts), dtype=local.dtype, device=device)
-        buf[: local.numel()] = local.reshape(-1).to(device)
-        parts = [torch.zeros(max(counts), dtype=local.dtype, device=device) for _ in range(world)]
+        width = local.element_size()
+        counts = [int(torch.Size(rank_shapes[j]).numel()) * width for rank_shapes in shapes]
+        buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+        buf[: local.numel() * width] = local.reshape(-1).view(torch.uint8).to(device)
+        parts = [torch.zeros(max(counts), dtype=torch.uint8, device=device) for _ in range(world)]
         dist.all_gather(parts, buf, group=group)
         for r in range(world):
-            out[r][name] = parts[r][: counts[r]].cpu().reshape(shapes[r][j])
+            out[r][name] = parts[r][: counts[r]].cpu().view(local.dtype).reshape(shapes[r][j])
     return out

@@ -4,8 +4,9 @@ Qwen3-MoE and true on-policy on a tiny dense Qwen2, each against the same fsdp t
 One gloo rank in this process, threads pinned; for each model the trainers are set up once and time
 ``train_step`` (forward + backward + AdamW, the kit's ``RatioPG`` loss) on one fixed batch, median of the
 timed steps after a warm-up step; rounds alternate the order of the two sides. The batch's routed experts
-are random (the cost of replay does not depend on which experts), its rollout logprobs are zeros (true
-on-policy's cost is its replica's prefill + one decode step per response token, whatever the values)::
+are the model's own routing (recorded from a forward of the same weights, as the engine would report
+them), so replay sends the tokens through the experts the default run uses; its rollout logprobs are zeros
+(true on-policy's cost is its replica's prefill + one decode step per response token, whatever the values)::
 
     python -m benchmarks.fidelity            # 8 sequences of 32 + 32 tokens, 3 rounds x 3 steps
     python -m benchmarks.fidelity --quick
@@ -31,7 +32,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _batch(sequences: int, prompt: int, response: int, moe_layers: int, top_k: int, experts: int) -> Any:
+def _own_routing(model: Path, tokens: list[int]) -> Any:
+    """``[len(tokens) - 1, layers, k]`` int32: the experts ``model``'s routers choose for each token but the last
+    (what the engine reports for the sequence)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles_fsdp.routing import patch_routers
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    state = patch_routers(hf, replay=False)
+    assert state is not None
+    chosen: dict[int, torch.Tensor] = {}
+    select = state.select
+
+    def recording(layer: int, probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, indices = select(layer, probs, top_k)
+        chosen[layer] = indices
+        return weights, indices
+
+    state.select = recording  # type: ignore[method-assign]
+    with torch.no_grad():
+        hf(torch.tensor([tokens]))
+    routed = torch.stack([chosen[layer] for layer in range(state.num_layers)], dim=1)[: len(tokens) - 1]
+    return routed.numpy().astype(np.int32)
+
+
+def _batch(sequences: int, prompt: int, response: int, model: Path | None) -> Any:
     import numpy as np
 
     from miles.training.batch import TrainBatch
@@ -47,8 +75,8 @@ def _batch(sequences: int, prompt: int, response: int, moe_layers: int, top_k: i
             rollout_logprobs=[0.0] * response,
             loss_mask=[1] * response,
         )
-        if moe_layers:
-            routed = rng.integers(0, experts, (prompt + response - 1, moe_layers, top_k)).astype(np.int32)
+        if model is not None:
+            routed = _own_routing(model, tokens)
             s.routed_experts, s.routed_experts_shape = routed.tobytes(), routed.shape  # type: ignore[assignment]
         samples.append(s)
     batch = TrainBatch.from_samples(samples, [[0.5 - i % 2] * response for i in range(sequences)])
@@ -102,7 +130,7 @@ def main() -> None:
             for label, (arch, switch) in cases.items():
                 model = build_tiny_model(Path(tmp) / arch, arch, seed=0, num_experts=8)  # type: ignore[arg-type]
                 moe = arch.endswith("moe")
-                batch = _batch(sequences, prompt, response, 2 if moe else 0, 2, 8)
+                batch = _batch(sequences, prompt, response, model if moe else None)
                 trainers = {"default": _trainer(model, ctx), switch: _trainer(model, ctx, **{switch: True})}
                 times: dict[str, list[float]] = {name: [] for name in trainers}
                 for trainer in trainers.values():

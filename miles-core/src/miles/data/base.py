@@ -9,7 +9,16 @@ from typing import Any
 
 from miles.components import Component, SettingsT
 
-__all__ = ["DataSource", "Prompt"]
+__all__ = ["DataSource", "Prompt", "content_text"]
+
+
+def content_text(content: Any) -> str:
+    """A chat message's OpenAI content as text: a string, ``None`` or a list of parts (their text, joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
 
 
 @dataclass
@@ -33,10 +42,7 @@ class Prompt:
             return self.prompt
         for message in reversed(self.prompt):
             if message.get("role") == "user":
-                content = message.get("content")
-                if isinstance(content, str):
-                    return content
-                return "".join(str(p.get("text", "")) for p in content or [] if isinstance(p, dict))
+                return content_text(message.get("content"))
         return ""
 
     @property

@@ -18,19 +18,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from miles.data.base import content_text
+
 __all__ = ["Message", "same_message", "template_message", "template_messages", "tools_key"]
 
 Message = dict[str, Any]
 """A chat message (OpenAI's shape in requests, template form in the session's record)."""
-
-
-def _text(content: Any) -> str:
-    """OpenAI content: a string, ``None`` or a list of parts (their text, concatenated)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
 
 
 def _arguments(value: Any) -> Any:
@@ -46,7 +39,7 @@ def _arguments(value: Any) -> Any:
 def template_message(message: Message) -> Message:
     """``message`` (OpenAI's shape) in template form."""
     role = "system" if message.get("role") == "developer" else str(message.get("role"))
-    out: Message = {"role": role, "content": _text(message.get("content"))}
+    out: Message = {"role": role, "content": content_text(message.get("content"))}
     calls = message.get("tool_calls")
     if calls:
         out["tool_calls"] = [

@@ -186,6 +186,19 @@ def summarize(samples: list[dict[str, Any]], steps: int, warmup: float) -> list[
     return rows
 
 
+def series(samples: list[dict[str, Any]], every: int = 10) -> dict[str, list[list[float]]]:
+    """Per process: ``[step, RSS MB]`` at the first sample of every ``every``-th step (the growth's shape)."""
+    out: dict[str, list[list[float]]] = {}
+    seen: set[tuple[int, int]] = set()
+    for s in samples:
+        key = (s["pid"], s["step"])
+        if s["step"] % every or key in seen:
+            continue
+        seen.add(key)
+        out.setdefault(f"{s['role']} (pid {s['pid']})", []).append([s["step"], round(s["rss_mb"], 1)])
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
@@ -220,7 +233,14 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     write_json(
         "soak",
-        {"machine": machine_info(args.device), "steps": result["steps"], "seconds": result["seconds"], "rows": rows},
+        {
+            "machine": machine_info(args.device),
+            "steps": result["steps"],
+            "seconds": result["seconds"],
+            "rows": rows,
+            "series": series(result["samples"]),
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
+        },
         args.results_dir,
     )
     (args.results_dir / "soak.md").write_text(table + "\n")

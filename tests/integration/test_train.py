@@ -687,3 +687,82 @@ def test_an_engine_sigkilled_mid_rollout_is_failed_over_restarted_and_rejoins(
         seen |= ids
         assert all(s["status"] != "failed" and len(s["response_ids"]) == 32 for s in samples)
     assert children_of_run(run_dir) == [] and engine_pid(run_dir, 0) is None and engine_pid(run_dir, 1) is None
+
+
+PUSH_STEPS = 16  # the mid-push failover test: the restarted engine rejoins while the run goes on
+
+
+def test_an_engine_sigkilled_midway_through_a_push_is_survived_by_pushing_the_version_again(
+    tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    """2 engines, 2 trainer ranks, broadcast in small buckets. Once step 2 is logged, the engine that takes
+    the next push's second bucket SIGKILLs itself (``MILES_TEST_SIGKILL_IN_PUSH``: the other engine has
+    loaded the first bucket). The push fails at once (no wait for the group's timeout), the version goes
+    again, whole, to the engine left (both ranks gather it again), verified; the launcher restarts the dead
+    one and it rejoins at a later push. Every step has exactly its samples, each generated on one complete
+    weight version."""
+    run_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path,
+        tiny_model,
+        prompts,
+        run_dir,
+        ranks=2,
+        rollouts=PUSH_STEPS,
+        transport_options="bucket_bytes = 16384",
+    )
+    text = config.read_text().replace("num_engines = 1", "num_engines = 2")
+    # 32 tokens a sample: the steps after the kill give the restart time to load the model (about 10 s)
+    config.write_text(text.replace("max_new_tokens = 6", "max_new_tokens = 32\nmin_new_tokens = 32"))
+    trigger = tmp_path / "die-in-push"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_TEST_SIGKILL_IN_PUSH": str(trigger)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles", "train", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    armed = False
+    deadline = time.monotonic() + 400
+    try:
+        metrics_file = run_dir / "metrics.jsonl"
+        while not armed and proc.poll() is None and time.monotonic() < deadline:
+            if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2:
+                trigger.touch()
+                armed = True
+            time.sleep(0.02)
+        _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert armed, stderr[-3000:]
+    assert proc.returncode == 0, stderr[-4000:]
+    assert not trigger.exists()  # an engine took it: it died in a push
+    engine_logs = {i: (run_dir / "logs" / f"engine-{i}.log").read_text() for i in (0, 1)}
+    dead = next(i for i, text in engine_logs.items() if "killing this engine in bucket 2" in text)
+    assert f"engine-{dead} exited (killed by SIGKILL) while the trainers ran: restarting it" in stderr
+    trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "failed midway" in trainer_log and "pushing weight version" in trainer_log, trainer_log[-3000:]
+    assert "the last push broke the group; forming a new one" in trainer_log, trainer_log[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, PUSH_STEPS + 1))
+    retried = [r["step"] for r in rows if r.get("weight_sync/retries")]
+    assert len(retried) == 1 and retried[0] >= 3, rows
+    assert all(r["weight_sync/verified"] == 1.0 for r in rows)
+    assert rows[-1]["rollout/engines_serving"] == 2.0  # the restarted engine rejoined
+    seen: set[tuple[int, int]] = set()
+    for step in range(1, PUSH_STEPS + 1):
+        samples = [
+            json.loads(line) for line in (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
+        ]
+        assert len(samples) == 16
+        ids = {(s["group_id"], s["index"]) for s in samples}
+        assert len(ids) == 16 and not ids & seen
+        seen |= ids
+        assert all(s["status"] != "failed" for s in samples)
+        # sync training: step k generates on version k - 1 only (never on a half-loaded push)
+        assert all({span[2] for span in s["weight_versions"]} == {step - 1} for s in samples), step
+    assert children_of_run(run_dir) == [] and engine_pid(run_dir, 0) is None and engine_pid(run_dir, 1) is None

@@ -2,7 +2,8 @@
 
 - :class:`InlinePublisher`: every rank pushes through the transport, rank 0 verifies, and the step goes
   on when the engines serve the new version. While the group source produces (async modes) the engines
-  are paused around the push (``rollout.pause_mode``).
+  are paused around the push (``rollout.pause_mode``). When engines die during the push and others are
+  left, the whole version is pushed again to those (every rank takes part: the buckets are collectives).
 - :class:`OverlappedPublisher`: async modes with a :class:`~miles.transport.base.StagedTransport` and
   ``rollout.overlap_weight_commit``: every rank *stages* version ``k`` (rank 0 snapshots the gathered
   weights in host memory, so the next step may change them), and a task on rank 0's event loop
@@ -20,11 +21,13 @@ The other seam, where groups come from, is :mod:`miles.driver.sources`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from miles.errors import EngineError
 from miles.transport.base import StagedTransport
 
 if TYPE_CHECKING:
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
     from miles.types import PushReport
 
 __all__ = ["InlinePublisher", "OverlappedPublisher", "PublishContext", "WeightPublisher"]
+
+log = logging.getLogger(__name__)
 
 
 class PublishContext(Protocol):
@@ -100,11 +105,13 @@ class WeightPublisher(ABC):
         out.update(report.verification)
         return out
 
-    async def _check_engines(self) -> None:
+    async def _check_engines(self) -> list[str]:
         """Rank 0, before a push: engines that died are left out of it, restarted ones take it and rejoin
-        (:mod:`miles.rollout.failover`)."""
+        (:mod:`miles.rollout.failover`). Returns the engines that take the push (none on other ranks)."""
         if self.is_driver and self.loop.client is not None:
             await self.loop.client.check_engines()
+            return list(self.loop.client.urls)
+        return []
 
     def _weights_reached(self, version: str) -> None:
         """Rank 0, after a verified push: the engines that took it while rejoining serve again."""
@@ -140,9 +147,19 @@ class InlinePublisher(WeightPublisher):
         version = str(step)
 
         async def push() -> PushReport:
-            await self._check_engines()
-            await loop.randomize_engines(step)
-            report = await transport.push(loop.rollout_buckets(), version=version, dist=loop.dist)
+            retries = 0
+            while True:
+                before = await self._check_engines()
+                await loop.randomize_engines(step)
+                report, error = await self._push_once(transport, version)
+                if not await self._push_again(error, before, version, retries):
+                    break
+                retries += 1
+            if error is not None:
+                raise error
+            assert report is not None
+            if retries:
+                report.metrics["weight_sync/retries"] = float(retries)
             self.weight_version = version
             await loop.verify_push(report, step=step)
             self._weights_reached(version)
@@ -152,6 +169,43 @@ class InlinePublisher(WeightPublisher):
         if self.is_driver and loop.source is not None:
             loop.source.weights_changed(int(self.weight_version))
         return report
+
+    async def _push_once(self, transport: WeightTransport, version: str) -> tuple[PushReport | None, Exception | None]:
+        """One push of ``version`` on every rank; a failure is returned, once the buckets are drained (each
+        bucket is a collective of every rank: the others have gathered them all)."""
+        loop = self.loop
+        buckets = iter(loop.rollout_buckets())
+        try:
+            return await transport.push(buckets, version=version, dist=loop.dist), None
+        except Exception as exc:
+            if loop.dist.world_size > 1:
+                for _ in buckets:
+                    pass
+            return None, exc
+
+    async def _push_again(self, error: Exception | None, before: list[str], version: str, retries: int) -> bool:
+        """Every rank: whether to push ``version`` again, as rank 0 decides. It does when the push failed
+        (:class:`~miles.errors.EngineError`) because engines died during it (they no longer answer
+        ``/health``) and others are left: the whole version goes again to those. Each retry needs a new
+        engine lost, so the retries stay below the number of engines."""
+        from miles.training.comm import broadcast_json
+
+        again = False
+        client = self.loop.client
+        if self.is_driver and isinstance(error, EngineError) and client is not None:
+            await client.check_engines()
+            lost = [url for url in before if url not in client.urls]
+            if lost and client.urls:
+                again = True
+                log.error(
+                    "%s; %s went down during the push: pushing weight version %s again to %s (retry %d)",
+                    error,
+                    ", ".join(lost),
+                    version,
+                    ", ".join(client.urls),
+                    retries + 1,
+                )
+        return bool(broadcast_json(again))
 
 
 class OverlappedPublisher(WeightPublisher):

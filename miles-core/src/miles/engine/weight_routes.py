@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
+from miles.engine.faults import die_in_push_if_asked
 from miles.engine.weight_sync import (
     MemoryOccupation,
     WeightGroups,
@@ -53,7 +54,7 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
     """Mount the routes on ``app``; ``admin`` wraps handlers with SGLang's admin error shape."""
     sched = state.scheduler
     groups = WeightGroups()
-    updating = {"auto_paused": False}
+    updating = {"auto_paused": False, "buckets": 0}
 
     def run_on_scheduler(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
         return asyncio.wrap_future(sched.submit(fn, *args))
@@ -65,6 +66,7 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
     def finish_update(version: str | None, flush: bool) -> None:
         if version is not None:
+            updating["buckets"] = 0
             sched.set_weight_version(version)
         if flush:
             sched.flush_cache()
@@ -122,6 +124,9 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
             def receive() -> int:
                 begin_update()
+                if names:
+                    updating["buckets"] += 1
+                    die_in_push_if_asked(updating["buckets"])
                 count = groups.receive(
                     sched.runner.model, group_name=group_name, names=names, dtypes=dtypes, shapes=shapes
                 )

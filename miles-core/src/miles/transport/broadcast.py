@@ -11,23 +11,30 @@ refuses ``/update_weights_from_distributed`` outside one; the local engine accep
 A dead member breaks a group (its collectives would fail or wait for the timeout), so the group always
 spans the engines that take control calls *at the push*: when they differ from the group's members (an
 engine died, a restarted one rejoins; :mod:`miles.rollout.failover`) the surviving engines leave the old
-group and a new one is formed, on a new port, before the push. An engine dying *during* a push still
-fails that push (the run stops).
+group and a new one is formed, on a new port, before the push. An engine dying *during* a push fails
+that push at once (gloo reports the closed connection): rank 0 drops its end of the group, so the members
+blocked in a receive fail too instead of waiting for the timeout, and raises :class:`PushFailedError`
+naming the engines that failed; the publisher then pushes the whole version again to the engines left
+(:class:`~miles.driver.publish.InlinePublisher`). Engines that took part of the failed push stay paused
+on it (SGLang loads each bucket as it arrives), so they generate again only with the complete version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from miles.components import ComponentSettings
+from miles.errors import EngineError
 from miles.transport.base import PushReport, WeightTransport, wire_dtype
 from miles.transport.verify import tensor_checksum
 
@@ -37,9 +44,19 @@ if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
     from miles.training.trainer import DistContext, WeightBucket
 
-__all__ = ["BroadcastTransport", "BroadcastTransportSettings", "make_process_group"]
+__all__ = ["BroadcastTransport", "BroadcastTransportSettings", "PushFailedError", "make_process_group"]
 
 log = logging.getLogger(__name__)
+
+
+class PushFailedError(EngineError):
+    """A push failed midway: an engine gave no answer or the group broke. Engines that received part of it
+    stay paused on it; the version must be pushed again (or the run stops)."""
+
+    def __init__(self, message: str, *, engines: list[str]) -> None:
+        super().__init__(message)
+        self.engines = engines
+        """The engines whose part of the push failed."""
 
 
 class BroadcastTransportSettings(ComponentSettings):
@@ -248,12 +265,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                 "group_name": self.group_name,
                 "flush_cache": False,
             }
-            receives = [
-                asyncio.create_task(self.client.call(url, "/update_weights_from_distributed", payload))
-                for url in self.members
-            ]
-            await asyncio.to_thread(broadcast_tensors, self.group, tensors)
-            await asyncio.gather(*receives)
+            await self._send_bucket(tensors, payload, version)
             for name, t in zip(names, tensors, strict=True):
                 report.checksums[name] = tensor_checksum(t)
                 report.num_bytes += t.numel() * t.element_size()
@@ -273,6 +285,43 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
             report.seconds = time.perf_counter() - start
         return report
 
+    async def _send_bucket(self, tensors: list[torch.Tensor], payload: dict[str, Any], version: str) -> None:
+        """Rank 0: announce one bucket to every member and broadcast it; a failure drops the group (see the
+        module docstring) and raises :class:`PushFailedError`."""
+        assert self.client is not None
+        client = self.client
+        receives = [
+            asyncio.create_task(client.call(url, "/update_weights_from_distributed", payload)) for url in self.members
+        ]
+        cause: Exception | None = None
+        try:
+            await asyncio.to_thread(broadcast_tensors, self.group, tensors)
+        except Exception as exc:
+            # members blocked in this bucket's receive wait for tensors that will not come: closing rank 0's end
+            # of the group fails their receive now (gloo: "connection closed by peer") instead of at the timeout
+            traceback.clear_frames(exc.__traceback__)  # (its frames hold the group)
+            self._drop_group()
+            cause = exc
+        answers = await asyncio.gather(*receives, return_exceptions=True)
+        errors = [(url, a) for url, a in zip(self.members, answers, strict=True) if isinstance(a, BaseException)]
+        if cause is None and not errors:
+            return
+        self._drop_group()
+        raise PushFailedError(
+            f"broadcast transport: the push of weight version {version} failed midway"
+            + (f" ({cause})" if cause is not None else "")
+            + ": "
+            + ("; ".join(f"{url}: {a}" for url, a in errors) or "every engine answered"),
+            engines=[url for url, _ in errors],
+        ) from cause
+
+    def _drop_group(self) -> None:
+        """Close rank 0's end of a broken group: only freeing it closes its connections (``abort`` does not).
+        The members stay recorded, so :meth:`close` still has them leave it."""
+        self.group = None
+        self._store = None
+        gc.collect()
+
     async def _on_engines(self, endpoint: str, payload: dict[str, Any]) -> None:
         """POST ``payload`` to ``endpoint`` of every engine at once (rank 0)."""
         if self.client is None:
@@ -283,18 +332,21 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
     async def _regroup_if_changed(self) -> None:
         """Rank 0: form a new group when the engines that take control calls are not the group's members."""
         assert self.client is not None and self._dist is not None
-        if list(self.client.urls) == self.members:
+        if self.group is not None and list(self.client.urls) == self.members:
             return
-        log.warning(
-            "broadcast transport: the engines changed (%s -> %s); forming a new group",
-            ", ".join(self.members),
-            ", ".join(self.client.urls),
-        )
+        if self.group is None:
+            log.warning("broadcast transport: the last push broke the group; forming a new one")
+        else:
+            log.warning(
+                "broadcast transport: the engines changed (%s -> %s); forming a new group",
+                ", ".join(self.members),
+                ", ".join(self.client.urls),
+            )
         await self.close()
         await self.connect(self.client, self._dist)
 
     async def close(self) -> None:
-        if self.client is not None and self.group is not None:
+        if self.client is not None and self.members:
             reachable = set(self.client.urls)
             await asyncio.gather(
                 *(

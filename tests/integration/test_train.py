@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -624,6 +625,35 @@ def engine_pid(run_dir: Path, index: int) -> int | None:
     return None
 
 
+def train_injecting(
+    config: Path, run_dir: Path, inject: Callable[[int], bool], env: dict[str, str] | None = None
+) -> tuple[bool, int, str]:
+    """``miles train config``, polling ``inject(steps_logged)`` until it returns ``True`` (the fault went in);
+    returns whether it did, the exit code and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles", "train", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        cwd=ROOT,
+    )
+    injected = False
+    deadline = time.monotonic() + 400
+    try:
+        metrics_file = run_dir / "metrics.jsonl"
+        while not injected and proc.poll() is None and time.monotonic() < deadline:
+            steps = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0
+            injected = bool(inject(steps))
+            time.sleep(0.02)
+        _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return injected, int(proc.returncode), stderr
+
+
 STEPS = 16  # the failover test: the restarted engine rejoins while the run goes on
 
 
@@ -640,33 +670,16 @@ def test_an_engine_sigkilled_mid_rollout_is_failed_over_restarted_and_rejoins(
     config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=1, rollouts=STEPS)
     text = config.read_text().replace("num_engines = 1", "num_engines = 2")
     config.write_text(text.replace("max_new_tokens = 6", "max_new_tokens = 32\nmin_new_tokens = 32"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "miles", "train", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    killed = False
-    deadline = time.monotonic() + 400
-    try:
-        metrics_file = run_dir / "metrics.jsonl"
-        while not killed and proc.poll() is None and time.monotonic() < deadline:
-            steps = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0
-            pid = engine_pid(run_dir, 1) if steps >= 2 else None
-            if pid is not None:  # step 2 is logged: step 3's rollout is starting
-                os.kill(pid, signal.SIGKILL)
-                killed = True
-            time.sleep(0.02)
-        _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+
+    def kill_engine_1(steps: int) -> bool:
+        pid = engine_pid(run_dir, 1) if steps >= 2 else None
+        if pid is not None:  # step 2 is logged: step 3's rollout is starting
+            os.kill(pid, signal.SIGKILL)
+        return pid is not None
+
+    killed, returncode, stderr = train_injecting(config, run_dir, kill_engine_1)
     assert killed, stderr[-3000:]
-    assert proc.returncode == 0, stderr[-4000:]
+    assert returncode == 0, stderr[-4000:]
     assert "engine-1 exited (killed by SIGKILL) while the trainers ran: restarting it (restart 1 of 1" in stderr
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "is down" in trainer_log and "re-sending a /generate" in trainer_log, trainer_log[-3000:]
@@ -715,31 +728,15 @@ def test_an_engine_sigkilled_midway_through_a_push_is_survived_by_pushing_the_ve
     # 32 tokens a sample: the steps after the kill give the restart time to load the model (about 10 s)
     config.write_text(text.replace("max_new_tokens = 6", "max_new_tokens = 32\nmin_new_tokens = 32"))
     trigger = tmp_path / "die-in-push"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_TEST_SIGKILL_IN_PUSH": str(trigger)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "miles", "train", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    armed = False
-    deadline = time.monotonic() + 400
-    try:
-        metrics_file = run_dir / "metrics.jsonl"
-        while not armed and proc.poll() is None and time.monotonic() < deadline:
-            if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2:
-                trigger.touch()
-                armed = True
-            time.sleep(0.02)
-        _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+
+    def arm(steps: int) -> bool:
+        if steps >= 2:  # step 2 is logged: the engine taking the next push's second bucket dies
+            trigger.touch()
+        return steps >= 2
+
+    armed, returncode, stderr = train_injecting(config, run_dir, arm, {"MILES_TEST_SIGKILL_IN_PUSH": str(trigger)})
     assert armed, stderr[-3000:]
-    assert proc.returncode == 0, stderr[-4000:]
+    assert returncode == 0, stderr[-4000:]
     assert not trigger.exists()  # an engine took it: it died in a push
     engine_logs = {i: (run_dir / "logs" / f"engine-{i}.log").read_text() for i in (0, 1)}
     dead = next(i for i, text in engine_logs.items() if "killing this engine in bucket 2" in text)

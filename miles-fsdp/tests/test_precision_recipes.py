@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 CASES = [
     # precision table, transport, what the engine log says it computes with
     ('name = "fp8"\ngranularity = "row"', "broadcast", "compute by torch._scaled_mm"),
+    ('name = "fp8"', "broadcast", "compute by dequantize-then-matmul"),  # k/v_proj: 64 rows, a partial block
     ('name = "mxfp8"', "disk", "compute by dequantize-then-matmul"),
     ('name = "nvfp4"', "disk_delta", "compute by dequantize-then-matmul"),
 ]
@@ -43,7 +44,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, data
 
 
-@pytest.mark.parametrize(("precision", "transport", "compute"), CASES, ids=["fp8-row", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize(("precision", "transport", "compute"), CASES, ids=["fp8-row", "fp8-block", "mxfp8", "nvfp4"])
 def test_grpo_with_quantized_rollout_weights(
     tmp_path: Path, tiny: tuple[Path, Path], precision: str, transport: str, compute: str
 ) -> None:

@@ -126,9 +126,9 @@ def test_formats_the_engine_cannot_run_are_refused(
 ) -> None:
     from miles.testing.models import build_tiny_model
 
-    small = build_tiny_model(tmp_path / "small", "llama", hidden_size=64, intermediate_size=96)
-    with pytest.raises(ValueError, match=r"quantization 'fp8_block': no projection weight of the model splits"):
-        ModelRunner(small, dtype="bfloat16", attention_backend="sdpa", quantization="fp8_block")
+    small = build_tiny_model(tmp_path / "small", "llama", hidden_size=48, intermediate_size=80)  # no 32 divides
+    with pytest.raises(ValueError, match=r"quantization 'mxfp8': no projection weight of the model splits"):
+        ModelRunner(small, dtype="bfloat16", attention_backend="sdpa", quantization="mxfp8")
     from miles.precision import formats
 
     formats.require_torchao.cache_clear()

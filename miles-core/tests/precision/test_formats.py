@@ -77,10 +77,30 @@ def test_nvfp4_per_tensor_scale_is_fp32_and_blocks_of_16() -> None:
     assert changed == [[0, 0]]
 
 
+def test_ragged_fp8_blocks_equal_torchao_on_the_zero_padded_weight() -> None:
+    """SmolLM2's shapes (576 = 4.5 x 128): the last block of each dimension is partial, with its own scale
+    (DeepSeek-V3 / SGLang block FP8); values and scales are torchao's on the weight padded with zeros."""
+    fmt = get_format("fp8_block")
+    g = torch.Generator().manual_seed(2)
+    for rows, cols in [(576, 1536), (192, 576), (64, 128), (1, 5)]:
+        w = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+        parts = quantize(fmt, w)
+        blocks = (-(-rows // 128), -(-cols // 128))
+        assert parts[""].shape == (rows, cols) and parts["_scale"].shape == blocks
+        padded = torch.zeros(blocks[0] * 128, blocks[1] * 128, dtype=w.dtype)
+        padded[:rows, :cols] = w
+        reference, reference_dense = _torchao_reference("fp8_block", padded)
+        assert torch.equal(parts[""].view(torch.uint8), reference[""][:rows, :cols].view(torch.uint8))
+        assert torch.equal(parts["_scale"], reference["_scale"].float())
+        assert torch.equal(dequantize(fmt, parts, torch.bfloat16), reference_dense[:rows, :cols])
+
+
 def test_shapes_that_do_not_fit_are_refused_by_name() -> None:
     fmt = get_format("fp8_block")
-    assert fmt.fits((256, 128)) and not fmt.fits((64, 128)) and not fmt.fits((128,))
-    with pytest.raises(ValueError, match=r"'fp8_block': shape \(64, 128\) does not split into \(128, 128\)"):
-        quantize(fmt, torch.zeros(64, 128))
+    assert fmt.fits((256, 128)) and fmt.fits((64, 128)) and not fmt.fits((128,)) and not fmt.fits((0, 128))
+    mx = get_format("mxfp8")
+    assert mx.fits((64, 128)) and not mx.fits((64, 48))
+    with pytest.raises(ValueError, match=r"'mxfp8': shape \(64, 48\) does not split into \(1, 32\)"):
+        quantize(mx, torch.zeros(64, 48))
     with pytest.raises(ValueError, match="unknown weight format 'fp6'.*fp8_block"):
         get_format("fp6")

@@ -43,7 +43,7 @@ def test_recipes_are_registered_and_pass_the_precision_check() -> None:
 @pytest.mark.parametrize(
     ("recipe", "engine", "quantized"),
     [
-        (FP8(FP8.Settings()), "fp8_block", {"q_proj", "experts.0.down_proj"}),  # k_proj: 64 rows, not a block
+        (FP8(FP8.Settings()), "fp8_block", {"q_proj", "k_proj", "experts.0.down_proj"}),  # k_proj: ragged
         (FP8(FP8.Settings(granularity="row")), "fp8_row", {"q_proj", "k_proj", "experts.0.down_proj"}),
         (FP8(FP8.Settings(granularity="tensor")), "fp8_tensor", {"q_proj", "k_proj", "experts.0.down_proj"}),
         (MXFP8(MXFP8.Settings()), "mxfp8", {"q_proj", "k_proj", "experts.0.down_proj"}),

@@ -8,13 +8,15 @@ format         ``<module>.weight``          ``<module>.weight_scale``         ``
 =============  ===========================  ================================  ==========================
 ``fp8_tensor`` float8_e4m3fn ``[out, in]``  float32 ``[1, 1]`` (dequant mul)  --
 ``fp8_row``    float8_e4m3fn ``[out, in]``  float32 ``[out, 1]``              --
-``fp8_block``  float8_e4m3fn ``[out, in]``  float32 ``[out/128, in/128]``     --
+``fp8_block``  float8_e4m3fn ``[out, in]``  float32 ``[⌈out/128⌉, ⌈in/128⌉]``   --
 ``mxfp8``      float8_e4m3fn ``[out, in]``  float8_e8m0fnu ``[out, in/32]``   --
 ``nvfp4``      uint8 ``[out, in/2]`` (2     float8_e4m3fn ``[out, in/16]``    float32 ``[1]`` (per tensor)
                e2m1 values per byte)
 =============  ===========================  ================================  ==========================
 
-Scales multiply: ``weight ~= qdata * scale`` (broadcast per block), as torchao stores them. The
+Scales multiply: ``weight ~= qdata * scale`` (broadcast per block), as torchao stores them. FP8 blocks
+may be ragged, as in DeepSeek-V3's checkpoints and SGLang's block FP8: the last block of a dimension that
+is not a multiple of 128 is partial and has its own scale (SmolLM2's hidden size is 576 = 4.5 x 128). The
 packing, the scale rounding (MX: e8m0 floor; NVFP4: e4m3 block scales under a per-tensor fp32 scale)
 and the dequantization are torchao's (``Float8Tensor``, ``MXTensor``, ``NVFP4Tensor``); this module only
 names their parts. torchao (with numpy) is an optional dependency: ``pip install miles-core[quant]``.
@@ -57,11 +59,15 @@ class WeightFormat:
     """Rows x columns one scale covers (``0``: the whole dimension)."""
     description: str
     """What the format is, for logs and docs."""
+    ragged: bool = False
+    """Whether the last block of a dimension may be partial (then it has its own scale)."""
 
     def fits(self, shape: tuple[int, ...]) -> bool:
-        """Whether a 2-D weight of ``shape`` splits into whole scale blocks."""
-        if len(shape) != 2:
+        """Whether a 2-D weight of ``shape`` splits into scale blocks (whole ones unless :attr:`ragged`)."""
+        if len(shape) != 2 or min(shape) < 1:
             return False
+        if self.ragged:
+            return True
         return all(b == 0 or (n % b == 0 and n >= b) for n, b in zip(shape, self.block, strict=True))
 
 
@@ -70,7 +76,7 @@ FORMATS: dict[str, WeightFormat] = {
     for f in (
         WeightFormat("fp8_tensor", (0, 0), "FP8 e4m3, one fp32 scale per tensor"),
         WeightFormat("fp8_row", (1, 0), "FP8 e4m3, one fp32 scale per output row"),
-        WeightFormat("fp8_block", (128, 128), "FP8 e4m3, fp32 scales per 128x128 block (DeepSeek-V3)"),
+        WeightFormat("fp8_block", (128, 128), "FP8 e4m3, fp32 scales per 128x128 block (DeepSeek-V3)", ragged=True),
         WeightFormat("mxfp8", (1, 32), "MXFP8 (OCP MX): FP8 e4m3, e8m0 scales per block of 32"),
         WeightFormat("nvfp4", (1, 16), "NVFP4: FP4 e2m1, e4m3 scales per block of 16, fp32 tensor scale"),
     )
@@ -117,8 +123,11 @@ def quantize(fmt: WeightFormat, weight: torch.Tensor) -> dict[str, torch.Tensor]
     if fmt.name.startswith("fp8_"):
         from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
 
-        t = Float8Tensor.from_hp(w, granularity=_fp8_granularity(fmt))
-        return {"": t.qdata, SCALE: t.scale.float().reshape(_fp8_scale_shape(fmt, tuple(w.shape)))}
+        rows, cols = w.shape
+        padded = _pad_to_blocks(fmt, w)  # zeros leave every block's amax, hence its scale, as it is
+        t = Float8Tensor.from_hp(padded, granularity=_fp8_granularity(fmt))
+        qdata = t.qdata[:rows, :cols].contiguous() if padded is not w else t.qdata
+        return {"": qdata, SCALE: t.scale.float().reshape(_fp8_scale_shape(fmt, (rows, cols)))}
     if fmt.name == "mxfp8":
         import torch
         from torchao.prototype.mx_formats.mx_tensor import MXTensor
@@ -132,12 +141,27 @@ def quantize(fmt: WeightFormat, weight: torch.Tensor) -> dict[str, torch.Tensor]
     return {"": nv.qdata, SCALE: nv.scale.reshape(w.shape[0], -1), GLOBAL_SCALE: global_scale.reshape(1)}
 
 
+def _pad_to_blocks(fmt: WeightFormat, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) padded with zeros to whole blocks of a ragged format; ``t`` itself when it fits."""
+    if not fmt.ragged:
+        return t
+    import torch
+    import torch.nn.functional as F
+
+    pad_rows, pad_cols = (-n % b if b else 0 for n, b in zip(t.shape, fmt.block, strict=True))
+    if not (pad_rows or pad_cols):
+        return t
+    if t.element_size() == 1 and t.is_floating_point():  # float8: pad its bytes (0x00 is +0.0)
+        return F.pad(t.view(torch.uint8), (0, pad_cols, 0, pad_rows)).view(t.dtype)
+    return F.pad(t, (0, pad_cols, 0, pad_rows))
+
+
 def _fp8_scale_shape(fmt: WeightFormat, shape: tuple[int, ...]) -> tuple[int, int]:
     if fmt.name == "fp8_tensor":
         return (1, 1)
     if fmt.name == "fp8_row":
         return (shape[0], 1)
-    return (shape[0] // fmt.block[0], shape[1] // fmt.block[1])
+    return (-(-shape[0] // fmt.block[0]), -(-shape[1] // fmt.block[1]))
 
 
 def dequantize(fmt: WeightFormat, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +176,9 @@ def dequantize(fmt: WeightFormat, parts: dict[str, torch.Tensor], dtype: torch.d
 
         rows, cols = qdata.shape
         block = [rows if fmt.block[0] == 0 else fmt.block[0], cols if fmt.block[1] == 0 else fmt.block[1]]
-        return Float8Tensor(qdata, scale.float(), block_size=block, dtype=dtype).dequantize(dtype)
+        padded = _pad_to_blocks(fmt, qdata)
+        dense = Float8Tensor(padded, scale.float(), block_size=block, dtype=dtype).dequantize(dtype)
+        return dense[:rows, :cols].contiguous() if padded is not qdata else dense
     if fmt.name == "mxfp8":
         from torchao.prototype.mx_formats.mx_tensor import MXTensor
 

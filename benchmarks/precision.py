@@ -37,6 +37,19 @@ RECIPES: list[tuple[str, str, dict[str, Any]]] = [  # label, precision, settings
     ("nvfp4", "nvfp4", {}),
 ]
 
+STATED: dict[str, dict[str, tuple[float, float]]] = {
+    # model: {label: (mean, p99) upper bounds of |logp_train - logp_rollout|, as docs/how-to/precision.md states}
+    "smollm2": {
+        "bf16": (0.05, 0.25),
+        "fp8 tensor": (0.2, 1.2),
+        "fp8 row": (0.2, 1.5),
+        "fp8 block": (0.15, 0.6),
+        "mxfp8": (0.2, 1.0),
+        "nvfp4": (0.6, 3.0),
+    },
+}
+"""The ranges the recipes' docs state per model; the table says whether this run fell within them."""
+
 
 def _sequences(model: Path, n_prompts: int, new_tokens: int) -> list[tuple[list[int], int]]:
     """``(tokens, prompt length)``: quickstart prompts with the bf16 model's greedy continuation."""
@@ -141,11 +154,17 @@ def main() -> None:
         )
         del runner
     base = next(r for r in rows if r["recipe"] == "bf16")
+    stated = STATED.get(args.model, {})
     table = []
     for r in rows:
         if "refused" in r:
-            table.append([r["recipe"], "refused", "", "", "", "", r["refused"][:90]])
+            table.append([r["recipe"], "refused", "", "", "", "", r["refused"][:90], ""])
             continue
+        bound = stated.get(r["recipe"])
+        r["stated_bound"] = bound
+        r["within_stated"] = (
+            None if bound is None else (r["logprob_diff_mean"] <= bound[0] and r["logprob_diff_p99"] <= bound[1])
+        )
         table.append(
             [
                 r["recipe"],
@@ -155,9 +174,19 @@ def main() -> None:
                 f"{r['push_bytes'] / base['push_bytes']:.2f}",
                 f"{r['decode_tokens_per_s']:.0f} ({r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x)",
                 r["engine"],
+                "--" if bound is None else f"{'yes' if r['within_stated'] else 'NO'} (<= {bound[0]} / {bound[1]})",
             ]
         )
-    headers = ["recipe", "|dlogp| mean", "|dlogp| p99", "push MB", "bytes vs bf16", "decode tok/s (vs bf16)", "engine"]
+    headers = [
+        "recipe",
+        "|dlogp| mean",
+        "|dlogp| p99",
+        "push MB",
+        "bytes vs bf16",
+        "decode tok/s (vs bf16)",
+        "engine",
+        "within docs (mean / p99)",
+    ]
     print(markdown_table(headers, table))
     path = write_result(
         "precision",

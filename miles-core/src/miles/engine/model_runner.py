@@ -43,7 +43,7 @@ _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", 
 runs SDPA."""
 
 
-_PACK_BATCH = 32
+PACK_BATCH = 32
 """Rows the packed layout is tuned for (a decode batch); any number of rows works."""
 
 
@@ -62,7 +62,7 @@ def _packing_works(dtype: torch.dtype) -> bool:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(48, 40, generator=g).to(dtype)
         x = torch.randn(3, 5, 40, generator=g).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
         got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         want = F.linear(x, w)
         return bool(
@@ -114,10 +114,11 @@ class ModelRunner:
         self.model.requires_grad_(False)
         self.config = config
         self.dtype = next(self.model.parameters()).dtype
+        self.pack_weights = self.device.type == "cpu" and _packing_works(self.dtype)
         if quantization is not None:  # projections hold and compute with the pushed low-precision weights
             from miles.engine.quantized import quantize_model
 
-            quantize_model(self.model, quantization)
+            quantize_model(self.model, quantization, pack=self.pack_weights)
         base = self.model.model
         self.layers = list(base.layers)
         attn0 = self.layers[0].self_attn
@@ -141,7 +142,6 @@ class ModelRunner:
                 self._routed.append(None)
                 gate.register_forward_hook(self._router_hook(slot))
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self.pack_weights = self.device.type == "cpu" and _packing_works(self.dtype)
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._fuse_projections()
@@ -248,7 +248,7 @@ class ModelRunner:
         versions = tuple(p._version for p in sources)
         entry = self._packed.get(key)
         if entry is None or entry[0] != versions:
-            entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH))
+            entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH))
             self._packed[key] = entry
         return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
 
@@ -258,8 +258,13 @@ class ModelRunner:
         return y if extra is None else y + extra
 
     def drop_packed(self) -> None:
-        """Free the packed weights (memory release; they are rebuilt on the next forward)."""
+        """Free the packed weights, and the quantized projections' dequantized ones (memory release; they are
+        rebuilt on the next forward)."""
         self._packed.clear()
+        for module in self.model.modules():
+            drop = getattr(module, "drop_cache", None)
+            if drop is not None:
+                drop()
 
     def _router_hook(self, slot: int) -> Callable[..., None]:
         def hook(module: Any, inputs: Any, output: Any) -> None:

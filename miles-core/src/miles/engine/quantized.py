@@ -11,7 +11,10 @@ How it computes (logged once per engine):
 - ``fp8_row`` / ``fp8_tensor``: ``torch._scaled_mm`` on FP8 operands (CPU and CUDA), activations
   quantized to e4m3 on the fly with the weight's granularity (per token / per tensor): W8A8.
 - ``fp8_block``, ``mxfp8``, ``nvfp4``: the weight is dequantized with torchao (once per weight update,
-  cached) and multiplied in the engine dtype: weight-only emulation of the format, on every device.
+  cached) and multiplied in the engine dtype: weight-only emulation of the format, on every device. On a
+  CPU where the engine prepacks its bf16 / fp32 weights for oneDNN (:mod:`miles.engine.model_runner`), the
+  dequantized weight is cached prepacked too, so the emulated formats decode at the engine dtype's speed
+  (bit for bit the same results as ``F.linear``).
 
 A format the engine cannot run is refused at startup with a message naming it: torchao missing, FP8
 ``_scaled_mm`` unavailable for ``fp8_row`` / ``fp8_tensor`` on the device, or a model in which no weight
@@ -65,7 +68,7 @@ def _quantize_activation(x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, 
 class QuantizedLinear(torch.nn.Module):
     """``nn.Linear`` over a quantized weight (its parts are parameters, named as the push names them)."""
 
-    def __init__(self, fmt: WeightFormat, linear: torch.nn.Linear, *, use_scaled_mm: bool) -> None:
+    def __init__(self, fmt: WeightFormat, linear: torch.nn.Linear, *, use_scaled_mm: bool, pack: bool = False) -> None:
         super().__init__()
         from miles.precision.formats import quantize
 
@@ -73,6 +76,8 @@ class QuantizedLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = linear.weight.dtype
         self.use_scaled_mm = use_scaled_mm
+        self.pack = pack and not use_scaled_mm
+        """Whether the dequantized weight is cached in oneDNN's prepacked layout (CPU) instead of dense."""
         parts = quantize(fmt, linear.weight.detach())
         self.weight = torch.nn.Parameter(parts[""], requires_grad=False)
         self.weight_scale = torch.nn.Parameter(parts[SCALE], requires_grad=False)
@@ -80,6 +85,7 @@ class QuantizedLinear(torch.nn.Module):
             self.weight_scale_2 = torch.nn.Parameter(parts[GLOBAL_SCALE], requires_grad=False)
         self.bias = linear.bias
         self._dense: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._packed: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def _parts(self) -> dict[str, torch.Tensor]:
         parts = {"": self.weight, SCALE: self.weight_scale}
@@ -87,18 +93,37 @@ class QuantizedLinear(torch.nn.Module):
             parts[GLOBAL_SCALE] = self.weight_scale_2
         return parts
 
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self._parts().values())
+
+    def _dequantized(self) -> torch.Tensor:
+        return dequantize(self.fmt, {k: v.detach() for k, v in self._parts().items()}, self.compute_dtype)
+
     def dense_weight(self) -> torch.Tensor:
-        """The dequantized weight in the compute dtype (rebuilt after any of the parts changed)."""
-        parts = self._parts()
-        versions = tuple(p._version for p in parts.values())
+        """The dequantized weight in the compute dtype (cached when not prepacked; rebuilt after any of
+        the parts changed)."""
+        if self.pack:
+            return self._dequantized()
+        versions = self._versions()
         if self._dense is None or self._dense[0] != versions:
-            self._dense = (
-                versions,
-                dequantize(self.fmt, {k: v.detach() for k, v in parts.items()}, self.compute_dtype),
-            )
+            self._dense = (versions, self._dequantized())
         return self._dense[1]
 
+    def _packed_weight(self) -> torch.Tensor:
+        from miles.engine.model_runner import PACK_BATCH
+
+        versions = self._versions()
+        if self._packed is None or self._packed[0] != versions:
+            self._packed = (versions, torch.ops.mkldnn._reorder_linear_weight(self._dequantized(), PACK_BATCH))
+        return self._packed[1]
+
+    def drop_cache(self) -> None:
+        """Free the dequantized (or prepacked) weight; the next forward rebuilds it."""
+        self._dense = self._packed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pack:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), self.bias, "none", [], "")
         if not self.use_scaled_mm:
             return F.linear(x, self.dense_weight(), self.bias)
         rowwise = self.fmt.name == "fp8_row"
@@ -113,13 +138,14 @@ class QuantizedLinear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        how = "_scaled_mm" if self.use_scaled_mm else "dequantize+matmul"
+        how = "_scaled_mm" if self.use_scaled_mm else "dequantize+matmul" + (" (prepacked)" if self.pack else "")
         return f"{self.in_features} -> {self.out_features}, {self.fmt.name}, {how}"
 
 
-def quantize_model(model: torch.nn.Module, format_name: str) -> int:
+def quantize_model(model: torch.nn.Module, format_name: str, *, pack: bool = False) -> int:
     """Replace the model's quantizable ``nn.Linear`` modules by :class:`QuantizedLinear` (their current
-    weights quantized); returns how many. Refuses (``ValueError``) what the engine cannot run."""
+    weights quantized; ``pack``: dequantized weights cached prepacked for oneDNN, CPU only); returns how
+    many. Refuses (``ValueError``) what the engine cannot run."""
     where = f"quantization {format_name!r}"
     fmt = get_format(format_name)
     try:
@@ -142,11 +168,12 @@ def quantize_model(model: torch.nn.Module, format_name: str) -> int:
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent: Any = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantizedLinear(fmt, module, use_scaled_mm=use_scaled_mm))
+        setattr(parent, child, QuantizedLinear(fmt, module, use_scaled_mm=use_scaled_mm, pack=pack))
     how = (
         "torch._scaled_mm (FP8 W8A8)"
         if use_scaled_mm
-        else "dequantize-then-matmul (weight-only emulation, dequantized once per weight update)"
+        else "dequantize-then-matmul (weight-only emulation, dequantized once per weight update"
+        + (", prepacked for oneDNN)" if pack else ")")
     )
     log.info(
         "%s: %d projections hold %s weights; they compute by %s on %s",

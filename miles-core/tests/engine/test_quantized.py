@@ -99,7 +99,7 @@ def test_the_engine_holds_the_push_and_computes_with_it(
         assert torch.allclose(got, want, rtol=1e-2, atol=1e-3), float((got - want).abs().max())
         assert not torch.equal(got, (x.float() @ dense.t()).to(torch.bfloat16).float())  # activations quantized too
     else:  # weight-only: exactly F.linear over torchao's dequantized weight (prepacked where the engine packs)
-        assert proj.pack == runner.pack_weights
+        assert bool(proj.pack) == runner.pack_weights
         assert torch.equal(got, F.linear(x, dense.to(torch.bfloat16)).float())
 
     # the model's logprobs: near a bf16 engine's on the same weights, and not equal to them

@@ -198,9 +198,11 @@ def test_fifty_turn_episodes_are_token_exact(policy: tuple[str, Path, EngineProc
     # magnitude ~10: a few tokens past position 1,000 differ by up to a few 1e-5 — as much as the fp32
     # forward differs from an fp64 one on this model — every other token within 1e-5. The few depend on the
     # host's GEMM kernels: 2e-5 to 5.4e-5 on the AMD EPYC hosts of this project's CI (llama3.1: 5.44e-5
-    # against HF fp32; smollm2: 5.28e-5 against fp64), hence the bound of 1e-4 on the maximum.
+    # against HF fp32), hence the bound of 1e-4 on the maximum. Against fp64 the engine is as far as HF's
+    # own fp32 forward is (the two agree to 2e-5): up to 9.7e-5 on SmolLM2's 2,200-token episode, whose
+    # 49,152-way softmax sums the most rounding, hence 2e-4 there.
     assert within >= 0.99 and float(diff.max()) <= 1e-4, f"{family}: {float(diff.max()):.2e}"
-    assert float(exact.max()) <= 1e-4, f"{family}: {float(exact.max()):.2e}"
+    assert float(exact.max()) <= 2e-4, f"{family}: {float(exact.max()):.2e}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

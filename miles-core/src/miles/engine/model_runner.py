@@ -118,7 +118,7 @@ class ModelRunner:
         if quantization is not None:  # projections hold and compute with the pushed low-precision weights
             from miles.engine.quantized import quantize_model
 
-            quantize_model(self.model, quantization, pack=self.pack_weights)
+            quantize_model(self.model, quantization, pack=PACK_BATCH if self.pack_weights else 0)
         base = self.model.model
         self.layers = list(base.layers)
         attn0 = self.layers[0].self_attn

@@ -68,7 +68,7 @@ def _quantize_activation(x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, 
 class QuantizedLinear(torch.nn.Module):
     """``nn.Linear`` over a quantized weight (its parts are parameters, named as the push names them)."""
 
-    def __init__(self, fmt: WeightFormat, linear: torch.nn.Linear, *, use_scaled_mm: bool, pack: bool = False) -> None:
+    def __init__(self, fmt: WeightFormat, linear: torch.nn.Linear, *, use_scaled_mm: bool, pack: int = 0) -> None:
         super().__init__()
         from miles.precision.formats import quantize
 
@@ -76,8 +76,9 @@ class QuantizedLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = linear.weight.dtype
         self.use_scaled_mm = use_scaled_mm
-        self.pack = pack and not use_scaled_mm
-        """Whether the dequantized weight is cached in oneDNN's prepacked layout (CPU) instead of dense."""
+        self.pack = 0 if use_scaled_mm else pack
+        """Rows (a decode batch) oneDNN's prepacked layout of the dequantized weight is tuned for, which is
+        then cached prepacked instead of dense (CPU); ``0``: not prepacked."""
         parts = quantize(fmt, linear.weight.detach())
         self.weight = torch.nn.Parameter(parts[""], requires_grad=False)
         self.weight_scale = torch.nn.Parameter(parts[SCALE], requires_grad=False)
@@ -110,11 +111,9 @@ class QuantizedLinear(torch.nn.Module):
         return self._dense[1]
 
     def _packed_weight(self) -> torch.Tensor:
-        from miles.engine.model_runner import PACK_BATCH
-
         versions = self._versions()
         if self._packed is None or self._packed[0] != versions:
-            self._packed = (versions, torch.ops.mkldnn._reorder_linear_weight(self._dequantized(), PACK_BATCH))
+            self._packed = (versions, torch.ops.mkldnn._reorder_linear_weight(self._dequantized(), self.pack))
         return self._packed[1]
 
     def drop_cache(self) -> None:
@@ -142,10 +141,10 @@ class QuantizedLinear(torch.nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.fmt.name}, {how}"
 
 
-def quantize_model(model: torch.nn.Module, format_name: str, *, pack: bool = False) -> int:
+def quantize_model(model: torch.nn.Module, format_name: str, *, pack: int = 0) -> int:
     """Replace the model's quantizable ``nn.Linear`` modules by :class:`QuantizedLinear` (their current
-    weights quantized; ``pack``: dequantized weights cached prepacked for oneDNN, CPU only); returns how
-    many. Refuses (``ValueError``) what the engine cannot run."""
+    weights quantized; ``pack``: dequantized weights cached prepacked for oneDNN for that many rows, CPU
+    only, ``0`` not); returns how many. Refuses (``ValueError``) what the engine cannot run."""
     where = f"quantization {format_name!r}"
     fmt = get_format(format_name)
     try:

@@ -65,6 +65,14 @@ def conversation(
 _DECISION_TOKENS, _DECISION_WEIGHT = 8, 6
 """The first tokens of a reply decide between a tool call and an answer: they weigh more in the loss."""
 
+_SAMPLED_NEGATIVES = 2048
+"""Above this many tokens beyond those of the training data, the softmax of the loss runs over the data's
+tokens plus this many others drawn afresh each step (a sampled softmax): SmolLM2's 49,152-token vocabulary
+would otherwise make the head and its softmax ~90% of the build (300 steps x ~1,000 target tokens x 49,152
+logits). Every token the data holds is in every step's softmax; the others are each pushed down ~12 times
+over the 300 steps, which keeps them far below the trained tokens when the engine samples the full
+vocabulary."""
+
 
 def _supervised(renderer: Any, messages: list[dict[str, Any]], tools: list[Any]) -> tuple[list[int], list[int]]:
     """Token ids of the conversation and the loss weight of each token: the assistant replies (through
@@ -132,6 +140,9 @@ def build_tool_calling_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    seen = torch.tensor(sorted({t for ids, _ in data for t in ids} | set(renderer.end_ids)))
+    sampled = config.vocab_size > len(seen) + _SAMPLED_NEGATIVES
+    negatives = torch.Generator().manual_seed(seed)
     for step in range(steps):
         rows = [data[(step * batch + i) % len(data)] for i in range(batch)]
         width = max(len(ids) for ids, _ in rows)
@@ -139,8 +150,15 @@ def build_tool_calling_model(
         weights = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in rows], dtype=torch.float32)[:, 1:]
         hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
         targets = weights > 0
-        logits = model.lm_head(hidden[targets])
-        losses = torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][targets], reduction="none")
+        labels = ids[:, 1:][targets]
+        if sampled:  # the data's tokens and fresh negatives (sorted, so a label's column is a search away)
+            drawn = torch.randint(0, config.vocab_size, (_SAMPLED_NEGATIVES,), generator=negatives)
+            columns = torch.unique(torch.cat([seen, drawn]))
+            logits = hidden[targets] @ model.lm_head.weight[columns].t()
+            labels = torch.searchsorted(columns, labels)
+        else:
+            logits = model.lm_head(hidden[targets])
+        losses = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         loss = (losses * weights[targets]).sum() / weights[targets].sum()
         optimizer.zero_grad()
         loss.backward()
@@ -158,7 +176,7 @@ def build_tool_calling_model(
     return out
 
 
-_VERSION = "3"
+_VERSION = "4"
 
 
 def tool_model_for(family: str, *, cache_dir: str | os.PathLike[str] | None = None) -> Path:

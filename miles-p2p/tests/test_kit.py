@@ -45,3 +45,27 @@ def test_build_run_refuses_direct_writes_without_shared_memory() -> None:
     good = MilesSettings(transport=TransportSpec(name="p2p", datapath="shm", write_into_weights=True))
     transport = build_run(good, manager, kinds=kinds).transport()
     assert isinstance(transport, P2PTransport) and transport.settings.write_into_weights
+
+
+def test_attach_refuses_a_recipe_that_converts_whole_tensors_only(tmp_path: Path) -> None:
+    """A third-party recipe with ``rollout_weights`` and no ``rollout_shards`` cannot go slice by slice: refused
+    naming it and the transports that can; the built-in low-precision recipes are taken."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from miles.errors import SettingsError
+    from miles.precision.base import PrecisionRecipe
+    from miles.precision.quantized import FP8
+
+    class Whole(PrecisionRecipe):
+        name = "whole"
+
+        def rollout_weights(self, named: Any) -> Any:
+            yield from named
+
+    transport = P2PTransport(P2PTransportSettings(), run_dir=str(tmp_path), model_path=None, engine_dtype="bfloat16")
+    with pytest.raises(SettingsError, match=r"precision 'whole' converts whole tensors only.*use transport broadcast"):
+        transport.attach(SimpleNamespace(precision=Whole(Whole.Settings())))  # type: ignore[arg-type]
+    trainer = SimpleNamespace(precision=FP8(FP8.Settings()))
+    transport.attach(trainer)  # type: ignore[arg-type]
+    assert transport.trainer is trainer

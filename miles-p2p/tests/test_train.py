@@ -1,5 +1,8 @@
 """``miles train`` with ``transport = p2p``: the driver attaches the fsdp trainer, two trainer ranks push
-their shards to two engines after every GRPO step, every push is verified from randomized engine weights."""
+their shards to two engines after every GRPO step, every push is verified from randomized engine weights.
+With a low-precision recipe each rank sends the quantized values and scales of its own rows: FP8 blocks of
+128 rows straddle the two ranks (32 or 64 rows each), NVFP4's per-tensor scale comes from both ranks'
+maxima."""
 
 from __future__ import annotations
 
@@ -15,8 +18,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("datapath", ["shm"])  # the torch data path: test_transport.py
-def test_grpo_run_pushes_every_step_through_p2p(tmp_path: Path, datapath: str) -> None:
+@pytest.mark.parametrize(
+    ("datapath", "precision"),
+    [("shm", "fp32"), ("shm", "fp8"), ("torch", "nvfp4")],  # the torch data path in fp32: test_transport.py
+)
+def test_grpo_run_pushes_every_step_through_p2p(tmp_path: Path, datapath: str, precision: str) -> None:
     from miles.testing.models import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", "qwen2", seed=0)
@@ -55,6 +61,9 @@ def test_grpo_run_pushes_every_step_through_p2p(tmp_path: Path, datapath: str) -
             global_batch_size = 8
             lr = 1e-3
 
+            [precision]
+            name = "{precision}"
+
             [algorithm]
             name = "grpo"
 
@@ -91,4 +100,11 @@ def test_grpo_run_pushes_every_step_through_p2p(tmp_path: Path, datapath: str) -
     assert "weight_sync/plan_seconds" in metrics[0] and "weight_sync/plan_seconds" not in metrics[1]
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "p2p transport: session" in log and "plan" in log
+    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
+    if precision != "fp32":  # the engines hold and compute with the quantized weights the ranks sent
+        fmt = "fp8_block" if precision == "fp8" else precision
+        assert f"quantization {fmt!r}: 14 projections hold" in engine_log, engine_log[-2000:]
+        # 2 layers x 7 projections: values + scale (nvfp4: + the per-tensor scale) beside the bf16 tensors
+        quantized = [m["weight_sync/verified_tensors"] for m in metrics]
+        assert quantized[0] == quantized[1] and quantized[0] >= 14 * (3 if precision == "nvfp4" else 2)
     assert not list(Path("/dev/shm").glob("miles-p2p-*"))

@@ -49,6 +49,7 @@ ELEMENT_SIZE = {
     "bool": 1,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
 }
 
 

@@ -98,14 +98,15 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
 
     # -- setup -------------------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> None:
-        """Keep the trainer: its :meth:`~miles.training.trainer.Trainer.iter_weight_shards` is what is sent."""
-        from miles.precision.base import PrecisionRecipe
-
+        """Keep the trainer: its :meth:`~miles.training.trainer.Trainer.iter_weight_shards`, converted by its
+        precision recipe's :meth:`~miles.precision.base.PrecisionRecipe.rollout_shards` (FP8, MXFP8, NVFP4
+        values and scales made from each rank's rows), is what is sent."""
         precision = getattr(trainer, "precision", None)
-        if precision is not None and type(precision).rollout_weights is not PrecisionRecipe.rollout_weights:
+        if precision is not None and not precision.converts_shards():
             raise SettingsError(
-                f"transport p2p sends each rank's slices as they are; precision {precision.name!r} converts whole "
-                "tensors for the engines (rollout_weights): use transport broadcast, disk or disk_delta"
+                f"transport p2p sends slices of the trainer ranks' weights; precision {precision.name!r} converts "
+                "whole tensors only (it has rollout_weights, no rollout_shards): use transport broadcast, disk or "
+                "disk_delta"
             )
         self.trainer = trainer
 
@@ -341,6 +342,12 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             await self._open()
         assert self.trainer is not None
         shards = list(self.trainer.iter_weight_shards())
+        precision = getattr(self.trainer, "precision", None)
+        if precision is not None:  # a collective: every rank converts its slices (quantized values, scales)
+            try:
+                shards = precision.rollout_shards(shards, all_gather_json)
+            except ValueError as exc:
+                raise SettingsError(f"transport p2p, precision {precision.name!r}: {exc}") from exc
         local = [SliceInfo(dist.rank, s.name, s.global_shape, s.offsets, tuple(s.tensor.shape)) for s in shards]
         gathered = all_gather_json([s.to_json() for s in local])
         slices = [SliceInfo.from_json(rank, row) for rank, rows in enumerate(gathered) for row in rows]

@@ -25,13 +25,24 @@ names their parts. torchao (with numpy) is an optional dependency: ``pip install
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FORMATS", "WeightFormat", "dequantize", "get_format", "keeps_dtype", "quantize", "require_torchao"]
+__all__ = [
+    "FORMATS",
+    "HIGH_PRECISION",
+    "WeightFormat",
+    "dequantize",
+    "get_format",
+    "keeps_dtype",
+    "quantize",
+    "quantizes",
+    "require_torchao",
+]
 
 SCALE = "_scale"
 """Suffix (after ``weight``) of the block / row / tensor scales."""
@@ -81,6 +92,16 @@ FORMATS: dict[str, WeightFormat] = {
         WeightFormat("nvfp4", (1, 16), "NVFP4: FP4 e2m1, e4m3 scales per block of 16, fp32 tensor scale"),
     )
 }
+
+
+HIGH_PRECISION = re.compile(r"(embed|lm_head|norm|(^|\.)mlp\.gate\.|shared_expert_gate|router)")
+"""Names of weights that stay high precision whatever their shape."""
+
+
+def quantizes(fmt: WeightFormat, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the weight ``name`` of ``shape`` travels and is served in ``fmt`` (else high precision): the one
+    rule the trainer and the engine share."""
+    return name.endswith(".weight") and not HIGH_PRECISION.search(name) and fmt.fits(shape)
 
 
 def get_format(name: str) -> WeightFormat:

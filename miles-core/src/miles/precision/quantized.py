@@ -16,32 +16,25 @@ trainer and the engine share).
 from __future__ import annotations
 
 import logging
-import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from miles.components import ComponentSettings, Register, SettingsT
 from miles.markers import hookimpl
 from miles.precision.base import PrecisionRecipe
-from miles.precision.formats import WeightFormat, get_format, quantize
+from miles.precision.formats import WeightFormat, get_format, quantize, quantizes
 
 if TYPE_CHECKING:
     import torch
 
+    from miles.precision.base import SliceT
+
 __all__ = ["FP8", "MXFP8", "NVFP4", "QuantizedRecipe", "quantizes"]
 
 log = logging.getLogger(__name__)
-
-HIGH_PRECISION = re.compile(r"(embed|lm_head|norm|(^|\.)mlp\.gate\.|shared_expert_gate|router)")
-"""Names of weights that stay high precision whatever their shape."""
-
-
-def quantizes(fmt: WeightFormat, name: str, shape: tuple[int, ...]) -> bool:
-    """Whether the weight ``name`` of ``shape`` travels and is served in ``fmt`` (else high precision)."""
-    return name.endswith(".weight") and not HIGH_PRECISION.search(name) and fmt.fits(shape)
 
 
 class QuantizedRecipe(PrecisionRecipe[SettingsT], ABC):
@@ -67,6 +60,12 @@ class QuantizedRecipe(PrecisionRecipe[SettingsT], ABC):
                 continue
             for suffix, part in quantize(fmt, tensor).items():
                 yield name + suffix, part
+
+    def rollout_shards(self, shards: Sequence[SliceT], gather: Callable[[Any], list[Any]]) -> list[SliceT]:
+        """The quantized values and scales from each rank's rows (:mod:`miles.precision.shards`)."""
+        from miles.precision.shards import quantize_shards
+
+        return quantize_shards(self.weight_format, shards, gather)
 
 
 class FP8Settings(ComponentSettings):

@@ -145,3 +145,18 @@ def test_formats_the_engine_cannot_run_are_refused(
     with pytest.raises(SystemExit) as exit_info:
         parse_serve_args(["--model", str(llama), "--quantization", "int3"])
     assert exit_info.value.code == 2 and "argument --quantization: invalid choice: 'int3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "nvfp4"])
+def test_dequantized_projections_fuse_like_the_bf16_ones_bit_for_bit(fmt: str, llama: Path) -> None:
+    """q/k/v and gate/up of the emulated formats run as one prepacked matmul each (the bf16 engine's fusion),
+    with the same logits bit for bit as the projections one by one."""
+    runner = ModelRunner(llama, dtype="bfloat16", attention_backend="sdpa", quantization=fmt)
+    if not runner.pack_weights:
+        pytest.skip("this CPU has no oneDNN bf16 weight packing")
+    groups = runner._dequantized_qkv + runner._dequantized_gate_up
+    assert len(groups) == 2 * len(runner.layers) and all(g is not None for g in groups)
+    fused = _logprobs(runner)
+    runner._dequantized_qkv = [None] * len(runner.layers)
+    runner._dequantized_gate_up = [None] * len(runner.layers)
+    assert torch.equal(fused, _logprobs(runner))

@@ -144,6 +144,9 @@ class ModelRunner:
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
         self._fused_mlp: list[torch.Tensor | None] = []
+        self._dequantized_qkv: list[tuple[Any, ...] | None] = []
+        """Per layer: q/k/v as quantized projections that dequantize (one prepacked matmul for the three)."""
+        self._dequantized_gate_up: list[tuple[Any, ...] | None] = []
         self._fuse_projections()
         from miles.engine.lora import EngineLoras
 
@@ -222,21 +225,37 @@ class ModelRunner:
         def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused
             return all(plain_linear(m) for m in modules)
 
+        def dequantized(*modules: Any) -> tuple[Any, ...] | None:
+            """``modules`` if all are quantized projections computing on dequantized, prepacked weights."""
+            return modules if all(getattr(m, "pack", 0) for m in modules) else None
+
         for layer in self.layers:
             attn = layer.self_attn
             qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
             self._fused_qkv.append(fuse(list(qkv)) if plain(*qkv) else None)
+            self._dequantized_qkv.append(dequantized(*qkv))
             mlp = layer.mlp
             dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            if (
-                dense
-                and plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-                and mlp.gate_proj.bias is None
-                and mlp.up_proj.bias is None
-            ):
+            no_bias = dense and mlp.gate_proj.bias is None and mlp.up_proj.bias is None
+            if no_bias and plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 self._fused_mlp.append(fuse([mlp.gate_proj, mlp.up_proj])[0])
             else:
                 self._fused_mlp.append(None)
+            self._dequantized_gate_up.append(dequantized(mlp.gate_proj, mlp.up_proj) if no_bias else None)
+
+    def _dequantized_linear(self, key: str, x: torch.Tensor, modules: tuple[Any, ...]) -> torch.Tensor:
+        """One prepacked matmul over the dequantized weights of quantized projections (q/k/v, gate/up),
+        rebuilt when any of their parts changes: what the unquantized model's fused projections do."""
+        sources = tuple(p for m in modules for p in m.parts().values())
+        versions = tuple(p._version for p in sources)
+        entry = self._packed.get(key)
+        if entry is None or entry[0] != versions:
+            weight = torch.cat([m.dense_weight() for m in modules])
+            entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH))
+            self._packed[key] = entry
+        biases = [m.bias for m in modules]
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
 
     def _linear(
         self, key: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sources: tuple[Any, ...]
@@ -373,8 +392,10 @@ class ModelRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, h = self._norm(layer.input_layernorm, x, delta)
-            fused = self._fused_qkv[i]
-            if fused is None:
+            fused, dequantized = self._fused_qkv[i], self._dequantized_qkv[i]
+            if fused is None and dequantized is not None:
+                qkv = self._dequantized_linear(f"qkv{i}", h, dequantized)
+            elif fused is None:
                 qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
             else:
                 sources = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
@@ -396,17 +417,24 @@ class ModelRunner:
             o_out = self._linear(f"o{i}", attn_out, o.weight, o.bias, (o.weight,)) if plain_linear(o) else o(attn_out)
             delta = self._with_lora(o_out, i, ("o_proj",), attn_out)
             x, h = self._norm(layer.post_attention_layernorm, x, delta)
-            gate_up = self._fused_mlp[i]
-            if gate_up is None:
+            gate_up, dequantized = self._fused_mlp[i], self._dequantized_gate_up[i]
+            if gate_up is None and dequantized is None:
                 delta = layer.mlp(h)
             else:
                 mlp = layer.mlp
-                gu = self._linear(f"gu{i}", h, gate_up, None, (mlp.gate_proj.weight, mlp.up_proj.weight))
+                if gate_up is None:
+                    assert dequantized is not None
+                    gu = self._dequantized_linear(f"gu{i}", h, dequantized)
+                else:
+                    gu = self._linear(f"gu{i}", h, gate_up, None, (mlp.gate_proj.weight, mlp.up_proj.weight))
                 g, u = self._with_lora(gu, i, GATE_UP, h).chunk(2, -1)
                 down, act = mlp.down_proj, mlp.act_fn(g) * u
-                delta = self._with_lora(
-                    self._linear(f"down{i}", act, down.weight, down.bias, (down.weight,)), i, ("down_proj",), act
+                down_out = (
+                    self._linear(f"down{i}", act, down.weight, down.bias, (down.weight,))
+                    if plain_linear(down)
+                    else down(act)
                 )
+                delta = self._with_lora(down_out, i, ("down_proj",), act)
         return self._norm(base.norm, x, delta)[1]
 
     @torch.inference_mode()

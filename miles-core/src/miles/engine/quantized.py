@@ -13,8 +13,9 @@ How it computes (logged once per engine):
 - ``fp8_block``, ``mxfp8``, ``nvfp4``: the weight is dequantized with torchao (once per weight update,
   cached) and multiplied in the engine dtype: weight-only emulation of the format, on every device. On a
   CPU where the engine prepacks its bf16 / fp32 weights for oneDNN (:mod:`miles.engine.model_runner`), the
-  dequantized weight is cached prepacked too, so the emulated formats decode at the engine dtype's speed
-  (bit for bit the same results as ``F.linear``).
+  dequantized weight is cached prepacked too, and the runner multiplies q/k/v and gate/up as one matrix
+  each, as it does unquantized weights: the emulated formats decode at about the engine dtype's speed (bit
+  for bit the results of ``F.linear`` one projection at a time).
 
 A format the engine cannot run is refused at startup with a message naming it: torchao missing, FP8
 ``_scaled_mm`` unavailable for ``fp8_row`` / ``fp8_tensor`` on the device, or a model in which no weight
@@ -88,17 +89,18 @@ class QuantizedLinear(torch.nn.Module):
         self._dense: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._packed: tuple[tuple[int, ...], torch.Tensor] | None = None
 
-    def _parts(self) -> dict[str, torch.Tensor]:
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The quantized parts, by suffix (``""`` values, ``"_scale"``, NVFP4's ``"_scale_2"``)."""
         parts = {"": self.weight, SCALE: self.weight_scale}
         if hasattr(self, "weight_scale_2"):
             parts[GLOBAL_SCALE] = self.weight_scale_2
         return parts
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self._parts().values())
+        return tuple(p._version for p in self.parts().values())
 
     def _dequantized(self) -> torch.Tensor:
-        return dequantize(self.fmt, {k: v.detach() for k, v in self._parts().items()}, self.compute_dtype)
+        return dequantize(self.fmt, {k: v.detach() for k, v in self.parts().items()}, self.compute_dtype)
 
     def dense_weight(self) -> torch.Tensor:
         """The dequantized weight in the compute dtype (cached when not prepacked; rebuilt after any of

@@ -161,6 +161,7 @@ async def measure(rank: int, args: dict[str, Any], urls: list[str], model: Any) 
     import torch.distributed as dist
 
     from miles.rollout.http_client import HttpEngineClient
+    from miles.training.comm import all_gather_json
     from miles.training.trainer import DistContext
     from miles.transport.verify import verify_engines
     from miles_fsdp.weights import iter_full_weights
@@ -194,7 +195,14 @@ async def measure(rank: int, args: dict[str, Any], urls: list[str], model: Any) 
                     buckets = iter_full_weights(model, BUCKET_BYTES, rank=rank)
                     dist.barrier()
                     start = time.perf_counter()
-                    report = await transport.push(buckets, version=version, dist=ctx)
+                    failure: str | None = None
+                    try:  # a push that fails on one rank only (an engine refusing rank 0's load) fails on all
+                        report = await transport.push(buckets, version=version, dist=ctx)
+                    except Exception as exc:
+                        failure = f"{type(exc).__name__}: {exc}"
+                    failures = [f for f in all_gather_json(failure) if f]
+                    if failures:
+                        raise RuntimeError(failures[0])
                     pushed = time.perf_counter() - start
                     served = report.metrics.get("weight_sync/served_seconds", pushed)
                     verify = 0.0
@@ -354,7 +362,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             EngineProcess(
                 model,
                 threads=args.threads,
-                extra_args=["--device", args.device, "--attention-backend", "sdpa", "--allowed-weight-dirs", tmp],
+                extra_args=[
+                    "--device",
+                    args.device,
+                    "--attention-backend",
+                    "sdpa",
+                    "--allowed-weight-dirs",
+                    os.pathsep.join([tmp, "/dev/shm"]),
+                ],  # shm-example's files
                 log_path=work / f"engine-{i}.log",
                 startup_timeout=600,
             )

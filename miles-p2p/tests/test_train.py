@@ -6,6 +6,7 @@ maxima."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,9 +19,17 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+_TORCHAO = importlib.util.find_spec("torchao") is not None
+_QUANT = pytest.mark.skipif(not _TORCHAO, reason="torchao (miles-core[quant]) is not installed")
+
+
 @pytest.mark.parametrize(
     ("datapath", "precision"),
-    [("shm", "fp32"), ("shm", "fp8"), ("torch", "nvfp4")],  # the torch data path in fp32: test_transport.py
+    [  # the torch data path in fp32: test_transport.py
+        ("shm", "fp32"),
+        pytest.param("shm", "fp8", marks=_QUANT),
+        pytest.param("torch", "nvfp4", marks=_QUANT),
+    ],
 )
 def test_grpo_run_pushes_every_step_through_p2p(tmp_path: Path, datapath: str, precision: str) -> None:
     from miles.testing.models import build_tiny_model

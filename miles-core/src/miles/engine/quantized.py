@@ -31,14 +31,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles.precision.formats import GLOBAL_SCALE, SCALE, WeightFormat, dequantize, get_format, require_torchao
+from miles.precision.formats import FP8_MAX, GLOBAL_SCALE, SCALE, WeightFormat, dequantize, get_format, require_torchao
 from miles.precision.quantized import quantizes
 
 __all__ = ["QuantizedLinear", "quantize_model"]
 
 log = logging.getLogger(__name__)
 
-_FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 SCALED_MM_FORMATS = ("fp8_row", "fp8_tensor")
 
 
@@ -61,8 +60,8 @@ def _scaled_mm_works(device_type: str, rowwise: bool) -> str | None:
 def _quantize_activation(x: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D) as e4m3 values and fp32 dequantization scales (per row, or one for the tensor)."""
     amax = x.abs().amax(dim=1, keepdim=True) if rowwise else x.abs().amax()
-    scale = (amax.float() / _FP8_MAX).clamp(min=1e-12)
-    values = (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    scale = (amax.float() / FP8_MAX).clamp(min=1e-12)
+    values = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values, scale
 
 

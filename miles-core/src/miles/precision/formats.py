@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMATS",
+    "FP8_MAX",
     "HIGH_PRECISION",
     "WeightFormat",
     "dequantize",
@@ -44,6 +45,8 @@ __all__ = [
     "require_torchao",
 ]
 
+FP8_MAX = 448.0
+"""The largest float8_e4m3fn value (``torch.finfo(torch.float8_e4m3fn).max``)."""
 SCALE = "_scale"
 """Suffix (after ``weight``) of the block / row / tensor scales."""
 GLOBAL_SCALE = "_scale_2"

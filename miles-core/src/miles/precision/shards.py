@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from miles.precision.base import Slice, SliceT
-from miles.precision.formats import GLOBAL_SCALE, SCALE, WeightFormat, quantize, quantizes, require_torchao
+from miles.precision.formats import FP8_MAX, GLOBAL_SCALE, SCALE, WeightFormat, quantize, quantizes, require_torchao
 
 if TYPE_CHECKING:
     import torch
@@ -30,8 +30,6 @@ __all__ = ["quantize_shards"]
 
 Gather = Callable[[Any], list[Any]]
 """Every rank's JSON value, in rank order (:func:`miles.training.comm.all_gather_json`)."""
-
-_FP8_MAX = 448.0
 
 
 def _ceil(n: int, b: int) -> int:
@@ -77,14 +75,14 @@ def _fp8_with_scales(w: torch.Tensor, scale_rows: torch.Tensor, block_cols: int)
     import torch
 
     expanded = scale_rows.repeat_interleave(block_cols, dim=1)[:, : w.shape[1]] if block_cols else scale_rows
-    return (w.to(torch.float32) / expanded).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return (w.to(torch.float32) / expanded).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _scale_of(amax: float, dtype: torch.dtype) -> torch.Tensor:
     """torchao's FP8 scale of a block whose maximum is ``amax``: ``amax / 448`` in the weight's dtype, as float32."""
     import torch
 
-    return (torch.tensor(amax, dtype=dtype) / _FP8_MAX).to(torch.float32)
+    return (torch.tensor(amax, dtype=dtype) / FP8_MAX).to(torch.float32)
 
 
 def quantize_shards(fmt: WeightFormat, shards: Sequence[SliceT], gather: Gather) -> list[SliceT]:
@@ -136,7 +134,7 @@ def quantize_shards(fmt: WeightFormat, shards: Sequence[SliceT], gather: Gather)
                 top, maxima = r[shard.name]
                 part = torch.tensor(maxima, dtype=w.dtype)
                 blocks[top : top + part.shape[0]] = torch.maximum(blocks[top : top + part.shape[0]], part)
-            scales = (blocks / _FP8_MAX).to(torch.float32)
+            scales = (blocks / FP8_MAX).to(torch.float32)
             row_blocks = torch.arange(first, first + rows) // block_rows
             parts.append(("", (out_rows, cols), (first, 0), _fp8_with_scales(w, scales[row_blocks], block_cols)))
             owned = range(_ceil(first, block_rows), _ceil(first + rows, block_rows))  # blocks starting here

@@ -54,6 +54,19 @@ MOE_CONFIG: dict[str, int] = {
     "num_experts_per_tok": 2,
 }
 """The tiny Qwen2-MoE: 8 experts of 256 hidden units, top-2, a shared expert (about 5.5M parameters)."""
+QWEN05B_CONFIG: dict[str, Any] = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+}
+"""``qwen0.5b``: Qwen2.5-0.5B's shape (494M parameters), randomly initialised from its config (no hub here);
+the batch's token ids are random, so the weights' values do not matter to the timings."""
 LAYOUTS = {"dp": {}, "tp": {"tensor_parallel": 2, "sequence_parallel": True}, "ep": {"expert_parallel": 2}}
 """``--megatron-layout`` at ``--world-size 2`` (``dp``: data parallel with the distributed optimizer)."""
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
@@ -67,6 +80,19 @@ def _model(name: str, workdir: Path) -> Path:
         out = workdir / "tiny-qwen2-moe"
         if not (out / "config.json").exists():
             build_tiny_model(out, "qwen2_moe", seed=0, vocab_size=512, **MOE_CONFIG)  # type: ignore[arg-type]
+        return out
+    if name == "qwen0.5b":
+        out = workdir / "qwen2.5-0.5b-shape"
+        if not (out / "config.json").exists():
+            import torch
+            from transformers import AutoModelForCausalLM, Qwen2Config
+
+            from miles.testing.models import build_tokenizer
+
+            torch.manual_seed(0)
+            config = Qwen2Config(**QWEN05B_CONFIG)
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+            build_tokenizer(512).save_pretrained(out)
         return out
     return model_dir(name, workdir)
 
@@ -134,7 +160,7 @@ def _rank(rank: int, world: int, port: int, backend: str, model: str, args: argp
         from miles_fsdp.settings import FSDPSettings
         from miles_fsdp.trainer import FSDPTrainer
 
-        trainer = FSDPTrainer(train, FSDPSettings(), precision, ctx)  # type: ignore[arg-type]
+        trainer = FSDPTrainer(train, FSDPSettings(**_overrides(args.fsdp_set)), precision, ctx)  # type: ignore[arg-type]
     else:
         from miles_megatron.settings import MegatronSettings
         from miles_megatron.trainer import MegatronTrainer
@@ -168,6 +194,18 @@ def _rank(rank: int, world: int, port: int, backend: str, model: str, args: argp
     trainer.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """``--fsdp-set key=value`` pairs as settings (values parsed as JSON where they parse: ``true``, ``4``)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, _, value = pair.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def _measure(backend: str, model: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -223,7 +261,16 @@ def _flops_per_token(config: dict[str, Any], active_params: int, seq_len: int) -
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--models", default=None, help="comma-separated: smollm2, moe, tiny (default smollm2,moe)")
+    parser.add_argument(
+        "--models", default=None, help="comma-separated: smollm2, moe, tiny, qwen0.5b (default smollm2,moe)"
+    )
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: fsdp, megatron")
+    parser.add_argument(
+        "--fsdp-set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an fsdp trainer setting (repeatable), e.g. fused_logprobs=true",
+    )
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--world-size", type=int, default=1, help="trainer ranks of each backend")
     parser.add_argument("--megatron-layout", choices=sorted(LAYOUTS), default="dp", help="megatron at 2 ranks")
@@ -254,13 +301,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             model = _model(name, Path(tmp))
             total, active = _param_counts(model)
             config = json.loads((model / "config.json").read_text())
-            runs: dict[str, list[dict[str, Any]]] = {b: [] for b in BACKENDS}
+            backends = [b for b in BACKENDS if b in args.backends.split(",")]
+            runs: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
             for r in range(args.rounds):
-                for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:
+                for backend in backends if r % 2 == 0 else backends[::-1]:
                     runs[backend].append(_measure(backend, model, args, Path(tmp)))
             results[name] = {"params": total, "active_params": active, "runs": runs}
-            fsdp_step = median([m["step_s"] for m in runs["fsdp"]])
-            for backend in BACKENDS:
+            fsdp_step = median([m["step_s"] for m in runs[backends[0]]])
+            for backend in backends:
                 step_s = median([m["step_s"] for m in runs[backend]])
                 fwd_s = median([m["fwd_s"] for m in runs[backend]])
                 train_tps = tokens / step_s
@@ -303,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "setup s",
     ]
     print(
-        f"## Trainer backends\n\n{args.device}, {args.world_size} rank(s) x {args.threads} thread(s), {args.precision}, "
+        f"## Trainer backends\n\n{args.device}, {args.world_size} rank(s) x {args.threads} thread(s), {args.precision}, fsdp settings {_overrides(args.fsdp_set) or 'defaults'}, "
         f"{args.seqs} seqs x {args.prompt_len}+{args.response_len} tokens per step, micro-batch budget "
         f"{args.micro_batch_tokens}, median of {args.steps} steps after {args.warmup} warm-up, median of "
         f"{args.rounds} round(s); load average before {loadavg_before[0]:.1f}, after {os.getloadavg()[0]:.1f}\n"

@@ -77,3 +77,37 @@ def test_patches_are_not_applied_on_gpu() -> None:
     )
     proc = run_script(["-c", code])
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+_TE_NAMES_CODE = """
+import os, sys, torch, torch.distributed as dist
+from transformers import AutoConfig
+from megatron.core import parallel_state
+from megatron.core.transformer.moe import moe_utils
+from miles_megatron.bridge import build_bridge, te_available
+from miles_megatron.settings import MegatronSettings
+assert not te_available() and not hasattr(moe_utils, "te_general_gemm")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+parallel_state.initialize_model_parallel(1, 1)
+build_bridge(AutoConfig.from_pretrained(sys.argv[1]), cpu=False, dtype=torch.bfloat16, options=MegatronSettings(),
+             vocab_divisor=None)
+print("filled" if getattr(moe_utils, "te_general_gemm", "missing") is None else "missing")
+"""
+
+
+@pytest.mark.parametrize("disabled", ["", "moe_te_names"])
+def test_without_transformer_engine_the_bridge_fills_the_moe_names_on_gpu_too(tmp_path: Path, disabled: str) -> None:
+    """Megatron's MoE router reads ``moe_utils.te_general_gemm``, defined only when TransformerEngine imports:
+    on a GPU without TransformerEngine the MoE forward raised ``NameError`` (seen on an H200) until the bridge
+    filled the names for every device, not only for CPU ranks."""
+    from helpers import free_port
+
+    from miles.testing.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "moe", "qwen2_moe", seed=1)
+    proc = run_script(
+        ["-c", _TE_NAMES_CODE, str(model), str(free_port())], env={"MILES_MEGATRON_DISABLE_PATCHES": disabled}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == ("missing" if disabled else "filled")

@@ -13,16 +13,20 @@ device. ``write_into_weights`` needs CPU weights (a GPU engine refuses it; CUDA 
 
     python scripts/gpu/check_weight_transports.py            # exits non-zero if a check fails
 
-Not run yet: no GPU has been lent to this task.
+Run on one H200 (2026-12-04): disk_delta and p2p over shm passed (benchmarks/results/gpu_h200_2026-12-04/).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
+
+DEVICE = os.environ.get("MILES_GPU_CHECK_DEVICE", "cuda")
+"""Where the checks run: ``cuda``; ``MILES_GPU_CHECK_DEVICE=cpu`` is a dry run of the script on the CPU."""
 
 
 def main() -> int:
@@ -31,7 +35,7 @@ def main() -> int:
     from miles.testing import check_transport_delivery
     from miles.transport.disk_delta import DiskDeltaTransport
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
     cases: list[tuple[str, Any, dict[str, Any]]] = [("disk_delta", DiskDeltaTransport, {})]
@@ -64,8 +68,8 @@ def main() -> int:
                     tmp,
                     settings=settings,
                     engine_dtype="bfloat16",
-                    engine_args=["--device", "cuda"],
-                    trainer_device="cuda",
+                    engine_args=["--device", DEVICE],
+                    trainer_device=DEVICE,
                 )
                 print(
                     f"{label}: ok ({facts['verified_tensors']:.0f} tensors verified, push {facts['push_seconds']:.3f} s)"

@@ -1,4 +1,4 @@
-"""GPU check of miles-diffusion (NOT RUN YET: no GPU was at hand when it was written).
+"""GPU check of miles-diffusion (passed on an H200, 2026-12-04: benchmarks/results/gpu_h200_2026-12-04/).
 
 On one CUDA device: build the tiny policy, sample on CUDA with the engine's loop and check the trainer's
 re-scoring of the recorded steps (bf16 transformer and float32), then one Flow-GRPO train step of the
@@ -14,11 +14,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+DEVICE = os.environ.get("MILES_GPU_CHECK_DEVICE", "cuda")
+"""Where the checks run: ``cuda``; ``MILES_GPU_CHECK_DEVICE=cpu`` is a dry run of the script on the CPU."""
+
 
 def main() -> None:
     import torch
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "miles-diffusion" / "tests"))
     from trainer_job import make_batch
@@ -34,14 +37,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         policy = build_tiny_policy(Path(tmp) / "policy")
         for dtype in ("float32", "bfloat16"):
-            pipe = load_pipeline(policy, device="cuda", dtype=dtype)
+            pipe = load_pipeline(policy, device=DEVICE, dtype=dtype)
             trajs = sample_trajectories(
                 pipe, ["a red square"] * 4, [1, 2, 3, 4], SamplingOptions(num_steps=6, max_sequence_length=16)
             )
             assert all(len(t.logprobs) == 6 for t in trajs)
             print(f"ok: sampling on cuda in {dtype}")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        dist = init_distributed(0, 1, device="cuda", master_port=29533)
+        dist = init_distributed(0, 1, device=DEVICE, master_port=29533)
         batch, rollout = make_batch(str(policy))
         for recipe in (FP32(FP32.Settings()), BF16(BF16.Settings())):
             trainer = DiffusionTrainer(

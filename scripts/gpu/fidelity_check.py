@@ -1,4 +1,4 @@
-"""GPU check of routing replay (R3) in the fsdp trainer (NOT RUN YET: no GPU was at hand when it was written).
+"""GPU check of routing replay (R3) in the fsdp trainer (passed on an H200, 2026-12-04: benchmarks/results/gpu_h200_2026-12-04/).
 
 On one CUDA device: a local engine process serves the near-tied tiny Qwen3-MoE of
 ``miles-fsdp/tests/test_routing_replay.py`` in bfloat16 on CUDA, the rollout manager samples with routed
@@ -12,9 +12,13 @@ at least halves both. (True on-policy is CPU-only for now: ``check_true_on_polic
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
+
+DEVICE = os.environ.get("MILES_GPU_CHECK_DEVICE", "cuda")
+"""Where the checks run: ``cuda``; ``MILES_GPU_CHECK_DEVICE=cpu`` is a dry run of the script on the CPU."""
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def main() -> None:
     import torch
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device")
     sys.path.insert(0, str(ROOT / "miles-fsdp" / "tests"))
     import test_routing_replay as r3
@@ -34,11 +38,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = r3.build_near_tied_moe(Path(tmp))
-        args = ["--dtype", "bfloat16", "--device", "cuda"]
+        args = ["--dtype", "bfloat16", "--device", DEVICE]
         with EngineProcess(model, extra_args=args, log_path=Path(tmp) / "engine.log") as engine:
             samples = r3.rollout(engine.url)
         batch = TrainBatch.from_samples(samples)
-        ctx = init_distributed(0, 1, device="cuda", local_rank=0, master_port=r3._free_port())
+        ctx = init_distributed(0, 1, device=DEVICE, local_rank=0, master_port=r3._free_port())
         try:
             results = {}
             for replay in (False, True):

@@ -1,4 +1,4 @@
-"""GPU check of LoRA serving in the local engine (NOT RUN YET: no GPU was at hand when it was written).
+"""GPU check of LoRA serving in the local engine (passed on an H200, 2026-12-04: benchmarks/results/gpu_h200_2026-12-04/).
 
 On one CUDA device, in process: a tiny Qwen2 is served by :class:`~miles.engine.model_runner.ModelRunner`
 (float32 on CUDA) with two random PEFT adapters loaded through :class:`~miles.engine.lora.EngineLoras`; one

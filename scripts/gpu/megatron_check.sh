@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of miles-megatron (NOT RUN YET: written without a GPU at hand).
+# GPU check of miles-megatron (needs 2 GPUs: not run yet; the one H200 lent so far trained both backends on one rank, docs/how-to/megatron.md).
 # On a host with 2+ CUDA GPUs and this repository's venv (CUDA torch, optional TransformerEngine):
 #   bash scripts/gpu/megatron_check.sh
 # It checks that no CPU patch is applied on GPU, then trains the tiny Qwen2 at TP=2 and the tiny

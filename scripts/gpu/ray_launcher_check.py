@@ -12,7 +12,7 @@ the script compares them and exits non-zero on a mismatch.
 
     python scripts/gpu/ray_launcher_check.py
 
-Not run yet: no GPU has been lent to this task.
+Not run yet: the one GPU machine lent so far could not carry Ray's wheels.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU check of the TITO session server (NOT RUN YET: written without a GPU at hand).
+"""GPU check of the TITO session server (passed on an H200, 2026-12-04: benchmarks/results/gpu_h200_2026-12-04/).
 
 On a CUDA host with this repository installed (miles-core, openai)::
 
@@ -19,6 +19,9 @@ import json
 import os
 import sys
 from typing import Any
+
+DEVICE = os.environ.get("MILES_GPU_CHECK_DEVICE", "cuda")
+"""Where the checks run: ``cuda``; ``MILES_GPU_CHECK_DEVICE=cpu`` is a dry run of the script on the CPU."""
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -61,9 +64,9 @@ async def main() -> int:
     from miles.settings.sessions import SessionSettings
     from miles.testing.tool_model import tool_model_for
 
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    assert DEVICE != "cuda" or torch.cuda.is_available(), "needs a CUDA GPU"
     model_dir = tool_model_for("qwen2.5")
-    with EngineProcess(model_dir, extra_args=["--device", "cuda", "--dtype", "float32"], threads=4) as engine:
+    with EngineProcess(model_dir, extra_args=["--device", DEVICE, "--dtype", "float32"], threads=4) as engine:
         async with HttpEngineClient([engine.url]) as client:
             server = await SessionServer.for_engines(client, SessionSettings())
             url = await server.start()
@@ -87,9 +90,9 @@ async def main() -> int:
         logprobs += [0.0] * len(suffix) + turn["logprobs"]
     n = len(sample.prompt_ids)
     assert sample.tokens == tokens and sample.loss_mask == mask[n:], "the record differs from the responses"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE)
     with torch.no_grad():
-        logits = model(torch.tensor([tokens], device="cuda")).logits[0].float()
+        logits = model(torch.tensor([tokens], device=DEVICE)).logits[0].float()
     logp = torch.log_softmax(logits / 0.7, dim=-1)
     positions = [i for i, m in enumerate(mask) if m]
     trainer = logp[[p - 1 for p in positions], [tokens[p] for p in positions]].cpu().double()

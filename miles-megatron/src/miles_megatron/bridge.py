@@ -192,6 +192,12 @@ def build_bridge(hf_config: Any, *, cpu: bool, dtype: torch.dtype, options: Any,
     from mbridge.core.bridge import _MODEL_REGISTRY
 
     use_te = te_available() and not cpu
+    if not te_available() and _enabled("moe_te_names"):
+        # Megatron's MoE router reads names that moe_utils defines only when TransformerEngine imports
+        # (``te_general_gemm``): without TransformerEngine they are absent on GPU as on CPU
+        from miles_megatron.cpu_patches import fill_moe_te_names
+
+        fill_moe_te_names()
     family = _MODEL_REGISTRY[hf_config.model_type]
     methods = _shim_methods(use_te)
     # a fresh name map per model: mbridge edits it in place for tied embeddings

@@ -33,6 +33,7 @@ __all__ = [
     "apply_cpu_patches",
     "disabled_patches",
     "enter_device_mode",
+    "fill_moe_te_names",
 ]
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,9 @@ _TE_MOE_NAMES = (
 )
 
 
-def _patch_moe_te_names() -> None:
+def fill_moe_te_names() -> None:
+    """Set the names ``moe_utils`` defines only when TransformerEngine imports to ``None`` (what its code
+    tests for), where they are missing; needed on GPU too when TransformerEngine is not installed."""
     from megatron.core.transformer.moe import moe_utils
 
     for name in _TE_MOE_NAMES:
@@ -301,9 +304,7 @@ PATCHES: tuple[CpuPatch, ...] = (
         "activation recompute runs forward inside backward, where torch pops the function mode: re-enter it",
         _patch_recompute_mode,
     ),
-    CpuPatch(
-        "moe_te_names", "moe_utils names defined only with TransformerEngine are set to None", _patch_moe_te_names
-    ),
+    CpuPatch("moe_te_names", "moe_utils names defined only with TransformerEngine are set to None", fill_moe_te_names),
     CpuPatch(
         "ep_split_sizes", "expert-parallel all-to-all split sizes left as tensors become lists", _patch_ep_split_sizes
     ),

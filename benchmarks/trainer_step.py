@@ -13,7 +13,9 @@ adds a ``torch.profiler`` table of one step per configuration::
 
 Configurations: ``fsdp-*`` wraps with FSDP2 at world size 1 (``wrap_single_rank``; bf16 through FSDP's
 ``MixedPrecisionPolicy``), ``plain-*`` keeps the module (bf16 through ``torch.autocast``), ``-fused`` scores
-through the chunked fused LM head (``fused_logprobs``).
+through the chunked fused LM head (``fused_logprobs``), ``-onednn`` runs every linear's GEMMs on oneDNN
+(``onednn_linear``; the others run ``F.linear``), ``-packed`` attends sequence by sequence
+(``attn_implementation = "packed_sdpa"``; the others: ``sdpa`` over a block-diagonal mask).
 """
 
 from __future__ import annotations
@@ -42,11 +44,48 @@ from benchmarks.common import (
 log = logging.getLogger("benchmarks.trainer_step")
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "fsdp-fp32": {"precision": "fp32", "wrap_single_rank": True, "fused_logprobs": False},
-    "plain-fp32": {"precision": "fp32", "wrap_single_rank": False, "fused_logprobs": False},
-    "plain-fp32-fused": {"precision": "fp32", "wrap_single_rank": False, "fused_logprobs": True},
-    "fsdp-bf16": {"precision": "bf16", "wrap_single_rank": True, "fused_logprobs": False},
-    "plain-bf16-fused": {"precision": "bf16", "wrap_single_rank": False, "fused_logprobs": True},
+    "fsdp-fp32": {"precision": "fp32", "wrap_single_rank": True, "fused_logprobs": False, "onednn_linear": False},
+    "plain-fp32": {"precision": "fp32", "wrap_single_rank": False, "fused_logprobs": False, "onednn_linear": False},
+    "plain-fp32-fused": {
+        "precision": "fp32",
+        "wrap_single_rank": False,
+        "fused_logprobs": True,
+        "onednn_linear": False,
+    },
+    "plain-fp32-onednn": {
+        "precision": "fp32",
+        "wrap_single_rank": False,
+        "fused_logprobs": False,
+        "onednn_linear": True,
+    },
+    "fsdp-bf16": {"precision": "bf16", "wrap_single_rank": True, "fused_logprobs": False, "onednn_linear": False},
+    "plain-bf16": {"precision": "bf16", "wrap_single_rank": False, "fused_logprobs": False, "onednn_linear": False},
+    "plain-bf16-fused": {
+        "precision": "bf16",
+        "wrap_single_rank": False,
+        "fused_logprobs": True,
+        "onednn_linear": False,
+    },
+    "plain-bf16-onednn": {
+        "precision": "bf16",
+        "wrap_single_rank": False,
+        "fused_logprobs": False,
+        "onednn_linear": True,
+    },
+    "plain-fp32-onednn-packed": {
+        "precision": "fp32",
+        "wrap_single_rank": False,
+        "fused_logprobs": False,
+        "onednn_linear": True,
+        "attn_implementation": "packed_sdpa",
+    },
+    "plain-bf16-onednn-packed": {
+        "precision": "bf16",
+        "wrap_single_rank": False,
+        "fused_logprobs": False,
+        "onednn_linear": True,
+        "attn_implementation": "packed_sdpa",
+    },
 }
 
 

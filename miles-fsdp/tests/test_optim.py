@@ -49,3 +49,31 @@ def test_clip_grad_norm_matches_torch() -> None:
         torch.cat([a.grad, b.grad]), torch.tensor([1.5, 0.0, 2.0, 0.0, 6.0]), rtol=1e-6, atol=1e-6
     )
     assert clip_grad_norm([torch.nn.Parameter(torch.zeros(1))], 1.0) == 0.0
+
+
+def test_plain_parameters_step_with_fused_adamw_equal_to_foreach_and_their_versions_move() -> None:
+    """Fused AdamW on plain CPU tensors: the update of the default (foreach) path to float32 rounding, and
+    each parameter's version counter moves at every step (the fused kernel alone leaves it, and the oneDNN
+    linears' bf16 copies key on it: a copy would go stale and the model would stop learning)."""
+    from miles_fsdp.optim import build_optimizer
+
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(300, 17, generator=g), torch.randn(17, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) * 1e-3 for t in start] for _ in range(4)]
+    train = TrainSettings(model_path="x", lr=1e-3, weight_decay=0.01)
+    results = []
+    for fused in (True, False):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = build_optimizer(params, train)
+        if not fused:
+            opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=True)
+        assert bool(opt.defaults.get("fused")) is fused
+        for step in grads:
+            versions = [p._version for p in params]
+            for p, grad in zip(params, step, strict=True):
+                p.grad = grad.clone()
+            opt.step()
+            assert all(p._version > v for p, v in zip(params, versions, strict=True))
+        results.append(params)
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

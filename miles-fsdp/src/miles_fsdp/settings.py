@@ -22,9 +22,12 @@ class FSDPSettings(ComponentSettings):
     reshard_after_forward: bool = True
     """Free the gathered parameters of each layer after its forward (ZeRO-3); ``False`` keeps them until the
     backward (ZeRO-2 like: more memory, fewer all-gathers)."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["packed_sdpa", "sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel of the Hugging Face model. Packed micro-batches rely on ``position_ids`` restarting
-    at 0 for each sequence, which all three support."""
+    at 0 for each sequence. ``packed_sdpa`` (:mod:`miles.training.packed_attention`) runs SDPA on each
+    sequence of the packed row alone, where ``sdpa`` computes the whole row against a block-diagonal mask (the
+    same values to float32 rounding; on 8 sequences of 64 tokens, an eighth of the attention arithmetic);
+    ``flash_attention_2`` needs the ``flash-attn`` package and a GPU."""
     value_head_init_std: float = Field(0.0, ge=0.0)
     """PPO critic: standard deviation of the value head's initial weights (0: start from zero values)."""
     ref_reshard_after_forward: bool = True
@@ -45,3 +48,8 @@ class FSDPSettings(ComponentSettings):
     """Shard with FSDP2 even at world size 1. Off: one rank trains the plain module (no DTensors, all-gather
     copies or per-layer reductions; the same weights, checkpoints and HF exports; bf16 by autocast with float32
     master weights). On by default until the plain module's step time is measured on an idle machine."""
+    onednn_linear: bool = True
+    """CPU ranks: every ``nn.Linear``'s forward and backward GEMMs run on oneDNN
+    (:mod:`miles.training.onednn_linear`): float32 at oneDNN's speed instead of MKL's sgemm (2-2.5x on this
+    project's AMD hosts), and under bf16 autocast the weights cast once per optimizer step instead of once per
+    forward. Equal to ``F.linear`` to float32 rounding. Ignored on CUDA."""

@@ -78,6 +78,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
+        from miles.training.onednn_linear import install_onednn_linears
         from miles_fsdp.model import load_causal_lm, load_value_model, torch_dtype
         from miles_fsdp.optim import build_optimizer, build_scheduler
         from miles_fsdp.wrap import forward_precision, stays_plain, wrap_model
@@ -105,9 +106,14 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             reduce_dtype=torch_dtype(self.precision.reduce_dtype),
         )
         attn = opts.attn_implementation
+        if attn == "packed_sdpa":
+            from miles.training.packed_attention import register_packed_attention
+
+            attn = register_packed_attention()
 
         actor = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
         actor.config.use_cache = False
+        self._onednn = opts.onednn_linear and self.dist.device == "cpu"
         self._config = actor.config
         from miles_fsdp.routing import patch_routers
 
@@ -116,6 +122,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             if train.true_on_policy:
                 raise ValueError("train.true_on_policy: not supported with train.adapter")
             actor = self.adapter.apply(actor)
+        if self._onednn:
+            install_onednn_linears(actor)
         self.actor = wrap_model(
             actor,
             reshard_after_forward=opts.reshard_after_forward,
@@ -129,6 +137,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             ref = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
             ref.requires_grad_(False)
             ref.eval()
+            if self._onednn:
+                install_onednn_linears(ref)
             self.ref = wrap_model(
                 ref,
                 reshard_after_forward=opts.ref_reshard_after_forward,
@@ -140,6 +150,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             critic = load_value_model(
                 train.model_path, seed=train.seed, attn_implementation=attn, init_std=opts.value_head_init_std
             )
+            if self._onednn:
+                install_onednn_linears(critic)
             self.critic = wrap_model(
                 critic,
                 reshard_after_forward=opts.reshard_after_forward,

@@ -120,6 +120,8 @@ async def scenario(rank: int, world: int, args: argparse.Namespace) -> dict[str,
         await transport.connect(client, ctx)
         await randomize(1)
         results["v1"] = await push("1")
+        # the staged shm buffers are already unlinked: mapped by every process, named nowhere (nothing can leak)
+        results["v1"]["shm_names"] = sorted(p.name for p in Path("/dev/shm").glob(f"{transport.session_id}-*"))
         with torch.no_grad():  # a training step's worth of change, different on each rank's shards
             gen = torch.Generator().manual_seed(100 + rank)
             for p in model.parameters():

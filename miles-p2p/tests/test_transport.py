@@ -78,6 +78,13 @@ def job(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.Te
     yield datapath, results, engines
 
 
+def test_no_shared_memory_name_outlives_the_plan(job: Any) -> None:
+    """``shm``: the buffers lose their names once every process has mapped them (a run killed at any point
+    leaves nothing in ``/dev/shm``)."""
+    _, results, _ = job
+    assert all(r["v1"]["shm_names"] == [] for r in results)
+
+
 def test_both_engines_serve_the_trainer_weights_bit_for_bit(job: Any) -> None:
     _, (rank0, rank1), _ = job
     for version in ("v1", "v2", "v4"):

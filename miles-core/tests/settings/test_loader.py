@@ -143,3 +143,18 @@ def test_async_mode_checks_happen_before_launch() -> None:
         load_settings(env={}, overrides=["rollout.mode=fully_async", "rollout.buffer_groups=2"])
     with pytest.raises(SettingsError, match=r"cluster.colocate .*cannot share devices"):
         load_settings(env={}, overrides=["rollout.mode=fully_async", "cluster.colocate=true"])
+
+
+def test_component_options_without_a_name_keep_the_default_component(tmp_path: Path) -> None:
+    """``--set train.backend.x=...`` with no ``[train.backend]`` table is an option of the default backend; a
+    component with no default (``train.adapter``) still needs its name."""
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nmodel_path = "m"\n')
+    settings = load_settings(
+        path, overrides=["train.backend.attn_implementation=packed_sdpa", "transport.bucket_bytes=1024"]
+    )
+    assert settings.train.backend.name == "fsdp"
+    assert settings.train.backend.options == {"attn_implementation": "packed_sdpa"}
+    assert (settings.transport.name, settings.transport.bucket_bytes) == ("disk", 1024)
+    with pytest.raises(SettingsError, match="train.adapter.name"):
+        load_settings(path, overrides=["train.adapter.r=4"])

@@ -105,7 +105,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             param_dtype=param_dtype,
             reduce_dtype=torch_dtype(self.precision.reduce_dtype),
         )
-        attn = opts.attn_implementation
+        attn: str = opts.attn_implementation
         if attn == "packed_sdpa":
             from miles.training.packed_attention import register_packed_attention
 

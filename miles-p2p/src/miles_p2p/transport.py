@@ -255,6 +255,8 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             raise EngineError(status["error"])
         self.sender.prepare(plan.for_rank(dist.rank), status["answers"])
         self.plan = plan
+        if self.settings.datapath == "shm" and not self.settings.write_into_weights:
+            self._unlink_mapped_buffers()  # a collective
         log.info(
             "p2p transport: plan %s, %d chunks to %d engines (%.1f MB per engine)",
             plan.plan_id,
@@ -262,6 +264,21 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             len(self.engines),
             plan.tensor_bytes / 1e6,
         )
+
+    def _unlink_mapped_buffers(self) -> None:
+        """``shm``: once every engine (at the plan) and every trainer rank (just now) has mapped this plan's
+        ``/dev/shm`` buffers, rank 0 removes their names; the mappings stay valid until each process lets go of
+        them, so a run that ends any way at all — a SIGKILL included — leaves nothing in ``/dev/shm``. A later
+        plan (an engine restarted, the layout changed) creates and maps new buffers."""
+        from miles.training.comm import all_gather_json
+
+        all_gather_json(True)  # every rank has mapped them (rank 0 created them: only it has names to remove)
+        for path in self.shm_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.shm_files = []
 
     def _shared_files(self, plan: RoutePlan) -> list[str]:
         """Rank 0, ``shm``: one ``/dev/shm`` file per group of engines with the same chunks."""

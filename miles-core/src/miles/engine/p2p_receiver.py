@@ -425,7 +425,7 @@ class P2PSession:
                 )
 
     def chunk_checksums(self, params: dict[str, torch.nn.Parameter]) -> dict[str, str]:
-        """SHA-256 (as :func:`~miles.transport.verify.tensor_checksum`) of each chunk's box of what is served."""
+        """XXH3-128 (as :func:`~miles.transport.verify.tensor_checksum`) of each chunk's box of what is served."""
         from miles.transport.verify import tensor_checksum
 
         return {str(c.id): tensor_checksum(params[c.name][c.box()]) for c in self.chunks}

@@ -3,7 +3,7 @@
 - SGLang's ``/init_weights_update_group``, ``/update_weights_from_distributed`` and
   ``/destroy_weights_update_group``: the engine joins a process group with the trainer (rank
   ``rank_offset``) and receives broadcast tensors into its parameters, by Hugging Face name.
-- ``/weights_checksum`` (a Miles endpoint): a SHA-256 per parameter of what the engine serves, plus the
+- ``/weights_checksum`` (a Miles endpoint): an XXH3-128 checksum per parameter of what the engine serves, plus the
   names that alias another parameter (tied embeddings), so the driver can prove every tensor was updated.
 - SGLang's ``/get_weights_by_name {name, truncate_size}``: the first ``truncate_size`` rows of a parameter
   (by HF name; a tied alias answers with its owner) as float32 lists, as SGLang answers it — what the

@@ -33,8 +33,27 @@ __all__ = [
 ]
 
 
+def _default_component_names(model: type[BaseModel], data: Any) -> Any:
+    """A component table given without ``name`` (``--set train.backend.fused_logprobs=true`` with no
+    ``[train.backend]`` in the file) keeps the field's default component: its keys are that component's options."""
+    if not isinstance(data, dict):
+        return data
+    for key, field in model.model_fields.items():
+        value = data.get(key)
+        if isinstance(value, dict) and "name" not in value and field.default_factory is not None:
+            default = field.default_factory()  # type: ignore[call-arg]
+            if isinstance(default, PluginSpec):
+                data = {**data, key: {"name": default.name, **value}}
+    return data
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _component_defaults(cls, data: Any) -> Any:
+        return _default_component_names(cls, data)
 
 
 class PluginSpec(BaseModel):
@@ -368,6 +387,11 @@ class MilesSettings(BaseSettings):
     """Saving and resuming."""
 
     _sources: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _component_defaults(cls, data: Any) -> Any:
+        return _default_component_names(cls, data)
 
     @model_validator(mode="after")
     def _derive(self) -> MilesSettings:

@@ -77,7 +77,7 @@ class _CastCache:
 
 class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -94,7 +94,7 @@ class _OneDNNLinear(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, w = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1]).to(w.dtype)
         grad_x = grad_w = grad_b = None
@@ -119,7 +119,7 @@ def onednn_linear(
     else:
         w_compute = cache.get(weight, compute) if cache is not None else weight.detach().to(compute)
     with torch.autocast("cpu", enabled=False):
-        return _OneDNNLinear.apply(x, weight, bias, w_compute)  # type: ignore[no-any-return]
+        return _OneDNNLinear.apply(x, weight, bias, w_compute)
 
 
 def _takes_onednn(module: nn.Linear, x: torch.Tensor) -> bool:
@@ -136,7 +136,7 @@ def _takes_onednn(module: nn.Linear, x: torch.Tensor) -> bool:
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not _takes_onednn(self, x):
         return F.linear(x, self.weight, self.bias)
-    return onednn_linear(x, self.weight, self.bias, self._miles_cast_cache)  # type: ignore[arg-type]
+    return onednn_linear(x, self.weight, self.bias, self._miles_cast_cache)
 
 
 def install_onednn_linears(model: nn.Module) -> int:
@@ -149,8 +149,8 @@ def install_onednn_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear and not hasattr(module, "_miles_cast_cache"):
-            module._miles_cast_cache = _CastCache()  # type: ignore[assignment]
-            module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]
+            module._miles_cast_cache = _CastCache()
+            module.forward = types.MethodType(_forward, module)
             count += 1
     log.info("oneDNN training linears: %d nn.Linear modules route their GEMMs through oneDNN", count)
     return count

@@ -1,7 +1,10 @@
 """Weight-sync verification: what the engines serve must equal what the trainer sent, tensor by tensor.
 
-Checksums are SHA-256 over a tensor's bytes in the dtype the engine serves, so a push verifies exactly
-(not approximately). After every push the engines report their weight version and a checksum per tensor
+Checksums are XXH3-128 (the ``xxhash`` library) over a tensor's bytes in the dtype the engine serves, so a
+push verifies exactly (not approximately). XXH3 is a non-cryptographic hash: it finds any transport error,
+dropped slice or stale tensor (a 128-bit digest), at 15-20 GB/s per core where SHA-256 ran at 1.2 GB/s and,
+on both sides of every push, cost more than the push itself; verification guards against faults, not against
+an adversary who can already write the engines' weights. After every push the engines report their weight version and a checksum per tensor
 (``/weights_checksum``, a Miles endpoint of the local engine); a tensor the engine serves but the trainer
 never sent, a missing tensor or a differing checksum stops the run with the tensor's name.
 
@@ -15,7 +18,6 @@ engine serves but the trainer never sent (SGLang cannot list them).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,16 +34,18 @@ __all__ = ["WeightSampler", "compare_checksums", "tensor_checksum", "verify_engi
 
 
 def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
-    """SHA-256 (hex, 16 chars) of the tensor's bytes after casting to ``dtype`` (default: its own)."""
+    """XXH3-128 (hex, 32 chars) of the tensor's bytes after casting to ``dtype`` (default: its own) and of its
+    shape."""
     import torch
+    import xxhash
 
     t = tensor.detach()
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     t = t.cpu().contiguous()
-    digest = hashlib.sha256(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # no copy
+    digest = xxhash.xxh3_128(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # no copy
     digest.update(str(tuple(t.shape)).encode())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 def compare_checksums(

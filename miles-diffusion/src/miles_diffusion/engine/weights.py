@@ -57,7 +57,7 @@ def load_weights_from_disk(transformer: Any, path: str) -> int:
 
 
 def weights_checksum(transformer: Any) -> dict[str, Any]:
-    """``{"dtype", "checksums": {name: sha256}}`` of the served parameters (:func:`miles.transport.verify.tensor_checksum`)."""
+    """``{"dtype", "checksums": {name: xxh3-128 hex}}`` of the served parameters (:func:`miles.transport.verify.tensor_checksum`)."""
     from miles.transport.verify import tensor_checksum
 
     checksums = {name: tensor_checksum(p) for name, p in transformer.named_parameters()}

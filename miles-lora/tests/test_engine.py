@@ -107,7 +107,14 @@ def test_adapter_listing_unload_and_bad_input(setup: dict[str, Any]) -> None:
     assert "tmp" in {a["lora_name"] for a in listed}
     tmp = next(a for a in listed if a["lora_name"] == "tmp")
     assert len(tmp["checksums"]) == 2 * 3 * 2  # 3 modules x 2 layers x (A, B)
+    # SGLang's (OpenAI's) GET /v1/models: the base model, then each adapter with the path it came from
+    models = httpx.get(engine.url + "/v1/models").json()["data"]
+    assert (
+        models[0]["parent"] is None
+        and {"id": "tmp", "root": tmp["lora_path"]}.items() <= next(m for m in models if m["id"] == "tmp").items()
+    )
     assert post(engine, "/unload_lora_adapter", {"lora_name": "tmp"}).status_code == 200
+    assert "tmp" not in {m["id"] for m in httpx.get(engine.url + "/v1/models").json()["data"]}
     r = post(engine, "/generate", {"input_ids": PROMPTS[0], "lora_path": "tmp", "sampling_params": {}})
     assert r.status_code == 400 and "'tmp' is not loaded" in r.text
     r = post(engine, "/unload_lora_adapter", {"lora_name": "tmp"})

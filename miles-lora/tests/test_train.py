@@ -17,15 +17,33 @@ import torch
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+LENGTH = """
+[[reward.functions]]
+name = "length_penalty"
+max_length = 6
+buffer_length = 4
+mode = "linear"
+"""
+DIGIT = """
+[[reward.functions]]
+name = "regex"
+pattern = '\\d'
+"""
+"""A reward that varies between a random tiny model's samples (a digit in the response)."""
+
+
 def _train(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "miles", "train", str(config), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
-def test_lora_grpo_pushes_adapters_verifies_resumes_and_exports(tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-
+def _config(
+    tmp_path: Path, *, rollouts: int, backend: str = "", init: str = "default", reward: str = LENGTH
+) -> tuple[Path, Path, Path]:
+    """A LoRA GRPO run on a tiny model (2 trainer ranks, one local engine); ``backend`` adds TOML for
+    ``[train.backend]``, ``init`` is the adapter's, ``reward`` the reward table. Returns the config file,
+    the model and the run directory."""
     from miles.testing.models import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", "qwen2", seed=0)
@@ -59,7 +77,7 @@ def test_lora_grpo_pushes_adapters_verifies_resumes_and_exports(tmp_path: Path) 
 
             [train]
             model_path = "{model}"
-            num_rollouts = 2
+            num_rollouts = {rollouts}
             global_batch_size = 8
             lr = 1e-2
 
@@ -67,15 +85,10 @@ def test_lora_grpo_pushes_adapters_verifies_resumes_and_exports(tmp_path: Path) 
             name = "lora"
             r = 4
             alpha = 8
+            init = "{init}"
 
             [algorithm]
             name = "grpo"
-
-            [[reward.functions]]
-            name = "length_penalty"
-            max_length = 6
-            buffer_length = 4
-            mode = "linear"
 
             [transport]
             name = "lora"
@@ -87,7 +100,16 @@ def test_lora_grpo_pushes_adapters_verifies_resumes_and_exports(tmp_path: Path) 
             save_interval = 1
             """
         )
+        + reward
+        + backend
     )
+    return config, model, run_dir
+
+
+def test_lora_grpo_pushes_adapters_verifies_resumes_and_exports(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    config, model, run_dir = _config(tmp_path, rollouts=2)
     out = _train(config)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -120,3 +142,31 @@ def test_lora_grpo_pushes_adapters_verifies_resumes_and_exports(tmp_path: Path) 
     # the resumed run pushed the checkpoint's adapter before generating: its rollouts ran that adapter
     assert metrics[-1]["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
     assert [p.name for p in sorted((run_dir / "lora").iterdir())] == ["policy-v2", "policy-v3"]
+
+
+def test_lora_grpo_on_the_megatron_trainer_pushes_the_adapter_the_engine_serves(tmp_path: Path) -> None:
+    """The megatron trainer at tensor parallel 2 with sequence parallelism, from a random adapter: each push
+    carries the adapter in HF/PEFT naming (the fused projections split) and is verified, and the engine's
+    logprobs with the pushed adapter are the trainer's, token for token."""
+    from safetensors.torch import load_file
+
+    backend = '\n[train.backend]\nname = "megatron"\ntensor_parallel = 2\nsequence_parallel = true\n'
+    config, model, run_dir = _config(tmp_path, rollouts=2, backend=backend, init="random", reward=DIGIT)
+    out = _train(config, "--set", 'log.trainer_logprobs="always"')  # the mismatch's maximum too
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["weight_sync/verified"] for m in metrics] == [1.0, 1.0]
+    n_lora = 2 * 7 * 2  # layers x HF projections x (A, B)
+    for m in metrics:
+        assert m["weight_sync/verified_tensors"] == n_lora and m["weight_sync/tensors"] == n_lora
+    assert all(m["train/grad_norm"] > 0 for m in metrics)  # seeded sampling: the digit reward varies
+    assert metrics[0]["fidelity/train_rollout_logprob_abs_diff"] > 1e-2  # the first rollouts ran the base
+    # the second step's rollouts ran the adapter pushed after the first: the engine's logprobs are the trainer's
+    assert metrics[1]["fidelity/train_rollout_logprob_abs_diff_max"] <= 1e-5
+    pushed = sorted((run_dir / "lora").iterdir())
+    assert [p.name for p in pushed] == ["policy-v1", "policy-v2"]
+    adapter = load_file(str(pushed[-1] / "adapter_model.safetensors"))
+    a = "base_model.model.model.layers.0.self_attn.{}_proj.lora_A.weight"
+    assert torch.equal(adapter[a.format("q")], adapter[a.format("k")])  # one A for Megatron's fused QKV
+    base = load_file(str(model / "model.safetensors"))
+    assert adapter[a.format("q")].shape == (4, base["model.layers.0.self_attn.q_proj.weight"].shape[1])

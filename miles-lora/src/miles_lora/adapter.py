@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from miles.training.adapter import ModelAdapter
+from miles.training.adapter import LowRankSpec, ModelAdapter
 from miles_lora.settings import LoraSettings
 
 if TYPE_CHECKING:
@@ -93,6 +93,13 @@ class LoraAdapter(ModelAdapter[LoraSettings]):
     def adapter_name(self, name: str) -> str | None:
         return peft_file_name(name)
 
+    def low_rank(self) -> LowRankSpec:
+        """These settings for trainers that build the LoRA layers themselves (``megatron``)."""
+        s = self.settings
+        return LowRankSpec(
+            r=s.r, alpha=float(s.alpha), dropout=s.dropout, target_modules=tuple(s.target_modules), init=s.init
+        )
+
     def adapter_config(self) -> dict[str, Any]:
         """``adapter_config.json`` as PEFT writes it (sets as sorted lists)."""
         config = self.peft_config().to_dict()
@@ -119,8 +126,7 @@ class LoraAdapter(ModelAdapter[LoraSettings]):
                     parts[part] = tensor
                     if len(parts) == 3:
                         del pending[module]
-                        delta = (parts["B"].float() @ parts["A"].float()) * self.scaling
-                        yield f"{module}.weight", (parts["base"].float() + delta).to(parts["base"].dtype)
+                        yield f"{module}.weight", self.low_rank().merge(parts["base"], parts["A"], parts["B"])
                     break
             else:
                 yield hf.replace(".base_layer.", "."), tensor

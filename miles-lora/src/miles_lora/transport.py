@@ -4,9 +4,15 @@ Rank 0 writes the adapter of each version as a PEFT directory (``adapter_model.s
 ``adapter_config.json``) under ``{run_dir}/lora/``, has every engine load it with SGLang's
 ``/load_lora_adapter {lora_name, lora_path}`` and bump its weight version, and from then on the rollout
 client sends ``lora_path`` with every generate request. With ``delivery = "tensors"`` nothing is written:
-the adapter travels in the request (``/load_lora_adapter_from_tensors``, base64 safetensors). :meth:`LoraTransport.verify` asks each engine
-which adapters it serves (``/lora_adapters``) and compares the checksums: an adapter an engine lacks is
-named, as is a tensor that differs.
+the adapter travels in the request (``/load_lora_adapter_from_tensors``, base64 safetensors; local
+engines only). :meth:`LoraTransport.verify` asks each engine which adapters it serves (``/lora_adapters``)
+and compares the checksums: an adapter an engine lacks is named, as is a tensor that differs.
+
+SGLang engines (``EngineCapabilities.lora_adapters`` false) refuse to load a name they serve and have no
+checksum route: each push unloads the previous version first (``/unload_lora_adapter``) and is verified
+through ``GET /v1/models`` (the engine serves ``lora_name`` from this push's directory); SGLang reads the
+adapter's files itself. Their ``/load_lora_adapter_from_tensors`` takes SGLang's own pickled payloads,
+which Miles does not send: ``delivery = "tensors"`` is refused for them.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field
 
 from miles.components import ComponentSettings
-from miles.errors import WeightVerificationError
+from miles.errors import SettingsError, WeightVerificationError
 from miles.transport.base import WeightTransport
 from miles.types import PushReport
 
@@ -69,7 +75,18 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
             raise ValueError("transport 'lora' pushes adapters only: set train.adapter (name = \"lora\")")
         self.adapter = trainer.adapter
 
+    @property
+    def replaces(self) -> bool:
+        """Whether the engines replace an adapter loaded again under its name and serve ``/lora_adapters``
+        (the local engine); SGLang does neither."""
+        return self.engine_capabilities is None or self.engine_capabilities.lora_adapters
+
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
+        if self.settings.delivery == "tensors" and not self.replaces:
+            raise SettingsError(
+                'transport.delivery = "tensors": SGLang\'s /load_lora_adapter_from_tensors takes its own pickled '
+                'payloads, which Miles does not send; use delivery = "disk" (a directory the engines can read)'
+            )
         self.client = client
         if dist.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -133,6 +150,8 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
                 "lora_id": self._served_as(version),
             }
         for url in self.client.urls:
+            if not self.replaces and self.lora_name in await self._served(self.client, url):
+                await self.client.call(url, "/unload_lora_adapter", {"lora_name": self.lora_name})
             await self.client.call(url, endpoint, body)
             await self.client.call(url, "/update_weight_version", {"new_version": version})
         self.client.lora_path = self.lora_name  # rollouts from now on run the adapter
@@ -154,10 +173,18 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
             return f"{self.lora_name}-v{version}"
         return str(self.root / f"{self.lora_name}-v{version}")
 
+    @staticmethod
+    async def _served(client: EngineClient, url: str) -> dict[str, str]:
+        """The LoRA adapters an engine serves, by name, with where each came from (``GET /v1/models``)."""
+        return {str(m["id"]): str(m.get("root")) for m in await client.models(url) if m.get("parent")}
+
     async def verify(self, client: EngineClient, report: PushReport) -> dict[str, float]:
-        """Every engine serves this push's adapter, at the push's version, tensor for tensor."""
+        """Every engine serves this push's adapter, at the push's version, tensor for tensor (SGLang: from
+        this push's directory, by its ``/v1/models``)."""
         from miles.transport.verify import compare_checksums
 
+        if not self.replaces:
+            return await self._verify_served(client, report)
         verified = 0
         for url in client.urls:
             served = {a["lora_name"]: a for a in (await client.call(url, "/lora_adapters", {}))["adapters"]}
@@ -176,3 +203,21 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
             compare_checksums(report.checksums, adapter["checksums"], engine=f"{url} (adapter {self.lora_name!r})")
             verified += len(adapter["checksums"])
         return {"weight_sync/verified_tensors": float(verified), "weight_sync/verified": 1.0}
+
+    async def _verify_served(self, client: EngineClient, report: PushReport) -> dict[str, float]:
+        """SGLang engines: each serves ``lora_name`` from this push's directory (its version's)."""
+        expected = self._served_as(report.version)
+        for url in client.urls:
+            served = await self._served(client, url)
+            path = served.get(self.lora_name)
+            if path is None:
+                raise WeightVerificationError(
+                    f"engine {url} does not serve LoRA adapter {self.lora_name!r} (version {report.version}): "
+                    f"it never reached the engine (served: {sorted(served) or 'none'})"
+                )
+            if path != expected:
+                raise WeightVerificationError(
+                    f"engine {url} serves LoRA adapter {self.lora_name!r} from {path}, expected version "
+                    f"{report.version} ({expected})"
+                )
+        return {"weight_sync/verified_adapters": float(len(client.urls)), "weight_sync/verified": 1.0}

@@ -140,8 +140,9 @@ def _shim_methods(use_te: bool) -> dict[str, Any]:
     return methods
 
 
-def _config_overrides(hf_config: Any, *, cpu: bool, dtype: torch.dtype, options: Any) -> dict[str, Any]:
-    """TransformerConfig fields set on top of mbridge's: fusions off on CPU, our parallel settings."""
+def _config_overrides(hf_config: Any, *, te: bool, dtype: torch.dtype, options: Any) -> dict[str, Any]:
+    """TransformerConfig fields set on top of mbridge's: fusions off without TransformerEngine (``te``:
+    its layer spec is built; never on CPU), our parallel settings."""
     overrides: dict[str, Any] = dict(
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -155,7 +156,7 @@ def _config_overrides(hf_config: Any, *, cpu: bool, dtype: torch.dtype, options:
         moe_shared_expert_overlap=False,
         variable_seq_lengths=True,
     )
-    if cpu or not te_available():
+    if not te:
         overrides.update(
             masked_softmax_fusion=False,
             bias_activation_fusion=False,
@@ -180,18 +181,28 @@ def _config_overrides(hf_config: Any, *, cpu: bool, dtype: torch.dtype, options:
     return overrides
 
 
-def build_bridge(hf_config: Any, *, cpu: bool, dtype: torch.dtype, options: Any, vocab_divisor: int | None) -> Any:
+def build_bridge(
+    hf_config: Any,
+    *,
+    cpu: bool,
+    dtype: torch.dtype,
+    options: Any,
+    vocab_divisor: int | None,
+    local_spec: bool = False,
+) -> Any:
     """The family's mbridge bridge (with the shims) for the current ``parallel_state``.
 
     :param options: the trainer's :class:`~miles_megatron.settings.MegatronSettings` (sequence parallel,
         recompute).
     :param vocab_divisor: pad the vocabulary to a multiple of this (TP needs it divisible), or ``None``.
+    :param local_spec: build Megatron's local layer spec even where TransformerEngine is installed (LoRA
+        adapts the local spec's parallel linears).
     """
     check_model_type(hf_config.model_type)
     import mbridge  # noqa: F401  (registers the families)
     from mbridge.core.bridge import _MODEL_REGISTRY
 
-    use_te = te_available() and not cpu
+    use_te = te_available() and not cpu and not local_spec
     if not te_available() and _enabled("moe_te_names"):
         # Megatron's MoE router reads names that moe_utils defines only when TransformerEngine imports
         # (``te_general_gemm``): without TransformerEngine they are absent on GPU as on CPU
@@ -206,5 +217,5 @@ def build_bridge(hf_config: Any, *, cpu: bool, dtype: torch.dtype, options: Any,
         methods["_DIRECT_MAPPING"]["output_layer.weight"] = "model.embed_tokens.weight"
     cls = type(f"Miles{family.__name__}", (family,), methods)
     bridge = cls(hf_config, dtype=dtype, make_vocab_size_divisible_by=vocab_divisor)
-    bridge.set_extra_args(**_config_overrides(hf_config, cpu=cpu, dtype=dtype, options=options))
+    bridge.set_extra_args(**_config_overrides(hf_config, te=use_te, dtype=dtype, options=options))
     return bridge

@@ -107,13 +107,15 @@ def build_model(
     dtype: torch.dtype,
     weights: str | None,
     trainable: bool,
-    prepare: Callable[[Any], None] | None = None,
+    prepare: Callable[[Any, Any], None] | None = None,
+    local_spec: bool = False,
 ) -> ModelParts:
     """This rank's stage of the ``GPTModel`` (its TP / EP shards), HF weights loaded from ``weights``.
 
-    ``prepare(model)`` runs after the weights are loaded and before the DDP wrap (the critic swaps its
-    output layer there). A trainable model is wrapped in Megatron DDP (gradient buffers, summed over
-    data parallel); a frozen one (the reference) is not.
+    ``prepare(model, bridge)`` runs after the weights are loaded and before the DDP wrap (the critic swaps
+    its output layer there, LoRA adds its adapters). A trainable model is wrapped in Megatron DDP (gradient
+    buffers for its trainable parameters, summed over data parallel); a frozen one (the reference) is not.
+    ``local_spec``: Megatron's local layer spec even where TransformerEngine is installed.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -122,7 +124,9 @@ def build_model(
 
     tp = options.tensor_parallel
     divisor = tp if hf_config.vocab_size % tp else None
-    bridge = build_bridge(hf_config, cpu=device == "cpu", dtype=dtype, options=options, vocab_divisor=divisor)
+    bridge = build_bridge(
+        hf_config, cpu=device == "cpu", dtype=dtype, options=options, vocab_divisor=divisor, local_spec=local_spec
+    )
     bridge.set_extra_args(calculate_per_token_loss=True)
     provider = bridge._model_provider([])
     model = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
@@ -137,7 +141,7 @@ def build_model(
         with torch.no_grad():
             bridge.load_weights([model], weights)
     if prepare is not None:
-        prepare(model)
+        prepare(model, bridge)
     if not trainable:
         model.requires_grad_(False)
         model.eval()

@@ -6,6 +6,10 @@ group) pool their shares first, so each data-parallel replica trains on the unio
 back to the rank that owns each sequence. The same code runs on CPU ranks (gloo, with the patches of
 :mod:`miles_megatron.cpu_patches`) and GPU ranks (NCCL, TransformerEngine when installed).
 
+With ``train.adapter`` (LoRA) the actor's projections get adapters (:mod:`miles_megatron.lora`): only they
+train and hold optimizer state, the KL reference is the actor with its adapters off, and the weights out
+are the adapter's tensors in HF/PEFT naming.
+
 This module imports only the core interfaces and the settings at module level; torch, megatron and
 mbridge are imported by the methods, so registering the plugin stays cheap.
 """
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
     from miles.algorithms.base import Algorithm
     from miles.precision.base import PrecisionRecipe
     from miles.settings.model import MilesSettings, TrainSettings
+    from miles.training.adapter import LowRankSpec
     from miles.training.batch import TrainBatch
     from miles_megatron.microbatch import MicroBatch
     from miles_megatron.model import ModelParts
@@ -39,6 +44,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
     """Megatron-Core (TP / PP / DP / EP) over HF checkpoints converted on the fly with mbridge."""
 
     name: ClassVar[str] = "megatron"
+    supports_adapters: ClassVar[bool] = True
 
     def __init__(
         self, train: TrainSettings, options: MegatronSettings | None, precision: PrecisionRecipe, dist: DistContext
@@ -57,6 +63,8 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         self._hf_config: Any = None
         self._pad_token_id = 0
         self._fuser: Any = None
+        self._lora: LowRankSpec | None = None
+        """The adapter the actor trains (``train.adapter``), after :meth:`setup`."""
 
     # -- settings ----------------------------------------------------------------------------------
     @classmethod
@@ -90,7 +98,11 @@ class MegatronTrainer(Trainer[MegatronSettings]):
 
     def setup(self, *, need_ref: bool = False, need_values: bool = False) -> None:
         """Initialise Megatron's parallel state, build the actor (and a frozen reference), load the HF
-        weights through mbridge, wrap the actor in Megatron DDP and build the optimizer."""
+        weights through mbridge, wrap the actor in Megatron DDP and build the optimizer.
+
+        With an adapter the actor's base is frozen and gets the adapter's layers before the DDP wrap (the
+        optimizer holds the adapter alone), and no reference model is built (the actor with its adapters
+        off is the reference)."""
         from miles_megatron.model import build_model, build_optimizer, init_parallel, load_hf_config, torch_dtype
 
         train, opts = self.train_settings, self.options
@@ -101,8 +113,16 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         init_parallel(opts, device=self.dist.device, seed=train.seed)
         self._hf_config = load_hf_config(train.model_path)
         dtype = torch_dtype(self.precision.param_dtype)
+        prepare = self._adapter_preparation()
         self.actor = build_model(
-            self._hf_config, opts, device=self.dist.device, dtype=dtype, weights=train.model_path, trainable=True
+            self._hf_config,
+            opts,
+            device=self.dist.device,
+            dtype=dtype,
+            weights=train.model_path,
+            trainable=True,
+            prepare=prepare,
+            local_spec=prepare is not None,
         )
         from miles_megatron.routing import install
 
@@ -110,7 +130,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         if self.actor.routing is not None:
             self.actor.routing.measure = False  # counted in train steps only
         self.optimizer = build_optimizer(self.actor.module, train, opts, dtype=dtype)
-        if need_ref:
+        if need_ref and self._lora is None:
             self.ref = build_model(
                 self._hf_config, opts, device=self.dist.device, dtype=dtype, weights=train.model_path, trainable=False
             )
@@ -132,6 +152,37 @@ class MegatronTrainer(Trainer[MegatronSettings]):
             need_values,
         )
 
+    def _adapter_preparation(self) -> Any:
+        """``build_model``'s ``prepare`` that adds :attr:`adapter` to the actor (``None`` without one)."""
+        if self.adapter is None:
+            return None
+        spec = self.adapter.low_rank()
+        if spec is None:
+            raise ValueError(
+                f"train.adapter: adapter {self.adapter.name!r} gives no low-rank spec; the megatron trainer builds "
+                "LoRA adapters only"
+            )
+        if self.train_settings.true_on_policy:
+            raise ValueError("train.true_on_policy: not supported with train.adapter")
+        from miles_megatron.lora import apply_lora, megatron_targets
+
+        targets = megatron_targets(spec, self._hf_config)
+        seed = self.train_settings.seed
+        self._lora = spec
+
+        def add_adapters(model: Any, bridge: Any) -> None:
+            count = apply_lora(model, spec, targets, bridge=bridge, seed=seed)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            log.info(
+                "LoRA r=%d on %d projections (%s): %d parameters trainable on this rank",
+                spec.r,
+                count,
+                ", ".join(targets),
+                trainable,
+            )
+
+        return add_adapters
+
     def _setup_critic(self, dtype: torch.dtype) -> None:
         """The critic: the policy's ``GPTModel`` loaded from the same weights, a value head on its last
         stage (:mod:`miles_megatron.critic`), its own AdamW at ``critic_lr``."""
@@ -140,7 +191,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
 
         train, opts = self.train_settings, self.options
 
-        def to_critic(model: Any) -> None:
+        def to_critic(model: Any, bridge: Any) -> None:
             attach_value_head(model, self._hf_config, init_std=opts.value_head_init_std, seed=train.seed)
 
         self.critic = build_model(
@@ -271,6 +322,11 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         from miles.training.logprobs import token_logprobs
 
         self._require_setup()
+        if model == "ref" and self._lora is not None and self.actor is not None:  # the base: adapters off
+            from miles_megatron.lora import adapters_off
+
+            with adapters_off(self.actor.module):
+                return self.compute_logprobs(batch, temperature=temperature, with_entropy=with_entropy)
         parts = self.actor if model == "actor" else self.ref
         if parts is None:
             raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
@@ -313,10 +369,17 @@ class MegatronTrainer(Trainer[MegatronSettings]):
 
     def iter_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """The actor's full weights in the in-memory HF naming (TP gathered, PP stages broadcast, EP experts
-        gathered), in buckets on rank 0; a collective."""
+        gathered), in buckets on rank 0; a collective. With an adapter: the adapter's tensors alone, in
+        HF/PEFT naming (each HF projection of a fused one with the shared ``A`` and its rows of ``B``)."""
         from miles_megatron.weights import iter_buckets, iter_hf_weights, runtime_fuser
 
         actor = self._require_setup()
+        if self._lora is not None:
+            from miles_megatron.lora import gather_adapter
+
+            adapter = gather_adapter(actor.module, self._lora)
+            yield from iter_buckets(iter(adapter.items()), bucket_bytes, keep=self.dist.rank == 0)
+            return
         if self._fuser is None:
             self._fuser = runtime_fuser(self._hf_config) or False
         fuser = self._fuser
@@ -358,29 +421,47 @@ class MegatronTrainer(Trainer[MegatronSettings]):
             return
         import torch
 
+        from miles_megatron.lora import without_adapters
         from miles_megatron.modules import unwrap
 
         log.info("%s is a Hugging Face directory: loading the actor's weights (optimizer state starts fresh)", path)
-        check_hf_keys(actor.bridge, actor.module, path)
-        with torch.no_grad():
-            actor.bridge.load_weights([unwrap(actor.module)], path)
+        with without_adapters(actor.module):  # with an adapter: the base's weights (the adapter is kept)
+            check_hf_keys(actor.bridge, actor.module, path)
+            with torch.no_grad():
+                actor.bridge.load_weights([unwrap(actor.module)], path)
 
     def export_hf(self, path: str, *, bucket_bytes: int = 1 << 30) -> None:
-        """Write the actor as a HF safetensors directory that ``transformers`` loads with strict keys."""
+        """Write the actor as a HF safetensors directory that ``transformers`` loads with strict keys.
+
+        With an adapter: the merged model (``W + alpha / r * B A``) there, and the adapter alone in
+        ``path/adapter`` (``adapter_model.safetensors`` + ``adapter_config.json``, PEFT's format)."""
         import torch.distributed as dist
 
-        from miles_megatron.weights import export_hf_dir
+        from miles_megatron.weights import export_adapted_dir, export_hf_dir
 
         actor = self._require_setup()
-        export_hf_dir(
-            actor.bridge,
-            actor.module,
-            self._hf_config,
-            path,
-            rank=self.dist.rank,
-            bucket_bytes=bucket_bytes,
-            source_dir=self.train_settings.model_path,
-        )
+        if self._lora is not None and self.adapter is not None:
+            export_adapted_dir(
+                actor.bridge,
+                actor.module,
+                self._hf_config,
+                path,
+                spec=self._lora,
+                adapter_config=self.adapter.adapter_config(),
+                rank=self.dist.rank,
+                bucket_bytes=bucket_bytes,
+                source_dir=self.train_settings.model_path,
+            )
+        else:
+            export_hf_dir(
+                actor.bridge,
+                actor.module,
+                self._hf_config,
+                path,
+                rank=self.dist.rank,
+                bucket_bytes=bucket_bytes,
+                source_dir=self.train_settings.model_path,
+            )
         if dist.is_initialized():
             dist.barrier()
 

@@ -18,16 +18,20 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles.training.comm import all_gather_json
 from miles.training.hf_export import write_hf_checkpoint
 
+if TYPE_CHECKING:
+    from miles.training.adapter import LowRankSpec
+
 __all__ = [
     "check_hf_keys",
     "expected_hf_names",
+    "export_adapted_dir",
     "export_hf_dir",
     "hf_file_names",
     "iter_buckets",
@@ -173,3 +177,49 @@ def export_hf_dir(
     tokenizer and generation files copied from ``source_dir``). A collective; rank 0 writes."""
     buckets = iter_buckets(iter_hf_weights(bridge, model), bucket_bytes, keep=rank == 0)
     write_hf_checkpoint(buckets, path, rank=rank, config=hf_config, source_dir=source_dir)
+
+
+def export_adapted_dir(
+    bridge: Any,
+    model: Any,
+    hf_config: Any,
+    path: str,
+    *,
+    spec: LowRankSpec,
+    adapter_config: dict[str, Any],
+    rank: int,
+    bucket_bytes: int,
+    source_dir: str | None,
+) -> None:
+    """A model with LoRA adapters (:mod:`miles_megatron.lora`): the merged model as a HF directory at
+    ``path`` (as :func:`export_hf_dir` writes it) and the adapter alone in ``path/adapter``
+    (``adapter_model.safetensors`` + ``adapter_config.json``). A collective; rank 0 writes.
+
+    The merge runs in HF layout on the exported base weights, with the same ``A`` / ``B`` the engines get.
+    """
+    from safetensors.torch import save_file
+
+    from miles_megatron.lora import gather_adapter, without_adapters
+
+    adapter = gather_adapter(model, spec)
+    waiting = {n for n in adapter if n.endswith(".lora_A.weight")}
+
+    def merged() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_hf_weights(bridge, model):
+            a_name = spec.tensor_name(name.removesuffix(".weight"), "lora_A")
+            if name.endswith(".weight") and a_name in adapter:
+                waiting.discard(a_name)
+                tensor = spec.merge(tensor, adapter[a_name], adapter[a_name.replace(".lora_A.", ".lora_B.")])
+            yield name, tensor
+        if waiting:
+            raise RuntimeError(f"LoRA merge: no base weight for {sorted(waiting)[0]} ({len(waiting)} adapters)")
+
+    with without_adapters(model):
+        buckets = iter_buckets(merged(), bucket_bytes, keep=rank == 0)
+        write_hf_checkpoint(buckets, path, rank=rank, config=hf_config, source_dir=source_dir)
+    if rank == 0:
+        out = Path(path) / "adapter"
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(adapter, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = {**adapter_config, "base_model_name_or_path": source_dir}
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from miles.errors import SettingsError
 from miles_sglang.settings import SGLangEngineSettings
 
-__all__ = ["EnginePlacement", "launch_argv"]
+if TYPE_CHECKING:
+    from miles.training.adapter import LowRankSpec
+
+__all__ = ["EnginePlacement", "launch_argv", "lora_argv"]
 
 
 @dataclass(frozen=True)
@@ -31,8 +36,48 @@ class EnginePlacement:
     """``--enable-memory-saver`` (colocated runs release weights and KV cache while the trainer trains)."""
 
 
-def launch_argv(settings: SGLangEngineSettings, where: EnginePlacement) -> list[str]:
-    """The command that starts one SGLang server (``argv[0]`` is this Python)."""
+def lora_argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None) -> list[str]:
+    """SGLang's LoRA flags for an engine that serves the run's ``adapter`` (``None``: the run trains none).
+
+    Adapters are loaded at run time, so SGLang needs the largest rank and the target projections up front
+    (``--max-lora-rank``, ``--lora-target-modules``): taken from ``adapter`` unless set. Raises
+    :class:`~miles.errors.SettingsError` naming the field that cannot serve the adapter.
+    """
+    enabled = settings.enable_lora if settings.enable_lora is not None else adapter is not None
+    if not enabled:
+        if adapter is not None:
+            raise SettingsError("rollout.engine.enable_lora = false: the run trains a LoRA adapter (train.adapter)")
+        return []
+    rank = settings.max_lora_rank or (adapter.r if adapter is not None else None)
+    targets = settings.lora_target_modules or (list(adapter.target_modules) if adapter is not None else None)
+    if rank is None or not targets:
+        raise SettingsError(
+            "rollout.engine.enable_lora: SGLang needs rollout.engine.max_lora_rank and lora_target_modules "
+            "(or a train.adapter to take them from)"
+        )
+    if adapter is not None:
+        if rank < adapter.r:
+            raise SettingsError(f"rollout.engine.max_lora_rank = {rank} is below train.adapter.r = {adapter.r}")
+        missing = [t for t in adapter.target_modules if t not in targets and "all" not in targets]
+        if missing:
+            raise SettingsError(
+                f"rollout.engine.lora_target_modules lacks {', '.join(missing)} (in train.adapter.target_modules)"
+            )
+    argv = ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *targets]
+    if settings.max_loras_per_batch is not None:
+        argv += ["--max-loras-per-batch", str(settings.max_loras_per_batch)]
+    if settings.max_loaded_loras is not None:
+        argv += ["--max-loaded-loras", str(settings.max_loaded_loras)]
+    if settings.lora_backend is not None:
+        argv += ["--lora-backend", settings.lora_backend]
+    return argv
+
+
+def launch_argv(
+    settings: SGLangEngineSettings, where: EnginePlacement, adapter: LowRankSpec | None = None
+) -> list[str]:
+    """The command that starts one SGLang server (``argv[0]`` is this Python); ``adapter``: the run's LoRA
+    adapter (:func:`lora_argv`)."""
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", where.model_path,
@@ -61,4 +106,5 @@ def launch_argv(settings: SGLangEngineSettings, where: EnginePlacement) -> list[
         "--skip-server-warmup": settings.skip_server_warmup,
     }
     argv += [flag for flag, on in switches.items() if on]
+    argv += lora_argv(settings, adapter)
     return argv + list(settings.extra_args)

@@ -5,8 +5,10 @@ calls to each engine), the ``broadcast`` transport (``/init_weights_update_group
 ``/update_weights_from_distributed`` over NCCL), the ``disk`` transport (``/update_weights_from_disk``),
 memory release around training when colocated (``/release_memory_occupation`` /
 ``/resume_memory_occupation`` with SGLang's tags ``kv_cache`` and ``weights``), and sampled verification
-through ``/get_weights_by_name`` (SGLang has no route for checksums of HF-named tensors). This module
-only turns settings into the launch command and refuses runs this host cannot serve.
+through ``/get_weights_by_name`` (SGLang has no route for checksums of HF-named tensors). LoRA runs
+(``train.adapter``) launch with SGLang's LoRA flags and push adapters with miles-lora's ``lora`` transport
+(``/load_lora_adapter``, ``lora_path`` per request). This module only turns settings into the launch
+command and refuses runs this host cannot serve.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
         release_memory=True,
         routed_experts=True,
         weights_checksum=False,
+        lora_adapters=False,
     )
 
     @classmethod
@@ -80,5 +83,7 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
             memory_saver=memory_saver,
         )
         return EngineLaunch(
-            argv=launch_argv(self.settings, where), url=f"http://{host}:{port}", health_path="/health_generate"
+            argv=launch_argv(self.settings, where, self.adapter),
+            url=f"http://{host}:{port}",
+            health_path="/health_generate",
         )

@@ -67,6 +67,20 @@ def argv_problems(argv: Sequence[str], source: SGLangSource, *, skip: Iterable[s
             continue
         takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
         declared = source.flags.get(flag)
+        values = 1
+        if declared is not None and declared.nargs in ("*", "+") and flag not in skipped:
+            values = 0
+            while i + 1 + values < len(args) and not args[i + 1 + values].startswith("--"):
+                values += 1
+            problems += [
+                f"{flag} {v!r}: SGLang accepts {', '.join(declared.choices)}"
+                for v in args[i + 1 : i + 1 + values]
+                if declared.choices is not None and v not in declared.choices
+            ]
+            if declared.nargs == "+" and values == 0:
+                problems.append(f"{flag}: SGLang expects one value or more")
+            i += 1 + values
+            continue
         if flag in skipped:
             pass
         elif declared is None:

@@ -42,6 +42,21 @@ class SGLangEngineSettings(ComponentSettings):
     """SGLang's ``--attention-backend`` (``fa3``, ``flashinfer``, ``triton`` ...; default: its choice)."""
     log_level: str | None = None
     """SGLang's ``--log-level`` (``warning`` keeps engine logs short)."""
+    enable_lora: bool | None = None
+    """Serve LoRA adapters (``--enable-lora``; they are loaded at run time with ``/load_lora_adapter``);
+    default: on when the run trains one (``train.adapter``)."""
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Largest adapter rank served (``--max-lora-rank``); default: the run's ``train.adapter.r``."""
+    lora_target_modules: list[str] | None = None
+    """Projections adapters may target (``--lora-target-modules``, ``["all"]`` for every one SGLang
+    supports); default: the run's ``train.adapter.target_modules``."""
+    max_loras_per_batch: int | None = Field(None, ge=1)
+    """Adapters in one running batch, the base model counting as one (``--max-loras-per-batch``; SGLang's
+    default: 8)."""
+    max_loaded_loras: int | None = Field(None, ge=1)
+    """Adapters held in CPU memory at most (``--max-loaded-loras``; at least ``max_loras_per_batch``)."""
+    lora_backend: str | None = None
+    """SGLang's multi-LoRA kernels (``--lora-backend``: ``csgmv``, ``triton`` ...; default: its choice)."""
     extra_args: list[str] = Field(default_factory=list)
     """Any other ``sglang.launch_server`` flags, passed as given (``["--chunked-prefill-size", "4096"]``)."""
 

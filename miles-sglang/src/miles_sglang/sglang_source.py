@@ -13,6 +13,7 @@ sends against the installed SGLang release:
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,8 @@ class Flag:
     """The value's type name (``int``, ``float``, ``str``, ``list``)."""
     choices: tuple[str, ...] | None = None
     deprecated: bool = False
+    nargs: str | None = None
+    """argparse's ``nargs`` (``*`` / ``+``: a list of values after the flag)."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,54 @@ def _type_of(node: ast.expr) -> tuple[str, tuple[str, ...] | None]:
     return "str", None
 
 
-def _fields_flags(path: Path) -> dict[str, Flag]:
+@functools.cache
+def _module_constants(path: Path) -> dict[str, tuple[str, ...]]:
+    """Top-level constants of a module that are strings or lists of strings (a string as a 1-tuple)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for node in ast.parse(path.read_text()).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        value = node.value
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            out[node.targets[0].id] = (value.value,)
+        elif (listed := _const_list(value)) is not None:
+            out[node.targets[0].id] = listed
+    return out
+
+
+def _imported_constants(tree: ast.Module, root: Path) -> dict[str, tuple[str, ...]]:
+    """The string (list) constants a module imports from SGLang's own modules (``root``: the package)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang.")):
+            continue
+        path = root.parent.joinpath(*node.module.split(".")).with_suffix(".py")
+        if path.exists():
+            values = _module_constants(path)
+            out.update({a.asname or a.name: values[a.name] for a in node.names if a.name in values})
+    return out
+
+
+def _choices(node: ast.expr | None, constants: dict[str, tuple[str, ...]]) -> tuple[str, ...] | None:
+    """Literal choices, resolving names of imported constants and ``+`` of lists."""
+    if node is None:
+        return None
+    if isinstance(node, ast.Name):
+        return constants.get(node.id)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _choices(node.left, constants), _choices(node.right, constants)
+        return None if left is None or right is None else left + right
+    if isinstance(node, ast.List | ast.Tuple):
+        parts = [_choices(e, constants) if isinstance(e, ast.Name) else _const_list(ast.List([e])) for e in node.elts]
+        return None if any(p is None for p in parts) else tuple(v for p in parts if p is not None for v in p)
+    return None
+
+
+def _fields_flags(path: Path, root: Path | None = None) -> dict[str, Flag]:
     flags: dict[str, Flag] = {}
-    for cls in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    constants = _imported_constants(tree, root) if root is not None else {}
+    for cls in tree.body:
         if not isinstance(cls, ast.ClassDef):
             continue
         for item in cls.body:
@@ -114,11 +162,15 @@ def _fields_flags(path: Path) -> dict[str, Flag]:
                 if isinstance(cli, ast.Constant):
                     names[0] = str(cli.value)
                 names += list(_const_list(keywords.get("aliases")) or ())
-                choices = _const_list(keywords.get("choices")) or choices
+                choices = _choices(keywords.get("choices"), constants) or choices
+                nargs_node = keywords.get("nargs")
+                nargs = str(nargs_node.value) if isinstance(nargs_node, ast.Constant) else None
                 if "action" in keywords:
                     kind = "action"
+            else:
+                nargs = None
             for name in names:
-                flags[name] = Flag(name, switch=kind == "bool", kind=kind, choices=choices)
+                flags[name] = Flag(name, switch=kind == "bool", kind=kind, choices=choices, nargs=nargs)
     return flags
 
 
@@ -224,7 +276,7 @@ class SGLangSource:
         srt = root / "srt"
         flags: dict[str, Flag] = {}
         for path in sorted((srt / "arg_groups" / "fields").glob("*.py")):
-            flags.update(_fields_flags(path))
+            flags.update(_fields_flags(path, root))
         flags.update(_manual_flags(srt / "server_args.py"))
         version = "unknown"
         version_file = root / "_version.py"  # written at build time: __version__ = version = '0.5.23'

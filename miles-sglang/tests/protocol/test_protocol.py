@@ -1,7 +1,7 @@
 """Everything Miles sends an engine, held against SGLang's own source (the pinned wheel, installed without its
-dependencies): the launch flags of the ``sglang`` engine, and every request the engine client, the
-``disk`` / ``broadcast`` / ``sglang_tensor`` transports, memory release and sampled verification make —
-recorded from real calls to a local engine, which serves the same routes. A renamed flag, route or field
+dependencies): the launch flags of the ``sglang`` engine (LoRA's included), and every request the engine
+client, the ``disk`` / ``broadcast`` / ``sglang_tensor`` / ``lora`` transports, memory release and sampled
+verification make — recorded from real calls to a local engine, which serves the same routes. A renamed flag, route or field
 in SGLang fails here."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from miles.engine.process import EngineProcess
+from miles.errors import SettingsError, WeightVerificationError
 from miles.rollout.protocol import SamplingParams
 from miles.settings.model import MilesSettings
+from miles.training.adapter import LowRankSpec
 from miles.training.trainer import DistContext
 from miles.types import PauseMode
 from miles_sglang.engine import SGLangEngine
@@ -188,3 +190,117 @@ def test_the_routes_the_engine_waits_on_exist(source: SGLangSource) -> None:
     )
     assert "GET" in source.routes[launch.health_path].methods
     assert "POST" in source.routes["/flush_cache"].methods  # the launcher flushes each engine once it is up
+
+
+ADAPTER = LowRankSpec(
+    r=8,
+    alpha=16.0,
+    dropout=0.0,
+    target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+)
+
+
+def test_lora_launch_flags_are_sglangs(source: SGLangSource) -> None:
+    def argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None) -> list[str]:
+        engine = SGLangEngine(settings)
+        engine.adapter = adapter
+        return engine.launch(
+            model_path="/m", host="127.0.0.1", port=30000, device="cuda", dtype="bfloat16", devices=[0]
+        ).argv
+
+    plain = argv(SGLangEngineSettings(), None)
+    assert not any(a.startswith("--") and "lora" in a for a in plain)
+    # a LoRA run: SGLang is told the rank and the projections up front (adapters are loaded at run time)
+    served = argv(SGLangEngineSettings(), ADAPTER)
+    assert served[served.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in served
+    assert served[served.index("--lora-target-modules") + 1 :][:7] == list(ADAPTER.target_modules)
+    tuned = SGLangEngineSettings(
+        max_lora_rank=16, lora_target_modules=["all"], max_loras_per_batch=4, max_loaded_loras=8, lora_backend="triton"
+    )
+    for args in (served, argv(tuned, ADAPTER), argv(SGLangEngineSettings(enable_lora=True, max_lora_rank=4, lora_target_modules=["q_proj", "v_proj"]), None)):  # fmt: skip
+        assert argv_problems(args, source) == []
+    # the checker holds list flags too: a projection SGLang does not know, an unknown backend
+    assert argv_problems(["--lora-target-modules", "q_proj", "qkv"], source)[0].startswith(
+        "--lora-target-modules 'qkv': SGLang accepts"
+    )
+    assert "SGLang accepts" in argv_problems(["--lora-backend", "punica"], source)[0]
+    for settings, message in (
+        (SGLangEngineSettings(enable_lora=False), "rollout.engine.enable_lora = false"),
+        (SGLangEngineSettings(max_lora_rank=4), r"rollout.engine.max_lora_rank = 4 is below train.adapter.r = 8"),
+        (SGLangEngineSettings(lora_target_modules=["q_proj"]), "rollout.engine.lora_target_modules lacks k_proj"),
+    ):
+        with pytest.raises(SettingsError, match=message):
+            argv(settings, ADAPTER)
+    with pytest.raises(SettingsError, match="needs rollout.engine.max_lora_rank and lora_target_modules"):
+        argv(SGLangEngineSettings(enable_lora=True), None)
+
+
+def _peft_adapter(model: Path) -> tuple[typing.Any, list[tuple[str, typing.Any]]]:
+    """The ``lora`` adapter on the model's attention (random values) and its tensors as a trainer yields them."""
+    from miles_lora.adapter import LoraAdapter, peft_file_name
+    from miles_lora.settings import LoraSettings
+    from transformers import AutoModelForCausalLM
+
+    adapter = LoraAdapter(LoraSettings(r=4, init="random", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    wrapped = adapter.apply(AutoModelForCausalLM.from_pretrained(model))
+    tensors = [(name, p.detach()) for n, p in wrapped.named_parameters() if (name := peft_file_name(n)) is not None]
+    return adapter, tensors
+
+
+def test_lora_requests_are_sglangs(
+    engine: EngineProcess, moe_model: Path, tmp_path: Path, source: SGLangSource
+) -> None:
+    """The ``lora`` transport as it drives SGLang engines (no ``/lora_adapters``, no replacing a served name),
+    recorded against a local engine: each push unloads the served version, loads the new directory, bumps the
+    version; verification reads ``/v1/models``; rollouts send ``lora_path``."""
+    from miles_lora.transport import LoraTransport, LoraTransportSettings
+
+    adapter, tensors = _peft_adapter(moe_model)
+    dist = DistContext(rank=0, world_size=1, device="cpu")
+
+    async def main() -> list[Call]:
+        client = RecordingClient([engine.url])
+        transport = LoraTransport(
+            LoraTransportSettings(), run_dir=str(tmp_path), model_path=str(moe_model), engine_dtype="float32"
+        )
+        transport.engine_capabilities = SGLangEngine.capabilities
+        transport.attach(types.SimpleNamespace(adapter=adapter))  # type: ignore[arg-type]
+        try:
+            await client.continue_generation()  # a run's memory release (an earlier test) leaves it paused
+            await transport.connect(client, dist)
+            for version in ("1", "2"):
+                report = await transport.push(iter([tensors]), version=version, dist=dist)
+                metrics = await transport.verify(client, report)
+                assert metrics == {"weight_sync/verified_adapters": 1.0, "weight_sync/verified": 1.0}
+            await client.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=2), rid="r-2")
+            # a stale version is named: the engine serves version 2's directory
+            report.version = "1"
+            with pytest.raises(WeightVerificationError, match="expected version 1"):
+                await transport.verify(client, report)
+            await client.call(engine.url, "/unload_lora_adapter", {"lora_name": "policy"})
+            with pytest.raises(WeightVerificationError, match="never reached the engine"):
+                await transport.verify(client, report)
+            # SGLang's tensor route takes its own pickled payloads: refused by name
+            tensors_transport = LoraTransport(
+                LoraTransportSettings(delivery="tensors"),
+                run_dir=str(tmp_path),
+                model_path=None,
+                engine_dtype="float32",
+            )
+            tensors_transport.engine_capabilities = SGLangEngine.capabilities
+            with pytest.raises(SettingsError, match='transport.delivery = "tensors"'):
+                await tensors_transport.connect(client, dist)
+        finally:
+            await client.close()
+        return client.calls
+
+    calls = asyncio.run(main())
+    assert [c.endpoint for c in calls if c.endpoint != "/v1/models"] == [
+        "/continue_generation", "/load_lora_adapter", "/update_weight_version",
+        "/unload_lora_adapter", "/load_lora_adapter", "/update_weight_version",
+        "/generate", "/unload_lora_adapter",
+    ]  # fmt: skip
+    generate = next(c for c in calls if c.endpoint == "/generate")
+    assert generate.payload is not None and generate.payload["lora_path"] == "policy"
+    problems = [p for call in calls for p in request_problems(call, source)]
+    assert problems == [], "\n".join(problems)

@@ -241,6 +241,7 @@ class Run:
         transport: WeightTransport = self["transport"].create(
             run_dir=s.log.run_dir, model_path=s.train.model_path, engine_dtype=self.engine_dtype
         )
+        transport.engine_capabilities = self.engine_capabilities
         return transport
 
     @property
@@ -250,8 +251,11 @@ class Run:
         return capabilities
 
     def rollout_engine(self) -> RolloutEngine:
-        """The rollout engine, told the weight format of the precision recipe (``engine_quantization``)."""
+        """The rollout engine, told the weight format of the precision recipe (``engine_quantization``) and
+        the shape of the run's LoRA adapter (``train.adapter``)."""
         engine: RolloutEngine = self["rollout.engine"].create()
+        if "train.adapter" in self.resolved:
+            engine.adapter = self["train.adapter"].create().low_rank()
         wanted = self.precision.engine_quantization
         if wanted is None:
             return engine

@@ -1,8 +1,10 @@
 """HTTP routes of LoRA adapters (see :mod:`miles.engine.lora`): SGLang's ``/load_lora_adapter {lora_name,
-lora_path}``, ``/load_lora_adapter_from_tensors {lora_name, config_dict, serialized_tensors, load_format,
-lora_id}`` (here ``serialized_tensors`` is base64 of a safetensors file and ``load_format`` must be
-``safetensors``: no pickles) and ``/unload_lora_adapter {lora_name}``, and Miles' ``/lora_adapters`` (names,
-paths or ids, and per-tensor checksums, for push verification)."""
+lora_path}``, ``/unload_lora_adapter {lora_name}`` and ``GET /v1/models`` (the base model and each adapter,
+``root`` the path it came from); ``/load_lora_adapter_from_tensors {lora_name, config_dict,
+serialized_tensors, load_format, lora_id}``, SGLang's route with a body of the local engine's own
+(``serialized_tensors`` is base64 of a safetensors file and ``load_format`` must be ``safetensors``: no
+pickles; SGLang 0.5.23 takes ``serialized_named_tensors``, its pickled payload per TP rank); and Miles'
+``/lora_adapters`` (names, paths or ids, and per-tensor checksums, for push verification)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ Admin = Callable[["HTTPRequest", Callable[[dict[str, Any]], Awaitable[Any]]], Aw
 
 
 def add_lora_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
-    """Mount ``/load_lora_adapter``, ``/unload_lora_adapter`` and ``/lora_adapters`` on ``app``."""
+    """Mount ``/load_lora_adapter``, ``/load_lora_adapter_from_tensors``, ``/unload_lora_adapter``,
+    ``/lora_adapters`` and SGLang's ``GET /v1/models`` (the base model and each adapter) on ``app``."""
 
     sched = state.scheduler
     loras: EngineLoras = sched.runner.lora
@@ -81,6 +84,15 @@ def add_lora_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
     async def describe() -> Any:
         return {"adapters": await on_scheduler(loras.describe)}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        # SGLang's (OpenAI's) model list: the base model, then each adapter with the path it came from
+        base = str(state.model_path)
+        cards = [{"id": base, "object": "model", "root": base, "parent": None}]
+        for adapter in await on_scheduler(loras.describe):
+            cards.append({"id": adapter["lora_name"], "object": "model", "root": adapter["lora_path"], "parent": base})
+        return {"object": "list", "data": cards}
 
     app.get("/lora_adapters")(describe)
     app.post("/lora_adapters", operation_id="lora_adapters_post")(describe)

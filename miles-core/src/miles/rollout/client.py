@@ -86,6 +86,14 @@ class EngineClient(ABC):
         """
         return [{} for _ in self.urls]
 
+    async def models(self, url: str) -> list[dict[str, Any]]:
+        """``GET /v1/models`` of one engine (SGLang's OpenAI-compatible list): the base model and each LoRA
+        adapter it serves (``id``: the adapter's name, ``root``: where it was loaded from).
+
+        .. versionadded:: 0.1 (not abstract: the default reports none)
+        """
+        return []
+
     async def update_weight_version(self, weight_version: str) -> None:
         """Make every engine report ``weight_version`` (SGLang's ``/update_weight_version``; requests in
         flight keep running: ``abort_all_requests`` is sent false, SGLang's default is true).

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from miles.components import Component, SettingsT
+
+if TYPE_CHECKING:
+    from miles.training.adapter import LowRankSpec
 
 __all__ = ["EngineCapabilities", "EngineLaunch", "RolloutEngine"]
 
@@ -27,6 +30,10 @@ class EngineCapabilities:
     weights_checksum: bool = True
     """Serves Miles' ``/weights_checksum`` (every tensor verified by SHA-256); without it a push is verified
     by sampling rows through SGLang's ``/get_weights_by_name``."""
+    lora_adapters: bool = True
+    """Serves Miles' ``/lora_adapters`` (each LoRA adapter's tensors by SHA-256) and replaces an adapter
+    loaded again under its name. Without it (SGLang) the ``lora`` transport unloads the previous version
+    first and verifies a push by the adapter's name and path in ``/v1/models``."""
 
 
 @dataclass
@@ -47,6 +54,10 @@ class RolloutEngine(Component[SettingsT], ABC):
     """A kind of engine server. Registered with ``miles_register_rollout_engines``."""
 
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+    adapter: LowRankSpec | None = None
+    """The LoRA adapter the run trains (``train.adapter``), set by the composition root before
+    :meth:`launch`: an engine that must be told at launch what adapters it will serve (SGLang's
+    ``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``) reads it."""
 
     @property
     def gpus_per_engine(self) -> int:

@@ -93,6 +93,9 @@ class RoutedExpertsClient(EngineClient):
     async def server_info(self) -> list[dict[str, Any]]:
         return await self.inner.server_info()
 
+    async def models(self, url: str) -> list[dict[str, Any]]:
+        return await self.inner.models(url)
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self.inner.update_weights_from_disk(model_path, weight_version)
 

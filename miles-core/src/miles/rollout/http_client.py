@@ -344,6 +344,11 @@ class HttpEngineClient(EngineClient):
     async def server_info(self) -> list[dict[str, Any]]:
         return [i if isinstance(i, dict) else {} for i in await self._all("GET", "/server_info")]
 
+    async def models(self, url: str) -> list[dict[str, Any]]:
+        result = await self._request("GET", url.rstrip("/"), "/v1/models")
+        data = result.get("data", []) if isinstance(result, dict) else []
+        return [m for m in data if isinstance(m, dict)]
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self._all(
             "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version}

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from miles.rollout.client import EngineClient
+    from miles.rollout.engine import EngineCapabilities
     from miles.training.trainer import DistContext, Trainer, WeightBucket
 
 __all__ = ["PushReport", "StagedTransport", "WeightTransport", "weight_dirs", "wire_dtype"]
@@ -39,6 +40,9 @@ def wire_dtype(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> to
 
 class WeightTransport(Component[SettingsT], ABC):
     """A way to deliver weights. Registered with ``miles_register_transports``."""
+
+    engine_capabilities: EngineCapabilities | None = None
+    """What the run's engines support (their kind's capabilities), set by the composition root."""
 
     def __init__(self, settings: SettingsT, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
         """

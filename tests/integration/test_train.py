@@ -763,3 +763,140 @@ def test_an_engine_sigkilled_midway_through_a_push_is_survived_by_pushing_the_ve
         # sync training: step k generates on version k - 1 only (never on a half-loaded push)
         assert all({span[2] for span in s["weight_versions"]} == {step - 1} for s in samples), step
     assert children_of_run(run_dir) == [] and engine_pid(run_dir, 0) is None and engine_pid(run_dir, 1) is None
+
+
+GATE = """
+import asyncio
+import os
+
+from miles.components import ComponentSettings
+from miles.markers import hookimpl
+from miles.rewards.base import Reward
+
+
+class GateSettings(ComponentSettings):
+    path: str
+
+
+class Gate(Reward[GateSettings]):
+    '''Scores 0; while the file ``path`` exists it waits for it to go (a test holds the run's rollout).'''
+
+    name = "gate"
+
+    async def score(self, sample):
+        while os.path.exists(self.settings.path):
+            await asyncio.sleep(0.05)
+        return 0.0
+
+
+@hookimpl
+def miles_register_rewards(register):
+    register(Gate)
+"""
+
+
+def gated(tmp_path: Path, config: Path) -> tuple[Path, dict[str, str]]:
+    """Add the ``gate`` reward (weight 0) to ``config``: while the returned file exists, the run's scoring,
+    and so its next step, waits. Returns the file and the environment that loads the plugin."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "miles_gate.py").write_text(GATE)
+    info = site / "miles_gate-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-gate\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[miles.plugins]\ngate = miles_gate\n")
+    gate = tmp_path / "gate"
+    text = config.read_text().replace(
+        "[transport]", f'[[reward.functions]]\nname = "gate"\nweight = 0.0\npath = "{gate}"\n\n[transport]'
+    )
+    config.write_text(text.replace("[algorithm]", "[reward]\ntimeout = 600\n\n[algorithm]"))
+    return gate, {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+def serves(url: str) -> bool:
+    """Whether the engine at ``url`` answers ``/health``."""
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def kill_in_push_then_hold_until_restarted(run_dir: Path, trigger: Path, gate: Path) -> Callable[[int], bool]:
+    """The fault for :func:`train_injecting`: once step 2 is logged, arm ``MILES_TEST_SIGKILL_IN_PUSH`` (the
+    engine that takes the file dies in the next push); once it died, hold the run (``gate``) until the
+    launcher's restart of it serves, so that the restarted engine rejoins at the next push however slow the
+    machine. Done (``True``) when the gate opens again."""
+    pids: dict[int, int | None] = {}
+
+    def step(steps: int) -> bool:
+        if steps < 2:
+            return False
+        if not pids:
+            pids.update({i: engine_pid(run_dir, i) for i in (0, 1)})
+            trigger.touch()
+            return False
+        if trigger.exists():
+            return False
+        gate.touch()  # the engine took the trigger: the next scoring waits
+        urls = json.loads((run_dir / "launch.json").read_text())["engine_urls"]
+        restarted = [i for i in (0, 1) if engine_pid(run_dir, i) not in (None, pids[i])]
+        if restarted and all(serves(urls[i]) for i in restarted):
+            gate.unlink()
+            return True
+        return False
+
+    return step
+
+
+P2P_STEPS = 6  # the kill in push 3; held until the restart serves; it rejoins at push 4 or 5
+
+
+def test_an_engine_sigkilled_midway_through_a_p2p_push_is_survived_by_pushing_the_version_again(
+    tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    """The mid-push failover above through ``transport = "p2p"`` (the ``torch`` data path: each of the 2
+    trainer ranks sends its rows straight to both engines). Once step 2 is logged, the engine that has
+    received one chunk of the next push SIGKILLs itself; the push fails on both ranks at once (each gathers
+    every rank's outcome), new sessions are opened on the engine left and the version goes to it again,
+    whole, verified; the run is held until the launcher's restart serves, and the restarted engine rejoins
+    through a new session and a full push. Every step has exactly its samples, each generated on one
+    complete weight version."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=2, rollouts=P2P_STEPS, transport="p2p")
+    config.write_text(config.read_text().replace("num_engines = 1", "num_engines = 2"))
+    gate, env = gated(tmp_path, config)
+    trigger = tmp_path / "die-in-push"
+    inject = kill_in_push_then_hold_until_restarted(run_dir, trigger, gate)
+    env["MILES_TEST_SIGKILL_IN_PUSH"] = str(trigger)
+    done, returncode, stderr = train_injecting(config, run_dir, inject, env)
+    assert done, stderr[-3000:]
+    assert returncode == 0, stderr[-4000:]
+    engine_logs = {i: (run_dir / "logs" / f"engine-{i}.log").read_text() for i in (0, 1)}
+    dead = next(i for i, text in engine_logs.items() if "killing this engine in chunk 2" in text)
+    assert f"engine-{dead} exited (killed by SIGKILL) while the trainers ran: restarting it" in stderr
+    trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "did not reach engine" in trainer_log and "pushing weight version 3 again" in trainer_log, trainer_log[
+        -3000:
+    ]
+    assert "opening new sessions" in trainer_log, trainer_log[-3000:]
+    assert "rejoined at weight version" in trainer_log, trainer_log[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, P2P_STEPS + 1))
+    assert [r["step"] for r in rows if r.get("weight_sync/retries")] == [3], rows
+    assert all(r["weight_sync/verified"] == 1.0 for r in rows)
+    assert rows[-1]["rollout/engines_serving"] == 2.0  # the restarted engine rejoined
+    seen: set[tuple[int, int]] = set()
+    for step in range(1, P2P_STEPS + 1):
+        samples = [
+            json.loads(line) for line in (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
+        ]
+        assert len(samples) == 16
+        ids = {(s["group_id"], s["index"]) for s in samples}
+        assert len(ids) == 16 and not ids & seen
+        seen |= ids
+        assert all(s["status"] != "failed" for s in samples)
+        # sync training: step k generates on version k - 1 only (never on a half-loaded push)
+        assert all({span[2] for span in s["weight_versions"]} == {step - 1} for s in samples), step
+    assert children_of_run(run_dir) == [] and engine_pid(run_dir, 0) is None and engine_pid(run_dir, 1) is None

@@ -178,7 +178,7 @@ class InlinePublisher(WeightPublisher):
         try:
             return await transport.push(buckets, version=version, dist=loop.dist), None
         except Exception as exc:
-            if loop.dist.world_size > 1:
+            if loop.dist.world_size > 1 and transport.reads_buckets:
                 for _ in buckets:
                     pass
             return None, exc

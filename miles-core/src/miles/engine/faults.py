@@ -1,7 +1,10 @@
 """Fault injection for tests of failover: an engine that kills itself at a chosen point, once.
 
-``MILES_TEST_SIGKILL_IN_PUSH=FILE``: on the second bucket of a distributed weight update (so the first one
-is already loaded: the push is truly midway), the engine that removes ``FILE`` first sends itself SIGKILL.
+``MILES_TEST_SIGKILL_IN_PUSH=FILE``: on the second part of a weight push the engine receives (so the first
+one is already in: the push is truly midway), the engine that removes ``FILE`` first sends itself SIGKILL.
+A part is a bucket of a distributed update (``broadcast``: the other engines have loaded the first one), a
+chunk of a ``p2p`` push over the ``torch`` data path, or, for the one-sided ``p2p`` data paths (the trainer
+ranks write, the engine only confirms), the confirmation once every chunk is written, before the commit.
 The file makes it one-shot across engines and restarts (they share the environment), and the test chooses
 the push by creating the file. Unset, nothing happens.
 """
@@ -19,16 +22,18 @@ log = logging.getLogger(__name__)
 SIGKILL_IN_PUSH = "MILES_TEST_SIGKILL_IN_PUSH"
 
 
-def die_in_push_if_asked(bucket: int) -> None:
-    """Called with the number of the bucket a distributed update is receiving (1 for the first)."""
+def die_in_push_if_asked(part: int, *, unit: str = "bucket") -> None:
+    """Called with the number of the part of a weight push this engine is receiving (1 for the first).
+
+    :param unit: what a part is (``bucket``, ``chunk`` ...), for the log line."""
     path = os.environ.get(SIGKILL_IN_PUSH)
-    if not path or bucket < 2:
+    if not path or part < 2:
         return
     try:
         os.remove(path)
     except FileNotFoundError:
         return
-    log.error("%s: killing this engine in bucket %d of a weight push (a test of failover)", SIGKILL_IN_PUSH, bucket)
+    log.error("%s: killing this engine in %s %d of a weight push (a test of failover)", SIGKILL_IN_PUSH, unit, part)
     for handler in logging.getLogger().handlers:
         handler.flush()
     os.kill(os.getpid(), signal.SIGKILL)

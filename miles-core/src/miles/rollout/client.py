@@ -136,6 +136,15 @@ class EngineClient(ABC):
         """
         return []
 
+    def rejoining(self) -> list[str]:
+        """Engines back up (:meth:`check_engines`) that take control calls but wait for a weight push before
+        they serve. A restarted engine has none of the channels a transport set up with it before (a process
+        group, a session): the transport sets them up again, and the push brings it the whole version.
+
+        .. versionadded:: 0.1 (not abstract: the default knows of no failures)
+        """
+        return []
+
     def weights_reached(self, version: str) -> list[str]:
         """Weight version ``version`` reached every engine that takes control calls: the rejoining ones serve
         again; returns them.

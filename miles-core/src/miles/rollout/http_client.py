@@ -240,6 +240,10 @@ class HttpEngineClient(EngineClient):
                 state.mark_down(url, "no answer to /health")
         return sorted(state.rejoining)
 
+    def rejoining(self) -> list[str]:
+        state = self.health_state
+        return [url for url in state.engines if url in state.rejoining]
+
     def weights_reached(self, version: str) -> list[str]:
         """The weight push of ``version`` reached every reachable engine: rejoining ones serve again."""
         return self.health_state.rejoined(version)

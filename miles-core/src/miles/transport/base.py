@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from miles.components import Component, SettingsT
 from miles.types import PushReport
@@ -39,6 +39,14 @@ def wire_dtype(name: str, tensor: torch.Tensor, engine_dtype: torch.dtype) -> to
 
 class WeightTransport(Component[SettingsT], ABC):
     """A way to deliver weights. Registered with ``miles_register_transports``."""
+
+    reads_buckets: ClassVar[bool] = True
+    """Whether :meth:`push` iterates the buckets it is given (gathering them is a collective of every rank).
+    ``False`` for a transport that sends the trainer's own slices (:meth:`attach`): after a failed push the
+    buckets are then not drained.
+
+    .. versionadded:: 0.1
+    """
 
     def __init__(self, settings: SettingsT, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
         """

@@ -11,7 +11,9 @@
   verifies — while the trainer already trains step ``k + 1``. Only the snapshot stays on the trainer's
   critical path. Commits run one at a time, in order; the next push, an evaluation, a checkpoint and the
   end of the run wait for the pending one (:meth:`WeightPublisher.flush`), so a verification failure stops
-  the run at the latest one step later, with the tensor's name. The group source learns version ``k`` when
+  the run at the latest one step later, with the tensor's name. When engines die during a commit and
+  others are left, the version (still staged) is committed again to those; the engines stay paused until
+  it is in. The group source learns version ``k`` when
   it is staged (the trainer holds it from then on) and that the engines serve it when the commit has
   loaded it: the staleness window follows the engines' version.
 
@@ -113,6 +115,31 @@ class WeightPublisher(ABC):
             return list(self.loop.client.urls)
         return []
 
+    async def _engines_lost(
+        self, error: BaseException | None, before: list[str], version: str, retries: int, doing: str
+    ) -> bool:
+        """Rank 0, after a push or commit of ``version`` to ``before`` failed with ``error``: whether it failed
+        (:class:`~miles.errors.EngineError`) because engines died during it (they no longer answer
+        ``/health``) while others are left; then the whole version goes again to those. Each retry needs a
+        new engine lost, so the retries stay below the number of engines."""
+        client = self.loop.client
+        if not isinstance(error, EngineError) or client is None:
+            return False
+        await client.check_engines()
+        lost = [url for url in before if url not in client.urls]
+        if not lost or not client.urls:
+            return False
+        log.error(
+            "%s; %s went down during the push: %s weight version %s again to %s (retry %d)",
+            error,
+            ", ".join(lost),
+            doing,
+            version,
+            ", ".join(client.urls),
+            retries + 1,
+        )
+        return True
+
     def _weights_reached(self, version: str) -> None:
         """Rank 0, after a verified push: the engines that took it while rejoining serve again."""
         if self.is_driver and self.loop.client is not None:
@@ -184,27 +211,10 @@ class InlinePublisher(WeightPublisher):
             return None, exc
 
     async def _push_again(self, error: Exception | None, before: list[str], version: str, retries: int) -> bool:
-        """Every rank: whether to push ``version`` again, as rank 0 decides. It does when the push failed
-        (:class:`~miles.errors.EngineError`) because engines died during it (they no longer answer
-        ``/health``) and others are left: the whole version goes again to those. Each retry needs a new
-        engine lost, so the retries stay below the number of engines."""
+        """Every rank: whether to push ``version`` again, as rank 0 decides (:meth:`_engines_lost`)."""
         from miles.training.comm import broadcast_json
 
-        again = False
-        client = self.loop.client
-        if self.is_driver and isinstance(error, EngineError) and client is not None:
-            await client.check_engines()
-            lost = [url for url in before if url not in client.urls]
-            if lost and client.urls:
-                again = True
-                log.error(
-                    "%s; %s went down during the push: pushing weight version %s again to %s (retry %d)",
-                    error,
-                    ", ".join(lost),
-                    version,
-                    ", ".join(client.urls),
-                    retries + 1,
-                )
+        again = self.is_driver and await self._engines_lost(error, before, version, retries, "pushing")
         return bool(broadcast_json(again))
 
 
@@ -246,10 +256,21 @@ class OverlappedPublisher(WeightPublisher):
         await transport.prepare(report)  # the engines keep generating while the weights are written
         pause_start = time.perf_counter()
 
+        retries = 0
+
         async def load() -> None:
-            await self._check_engines()
-            await loop.randomize_engines(step)
-            await transport.commit(report)
+            nonlocal retries
+            while True:
+                before = await self._check_engines()
+                if not retries:  # (once: a retry may deliver only to the engines that lack the version)
+                    await loop.randomize_engines(step)
+                try:
+                    await transport.commit(report)
+                    break
+                except Exception as error:  # the version stays staged: it may be committed again
+                    if not await self._engines_lost(error, before, report.version, retries, "committing"):
+                        raise
+                retries += 1
             if loop.source is not None:
                 loop.source.engines_caught_up(int(report.version))
 
@@ -267,6 +288,8 @@ class OverlappedPublisher(WeightPublisher):
             "weight_sync/load_seconds": loaded - pause_start,
             "weight_sync/verify_seconds": done - loaded,
         }
+        if retries:
+            self._committed["weight_sync/retries"] = float(retries)
         return report
 
     async def flush(self) -> None:

@@ -3,8 +3,9 @@
 ``MILES_TEST_SIGKILL_IN_PUSH=FILE``: on the second part of a weight push the engine receives (so the first
 one is already in: the push is truly midway), the engine that removes ``FILE`` first sends itself SIGKILL.
 A part is a bucket of a distributed update (``broadcast``: the other engines have loaded the first one), a
-chunk of a ``p2p`` push over the ``torch`` data path, or, for the one-sided ``p2p`` data paths (the trainer
-ranks write, the engine only confirms), the confirmation once every chunk is written, before the commit.
+chunk of a ``p2p`` push over the ``torch`` data path, for the one-sided ``p2p`` data paths (the trainer
+ranks write, the engine only confirms) the confirmation once every chunk is written, before the commit,
+or a tensor a ``disk_delta`` version applies (``/update_weights_from_delta``).
 The file makes it one-shot across engines and restarts (they share the environment), and the test chooses
 the push by creating the file. Unset, nothing happens.
 """

@@ -88,6 +88,11 @@ class WeightPublisher(ABC):
     async def publish(self, step: int) -> PushReport | None:
         """Publish the trainer's weights as version ``step`` (``None`` without a transport)."""
 
+    async def republish(self) -> PushReport | None:
+        """Push the version the trainer holds (:attr:`weight_version`) again, every rank: engines restarted
+        while none served (:mod:`miles.rollout.failover`) take it, verified, and serve again."""
+        return await self.publish(int(self.weight_version))
+
     async def flush(self) -> None:
         """Wait until what was published is served and verified (rank 0); a verification failure raises."""
 

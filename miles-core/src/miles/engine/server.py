@@ -19,6 +19,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
 from miles.engine.api_schema import describe_bodies
+from miles.engine.faults import die_in_generate_if_asked
 from miles.engine.parsing import RequestError, parse_generate
 from miles.engine.request import Request
 from miles.engine.responses import admin, generate_error, json_body
@@ -78,6 +79,7 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Any:
+        die_in_generate_if_asked()
         try:
             body = await json_body(request)
             batch, stream, queues, reqs = await _run(body)

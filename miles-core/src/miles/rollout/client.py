@@ -136,6 +136,23 @@ class EngineClient(ABC):
         """
         return []
 
+    def serving(self) -> list[str]:
+        """Engines that take generation (:attr:`urls` but those that rejoin).
+
+        .. versionadded:: 0.1 (not abstract: the default knows of no failures)
+        """
+        return list(self.urls)
+
+    def wait_for_restarts(self, *, restarts: int, timeout: float) -> None:
+        """When every engine is lost, make generation wait up to ``timeout`` seconds for an engine to serve
+        again instead of raising :class:`~miles.rollout.failover.NoEngineLeftError`, as long as a lost
+        engine may still be restarted (each up to ``restarts`` times, ``rollout.engine_restarts``). Whoever
+        calls this brings a restarted engine the weights (:meth:`check_engines`, a push,
+        :meth:`weights_reached`). The default client never waits.
+
+        .. versionadded:: 0.1
+        """
+
     def rejoining(self) -> list[str]:
         """Engines back up (:meth:`check_engines`) that take control calls but wait for a weight push before
         they serve. A restarted engine has none of the channels a transport set up with it before (a process

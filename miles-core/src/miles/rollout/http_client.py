@@ -29,6 +29,7 @@ import bisect
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ import httpx
 
 from miles.errors import EngineError
 from miles.rollout.client import EngineClient
-from miles.rollout.failover import EngineHealth
+from miles.rollout.failover import EngineHealth, NoEngineLeftError
 from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
 
 __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routing_header_value"]
@@ -140,6 +141,9 @@ class HttpEngineClient(EngineClient):
         self.routing_key_header = routing_key_header
         self.health_state = EngineHealth(self._urls)
         """Which engines serve, are down or rejoin (:mod:`miles.rollout.failover`)."""
+        self.restart_timeout: float | None = None
+        """Seconds generation waits for a restarted engine when none serves (:meth:`wait_for_restarts`)."""
+        self._waiting = False
 
     @property
     def urls(self) -> Sequence[str]:
@@ -240,6 +244,32 @@ class HttpEngineClient(EngineClient):
                 state.mark_down(url, "no answer to /health")
         return sorted(state.rejoining)
 
+    def serving(self) -> list[str]:
+        return self.health_state.serving()
+
+    def wait_for_restarts(self, *, restarts: int, timeout: float) -> None:
+        self.health_state.restarts = restarts
+        self.restart_timeout = timeout if restarts else None
+
+    async def _serving_again(self, lost: NoEngineLeftError) -> None:
+        """No engine serves: wait for one to serve again if a lost one may come back (else raise ``lost``)."""
+        state = self.health_state
+        if self.restart_timeout is None or not state.may_return():
+            raise lost
+        if not self._waiting:  # (once for every request that waits)
+            log.warning(
+                "no engine serves (%s); generation waits up to %.0f s for a restarted one to take the current weights",
+                "; ".join(f"{url}: {why}" for url, why in state.down.items()),
+                self.restart_timeout,
+            )
+        self._waiting = True
+        deadline = time.monotonic() + self.restart_timeout
+        while not state.serving():
+            if time.monotonic() >= deadline or not state.may_return():
+                raise lost
+            await asyncio.sleep(0.2)
+        self._waiting = False
+
     def rejoining(self) -> list[str]:
         state = self.health_state
         return [url for url in state.engines if url in state.rejoining]
@@ -280,7 +310,11 @@ class HttpEngineClient(EngineClient):
         tried: list[str] = []
         delay = self.backoff
         while True:
-            url = self.route(routing_key, exclude=tried if routing_key is None else ())
+            try:
+                url = self.route(routing_key, exclude=tried if routing_key is None else ())
+            except NoEngineLeftError as lost:
+                await self._serving_again(lost)  # (or raises: fail-stop)
+                continue
             self.outstanding[url] += 1
             if rid is not None:
                 self._rid_url[rid] = url

@@ -1,5 +1,6 @@
 """The HTTP engine client against two real local engines: session-affine routing (consistent hashing),
-least-outstanding routing, fleet-wide admin calls, retries while an engine starts, errors."""
+least-outstanding routing, fleet-wide admin calls, retries while an engine starts, an engine restarted at its
+URL told apart, waiting for a restart when no engine is left, errors."""
 
 from __future__ import annotations
 
@@ -129,7 +130,11 @@ def test_http_errors_are_not_retried_and_carry_the_message(engines: list[EngineP
     asyncio.run(run())
 
 
-def test_retries_until_a_starting_engine_answers(model: Path, tmp_path: Path) -> None:
+def test_retries_until_a_starting_engine_answers_and_tells_its_restart_apart(model: Path, tmp_path: Path) -> None:
+    """The client retries until a starting engine answers. Then the engine is stopped and started again at
+    the same port between two probes, with no request failing on it meanwhile: ``check_engines`` tells the
+    new process by its ``/health`` (it names another instance), counts the death, and the engine rejoins (it
+    takes the next weight push) instead of serving the weights it loaded at start."""
     port = free_port()
     engine = EngineProcess(model, port=port, log_path=tmp_path / "late.log")
 
@@ -138,6 +143,14 @@ def test_retries_until_a_starting_engine_answers(model: Path, tmp_path: Path) ->
             engine.start(wait=False)  # the client's first attempts are refused
             (out,) = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
             assert out.completion_tokens == 3
+            assert await client.check_engines() == [] and client.serving() == [engine.url]
+            engine.stop()
+            engine.start()  # the same URL, another process
+            assert await client.check_engines() == [engine.url]
+            assert client.serving() == [] and client.rejoining() == [engine.url]
+            assert client.failover_metrics()["rollout/engine_failures"] == 1.0
+            client.weights_reached("1")
+            assert await client.check_engines() == [] and client.serving() == [engine.url]
 
     try:
         asyncio.run(run())

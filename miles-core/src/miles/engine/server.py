@@ -24,6 +24,7 @@ from miles.engine.parsing import RequestError, parse_generate
 from miles.engine.request import Request
 from miles.engine.responses import admin, generate_error, json_body
 from miles.engine.state import EngineState
+from miles.rollout.protocol import INSTANCE_HEADER
 from miles.types import PauseMode
 
 __all__ = ["EngineState", "create_app"]
@@ -122,7 +123,7 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200, headers={INSTANCE_HEADER: state.instance})
 
     @app.get("/health_generate")
     async def health_generate() -> Any:

@@ -38,7 +38,7 @@ import httpx
 from miles.errors import EngineError
 from miles.rollout.client import EngineClient
 from miles.rollout.failover import EngineHealth, NoEngineLeftError
-from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
+from miles.rollout.protocol import INSTANCE_HEADER, GenerateOutput, PauseMode, SamplingParams
 
 __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routing_header_value"]
 
@@ -144,6 +144,8 @@ class HttpEngineClient(EngineClient):
         self.restart_timeout: float | None = None
         """Seconds generation waits for a restarted engine when none serves (:meth:`wait_for_restarts`)."""
         self._waiting = False
+        self._instances: dict[str, str] = {}
+        """The process each engine's last ``/health`` named (engines that name one: the local engine)."""
 
     @property
     def urls(self) -> Sequence[str]:
@@ -234,11 +236,17 @@ class HttpEngineClient(EngineClient):
     # ---------------------------------------------------------------- failover
     async def check_engines(self) -> list[str]:
         """Probe every engine's ``/health``: a reachable one that does not answer is marked down, a down
-        one that answers rejoins (it takes the next weight push); returns the rejoining engines."""
+        one that answers rejoins (it takes the next weight push); so does one that names another process
+        than before (:data:`INSTANCE_HEADER`: it was restarted before a request saw it die). Returns the
+        rejoining engines."""
         state = self.health_state
+        known = dict(self._instances)
         answers = await self._health(state.engines)
         for url, ok in zip(state.engines, answers, strict=True):
             if ok:
+                before, now = known.get(url), self._instances.get(url)
+                if before is not None and now != before and url not in state.down:  # it died unseen
+                    state.mark_down(url, "restarted: another process answers at its URL")
                 state.back_up(url)
             elif url not in state.down:
                 state.mark_down(url, "no answer to /health")
@@ -395,11 +403,16 @@ class HttpEngineClient(EngineClient):
         return await self._health(self._urls)
 
     async def _health(self, urls: Sequence[str]) -> list[bool]:
+        """``/health`` of each of ``urls``; records the process each names (:data:`INSTANCE_HEADER`)."""
+
         async def one(url: str) -> bool:
             try:
                 resp = await self._http.get(url + "/health", timeout=10)
             except httpx.HTTPError:
                 return False
+            instance = resp.headers.get(INSTANCE_HEADER)
+            if resp.status_code == 200 and instance:
+                self._instances[url] = instance
             return resp.status_code == 200
 
         return list(await asyncio.gather(*(one(u) for u in urls)))

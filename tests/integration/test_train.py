@@ -891,42 +891,58 @@ def test_an_engine_sigkilled_midway_through_a_p2p_push_is_survived_by_pushing_th
     assert children_of_run(run_dir) == [] and engine_pid(run_dir, 0) is None and engine_pid(run_dir, 1) is None
 
 
-WAIT_STEPS = 4
+WAIT_STEPS = 6
 
 
-def test_a_rollout_that_loses_its_only_engine_waits_for_the_restart_and_pushes_it_the_weights(
+def test_a_run_that_loses_its_only_engine_waits_for_the_restart_and_pushes_it_the_weights(
     tmp_path: Path, tiny_model: Path, prompts: Path
 ) -> None:
-    """1 engine, 2 trainer ranks, broadcast. Once step 1 is logged, the engine SIGKILLs itself as the next
-    ``/generate`` arrives (``MILES_TEST_SIGKILL_IN_GENERATE``): that rollout has no engine left, but a restart
-    (``rollout.engine_restarts = 1``): generation waits, rank 0 probes the engine until the launcher's
-    restart answers, both ranks push it the current weights (the version the rollout generates on), verified,
-    and the rollout goes on with the same seeds. Every step has exactly its samples, on version k - 1."""
+    """1 engine, 2 trainer ranks, broadcast in small buckets, ``rollout.engine_restarts = 2``; the engine dies
+    twice and the run waits for it each time instead of stopping. First, once step 1 is logged, it SIGKILLs
+    itself as the next ``/generate`` arrives (``MILES_TEST_SIGKILL_IN_GENERATE``): that rollout has no engine
+    left, generation waits, rank 0 probes the engine until the launcher's restart answers, both ranks push it
+    the current weights (the version the rollout generates on), verified, and the rollout goes on with the
+    same seeds. Then, once that step is logged, it dies on the next push's second bucket
+    (``MILES_TEST_SIGKILL_IN_PUSH``): the push waits for the next restart and goes to it again, whole,
+    verified. Every step has exactly its samples, each on version k - 1."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path, tiny_model, prompts, run_dir, ranks=2, rollouts=WAIT_STEPS)
-    trigger = tmp_path / "die-in-generate"
+    config = write_config(
+        tmp_path, tiny_model, prompts, run_dir, ranks=2, rollouts=WAIT_STEPS, transport_options="bucket_bytes = 16384"
+    )
+    config.write_text(config.read_text().replace("temperature = 1.0", "temperature = 1.0\nengine_restarts = 2"))
+    in_generate, in_push = tmp_path / "die-in-generate", tmp_path / "die-in-push"
+
+    armed: list[Path] = []
 
     def arm(steps: int) -> bool:
-        if steps >= 1:  # the engine dies at the first /generate of a later rollout
-            trigger.touch()
-        return steps >= 1
+        if steps >= 1 and not armed:
+            in_generate.touch()  # the engine dies at the first /generate of a later rollout
+            armed.append(in_generate)
+        elif armed == [in_generate] and any(r.get("weight_sync/rejoin_pushes") for r in metrics(run_dir)):
+            in_push.touch()  # that rollout's wait is over: the engine dies in the next push
+            armed.append(in_push)
+        return len(armed) == 2
 
-    env = {"MILES_TEST_SIGKILL_IN_GENERATE": str(trigger)}
-    armed, returncode, stderr = train_injecting(config, run_dir, arm, env)
-    assert armed, stderr[-3000:]
+    env = {"MILES_TEST_SIGKILL_IN_GENERATE": str(in_generate), "MILES_TEST_SIGKILL_IN_PUSH": str(in_push)}
+    done, returncode, stderr = train_injecting(config, run_dir, arm, env)
+    assert done, stderr[-3000:]
     assert returncode == 0, stderr[-4000:]
-    assert not trigger.exists()  # the engine took it
-    assert "killing this engine as a /generate request arrives" in (run_dir / "logs" / "engine-0.log").read_text()
-    assert "engine-0 exited (killed by SIGKILL) while the trainers ran: restarting it (restart 1 of 1" in stderr
+    assert not in_generate.exists() and not in_push.exists()  # the engine took both
+    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
+    assert "killing this engine as a /generate request arrives" in engine_log
+    assert "killing this engine in bucket 2 of a weight push" in engine_log
+    for n in (1, 2):
+        assert f"engine-0 exited (killed by SIGKILL) while the trainers ran: restarting it (restart {n} of 2" in stderr
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "no engine serves" in trainer_log and "generation waits up to" in trainer_log, trainer_log[-3000:]
-    assert "rejoined at weight version" in trainer_log, trainer_log[-3000:]
+    assert "no engine is left" in trainer_log and "pushing weight version" in trainer_log, trainer_log[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, WAIT_STEPS + 1))
     waited = [r["step"] for r in rows if r.get("weight_sync/rejoin_pushes")]
-    assert len(waited) == 1 and waited[0] >= 2, rows
-    assert rows[waited[0] - 1]["weight_sync/rejoin_pushes"] == 1.0
-    assert sum(r["rollout/engine_failures"] for r in rows) == 1
+    retried = [r["step"] for r in rows if r.get("weight_sync/retries")]
+    assert len(waited) == 1 and waited[0] >= 2 and rows[waited[0] - 1]["weight_sync/rejoin_pushes"] == 1.0, rows
+    assert len(retried) == 1 and retried[0] > waited[0] and rows[retried[0] - 1]["weight_sync/retries"] == 1.0, rows
+    assert sum(r["rollout/engine_failures"] for r in rows) == 2
     assert sum(r["rollout/requests_retried"] for r in rows) >= 1
     assert all(r["weight_sync/verified"] == 1.0 and r["rollout/engines_serving"] == 1.0 for r in rows)
     seen: set[tuple[int, int]] = set()

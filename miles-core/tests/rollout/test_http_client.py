@@ -172,8 +172,9 @@ def test_unreachable_engine_fails_with_its_url() -> None:
 
 def test_with_no_engine_left_generation_waits_only_while_a_restart_may_come() -> None:
     """The engine's port is closed (a dead engine). Without ``wait_for_restarts`` the run's last engine lost
-    raises at once; with a restart left the request waits for an engine to serve, and gives up (raising,
-    never hanging) at the timeout; once the engine has died more often than it may be restarted, at once."""
+    raises at once; with a restart left the request waits for an engine to serve (also while the restarted
+    engine rejoins, before a push has reached it), and gives up (raising, never hanging) at the timeout; once
+    the engine has died more often than it may be restarted, at once."""
     from miles.rollout.failover import NoEngineLeftError
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -182,14 +183,18 @@ def test_with_no_engine_left_generation_waits_only_while_a_restart_may_come() ->
         async with HttpEngineClient([url], max_retries=0, backoff=0.01) as client:
             with pytest.raises(NoEngineLeftError):
                 await client.generate([1], SamplingParams(max_new_tokens=1))  # marked down, nothing to wait for
-            client.wait_for_restarts(restarts=1, timeout=0.6)
+            client.wait_for_restarts(restarts=1, timeout=1.5)
             assert client.health_state.may_return() == [url]
             start = asyncio.get_running_loop().time()
+            waiting = asyncio.ensure_future(client.generate([1], SamplingParams(max_new_tokens=1)))
+            await asyncio.sleep(0.5)
+            client.health_state.back_up(url)  # restarted: rejoining, it serves after the next push
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # still waiting: the engine may serve again
             with pytest.raises(NoEngineLeftError):
-                await client.generate([1], SamplingParams(max_new_tokens=1))
-            assert 0.6 <= asyncio.get_running_loop().time() - start < 5.0
-            client.health_state.back_up(url)  # "restarted", then it dies again: past its one restart
-            client.weights_reached("1")
+                await waiting  # no push reached it: the wait ends at the timeout
+            assert 1.5 <= asyncio.get_running_loop().time() - start < 6.0
+            client.weights_reached("1")  # then it serves, and dies again: past its one restart
             assert client.serving() == [url]
             start = asyncio.get_running_loop().time()
             with pytest.raises(NoEngineLeftError):

@@ -125,13 +125,18 @@ class WeightPublisher(ABC):
     ) -> bool:
         """Rank 0, after a push or commit of ``version`` to ``before`` failed with ``error``: whether it failed
         (:class:`~miles.errors.EngineError`) because engines died during it (they no longer answer
-        ``/health``) while others are left; then the whole version goes again to those. Each retry needs a
-        new engine lost, so the retries stay below the number of engines."""
+        ``/health``) while others are left, or none is left but a restarted one answers again in time
+        (:meth:`~miles.rollout.client.EngineClient.wait_for_a_restart`); then the whole version goes again to
+        those. Each retry needs a new engine lost (a restart only as often as ``rollout.engine_restarts``),
+        so the retries are bounded."""
         client = self.loop.client
         if not isinstance(error, EngineError) or client is None:
             return False
         await client.check_engines()
         lost = [url for url in before if url not in client.urls]
+        if lost and not client.urls:
+            log.error("%s; %s went down during the push and no engine is left", error, ", ".join(lost))
+            await client.wait_for_a_restart()
         if not lost or not client.urls:
             return False
         log.error(

@@ -153,6 +153,16 @@ class EngineClient(ABC):
         .. versionadded:: 0.1
         """
 
+    async def wait_for_a_restart(self) -> list[str]:
+        """No engine takes control calls (the last one died during a weight push): when
+        :meth:`wait_for_restarts` was asked and a lost engine may still be restarted, probe the engines
+        (:meth:`check_engines`) until one answers again, up to its timeout. Returns the rejoining engines
+        (empty: none may come back, or none did in time). The default client never waits.
+
+        .. versionadded:: 0.1
+        """
+        return []
+
     def rejoining(self) -> list[str]:
         """Engines back up (:meth:`check_engines`) that take control calls but wait for a weight push before
         they serve. A restarted engine has none of the channels a transport set up with it before (a process

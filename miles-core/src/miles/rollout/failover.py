@@ -92,8 +92,9 @@ class EngineHealth:
         return back
 
     def may_return(self) -> list[str]:
-        """Down engines the launcher may still restart (each dies at most ``restarts`` times and comes back)."""
-        return [u for u in self.engines if u in self.down and self.deaths[u] <= self.restarts]
+        """Engines that do not serve but may again: rejoining ones, and down ones the launcher may still
+        restart (each dies at most ``restarts`` times and comes back)."""
+        return [u for u in self.engines if u in self.rejoining or (u in self.down and self.deaths[u] <= self.restarts)]
 
     def no_engine_left(self) -> NoEngineLeftError:
         why = "; ".join(f"{url}: {reason}" for url, reason in self.down.items()) or "none is serving"

@@ -278,6 +278,23 @@ class HttpEngineClient(EngineClient):
             await asyncio.sleep(0.2)
         self._waiting = False
 
+    async def wait_for_a_restart(self) -> list[str]:
+        state = self.health_state
+        if self.restart_timeout is None or not state.may_return():
+            return []
+        log.warning(
+            "no engine is left (%s); waiting up to %.0f s for a restarted one",
+            ", ".join(state.may_return()),
+            self.restart_timeout,
+        )
+        deadline = time.monotonic() + self.restart_timeout
+        while state.may_return():
+            rejoining = await self.check_engines()
+            if rejoining or time.monotonic() >= deadline:
+                return rejoining
+            await asyncio.sleep(0.5)
+        return []
+
     def rejoining(self) -> list[str]:
         state = self.health_state
         return [url for url in state.engines if url in state.rejoining]

@@ -7,7 +7,10 @@ saw to ``--out`` (the test asserts on it):
 3. ``skip``: rank 1 leaves one slice of ``model.norm.weight`` out (a faulty data path); must fail by name;
 4. ``v4``: a normal push after the failure;
 5. ``kill``: engine B is killed as rank 0 starts moving data; the push must fail naming B's URL and
-   engine A keep serving version 4 (with ``shm-direct``: stay paused on partial weights).
+   engine A keep serving version 4 (with ``shm-direct``: stay paused on partial weights);
+6. ``again``: the client finds B down; the next push opens sessions on engine A alone, which must serve
+   it (from randomized weights) and generate again (``shm-direct``: its pause ends with the complete
+   version).
 """
 
 from __future__ import annotations
@@ -102,6 +105,12 @@ async def scenario(rank: int, world: int, args: argparse.Namespace) -> dict[str,
                 await client.call(url, "/debug/randomize_weights", {"seed": seed})
         dist.barrier()
 
+    async def randomize_a(seed: int) -> None:
+        if rank == 0:
+            assert client is not None
+            await client.call(urls[0], "/debug/randomize_weights", {"seed": seed})
+        dist.barrier()
+
     async def push(version: str) -> dict[str, Any]:
         report = await transport.push([], version=version, dist=ctx)
         expected = full_checksums(model)
@@ -172,6 +181,22 @@ async def scenario(rank: int, world: int, args: argparse.Namespace) -> dict[str,
         if rank == 0:
             results["kill"]["a_after"] = httpx.post(urls[0] + "/weights_checksum", json={}, timeout=60).json()
             results["kill"]["a_paused"] = httpx.get(urls[0] + "/server_info", timeout=60).json()["paused"]
+
+        # 6. the version again: the client finds B down, the sessions follow it to engine A alone
+        if rank == 0:
+            assert client is not None
+            await client.check_engines()
+        await randomize_a(6)
+        report = await transport.push([], version="6", dist=ctx)
+        expected = full_checksums(model)
+        if rank == 0:
+            results["again"] = {
+                "engines": list(transport.urls),
+                "served": httpx.post(urls[0] + "/weights_checksum", json={}, timeout=60).json(),
+                "paused": httpx.get(urls[0] + "/server_info", timeout=60).json()["paused"],
+                "expected": expected,
+                "report_checksums": report.checksums,
+            }
     finally:
         await transport.close()
         if client is not None:

@@ -1,7 +1,8 @@
 """The ``p2p`` transport end to end, for each data path: two trainer ranks (gloo, an FSDP2-sharded model) and
 two engine processes serving bfloat16. Both engines serve the trainer's weights bit for bit after every
 push (verified, from randomized weights); a slice left out is caught by name; an engine killed mid push
-fails the push with its URL while the other keeps serving the previous version (see ``p2p_job.py``)."""
+fails the push with its URL while the other keeps serving the previous version, and the next push goes to
+the engine left, on new sessions (see ``p2p_job.py``)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,12 @@ def test_an_engine_killed_mid_push_fails_it_with_its_url_and_the_other_keeps_ser
         assert results[0]["kill"]["a_paused"] is not None  # engine A generates nothing on partial weights
     else:
         assert after["checksums"] == results[0]["v4"]["expected"]
+
+
+def test_the_next_push_follows_the_engines_to_the_one_left(job: Any) -> None:
+    _, results, engines = job
+    again = results[0]["again"]
+    assert again["engines"] == [engines[0].url]  # new sessions, on engine A alone
+    assert again["report_checksums"] == again["expected"]
+    assert again["served"]["weight_version"] == "6" and again["served"]["checksums"] == again["expected"]
+    assert again["paused"] is None  # shm-direct: the pause on the partial weights ended with version 6

@@ -155,3 +155,52 @@ def test_one_step_off_two_ranks_in_place_pause(tmp_path: Path, tiny_model: Path,
     assert histogram.get(0, 0) >= 16 and histogram.get(1, 0) > 0  # batch 2 was generated during step 1
     assert "one_step_off rollout: buffer of 4 groups" in (run_dir / "logs" / "trainer-0.log").read_text()
     assert children_of_run(run_dir) == []
+
+
+OVERLAP_STEPS = 6  # the kill in a commit after step 2; held until the restart serves; it rejoins at a later commit
+
+
+def test_an_engine_sigkilled_midway_through_an_overlapped_commit_is_survived(
+    tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    """fully_async with ``disk_delta``: each version is committed (loaded by the engines, verified) while the
+    trainer trains the next step. 2 engines; once step 2 is logged, the engine that applies the second tensor
+    of the next version's delta first SIGKILLs itself (``MILES_TEST_SIGKILL_IN_PUSH``). The commit fails,
+    naming it; the version, still staged, is committed again to the engine left (which already holds it:
+    it is not sent twice), the engines paused until then; the run is held until the launcher's restart
+    serves, and the restarted engine rejoins with a full snapshot at a later commit. Every step trains its
+    16 samples, none twice, none failed, each within the staleness bound."""
+    run_dir = tmp_path / "run"
+    rollout = 'mode = "fully_async"\nmax_staleness = 1\nbuffer_groups = 8\npause_mode = "retract"\n'
+    config = async_config(tmp_path, tiny_model, prompts, run_dir, rollout, rollouts=OVERLAP_STEPS)
+    text = config.read_text().replace("num_engines = 1", "num_engines = 2")
+    config.write_text(text.replace('name = "disk"', 'name = "disk_delta"'))
+    gate, env = _helpers.gated(tmp_path, config)
+    trigger = tmp_path / "die-in-push"
+    inject = _helpers.kill_in_push_then_hold_until_restarted(run_dir, trigger, gate)
+    env["MILES_TEST_SIGKILL_IN_PUSH"] = str(trigger)
+    done, returncode, stderr = _helpers.train_injecting(config, run_dir, inject, env)
+    assert done, stderr[-3000:]
+    assert returncode == 0, stderr[-4000:]
+    engine_logs = {i: (run_dir / "logs" / f"engine-{i}.log").read_text() for i in (0, 1)}
+    dead = next(i for i, text in engine_logs.items() if "killing this engine in tensor 2" in text)
+    assert f"engine-{dead} exited (killed by SIGKILL) while the trainers ran: restarting it" in stderr
+    trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "did not load version" in trainer_log and "committing weight version" in trainer_log, trainer_log[-3000:]
+    assert "rejoined at weight version" in trainer_log, trainer_log[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, OVERLAP_STEPS + 1))
+    assert len([r for r in rows if r.get("weight_sync/retries")]) == 1, rows
+    # each step logs the verification of the commit it waited for (the last step, its own as well)
+    assert [r["weight_sync/committed_version"] for r in rows[1:]] == [*range(1, OVERLAP_STEPS - 1), OVERLAP_STEPS]
+    assert all(r["weight_sync/verified"] == 1.0 for r in rows[1:])
+    assert rows[-1]["rollout/engines_serving"] == 2.0  # the restarted engine rejoined
+    check_staleness(run_dir, 1)  # 16 samples a step, each generated on committed versions within the bound
+    seen: set[tuple[int, int]] = set()
+    for samples in samples_by_step(run_dir).values():
+        ids = {(s["group_id"], s["index"]) for s in samples}
+        assert len(ids) == 16 and not ids & seen
+        seen |= ids
+        assert all(s["status"] != "failed" for s in samples)
+    assert children_of_run(run_dir) == []
+    assert _helpers.engine_pid(run_dir, 0) is None and _helpers.engine_pid(run_dir, 1) is None

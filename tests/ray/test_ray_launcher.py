@@ -3,7 +3,8 @@
 ``ray.cluster_utils.Cluster`` starts a head node (2 CPUs and the custom resource ``trainer_node``) and a
 worker node (its own raylet, 1 CPU and ``engine_node``); the launcher's bundles ask for those resources, so
 the two trainer ranks land on the head node and the engine on the worker node. Real GRPO on a tiny Qwen2,
-weight pushes verified, a trainer actor and an engine actor killed mid-run, an exact resume. One cluster for
+weight pushes verified, a trainer actor and an engine actor killed mid-run (the engine restarted in a new
+actor, or, without restarts left, the run stopped), an exact resume. One cluster for
 the module (Ray costs ~12 s and ~0.5 GiB to start).
 """
 
@@ -283,6 +284,126 @@ def test_a_killed_engine_actor_stops_the_run_naming_it(
     assert "/engine-0' on node 127.0.0.1" in said and ray_cluster.engine_node_id[:16] in said, said[-3000:]
     assert "died (" in said and "; all other processes were terminated; last lines of" in said, said[-3000:]
     assert "engine-0.log" in said, said[-3000:]
+    assert leftovers(run_dir) == []
+    wait_resources_free(ray_cluster)
+
+
+class Gate:
+    """A reward server on loopback (the ``remote`` reward, weight 0): it answers 0, except that while
+    :attr:`closed` is set it holds every answer, and so the run's next step, until it is cleared."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.closed = threading.Event()
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                while gate.closed.is_set():
+                    time.sleep(0.05)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "3")
+                self.end_headers()
+                self.wfile.write(b"0.0")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+
+    def close(self) -> None:
+        self.closed.clear()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serves(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+RESTART_STEPS = 5
+
+
+def test_a_killed_engine_actor_is_restarted_in_a_new_actor_and_rejoins(
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    """2 engines on the worker node (``rollout.engine_restarts = 1``); engine-1's actor killed once step 2 is
+    logged: its requests go to engine-0, the launcher starts engine-1 again in a new actor in its bundle (same
+    node, same URL), and it rejoins at the next weight push. The run is held (a reward server that waits)
+    until the restarted engine serves, so that it rejoins however slow the machine."""
+    import ray
+
+    run_dir = tmp_path / "restart"
+    config = write_config(tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=RESTART_STEPS)
+    gate = Gate()
+    text = config.read_text().replace("num_engines = 1", "num_engines = 2")
+    text = text.replace("engine_resources = { engine_node = 1 }", "engine_resources = { engine_node = 0.5 }")
+    text = text.replace("terminate_timeout = 5", "terminate_timeout = 5\nengine_cpus = 0.5")
+    text = text.replace("save_interval = 1", "save_interval = 100")
+    text = text.replace(
+        "[checkpoint]",
+        f'[[reward.functions]]\nname = "remote"\nweight = 0.0\nurl = "{gate.url}"\nrequest_timeout = 600\n'
+        "max_retries = 0\n\n[reward]\ntimeout = 600\n\n[checkpoint]",
+    )
+    config.write_text(text)
+    proc = train(str(config))
+    placement = run_dir / "logs" / "placement.json"
+    first: dict[str, Any] = {}
+    deadline = time.monotonic() + 400
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            steps = len(metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+            if not first and steps >= 2:
+                first = json.loads(placement.read_text())["engine-1"]
+                gate.closed.set()  # (the kill's step waits for the restart: it rejoins at the next push)
+                ray.kill(ray.get_actor(first["actor"], namespace="miles"), no_restart=True)
+            if first and gate.closed.is_set():
+                try:  # (the launcher rewrites placement.json as it restarts the engine)
+                    now = json.loads(placement.read_text())["engine-1"]
+                except ValueError:
+                    continue
+                url = json.loads((run_dir / "launch.json").read_text())["engine_urls"][1]
+                if now["process_pid"] != first["process_pid"] and serves(url):
+                    gate.closed.clear()
+            time.sleep(0.1)
+        out = finish(proc, timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        gate.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert first and not gate.closed.is_set(), out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    said = " ".join(out.stderr.split())
+    assert "engine-1 exited (killed by SIGKILL) while the trainers ran: restarting it (restart 1 of 1" in said, said
+    again = json.loads(placement.read_text())["engine-1"]
+    assert again["node_id"] == first["node_id"] == ray_cluster.engine_node_id  # its bundle, on the engine node
+    assert again["process_pid"] != first["process_pid"]
+    trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "rejoined at weight version" in trainer_log, trainer_log[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, RESTART_STEPS + 1))
+    assert all(r["weight_sync/verified"] == 1.0 for r in rows)
+    assert rows[-1]["rollout/engines_serving"] == 2.0
+    seen: set[tuple[int, int]] = set()
+    for step in range(1, RESTART_STEPS + 1):
+        lines = (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
+        ids = {(s["group_id"], s["index"]) for s in map(json.loads, lines)}
+        assert len(lines) == len(ids) == 16 and not ids & seen
+        seen |= ids
+        assert all(json.loads(line)["status"] != "failed" for line in lines)
     assert leftovers(run_dir) == []
     wait_resources_free(ray_cluster)
 

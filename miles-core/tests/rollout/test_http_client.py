@@ -1,5 +1,6 @@
 """The HTTP engine client against two real local engines: session-affine routing (consistent hashing),
-least-outstanding routing, fleet-wide admin calls, retries while an engine starts, errors."""
+least-outstanding routing, fleet-wide admin calls, retries while an engine starts, an engine restarted at its
+URL told apart, waiting for a restart when no engine is left, errors."""
 
 from __future__ import annotations
 
@@ -129,7 +130,11 @@ def test_http_errors_are_not_retried_and_carry_the_message(engines: list[EngineP
     asyncio.run(run())
 
 
-def test_retries_until_a_starting_engine_answers(model: Path, tmp_path: Path) -> None:
+def test_retries_until_a_starting_engine_answers_and_tells_its_restart_apart(model: Path, tmp_path: Path) -> None:
+    """The client retries until a starting engine answers. Then the engine is stopped and started again at
+    the same port between two probes, with no request failing on it meanwhile: ``check_engines`` tells the
+    new process by its ``/health`` (it names another instance), counts the death, and the engine rejoins (it
+    takes the next weight push) instead of serving the weights it loaded at start."""
     port = free_port()
     engine = EngineProcess(model, port=port, log_path=tmp_path / "late.log")
 
@@ -138,6 +143,14 @@ def test_retries_until_a_starting_engine_answers(model: Path, tmp_path: Path) ->
             engine.start(wait=False)  # the client's first attempts are refused
             (out,) = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=3, ignore_eos=True))
             assert out.completion_tokens == 3
+            assert await client.check_engines() == [] and client.serving() == [engine.url]
+            engine.stop()
+            engine.start()  # the same URL, another process
+            assert await client.check_engines() == [engine.url]
+            assert client.serving() == [] and client.rejoining() == [engine.url]
+            assert client.failover_metrics()["rollout/engine_failures"] == 1.0
+            client.weights_reached("1")
+            assert await client.check_engines() == [] and client.serving() == [engine.url]
 
     try:
         asyncio.run(run())
@@ -153,5 +166,40 @@ def test_unreachable_engine_fails_with_its_url() -> None:
             with pytest.raises(EngineError, match=url.replace(".", r"\.")):
                 await client.generate([1], SamplingParams(max_new_tokens=1))
             assert await client.health() == [False]
+
+    asyncio.run(run())
+
+
+def test_with_no_engine_left_generation_waits_only_while_a_restart_may_come() -> None:
+    """The engine's port is closed (a dead engine). Without ``wait_for_restarts`` the run's last engine lost
+    raises at once; with a restart left the request waits for an engine to serve (also while the restarted
+    engine rejoins, before a push has reached it), and gives up (raising, never hanging) at the timeout; once
+    the engine has died more often than it may be restarted, at once."""
+    from miles.rollout.failover import NoEngineLeftError
+
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def run() -> None:
+        async with HttpEngineClient([url], max_retries=0, backoff=0.01) as client:
+            with pytest.raises(NoEngineLeftError):
+                await client.generate([1], SamplingParams(max_new_tokens=1))  # marked down, nothing to wait for
+            client.wait_for_restarts(restarts=1, timeout=1.5)
+            assert client.health_state.may_return() == [url]
+            start = asyncio.get_running_loop().time()
+            waiting = asyncio.ensure_future(client.generate([1], SamplingParams(max_new_tokens=1)))
+            await asyncio.sleep(0.5)
+            client.health_state.back_up(url)  # restarted: rejoining, it serves after the next push
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # still waiting: the engine may serve again
+            with pytest.raises(NoEngineLeftError):
+                await waiting  # no push reached it: the wait ends at the timeout
+            assert 1.5 <= asyncio.get_running_loop().time() - start < 6.0
+            client.weights_reached("1")  # then it serves, and dies again: past its one restart
+            assert client.serving() == [url]
+            start = asyncio.get_running_loop().time()
+            with pytest.raises(NoEngineLeftError):
+                await client.generate([1], SamplingParams(max_new_tokens=1))
+            assert client.health_state.deaths[url] == 2 and client.health_state.may_return() == []
+            assert asyncio.get_running_loop().time() - start < 0.6
 
     asyncio.run(run())

@@ -11,16 +11,25 @@ push` receives are never iterated. One push:
    engines keep generating;
 3. rank 0 collects every rank's outcome. If an engine failed (it died, refused, timed out), the push
    fails naming its URL and the other engines, whose parameters were never touched, keep serving their
-   version; the sessions are reopened at the next push. Otherwise every engine commits (``/p2p/commit``:
-   pause, copy into the parameters, version, flush, resume);
+   version (with ``write_into_weights`` they stay paused on the partial weights until a push completes);
+   the sessions are closed on every rank and reopened at the next push. Otherwise every engine commits
+   (``/p2p/commit``: pause, copy into the parameters, version, flush, resume);
 4. verification (``verify_slices``): each rank's checksum of every chunk it sent against each engine's
    checksum of that chunk as served, naming the tensor, the box and the rank on a mismatch; the per-tensor
    checksums the driver then verifies on every engine are engine 0's, proven equal to the trainer's bytes
    by that check.
 
 Every rank takes part in every step (small JSON collectives over the trainer's default process group),
-so a failure is raised on every rank. The engine side is the local engine's ``/p2p/*`` routes
-(:mod:`miles.engine.p2p_routes`).
+so a failure is raised on every rank, at the same point: none is left waiting in a collective. The
+publisher then pushes the whole version again to the engines left
+(:class:`~miles.driver.publish.InlinePublisher`).
+
+The sessions follow the engines that take control calls (:mod:`miles.rollout.failover`): before each push
+rank 0 compares them with the engines of the sessions, and when one left (it died) or one rejoins (a
+restarted engine has no session: it needs a new one and a full push) every rank closes the sessions and
+opens new ones, on the engines there are now; the plan is made again for them.
+
+The engine side is the local engine's ``/p2p/*`` routes (:mod:`miles.engine.p2p_routes`).
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
     """Sends each trainer rank's slices straight to the engines (see the module docstring)."""
 
     name = "p2p"
+    reads_buckets = False  # each rank sends its own slices (attach)
 
     def __init__(
         self, settings: P2PTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
@@ -85,6 +95,8 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         self.plan: RoutePlan | None = None
         self.shm_files: list[str] = []
         self._engines_digest = ""
+        self.failed: set[str] = set()
+        """Engines whose part of the last push failed (not asked to close their session)."""
 
     @classmethod
     def check_settings(cls, options: P2PTransportSettings, settings: MilesSettings) -> None:
@@ -350,13 +362,40 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         return self.sender.send(routes, sources)
 
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:
-        """Move every rank's slices to every engine, commit, verify (every rank; ``buckets`` is not read)."""
-        from miles.training.comm import all_gather_json, broadcast_json
-
+        """Move every rank's slices to every engine, commit, verify (every rank; ``buckets`` is not read).
+        A failure is raised on every rank; the sessions are closed then (the next push opens new ones)."""
         start = time.perf_counter()
-        metrics: dict[str, float] = {}
+        try:
+            await self._follow_engines()
+            return await self._push(version, dist, start)
+        except Exception:
+            await self._after_failure()
+            raise
+
+    async def _follow_engines(self) -> None:
+        """Every rank: open the sessions, or open them again when the engines changed (see the module
+        docstring)."""
+        from miles.training.comm import broadcast_json
+
+        change: str | None = None
+        if self._dist().rank == 0 and self.opened and self.client is not None:
+            now = list(self.client.urls)
+            rejoining = [url for url in self.client.rejoining() if url in now]
+            if now != self.urls:
+                change = f"the engines changed ({', '.join(self.urls)} -> {', '.join(now)})"
+            elif rejoining:
+                change = f"{', '.join(rejoining)} rejoin(s)"
+        change = broadcast_json(change)
+        if change is not None:
+            log.warning("p2p transport: %s; opening new sessions", change)
+            await self._close_sessions()
         if not self.opened:
             await self._open()
+
+    async def _push(self, version: str, dist: DistContext, start: float) -> PushReport:
+        from miles.training.comm import all_gather_json, broadcast_json
+
+        metrics: dict[str, float] = {}
         assert self.trainer is not None
         shards = list(self.trainer.iter_weight_shards())
         precision = getattr(self.trainer, "precision", None)
@@ -399,7 +438,6 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         decision = await self._finish(version, outcomes, receives, metrics) if dist.rank == 0 else None
         decision = broadcast_json(decision)
         if "error" in decision:
-            await self._after_failure()
             raise EngineError(decision["error"])
         served = time.perf_counter()
         report = PushReport(version=version, num_tensors=plan.tensors, num_bytes=plan.tensor_bytes)
@@ -457,11 +495,15 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             for e, ids in o["written"].items():
                 written.setdefault(int(e), []).extend(ids)
         ready = time.perf_counter()
+        for e in errors:  # a rank saw it fail (a dead engine): no need to wait for its answer
+            if e < len(receives):
+                receives[e].cancel()
         for e, result in enumerate(await asyncio.gather(*receives, return_exceptions=True)):
             if isinstance(result, BaseException):
                 errors.setdefault(e, str(result))
         transfer = time.perf_counter()
         if errors:
+            self.failed = {self.urls[e] for e in errors}
             alive = [url for e, url in enumerate(self.urls) if e not in errors]
             body = {"session_id": self.session_id, "resume": False}
             await asyncio.gather(*(client.call(url, "/p2p/abort", body) for url in alive), return_exceptions=True)
@@ -532,10 +574,19 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
                 *(
                     client.call(url, "/p2p/checksums", {"session_id": self.session_id, "full": e == 0})
                     for e, url in enumerate(self.urls)
-                )
+                ),
+                return_exceptions=True,
             )
             result = {}
+            failed = [(url, a) for url, a in zip(self.urls, answers, strict=True) if isinstance(a, BaseException)]
+            if failed:  # (an engine died after its commit: every rank raises, none waits in the broadcast)
+                url, error = failed[0]
+                message = f"p2p transport: engine {url} did not answer the check of version {version}: {error}"
+                result = {"error": message, "engine": True}
             for e, (url, answer) in enumerate(zip(self.urls, answers, strict=True)):
+                if failed:
+                    break
+                assert not isinstance(answer, BaseException)
                 if str(answer.get("weight_version")) != version:
                     result = {
                         "error": f"engine {url} serves weight version {answer.get('weight_version')!r}, expected {version!r}"
@@ -548,9 +599,14 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
                         + (f" ({len(wrong)} chunks differ)" if len(wrong) > 1 else "")
                     }
                     break
-            full = dict(answers[0].get("full", {}))
+            if not failed:
+                first = answers[0]
+                assert not isinstance(first, BaseException)
+                full = dict(first.get("full", {}))
         result = broadcast_json(result)
         assert result is not None
+        if result.get("engine"):
+            raise EngineError(result["error"])
         if "error" in result:
             raise WeightVerificationError(f"p2p transport, version {version}: {result['error']}")
         return full
@@ -559,10 +615,14 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
     async def _close_sessions(self) -> None:
         if self.dist is not None and self.dist.rank == 0 and self.client is not None and self.session_id:
             client = self.client
+            # (a dead engine has nothing to close; a restarted one never had it)
+            reachable = set(client.urls) - self.failed
+            body = {"session_id": self.session_id}
             await asyncio.gather(
-                *(client.call(url, "/p2p/close_session", {"session_id": self.session_id}) for url in self.urls),
+                *(client.call(url, "/p2p/close_session", body) for url in self.urls if url in reachable),
                 return_exceptions=True,
             )
+        self.failed = set()
         for path in self.shm_files:
             try:
                 os.unlink(path)

@@ -173,6 +173,11 @@ class TrainingLoop:
             self._setup_driver()
             if self.client is not None:  # the engines start while the ranks load their models
                 await self.client.wait_until_healthy(self.settings.cluster.engine_startup_timeout)
+                if self.waits_for_restarts:
+                    self.client.wait_for_restarts(
+                        restarts=self.settings.rollout.engine_restarts,
+                        timeout=self.settings.cluster.engine_startup_timeout,
+                    )
         await self.publisher.connect()
         if self.resume is not None:
             await self._load(find_checkpoint(self.resume))
@@ -254,7 +259,7 @@ class TrainingLoop:
         """One step: obtain groups (rank 0), train (every rank), publish weights, log."""
         start = time.perf_counter()
         metrics: dict[str, float] = {}
-        groups = await self.obtain_groups(metrics) if self.is_driver else None
+        groups = await self.obtain_groups_or_republish(metrics)
         await self.engines_memory("release")
         metrics.update(await self.compute.run(lambda: self.train_on(groups)))
         self.step += 1
@@ -292,6 +297,59 @@ class TrainingLoop:
             return
         for url in self.client.urls:
             await self.client.call(url, f"/{action}_memory_occupation", {"tags": ["kv_cache", "weights"]})
+
+    @property
+    def waits_for_restarts(self) -> bool:
+        """Whether a rollout that loses every engine waits for a restarted one (the same on every rank):
+        ``sync`` runs that roll out through a transport, with ``rollout.engine_restarts`` and no router (it
+        would send traffic to a restarted engine before it has the weights)."""
+        rollout = self.settings.rollout
+        return (
+            rollout.mode == "sync"
+            and rollout.engine_restarts > 0
+            and rollout.router.name != "smg"
+            and self.transport is not None
+            and self.algorithm.needs.rollout
+        )
+
+    async def obtain_groups_or_republish(self, metrics: dict[str, float]) -> list[SampleGroup] | None:
+        """Every rank: rank 0 obtains the step's groups (:meth:`obtain_groups`; ``None`` on the others).
+
+        When the rollout loses every engine and one may be restarted (:attr:`waits_for_restarts`), generation
+        waits (:meth:`~miles.rollout.client.EngineClient.wait_for_restarts`); rank 0 probes the engines
+        meanwhile, and once a restarted one answers, every rank takes part in pushing it the trainer's
+        current weights (:meth:`~miles.driver.publish.WeightPublisher.republish`, a push is a collective),
+        after which it serves and the rollout goes on."""
+        import asyncio
+
+        from miles.training.comm import broadcast_json
+
+        if not self.waits_for_restarts:
+            return await self.obtain_groups(metrics) if self.is_driver else None
+        if not self.is_driver:
+            while broadcast_json(None) == "republish":
+                await self.publisher.republish()
+            return None
+        client = self.client
+        assert client is not None
+        rollout = asyncio.ensure_future(self.obtain_groups(metrics))
+        pushes = 0
+        try:
+            while not (await asyncio.wait({rollout}, timeout=1.0))[0]:
+                if client.serving() or not await client.check_engines():
+                    continue
+                log.warning("pushing weight version %s to %s", self.weight_version, ", ".join(client.rejoining()))
+                broadcast_json("republish")
+                await self.publisher.republish()
+                pushes += 1
+        except BaseException:
+            rollout.cancel()
+            raise
+        groups = rollout.result()  # (a failed rollout ends the run: the launcher stops the other ranks)
+        broadcast_json("groups")
+        if pushes:
+            metrics["weight_sync/rejoin_pushes"] = float(pushes)
+        return groups
 
     async def obtain_groups(self, metrics: dict[str, float]) -> list[SampleGroup]:
         """Rank 0: the groups of the next step; adds metrics."""

@@ -11,7 +11,9 @@
   verifies — while the trainer already trains step ``k + 1``. Only the snapshot stays on the trainer's
   critical path. Commits run one at a time, in order; the next push, an evaluation, a checkpoint and the
   end of the run wait for the pending one (:meth:`WeightPublisher.flush`), so a verification failure stops
-  the run at the latest one step later, with the tensor's name. The group source learns version ``k`` when
+  the run at the latest one step later, with the tensor's name. When engines die during a commit and
+  others are left, the version (still staged) is committed again to those; the engines stay paused until
+  it is in. The group source learns version ``k`` when
   it is staged (the trainer holds it from then on) and that the engines serve it when the commit has
   loaded it: the staleness window follows the engines' version.
 
@@ -86,6 +88,11 @@ class WeightPublisher(ABC):
     async def publish(self, step: int) -> PushReport | None:
         """Publish the trainer's weights as version ``step`` (``None`` without a transport)."""
 
+    async def republish(self) -> PushReport | None:
+        """Push the version the trainer holds (:attr:`weight_version`) again, every rank: engines restarted
+        while none served (:mod:`miles.rollout.failover`) take it, verified, and serve again."""
+        return await self.publish(int(self.weight_version))
+
     async def flush(self) -> None:
         """Wait until what was published is served and verified (rank 0); a verification failure raises."""
 
@@ -112,6 +119,36 @@ class WeightPublisher(ABC):
             await self.loop.client.check_engines()
             return list(self.loop.client.urls)
         return []
+
+    async def _engines_lost(
+        self, error: BaseException | None, before: list[str], version: str, retries: int, doing: str
+    ) -> bool:
+        """Rank 0, after a push or commit of ``version`` to ``before`` failed with ``error``: whether it failed
+        (:class:`~miles.errors.EngineError`) because engines died during it (they no longer answer
+        ``/health``) while others are left, or none is left but a restarted one answers again in time
+        (:meth:`~miles.rollout.client.EngineClient.wait_for_a_restart`); then the whole version goes again to
+        those. Each retry needs a new engine lost (a restart only as often as ``rollout.engine_restarts``),
+        so the retries are bounded."""
+        client = self.loop.client
+        if not isinstance(error, EngineError) or client is None:
+            return False
+        await client.check_engines()
+        lost = [url for url in before if url not in client.urls]
+        if lost and not client.urls:
+            log.error("%s; %s went down during the push and no engine is left", error, ", ".join(lost))
+            await client.wait_for_a_restart()
+        if not lost or not client.urls:
+            return False
+        log.error(
+            "%s; %s went down during the push: %s weight version %s again to %s (retry %d)",
+            error,
+            ", ".join(lost),
+            doing,
+            version,
+            ", ".join(client.urls),
+            retries + 1,
+        )
+        return True
 
     def _weights_reached(self, version: str) -> None:
         """Rank 0, after a verified push: the engines that took it while rejoining serve again."""
@@ -178,33 +215,16 @@ class InlinePublisher(WeightPublisher):
         try:
             return await transport.push(buckets, version=version, dist=loop.dist), None
         except Exception as exc:
-            if loop.dist.world_size > 1:
+            if loop.dist.world_size > 1 and transport.reads_buckets:
                 for _ in buckets:
                     pass
             return None, exc
 
     async def _push_again(self, error: Exception | None, before: list[str], version: str, retries: int) -> bool:
-        """Every rank: whether to push ``version`` again, as rank 0 decides. It does when the push failed
-        (:class:`~miles.errors.EngineError`) because engines died during it (they no longer answer
-        ``/health``) and others are left: the whole version goes again to those. Each retry needs a new
-        engine lost, so the retries stay below the number of engines."""
+        """Every rank: whether to push ``version`` again, as rank 0 decides (:meth:`_engines_lost`)."""
         from miles.training.comm import broadcast_json
 
-        again = False
-        client = self.loop.client
-        if self.is_driver and isinstance(error, EngineError) and client is not None:
-            await client.check_engines()
-            lost = [url for url in before if url not in client.urls]
-            if lost and client.urls:
-                again = True
-                log.error(
-                    "%s; %s went down during the push: pushing weight version %s again to %s (retry %d)",
-                    error,
-                    ", ".join(lost),
-                    version,
-                    ", ".join(client.urls),
-                    retries + 1,
-                )
+        again = self.is_driver and await self._engines_lost(error, before, version, retries, "pushing")
         return bool(broadcast_json(again))
 
 
@@ -246,10 +266,21 @@ class OverlappedPublisher(WeightPublisher):
         await transport.prepare(report)  # the engines keep generating while the weights are written
         pause_start = time.perf_counter()
 
+        retries = 0
+
         async def load() -> None:
-            await self._check_engines()
-            await loop.randomize_engines(step)
-            await transport.commit(report)
+            nonlocal retries
+            while True:
+                before = await self._check_engines()
+                if not retries:  # (once: a retry may deliver only to the engines that lack the version)
+                    await loop.randomize_engines(step)
+                try:
+                    await transport.commit(report)
+                    break
+                except Exception as error:  # the version stays staged: it may be committed again
+                    if not await self._engines_lost(error, before, report.version, retries, "committing"):
+                        raise
+                retries += 1
             if loop.source is not None:
                 loop.source.engines_caught_up(int(report.version))
 
@@ -267,6 +298,8 @@ class OverlappedPublisher(WeightPublisher):
             "weight_sync/load_seconds": loaded - pause_start,
             "weight_sync/verify_seconds": done - loaded,
         }
+        if retries:
+            self._committed["weight_sync/retries"] = float(retries)
         return report
 
     async def flush(self) -> None:

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from miles.engine.faults import die_in_push_if_asked
+
 __all__ = ["Chunk", "MooncakeEndpoint", "P2PSession", "host_id"]
 
 log = logging.getLogger(__name__)
@@ -193,6 +195,9 @@ class P2PSession:
         self.writing: str | None = None
         """Direct writes: the version being written (generation paused) until commit or abort."""
         self.paused_by_begin = False
+        self.after_partial = False
+        """Direct writes: generation was already paused on the partial weights of an earlier write that
+        stopped midway when this one began (an abort keeps it paused even if nothing was written)."""
         if datapath == "torch":
             from miles.transport.broadcast import make_process_group
 
@@ -362,6 +367,7 @@ class P2PSession:
         start = time.perf_counter()
         self.received = None
         if self.datapath != "torch":  # the trainer ranks wrote into the buffer: this engine is ready
+            die_in_push_if_asked(2, unit="confirmation (every chunk written, none committed)")
             self.received = version
             return 0.0
         works = [
@@ -370,13 +376,15 @@ class P2PSession:
         deadline = time.monotonic() + self.timeout
         missing: list[Chunk] = []
         error = ""
-        for chunk, work in works:  # after the first timeout the rest are only polled (already here or not)
+        for i, (chunk, work) in enumerate(works):  # after the first timeout the rest are only polled
             try:
                 work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except Exception as exc:
                 missing.append(chunk)
                 error = error or f"{type(exc).__name__}: {exc}"
                 deadline = time.monotonic()
+            else:
+                die_in_push_if_asked(i + 2, unit="chunk")  # (chunk 1 is in)
         if missing:
             self.broken = f"receiving version {version}: {len(missing)} chunk(s) never arrived"
             raise RuntimeError(

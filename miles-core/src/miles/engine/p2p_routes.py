@@ -58,6 +58,9 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
     """Mount the ``/p2p/*`` routes on ``app``."""
     sched = state.scheduler
     sessions: dict[str, P2PSession] = {}
+    partial = {"paused": False}
+    """Generation is paused on the partial weights of a direct write that stopped midway: it stays paused,
+    whatever session comes next, until a push completes (its commit resumes it)."""
 
     def session(body: dict[str, Any]) -> P2PSession:
         sid = _session_id(body)
@@ -140,8 +143,10 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
             def go() -> None:
                 s.begin(str(body.get("plan_id")), version, _parameters(sched.runner.model))
-                s.paused_by_begin = sched.paused is None
-                if s.paused_by_begin:
+                # paused on an earlier partial write: this push's commit resumes, its abort keeps the pause
+                s.after_partial, partial["paused"] = partial["paused"], False
+                s.paused_by_begin = sched.paused is None or s.after_partial
+                if sched.paused is None:
                     sched.pause("retract")
 
             await on_scheduler(go)
@@ -183,6 +188,10 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
                 sched.set_weight_version(version)
                 if flush:
                     sched.flush_cache()
+                if partial["paused"]:  # a complete version replaced the partial one
+                    partial["paused"] = False
+                    sched.resume()
+                    log.warning("p2p: version %s is in; generation continues after the partial push", version)
                 return count, time.perf_counter() - start
 
             count, seconds = await on_scheduler(load)
@@ -218,10 +227,13 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
                 def stop() -> str:
                     s.writing = None
-                    if body.get("resume", True) and s.paused_by_begin:  # nothing was written yet
+                    if body.get("resume", True) and s.paused_by_begin and not s.after_partial:  # nothing written
                         s.paused_by_begin = False
                         sched.resume()
                         return "nothing was written; generation continues"
+                    if s.paused_by_begin:  # paused for the write: held until a push completes
+                        s.paused_by_begin = False
+                        partial["paused"] = True
                     log.error("p2p session %r: a direct write stopped midway; generation stays paused", s.id)
                     return "the weights hold a partial version: generation stays paused until a push completes"
 

@@ -19,10 +19,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
 from miles.engine.api_schema import describe_bodies
+from miles.engine.faults import die_in_generate_if_asked
 from miles.engine.parsing import RequestError, parse_generate
 from miles.engine.request import Request
 from miles.engine.responses import admin, generate_error, json_body
 from miles.engine.state import EngineState
+from miles.rollout.protocol import INSTANCE_HEADER
 from miles.types import PauseMode
 
 __all__ = ["EngineState", "create_app"]
@@ -78,6 +80,7 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Any:
+        die_in_generate_if_asked()
         try:
             body = await json_body(request)
             batch, stream, queues, reqs = await _run(body)
@@ -120,7 +123,7 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200, headers={INSTANCE_HEADER: state.instance})
 
     @app.get("/health_generate")
     async def health_generate() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,9 @@ class EngineState:
     """``/generate`` calls answered so far (``/server_info`` reports it: which engine served how much)."""
     generated_samples: int = 0
     """Completions those calls asked for (a call with ``n = 4`` counts 4)."""
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """This engine process's identity, in every ``/health`` answer (the ``x-miles-instance`` header): a
+    client tells an engine restarted at the same URL from the one it knew, even if it never saw it die."""
 
     def __post_init__(self) -> None:
         if self.weight_dirs is None:

@@ -27,6 +27,7 @@ import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
+from miles.engine.faults import die_in_push_if_asked
 from miles.engine.weight_sync import _parameters
 from miles.transport.manifest import Manifest, TensorEntry
 from miles.transport.verify import tensor_checksum
@@ -74,8 +75,9 @@ def _apply_full(pairs: list[tuple[TensorEntry, torch.Tensor]], folder: Path) -> 
         if tensor_checksum(source) != entry.checksum:
             raise ValueError(f"{folder / entry.file}: tensor {entry.name!r} does not match its manifest checksum")
         sources.append((target, source))
-    for target, source in sources:
+    for i, (target, source) in enumerate(sources):
         target.copy_(source)
+        die_in_push_if_asked(i + 2, unit="tensor")  # (tensor i + 1 is in)
 
 
 def _apply_delta(pairs: list[tuple[TensorEntry, torch.Tensor]], folder: Path) -> None:
@@ -105,6 +107,7 @@ def _apply_delta(pairs: list[tuple[TensorEntry, torch.Tensor]], folder: Path) ->
                 xor_(target, delta)
                 applied.append((target, delta))
                 done.add(id(target))
+                die_in_push_if_asked(len(applied) + 1, unit="tensor")
             elif entry.encoding not in ("xor-zstd", "same"):
                 raise ValueError(f"{folder}: tensor {entry.name!r} has encoding {entry.encoding!r} in a delta")
         for entry, target in pairs:

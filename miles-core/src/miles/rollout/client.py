@@ -144,6 +144,42 @@ class EngineClient(ABC):
         """
         return []
 
+    def serving(self) -> list[str]:
+        """Engines that take generation (:attr:`urls` but those that rejoin).
+
+        .. versionadded:: 0.1 (not abstract: the default knows of no failures)
+        """
+        return list(self.urls)
+
+    def wait_for_restarts(self, *, restarts: int, timeout: float) -> None:
+        """When every engine is lost, make generation wait up to ``timeout`` seconds for an engine to serve
+        again instead of raising :class:`~miles.rollout.failover.NoEngineLeftError`, as long as a lost
+        engine may still be restarted (each up to ``restarts`` times, ``rollout.engine_restarts``). Whoever
+        calls this brings a restarted engine the weights (:meth:`check_engines`, a push,
+        :meth:`weights_reached`). The default client never waits.
+
+        .. versionadded:: 0.1
+        """
+
+    async def wait_for_a_restart(self) -> list[str]:
+        """No engine takes control calls (the last one died during a weight push): when
+        :meth:`wait_for_restarts` was asked and a lost engine may still be restarted, probe the engines
+        (:meth:`check_engines`) until one answers again, up to its timeout. Returns the rejoining engines
+        (empty: none may come back, or none did in time). The default client never waits.
+
+        .. versionadded:: 0.1
+        """
+        return []
+
+    def rejoining(self) -> list[str]:
+        """Engines back up (:meth:`check_engines`) that take control calls but wait for a weight push before
+        they serve. A restarted engine has none of the channels a transport set up with it before (a process
+        group, a session): the transport sets them up again, and the push brings it the whole version.
+
+        .. versionadded:: 0.1 (not abstract: the default knows of no failures)
+        """
+        return []
+
     def weights_reached(self, version: str) -> list[str]:
         """Weight version ``version`` reached every engine that takes control calls: the rejoining ones serve
         again; returns them.

@@ -10,12 +10,16 @@ A down engine takes no traffic and no control calls. When it answers ``/health``
 restarted it, ``rollout.engine_restarts``), :meth:`EngineHealth.back_up` makes it *rejoining*: it takes
 the control calls of the next weight push, so it loads the trainer's current weights, and only after
 that push (verified) does :meth:`EngineHealth.rejoined` give it generation again. When no engine serves,
-generation raises :class:`NoEngineLeftError` and the run stops (fail-stop).
+generation raises :class:`NoEngineLeftError` and the run stops (fail-stop) — unless a down engine may
+still be restarted (:attr:`EngineHealth.restarts`, ``rollout.engine_restarts``, in ``sync`` runs): then
+generation waits for an engine to serve again, while the training loop has the trainer's current weights
+pushed to the restarted engine (:meth:`miles.driver.loop.TrainingLoop.obtain_groups_or_republish`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 from miles.errors import EngineError
@@ -43,6 +47,10 @@ class EngineHealth:
         """Engines marked down since the last :meth:`take_metrics`."""
         self.requests_retried = 0
         """Requests re-sent to another engine since the last :meth:`take_metrics`."""
+        self.deaths: Counter[str] = Counter()
+        """Times each engine was marked down."""
+        self.restarts = 0
+        """Times the launcher may restart each engine (``rollout.engine_restarts``, where a run waits for it)."""
 
     def serving(self) -> list[str]:
         """Engines that take generation."""
@@ -59,6 +67,7 @@ class EngineHealth:
         self.down[url] = why
         self.rejoining.discard(url)
         self.engine_failures += 1
+        self.deaths[url] += 1
         left = self.serving()
         log.error(
             "engine %s is down (%s); %s",
@@ -81,6 +90,11 @@ class EngineHealth:
         for url in back:
             log.warning("engine %s rejoined at weight version %s and serves again", url, version)
         return back
+
+    def may_return(self) -> list[str]:
+        """Engines that do not serve but may again: rejoining ones, and down ones the launcher may still
+        restart (each dies at most ``restarts`` times and comes back)."""
+        return [u for u in self.engines if u in self.rejoining or (u in self.down and self.deaths[u] <= self.restarts)]
 
     def no_engine_left(self) -> NoEngineLeftError:
         why = "; ".join(f"{url}: {reason}" for url, reason in self.down.items()) or "none is serving"

@@ -29,6 +29,7 @@ import bisect
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,8 +37,8 @@ import httpx
 
 from miles.errors import EngineError
 from miles.rollout.client import EngineClient
-from miles.rollout.failover import EngineHealth
-from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
+from miles.rollout.failover import EngineHealth, NoEngineLeftError
+from miles.rollout.protocol import INSTANCE_HEADER, GenerateOutput, PauseMode, SamplingParams
 
 __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routing_header_value"]
 
@@ -140,6 +141,11 @@ class HttpEngineClient(EngineClient):
         self.routing_key_header = routing_key_header
         self.health_state = EngineHealth(self._urls)
         """Which engines serve, are down or rejoin (:mod:`miles.rollout.failover`)."""
+        self.restart_timeout: float | None = None
+        """Seconds generation waits for a restarted engine when none serves (:meth:`wait_for_restarts`)."""
+        self._waiting = False
+        self._instances: dict[str, str] = {}
+        """The process each engine's last ``/health`` named (engines that name one: the local engine)."""
 
     @property
     def urls(self) -> Sequence[str]:
@@ -230,15 +236,68 @@ class HttpEngineClient(EngineClient):
     # ---------------------------------------------------------------- failover
     async def check_engines(self) -> list[str]:
         """Probe every engine's ``/health``: a reachable one that does not answer is marked down, a down
-        one that answers rejoins (it takes the next weight push); returns the rejoining engines."""
+        one that answers rejoins (it takes the next weight push); so does one that names another process
+        than before (:data:`INSTANCE_HEADER`: it was restarted before a request saw it die). Returns the
+        rejoining engines."""
         state = self.health_state
+        known = dict(self._instances)
         answers = await self._health(state.engines)
         for url, ok in zip(state.engines, answers, strict=True):
             if ok:
+                before, now = known.get(url), self._instances.get(url)
+                if before is not None and now != before and url not in state.down:  # it died unseen
+                    state.mark_down(url, "restarted: another process answers at its URL")
                 state.back_up(url)
             elif url not in state.down:
                 state.mark_down(url, "no answer to /health")
         return sorted(state.rejoining)
+
+    def serving(self) -> list[str]:
+        return self.health_state.serving()
+
+    def wait_for_restarts(self, *, restarts: int, timeout: float) -> None:
+        self.health_state.restarts = restarts
+        self.restart_timeout = timeout if restarts else None
+
+    async def _serving_again(self, lost: NoEngineLeftError) -> None:
+        """No engine serves: wait for one to serve again if a lost one may come back (else raise ``lost``)."""
+        state = self.health_state
+        if self.restart_timeout is None or not state.may_return():
+            raise lost
+        if not self._waiting:  # (once for every request that waits)
+            log.warning(
+                "no engine serves (%s); generation waits up to %.0f s for a restarted one to take the current weights",
+                "; ".join(f"{url}: {why}" for url, why in state.down.items()),
+                self.restart_timeout,
+            )
+        self._waiting = True
+        deadline = time.monotonic() + self.restart_timeout
+        while not state.serving():
+            if time.monotonic() >= deadline or not state.may_return():
+                raise lost
+            await asyncio.sleep(0.2)
+        self._waiting = False
+
+    async def wait_for_a_restart(self) -> list[str]:
+        state = self.health_state
+        if self.restart_timeout is None or not state.may_return():
+            return []
+        log.warning(
+            "no engine is left (%s); waiting up to %.0f s for a restarted one",
+            ", ".join(state.may_return()),
+            self.restart_timeout,
+        )
+        deadline = time.monotonic() + self.restart_timeout
+        while state.may_return():
+            rejoining = await self.check_engines()
+            if rejoining or time.monotonic() >= deadline:
+                return rejoining
+            await asyncio.sleep(0.5)
+        return []
+
+    def rejoining(self) -> list[str]:
+        state = self.health_state
+        return [url for url in state.engines if url in state.rejoining]
 
     def weights_reached(self, version: str) -> list[str]:
         """The weight push of ``version`` reached every reachable engine: rejoining ones serve again."""
@@ -276,7 +335,11 @@ class HttpEngineClient(EngineClient):
         tried: list[str] = []
         delay = self.backoff
         while True:
-            url = self.route(routing_key, exclude=tried if routing_key is None else ())
+            try:
+                url = self.route(routing_key, exclude=tried if routing_key is None else ())
+            except NoEngineLeftError as lost:
+                await self._serving_again(lost)  # (or raises: fail-stop)
+                continue
             self.outstanding[url] += 1
             if rid is not None:
                 self._rid_url[rid] = url
@@ -362,11 +425,16 @@ class HttpEngineClient(EngineClient):
         return await self._health(self._urls)
 
     async def _health(self, urls: Sequence[str]) -> list[bool]:
+        """``/health`` of each of ``urls``; records the process each names (:data:`INSTANCE_HEADER`)."""
+
         async def one(url: str) -> bool:
             try:
                 resp = await self._http.get(url + "/health", timeout=10)
             except httpx.HTTPError:
                 return False
+            instance = resp.headers.get(INSTANCE_HEADER)
+            if resp.status_code == 200 and instance:
+                self._instances[url] = instance
             return resp.status_code == 200
 
         return list(await asyncio.gather(*(one(u) for u in urls)))

@@ -14,7 +14,12 @@ from typing import Any, Literal
 
 from miles.types import PauseMode
 
-__all__ = ["FinishReason", "GenerateOutput", "PauseMode", "SamplingParams"]
+__all__ = ["INSTANCE_HEADER", "FinishReason", "GenerateOutput", "PauseMode", "SamplingParams"]
+
+INSTANCE_HEADER = "x-miles-instance"
+"""A Miles addition: the header in which the local engine's ``/health`` names its process (a random id made
+at start), so that a client tells a restarted engine from the one it knew at the same URL. SGLang sends
+none; its restarts are seen when a request fails."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from miles.components import Component, SettingsT
 from miles.types import PushReport
@@ -43,6 +43,14 @@ class WeightTransport(Component[SettingsT], ABC):
 
     engine_capabilities: EngineCapabilities | None = None
     """What the run's engines support (their kind's capabilities), set by the composition root."""
+
+    reads_buckets: ClassVar[bool] = True
+    """Whether :meth:`push` iterates the buckets it is given (gathering them is a collective of every rank).
+    ``False`` for a transport that sends the trainer's own slices (:meth:`attach`): after a failed push the
+    buckets are then not drained.
+
+    .. versionadded:: 0.1
+    """
 
     def __init__(self, settings: SettingsT, *, run_dir: str, model_path: str | None, engine_dtype: str) -> None:
         """

@@ -9,9 +9,10 @@ inside a weight-update session, SGLang's ``/begin_weight_update`` ... ``/end_wei
 refuses ``/update_weights_from_distributed`` outside one; the local engine accepts both).
 
 A dead member breaks a group (its collectives would fail or wait for the timeout), so the group always
-spans the engines that take control calls *at the push*: when they differ from the group's members (an
-engine died, a restarted one rejoins; :mod:`miles.rollout.failover`) the surviving engines leave the old
-group and a new one is formed, on a new port, before the push. An engine dying *during* a push fails
+spans the engines that take control calls *at the push*: when they differ from the group's members, or a
+member rejoins (an engine died, a restarted one is back, perhaps at the same URL;
+:mod:`miles.rollout.failover`), the surviving engines leave the old group and a new one is formed, on a new
+port, before the push. An engine dying *during* a push fails
 that push at once (gloo reports the closed connection): rank 0 drops its end of the group, so the members
 blocked in a receive fail too instead of waiting for the timeout, and raises :class:`PushFailedError`
 naming the engines that failed; the publisher then pushes the whole version again to the engines left
@@ -332,10 +333,13 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
     async def _regroup_if_changed(self) -> None:
         """Rank 0: form a new group when the engines that take control calls are not the group's members."""
         assert self.client is not None and self._dist is not None
-        if self.group is not None and list(self.client.urls) == self.members:
+        rejoining = [url for url in self.client.rejoining() if url in self.members]
+        if self.group is not None and list(self.client.urls) == self.members and not rejoining:
             return
         if self.group is None:
             log.warning("broadcast transport: the last push broke the group; forming a new one")
+        elif rejoining:  # back at the same URL: a restarted engine is in no group
+            log.warning("broadcast transport: %s rejoin(s); forming a new group", ", ".join(rejoining))
         else:
             log.warning(
                 "broadcast transport: the engines changed (%s -> %s); forming a new group",

@@ -135,8 +135,8 @@ class DiskTransport(VersionFolders, StagedTransport[DiskTransportSettings]):
         start = time.perf_counter()
         if report.version not in self._ready:
             await self.prepare(report)
-        target = self._ready.pop(report.version)
-        shards = self._staged.pop(report.version)
+        target = self._ready[report.version]
+        shards = self._staged[report.version]
 
         def checksums() -> None:
             for tensors in shards:
@@ -147,6 +147,7 @@ class DiskTransport(VersionFolders, StagedTransport[DiskTransportSettings]):
         await asyncio.gather(
             self.client.update_weights_from_disk(str(target), report.version), asyncio.to_thread(checksums)
         )
+        del self._ready[report.version], self._staged[report.version]  # (kept until then: a commit may go again)
         self.written.append(target)
         while len(self.written) > self.keep:
             old = self.written.pop(0)

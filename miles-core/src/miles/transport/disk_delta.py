@@ -235,15 +235,18 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
         return "full"
 
     async def commit(self, report: PushReport) -> None:
-        """Every engine applies the delta (or loads the full snapshot) and verifies it."""
+        """Every engine applies the delta (or loads the full snapshot) and verifies it.
+
+        When an engine fails, the version stays staged and the engines that took it are remembered: a commit
+        of it again (the publisher's, after the engine died) delivers it to the engines that lack it only."""
         if self.client is None:
             raise RuntimeError("disk_delta transport: push on rank 0 before connect() gave it the engines")
         start = time.perf_counter()
         version = report.version
         if version not in self._folders:
             await self.prepare(report)
-        folders = self._folders.pop(version)
-        urls = list(self.client.urls)
+        folders = self._folders[version]
+        urls = [url for url in self.client.urls if self.delivered.get(url) != version]
         results = await asyncio.gather(*(self._deliver(url, report, folders) for url in urls), return_exceptions=True)
         failed = [(url, r) for url, r in zip(urls, results, strict=True) if isinstance(r, BaseException)]
         for url, r in zip(urls, results, strict=True):
@@ -251,25 +254,25 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
                 self.delivered[url] = version
             else:
                 self.delivered.pop(url, None)  # unknown state: a full snapshot next time
-        tensors = self._staged.pop(version)
-        self.base, self.base_version = tensors, version
-        self.pushes += 1
-        for folder in folders.values():
-            self.written.append(folder)
-        self._prune(keep=set(folders.values()))
-        written = self._written_bytes.pop(version, 0)
+        self.written.extend(folder for folder in folders.values() if folder not in self.written)
         kinds = [r for r in results if isinstance(r, str)]
-        report.metrics.update(
-            {
-                "weight_sync/bytes_written": float(written),
-                "weight_sync/written_fraction": written / report.num_bytes if report.num_bytes else 0.0,
-                "weight_sync/full_snapshots": float(kinds.count("full")),
-            }
-        )
+        full = report.metrics.get("weight_sync/full_snapshots", 0.0) + kinds.count("full")
+        report.metrics["weight_sync/full_snapshots"] = full
         report.seconds += time.perf_counter() - start
         if failed:
             url, error = failed[0]
             raise EngineError(f"disk_delta transport: engine {url} did not load version {version}: {error}")
+        del self._folders[version]
+        self.base, self.base_version = self._staged.pop(version), version
+        self.pushes += 1
+        self._prune(keep=set(folders.values()))
+        written = self._written_bytes.pop(version, 0)
+        report.metrics.update(
+            {
+                "weight_sync/bytes_written": float(written),
+                "weight_sync/written_fraction": written / report.num_bytes if report.num_bytes else 0.0,
+            }
+        )
         log.info(
             "disk_delta transport: version %s, %d tensors, %.1f MB written (%.1f%% of the weights) in %.2fs",
             version,

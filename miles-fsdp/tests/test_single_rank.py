@@ -212,3 +212,50 @@ def test_onednn_linears_train_what_f_linear_trains(model: Path, world: Any, prec
     for a, b in zip(lp.logprobs, ref_lp.logprobs, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * 10)
     assert _max_diff(weights, ref_weights) < (1e-5 if precision == "fp32" else 1e-3)
+
+
+def _group_batch(seed: int, vocab: int) -> Any:
+    """Two GRPO-like groups of three samples, each group sharing its prompt, responses of varied lengths."""
+    import random
+
+    from miles.training.batch import TrainBatch
+
+    rng = random.Random(seed)
+    tokens, prompts, masks, adv, old = [], [], [], [], []
+    for _ in range(2):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(6, 10))]
+        for _ in range(3):
+            r = rng.randint(3, 7)
+            tokens.append(prompt + [rng.randrange(3, vocab) for _ in range(r)])
+            prompts.append(len(prompt))
+            masks.append([1] * r)
+            adv.append([rng.gauss(0.0, 1.0)] * r)
+            old.append([-6.0] * r)
+    return TrainBatch.from_lists(
+        tokens=tokens, prompt_lengths=prompts, loss_mask=masks, advantages=adv, old_logprobs=old
+    )
+
+
+def test_shared_prompts_train_what_whole_sequences_train(model: Path, world: Any) -> None:
+    """``packed_sdpa`` with ``share_prefixes`` holds each group's prompt once per micro-batch (fewer tokens in
+    the forward), and scores and trains as ``sdpa`` over whole sequences, to float32 rounding."""
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    batches = [_group_batch(s, vocab) for s in range(3)]
+    out = {}
+    for attn in ("sdpa", "packed_sdpa"):
+        trainer = _trainer(model, world, attn_implementation=attn, fused_logprobs=False)
+        rows = [mb.input_ids.numel() for mb in trainer._micro_batches(batches[0])]
+        lp0 = trainer.compute_logprobs(batches[0], temperature=0.7, with_entropy=True)
+        metrics = [trainer.train_step(b, job.PolicyGradient(), temperature=job.TEMPERATURE) for b in batches]
+        out[attn] = (rows, lp0, metrics, _weights(trainer))
+        trainer.close()
+    (whole_rows, whole_lp, whole_metrics, whole_w), (rows, lp, metrics, w) = out["sdpa"], out["packed_sdpa"]
+    assert sum(rows) < sum(whole_rows)  # the prompts were held once per micro-batch
+    for a, b in zip(lp.logprobs, whole_lp.logprobs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(lp.entropy, whole_lp.entropy, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for m, r in zip(metrics, whole_metrics, strict=True):
+        assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
+        assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+    assert _max_diff(w, whole_w) < 1e-5

@@ -50,3 +50,26 @@ def test_seeds_reproduce_and_banned_tokens_are_never_drawn() -> None:
     for s in range(100):
         tok, lp, _ = draw(logits, cfg, seed=s, banned=banned)
         assert tok >= 10 and abs(lp - float(torch.log(torch.tensor(0.1)))) < 1e-6  # renormalised over 10
+
+
+def test_draws_follow_the_distribution() -> None:
+    """20,000 draws of one row: each token's frequency within 4 standard errors of its probability (at
+    temperature 0.7 and with top-p), and a truncated token never drawn."""
+    logits = torch.tensor([[2.0, 0.5, -1.0, 1.0, 0.0, -30.0]])
+    cfg = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=1)
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    kept = probs.clone()
+    order = torch.argsort(probs, descending=True)
+    cumulative_before = torch.cumsum(probs[order], 0) - probs[order]
+    kept[order[cumulative_before > 0.95]] = 0.0
+    kept /= kept.sum()
+    gen = torch.Generator().manual_seed(7)
+    n = 20_000
+    counts = torch.zeros(6)
+    for _ in range(n):
+        (token,), _, _ = sample_rows(logits.clone(), [cfg], [gen], [[]])
+        counts[token] += 1
+    freq = counts / n
+    stderr = (kept * (1 - kept) / n).sqrt()
+    assert bool(((freq - kept).abs() <= 4 * stderr + 1e-9).all()), (freq, kept)
+    assert counts[kept == 0].sum() == 0

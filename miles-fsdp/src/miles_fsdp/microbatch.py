@@ -47,8 +47,21 @@ class PackedMicroBatch:
         return not self.indices
 
 
-def pack(batch: TrainBatch, indices: Sequence[int], device: torch.device, pad_token_id: int = 0) -> PackedMicroBatch:
-    """Pack the sequences ``indices`` of ``batch`` into one row (a one-token dummy row when empty)."""
+def pack(
+    batch: TrainBatch,
+    indices: Sequence[int],
+    device: torch.device,
+    pad_token_id: int = 0,
+    *,
+    share_prefixes: bool = False,
+) -> PackedMicroBatch:
+    """Pack the sequences ``indices`` of ``batch`` into one row (a one-token dummy row when empty).
+
+    ``share_prefixes``: sequences with the same prompt (a GRPO group's samples) hold it once, each response a
+    branch whose positions continue the prompt's (:mod:`miles.training.packed_attention`; the model must attend
+    with ``packed_sdpa``). The first response token of each is predicted by the shared prompt's last position.
+    Not with per-token routed experts (their prompt rows are each sample's own).
+    """
     if not indices:
         one = torch.full((1, 1), pad_token_id, dtype=torch.long, device=device)
         empty = torch.zeros(0, dtype=torch.long, device=device)
@@ -57,33 +70,53 @@ def pack(batch: TrainBatch, indices: Sequence[int], device: torch.device, pad_to
         )
     starts = batch.seq_offsets.tolist()
     prompts = batch.prompt_lengths.tolist()
+    routed = batch.token_tensor_rows(ROUTED_EXPERTS, indices, device)
+    order = list(indices)
+    families: list[list[int]] = [[i] for i in order]
+    if share_prefixes and routed is None:
+        by_prompt: dict[bytes, list[int]] = {}
+        for i in order:
+            prompt_ids = batch.tokens[starts[i] : starts[i] + prompts[i]]
+            by_prompt.setdefault(prompt_ids.numpy().tobytes(), []).append(i)
+        families = list(by_prompt.values())
+        order = [i for family in families for i in family]
     pieces: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
     keep: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
     lengths: list[int] = []
     offset = 0
-    for i in indices:
-        tokens, prompt = batch.tokens[starts[i] : starts[i + 1]], prompts[i]
-        n = tokens.numel()
-        if prompt < 1 or prompt >= n:
-            raise ValueError(
-                f"TrainBatch sequence {i}: prompt_lengths={prompt} but the sequence has {n} tokens "
-                "(need at least one prompt and one response token)"
-            )
-        pieces.append(tokens)
-        positions.append(torch.arange(n))
-        keep.append(torch.arange(offset + prompt - 1, offset + n - 1))
-        targets.append(tokens[prompt:])
-        lengths.append(n - prompt)
-        offset += n
+    for family in families:
+        root_end = -1
+        for i in family:
+            tokens, prompt = batch.tokens[starts[i] : starts[i + 1]], prompts[i]
+            n = tokens.numel()
+            if prompt < 1 or prompt >= n:
+                raise ValueError(
+                    f"TrainBatch sequence {i}: prompt_lengths={prompt} but the sequence has {n} tokens "
+                    "(need at least one prompt and one response token)"
+                )
+            if root_end < 0:  # the family's first sequence, whole
+                pieces.append(tokens)
+                positions.append(torch.arange(n))
+                keep.append(torch.arange(offset + prompt - 1, offset + n - 1))
+                root_end = offset + prompt  # its prompt's last position predicts every branch's first token
+                offset += n
+            else:  # the response alone, continuing the shared prompt's positions
+                pieces.append(tokens[prompt:])
+                positions.append(torch.arange(prompt, n))
+                own = torch.arange(offset, offset + n - prompt - 1)
+                keep.append(torch.cat([torch.tensor([root_end - 1]), own]))
+                offset += n - prompt
+            targets.append(tokens[prompt:])
+            lengths.append(n - prompt)
     return PackedMicroBatch(
         input_ids=torch.cat(pieces).to(device=device, dtype=torch.long).unsqueeze(0),
         position_ids=torch.cat(positions).to(device).unsqueeze(0),
         keep_index=torch.cat(keep).to(device),
         targets=torch.cat(targets).to(device=device, dtype=torch.long),
         response_lengths=lengths,
-        indices=list(indices),
-        mask_ids=batch.response_tensor_rows(LOGIT_MASK_IDS, indices, device),
-        routed_experts=batch.token_tensor_rows(ROUTED_EXPERTS, indices, device),
+        indices=order,
+        mask_ids=batch.response_tensor_rows(LOGIT_MASK_IDS, order, device),
+        routed_experts=routed,
     )

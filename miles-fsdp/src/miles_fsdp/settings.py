@@ -22,12 +22,14 @@ class FSDPSettings(ComponentSettings):
     reshard_after_forward: bool = True
     """Free the gathered parameters of each layer after its forward (ZeRO-3); ``False`` keeps them until the
     backward (ZeRO-2 like: more memory, fewer all-gathers)."""
-    attn_implementation: Literal["packed_sdpa", "sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2"] = "auto"
     """Attention kernel of the Hugging Face model. Packed micro-batches rely on ``position_ids`` restarting
     at 0 for each sequence. ``packed_sdpa`` (:mod:`miles.training.packed_attention`) runs SDPA on each
     sequence of the packed row alone, where ``sdpa`` computes the whole row against a block-diagonal mask (the
-    same values to float32 rounding; on 8 sequences of 64 tokens, an eighth of the attention arithmetic);
-    ``flash_attention_2`` needs the ``flash-attn`` package and a GPU."""
+    same values to float32 rounding; on 8 sequences of 64 tokens, an eighth of the attention arithmetic), and
+    lets sequences share their prompt (``share_prefixes``); ``auto``: ``packed_sdpa`` unless the model uses
+    sliding windows or soft-capped attention logits, then ``sdpa``; ``flash_attention_2`` needs the
+    ``flash-attn`` package and a GPU."""
     value_head_init_std: float = Field(0.0, ge=0.0)
     """PPO critic: standard deviation of the value head's initial weights (0: start from zero values)."""
     ref_reshard_after_forward: bool = True
@@ -44,12 +46,17 @@ class FSDPSettings(ComponentSettings):
     measured on an idle machine."""
     fused_logprobs_chunk_tokens: int = Field(1024, ge=1)
     """Tokens per chunk of the fused logprobs (one chunk's float32 logits are ``chunk x vocab x 4`` bytes)."""
-    wrap_single_rank: bool = True
-    """Shard with FSDP2 even at world size 1. Off: one rank trains the plain module (no DTensors, all-gather
-    copies or per-layer reductions; the same weights, checkpoints and HF exports; bf16 by autocast with float32
-    master weights). On by default until the plain module's step time is measured on an idle machine."""
+    wrap_single_rank: bool = False
+    """Shard with FSDP2 even at world size 1. Off (the default): one rank trains the plain module (no DTensors,
+    all-gather copies or per-layer reductions, fused AdamW; the same weights, checkpoints and HF exports; bf16
+    by autocast with float32 master weights)."""
     onednn_linear: bool = True
     """CPU ranks: every ``nn.Linear``'s forward and backward GEMMs run on oneDNN
     (:mod:`miles.training.onednn_linear`): float32 at oneDNN's speed instead of MKL's sgemm (2-2.5x on this
     project's AMD hosts), and under bf16 autocast the weights cast once per optimizer step instead of once per
     forward. Equal to ``F.linear`` to float32 rounding. Ignored on CUDA."""
+    share_prefixes: bool = True
+    """With ``attn_implementation = "packed_sdpa"``: sequences of a micro-batch with the same prompt (a GRPO
+    group's samples) hold it once in the packed row, each response attending to it as its own copy would
+    (:mod:`miles.training.packed_attention`): the same logprobs and gradients to float32 rounding, the prompt's
+    forward and backward computed once per group instead of once per sample. Off: every sequence whole."""

@@ -53,6 +53,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._precision_context: Any = None
         """A fresh context for each forward (:func:`miles_fsdp.wrap.forward_precision`)."""
         self._heads: dict[int, Any] = {}
+        self._share_prefixes = False
+        """Micro-batches hold a shared prompt once (``share_prefixes`` with ``packed_sdpa``)."""
         """``id(module)`` -> its :class:`~miles_fsdp.fused_head.FusedHead` (``fused_logprobs``)."""
         """MoE actors: the :class:`~miles.training.routing.RouterReplay` its routers go through (R3 and the
         routing-agreement metric; :mod:`miles_fsdp.routing`)."""
@@ -79,7 +81,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         from torch.distributed.device_mesh import init_device_mesh
 
         from miles.training.onednn_linear import install_onednn_linears
-        from miles_fsdp.model import load_causal_lm, load_value_model, torch_dtype
+        from miles_fsdp.model import load_causal_lm, load_config, load_value_model, torch_dtype
         from miles_fsdp.optim import build_optimizer, build_scheduler
         from miles_fsdp.wrap import forward_precision, stays_plain, wrap_model
 
@@ -105,11 +107,19 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             param_dtype=param_dtype,
             reduce_dtype=torch_dtype(self.precision.reduce_dtype),
         )
-        attn: str = opts.attn_implementation
-        if attn == "packed_sdpa":
-            from miles.training.packed_attention import register_packed_attention
+        from miles.training.packed_attention import PACKED_SDPA
 
-            attn = register_packed_attention()
+        attn: str = opts.attn_implementation
+        if attn in ("auto", "packed_sdpa"):
+            from miles.training.packed_attention import packed_unsupported, register_packed_attention
+
+            reason = packed_unsupported(load_config(train.model_path))
+            if reason is not None and attn == "packed_sdpa":
+                raise ValueError(f"[train.backend] attn_implementation 'packed_sdpa': {reason}; use 'sdpa'")
+            if reason is not None:
+                log.info("attention: sdpa (%s, which packed_sdpa does not implement)", reason)
+            attn = "sdpa" if reason is not None else register_packed_attention()
+        self._share_prefixes = opts.share_prefixes and attn == PACKED_SDPA
 
         actor = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
         actor.config.use_cache = False
@@ -195,7 +205,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         lengths = batch.lengths
         count = agree_max(len(first_fit_decreasing(lengths, budget)), self.device)
         for indices in balanced_bins(lengths, budget, count):
-            yield pack(batch, indices, self.device, self._pad_token_id)
+            yield pack(batch, indices, self.device, self._pad_token_id, share_prefixes=self._share_prefixes)
 
     def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
         if module is self.actor and self._routing is not None:

@@ -1,11 +1,20 @@
-"""Attention over a packed row, sequence by sequence (``attn_implementation = "packed_sdpa"``).
+"""Attention over a packed row, sequence by sequence (``attn_implementation = "packed_sdpa"``), with shared
+prompts.
 
 The trainers pack a micro-batch's sequences into one row whose ``position_ids`` restart at 0 for each
 sequence. With Hugging Face's ``sdpa`` attention that row gets a ``[L, L]`` block-diagonal causal mask, and
 SDPA computes every query against every key of the row and masks all but its own sequence's: for 8 sequences
-of 64 tokens, 8x the arithmetic, plus the mask. :func:`packed_sdpa_attention` instead finds the sequences from
-``position_ids`` and runs causal SDPA on each sequence alone (sequences of one length in one batched call),
-with no mask at all — the same function, to float32 rounding (the kernel blocks the reduction differently).
+of 64 tokens, 8x the arithmetic, plus the mask. :func:`packed_sdpa_attention` instead reads the row's layout
+from ``position_ids`` (:func:`packed_layout`) and runs causal SDPA on each sequence alone (sequences of one
+length in one batched call), with no mask at all — the same function, to float32 rounding.
+
+**Shared prompts.** The samples of a GRPO group share their prompt. A row may hold that prompt once and then
+each sample's response as a *branch*: a segment whose positions do not restart at 0 but continue at ``p``
+(the prompt's length) attends to the first ``p`` tokens of the segment that last started at 0 (its *root*)
+and, causally, to itself. Every response then sees exactly the tokens it would see packed after its own copy
+of the prompt — the prompt's hidden states do not depend on what follows them — so logprobs and gradients
+are those of the unshared row (to float32 rounding), and the prompt is computed once per group instead of
+once per sample (:func:`miles_fsdp.microbatch.pack` with ``share_prefixes``).
 
 It is registered with transformers' ``AttentionInterface`` (and a mask function that builds no mask) under
 :data:`PACKED_SDPA`; models loaded with ``attn_implementation=PACKED_SDPA`` use it in every layer. It accepts
@@ -15,26 +24,75 @@ only what the trainers give it: one packed row, no padding mask, no cache, and a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKED_SDPA", "packed_sdpa_attention", "register_packed_attention", "sequence_bounds"]
+__all__ = [
+    "PACKED_SDPA",
+    "Segment",
+    "packed_layout",
+    "packed_sdpa_attention",
+    "packed_unsupported",
+    "register_packed_attention",
+]
 
 PACKED_SDPA = "miles_packed_sdpa"
 """The name of the attention implementation in transformers' registries."""
 
 
-def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of the sequences of one packed row (``position_ids`` ``[1, L]`` or ``[L]``, each
-    sequence counting from 0)."""
+class Segment(NamedTuple):
+    """A run of consecutive positions in a packed row."""
+
+    start: int
+    end: int
+    prefix_start: int
+    """Where the root this segment continues starts (its own ``start`` for a root)."""
+    prefix_len: int
+    """How many of the root's first tokens it attends to before itself (0: it is a root)."""
+
+
+def packed_layout(position_ids: torch.Tensor) -> list[Segment]:
+    """The segments of one packed row (``position_ids`` ``[1, L]`` or ``[L]``): a segment starts wherever a
+    position is not its predecessor's plus one; one starting at 0 is a root (a sequence), one starting at
+    ``p > 0`` is a branch that continues the first ``p`` tokens of the latest root."""
     positions = position_ids.reshape(-1)
-    starts = torch.nonzero(positions == 0).reshape(-1).tolist()
-    if not starts or starts[0] != 0:
-        starts = [0, *starts]
-    ends = [*starts[1:], positions.numel()]
-    return list(zip(starts, ends, strict=True))
+    total = positions.numel()
+    if total == 0:
+        return []
+    breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).reshape(-1) + 1
+    starts = [0, *breaks.tolist()]
+    firsts = positions[starts].tolist()
+    segments: list[Segment] = []
+    root = -1
+    for i, (start, first) in enumerate(zip(starts, firsts, strict=True)):
+        end = starts[i + 1] if i + 1 < len(starts) else total
+        if first == 0:
+            root = start
+            segments.append(Segment(start, end, start, 0))
+            continue
+        if root < 0 or first > _root_len(segments, root):
+            raise ValueError(
+                f"packed row: the segment at {start} continues position {first}, but "
+                + ("no sequence starts before it" if root < 0 else "its root is shorter")
+            )
+        segments.append(Segment(start, end, root, first))
+    return segments
+
+
+def _root_len(segments: list[Segment], root: int) -> int:
+    """Length of the root segment starting at ``root``."""
+    for seg in segments:
+        if seg.start == root:
+            return seg.end - seg.start
+    return 0
+
+
+def _lower_right_causal(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """``[rows, cols]`` boolean mask: query ``j`` (the last ``rows`` of ``cols`` positions) sees keys ``<= cols
+    - rows + j``."""
+    return torch.ones(rows, cols, dtype=torch.bool, device=device).tril(diagonal=cols - rows)
 
 
 def packed_sdpa_attention(
@@ -47,8 +105,8 @@ def packed_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal SDPA per sequence of the packed row. ``query`` ``[1, H, L, D]``, ``key`` / ``value``
-    ``[1, H_kv, L, D]``; returns ``([1, L, H, D], None)`` as transformers' attention functions do."""
+    """Causal SDPA per segment of the packed row (:func:`packed_layout`). ``query`` ``[1, H, L, D]``, ``key`` /
+    ``value`` ``[1, H_kv, L, D]``; returns ``([1, L, H, D], None)`` as transformers' attention functions do."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError(
             f"attn_implementation 'packed_sdpa': {type(module).__name__} uses a sliding window, soft-capping or "
@@ -62,37 +120,56 @@ def packed_sdpa_attention(
         )
     position_ids = kwargs.get("position_ids")
     total = query.shape[2]
-    bounds = sequence_bounds(position_ids) if position_ids is not None else [(0, total)]
+    segments = packed_layout(position_ids) if position_ids is not None else [Segment(0, total, 0, 0)]
     gqa = key.shape[1] != query.shape[1]
-    by_length: dict[int, list[int]] = {}
-    for start, end in bounds:
-        by_length.setdefault(end - start, []).append(start)
-    pieces: list[tuple[list[int], int, torch.Tensor]] = []
-    for length, starts in by_length.items():
-        if len(starts) == 1:
-            s = starts[0]
-            q, k, v = query[:, :, s : s + length], key[:, :, s : s + length], value[:, :, s : s + length]
+    p_drop = dropout if module.training else 0.0
+    # segments of one shape go through SDPA together: roots by length, branches by (prefix, length)
+    groups: dict[tuple[int, int], list[Segment]] = {}
+    for seg in segments:
+        groups.setdefault((seg.prefix_len, seg.end - seg.start), []).append(seg)
+    pieces: list[tuple[int, torch.Tensor]] = []
+    for (prefix, length), members in groups.items():
+
+        def keys(t: torch.Tensor, seg: Segment, prefix: int = prefix) -> torch.Tensor:
+            own = t[:, :, seg.start : seg.end]
+            if not prefix:
+                return own
+            return torch.cat([t[:, :, seg.prefix_start : seg.prefix_start + prefix], own], dim=2)
+
+        q = torch.cat([query[:, :, s.start : s.end] for s in members])
+        k = torch.cat([keys(key, s) for s in members])
+        v = torch.cat([keys(value, s) for s in members])
+        if prefix:
+            mask = _lower_right_causal(length, prefix + length, query.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop, scale=scaling, enable_gqa=gqa)
         else:
-            q = torch.cat([query[:, :, s : s + length] for s in starts])
-            k = torch.cat([key[:, :, s : s + length] for s in starts])
-            v = torch.cat([value[:, :, s : s + length] for s in starts])
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=gqa
-        )
-        pieces.append((starts, length, o))
-    if len(pieces) == 1 and len(pieces[0][0]) == 1:
-        out = pieces[0][2]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p_drop, scale=scaling, enable_gqa=gqa)
+        pieces.extend((s.start, o[i : i + 1]) for i, s in enumerate(members))
+    if len(pieces) == 1:
+        out = pieces[0][1]
     else:
-        parts: list[tuple[int, torch.Tensor]] = []
-        for starts, _length, o in pieces:
-            parts.extend((s, o[i : i + 1]) for i, s in enumerate(starts))
-        parts.sort(key=lambda item: item[0])
-        out = torch.cat([o for _, o in parts], dim=2)
+        pieces.sort(key=lambda item: item[0])
+        out = torch.cat([o for _, o in pieces], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
+def packed_unsupported(config: Any) -> str | None:
+    """Why a model with this (Hugging Face) config cannot attend with :func:`packed_sdpa_attention`, or
+    ``None``: sliding windows, attention logit soft-capping and attention sinks are not implemented."""
+    configs = [config, *(getattr(config, name, None) for name in ("text_config", "language_config"))]
+    for cfg in filter(None, configs):
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if getattr(cfg, "use_sliding_window", False) or any("sliding" in str(t) for t in layer_types):
+            return f"{cfg.model_type} uses sliding-window attention"
+        if getattr(cfg, "attn_logit_softcapping", None):
+            return f"{cfg.model_type} soft-caps its attention logits"
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", None) is None:
+            return f"{cfg.model_type} uses sliding-window attention"
+    return None
+
+
 def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The mask function of :data:`PACKED_SDPA`: no mask (the sequences are found from ``position_ids``)."""
+    """The mask function of :data:`PACKED_SDPA`: no mask (the layout is read from ``position_ids``)."""
     return None
 
 

@@ -57,14 +57,23 @@ ANSWER_PATTERN = r"(-?\d+)(?!.*\d)"
 regex; the same check as a Python callable for TRL)."""
 
 
+FAST = [
+    "rollout.engine_dtype=bfloat16",
+    "transport.name=p2p",
+    "transport.datapath=shm",
+    "transport.write_into_weights=true",
+]
+"""bf16 rollout weights and engine, the trainer writing them straight into the engine's shared weights (``p2p`` over ``shm`` with ``write_into_weights``: one host)."""
 MILES_VARIANTS: dict[str, dict[str, Any]] = {
     "sync": {"mode": "sync", "precision": "fp32", "set": []},
     "fully_async": {"mode": "fully_async", "precision": "fp32", "set": []},
-    "bf16-sync": {"mode": "sync", "precision": "bf16", "set": ["rollout.engine_dtype=bfloat16"]},
-    "bf16-async": {"mode": "fully_async", "precision": "bf16", "set": ["rollout.engine_dtype=bfloat16"]},
+    "bf16-sync": {"mode": "sync", "precision": "bf16", "set": FAST},
+    "bf16-async": {"mode": "fully_async", "precision": "bf16", "set": FAST},
 }
 """Miles' sides by name: rollout mode, ``precision`` (the trainer's recipe; ``bf16`` is bf16 compute over fp32
-master weights) and ``--set`` overrides of ``miles train``. ``--miles-set`` adds overrides to every variant."""
+master weights) and ``--set`` overrides of ``miles train`` (the ``bf16-*`` sides: :data:`FAST`). Every side runs
+the trainer's defaults (oneDNN GEMMs, ``packed_sdpa`` attention with shared prompts, the plain module at one
+rank). ``--miles-set`` adds overrides to every side."""
 
 TRL_VARIANTS: dict[str, bool] = {"trl": False, "trl-bf16": True}
 """TRL's sides by name: ``GRPOConfig(bf16=...)`` (``trl`` is TRL's defaults on a CPU: float32)."""

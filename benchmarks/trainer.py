@@ -244,9 +244,13 @@ def _worker(spec_json: str) -> None:
     )
 
 
-def _peak_flops(device: str) -> float | None:
+def _peak_flops(device: str, precision: str) -> float | None:
+    """FLOP/s one rank can reach: a GPU's dense bf16 peak (by name); on CPU the machine's matmul peak in the
+    run's precision at ``--threads`` (the faster of ``torch.mm`` and oneDNN, measured now: the roofline)."""
     if device != "cuda":
-        return None
+        from benchmarks.engine import matmul_peak
+
+        return matmul_peak("bfloat16" if precision == "bf16" else "float32") * 1e9
     import torch
 
     name = torch.cuda.get_device_name()
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.steps = args.steps or (2 if args.quick else 3)
     args.rounds = args.rounds or (1 if args.quick else 2)
     pin_threads(args.threads)
-    peak = _peak_flops(args.device)
+    peak = _peak_flops(args.device, args.precision)
     length = args.prompt_len + args.response_len
     tokens = args.seqs * length
     results: dict[str, Any] = {}
@@ -312,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 step_s = median([m["step_s"] for m in runs[backend]])
                 fwd_s = median([m["fwd_s"] for m in runs[backend]])
                 train_tps = tokens / step_s
-                mfu = "n/a (CPU)"
+                mfu = "n/a"
                 if peak:
                     mfu = (
                         f"{100 * train_tps * _flops_per_token(config, active, length) / (peak * args.world_size):.1f}%"
@@ -347,18 +351,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "speed vs fsdp",
         "logprob tok/s",
         "peak RSS GiB",
-        "train MFU",
+        "train MFU" if args.device == "cuda" else "of matmul roofline",
         "setup s",
     ]
     print(
         f"## Trainer backends\n\n{args.device}, {args.world_size} rank(s) x {args.threads} thread(s), {args.precision}, fsdp settings {_overrides(args.fsdp_set) or 'defaults'}, "
         f"{args.seqs} seqs x {args.prompt_len}+{args.response_len} tokens per step, micro-batch budget "
         f"{args.micro_batch_tokens}, median of {args.steps} steps after {args.warmup} warm-up, median of "
-        f"{args.rounds} round(s); load average before {loadavg_before[0]:.1f}, after {os.getloadavg()[0]:.1f}\n"
+        f"{args.rounds} round(s); load average before {loadavg_before[0]:.1f}, after {os.getloadavg()[0]:.1f}; "
+        f"{'MFU against the dense bf16 peak' if args.device == 'cuda' else 'model FLOPs/s against the matmul peak'} "
+        f"{(peak or 0) / 1e9:,.0f} GFLOP/s per rank\n"
     )
     print(markdown_table(headers, rows))
     payload = {
         "machine": machine_info(args.device),
+        "peak_flops_per_rank": peak,
         "versions": versions(["miles-megatron", "megatron-core", "mbridge"]),
         "config": {k: v for k, v in vars(args).items() if k not in ("results_dir", "run_worker")},
         "loadavg_before": list(loadavg_before),

@@ -43,59 +43,43 @@ from benchmarks.common import (
 
 log = logging.getLogger("benchmarks.trainer_step")
 
+
+def _config(
+    precision: str, *, wrap: bool = False, fused: bool = False, onednn: bool = False, packed: bool = False
+) -> dict[str, Any]:
+    return {
+        "precision": precision,
+        "wrap_single_rank": wrap,
+        "fused_logprobs": fused,
+        "onednn_linear": onednn,
+        "attn_implementation": "packed_sdpa" if packed else "sdpa",
+    }
+
+
 CONFIGS: dict[str, dict[str, Any]] = {
-    "fsdp-fp32": {"precision": "fp32", "wrap_single_rank": True, "fused_logprobs": False, "onednn_linear": False},
-    "plain-fp32": {"precision": "fp32", "wrap_single_rank": False, "fused_logprobs": False, "onednn_linear": False},
-    "plain-fp32-fused": {
-        "precision": "fp32",
-        "wrap_single_rank": False,
-        "fused_logprobs": True,
-        "onednn_linear": False,
-    },
-    "plain-fp32-onednn": {
-        "precision": "fp32",
-        "wrap_single_rank": False,
-        "fused_logprobs": False,
-        "onednn_linear": True,
-    },
-    "fsdp-bf16": {"precision": "bf16", "wrap_single_rank": True, "fused_logprobs": False, "onednn_linear": False},
-    "plain-bf16": {"precision": "bf16", "wrap_single_rank": False, "fused_logprobs": False, "onednn_linear": False},
-    "plain-bf16-fused": {
-        "precision": "bf16",
-        "wrap_single_rank": False,
-        "fused_logprobs": True,
-        "onednn_linear": False,
-    },
-    "plain-bf16-onednn": {
-        "precision": "bf16",
-        "wrap_single_rank": False,
-        "fused_logprobs": False,
-        "onednn_linear": True,
-    },
-    "plain-fp32-onednn-packed": {
-        "precision": "fp32",
-        "wrap_single_rank": False,
-        "fused_logprobs": False,
-        "onednn_linear": True,
-        "attn_implementation": "packed_sdpa",
-    },
-    "plain-bf16-onednn-packed": {
-        "precision": "bf16",
-        "wrap_single_rank": False,
-        "fused_logprobs": False,
-        "onednn_linear": True,
-        "attn_implementation": "packed_sdpa",
-    },
+    "fsdp-fp32": _config("fp32", wrap=True),
+    "plain-fp32": _config("fp32"),
+    "plain-fp32-fused": _config("fp32", fused=True),
+    "plain-fp32-onednn": _config("fp32", onednn=True),
+    "plain-fp32-onednn-packed": _config("fp32", onednn=True, packed=True),
+    "fsdp-bf16": _config("bf16", wrap=True),
+    "plain-bf16": _config("bf16"),
+    "plain-bf16-fused": _config("bf16", fused=True),
+    "plain-bf16-onednn": _config("bf16", onednn=True),
+    "plain-bf16-onednn-packed": _config("bf16", onednn=True, packed=True),
 }
+"""``-packed``: ``packed_sdpa`` attention, with shared prompts when ``--group-size`` > 1 (the trainer's defaults
+are ``plain-*-onednn-packed``)."""
 
 
 def _batch(vocab: int, args: argparse.Namespace) -> Any:
     from miles.training.batch import TrainBatch
 
     rng = random.Random(0)
-    n, length, response = args.seqs, args.prompt_len + args.response_len, args.response_len
+    n, response = args.seqs, args.response_len
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(0, n, args.group_size)]
     return TrainBatch.from_lists(
-        tokens=[[rng.randrange(vocab) for _ in range(length)] for _ in range(n)],
+        tokens=[prompts[i // args.group_size] + [rng.randrange(vocab) for _ in range(response)] for i in range(n)],
         prompt_lengths=[args.prompt_len] * n,
         loss_mask=[[1] * response for _ in range(n)],
         advantages=[[rng.gauss(0.0, 1.0) for _ in range(response)] for _ in range(n)],
@@ -146,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--response-len", type=int, default=32)
+    parser.add_argument("--group-size", type=int, default=1, help="sequences sharing each prompt (a GRPO group)")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one more step")
     args = parser.parse_args(argv)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from miles.errors import EngineError, SettingsError, WeightVerificationError
+from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, WeightTransport
 from miles_p2p.plan import EngineLayout, Route, RoutePlan, SliceInfo, engines_digest, layout_key, make_plan
 from miles_p2p.settings import P2PTransportSettings
@@ -425,7 +426,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             moved = time.perf_counter()
         two_sided = self.settings.datapath == "torch"
         receives = self._start_receives(version) if dist.rank == 0 and two_sided else []
-        outcome = await asyncio.to_thread(self._send, routes, sources)
+        outcome = await to_thread(self._send, routes, sources)
         sent = time.perf_counter()
         outcomes = all_gather_json(
             {
@@ -563,7 +564,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             return out
 
         expected: dict[str, str] = {}
-        for part in all_gather_json(await asyncio.to_thread(sums)):
+        for part in all_gather_json(await to_thread(sums)):
             expected.update(part)
         result: dict[str, Any] | None = None
         full: dict[str, str] = {}

@@ -383,7 +383,9 @@ class TrainingLoop:
         metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
         if settings.log.trainer_logprobs != "never":
             self.record_trainer_logprobs(batches, groups)
+        steps_start = time.perf_counter()
         step_metrics = [self.trainer.train_step(batch, self.algorithm, temperature=temperature) for batch in batches]
+        steps_seconds = time.perf_counter() - steps_start
         # the trainer's fidelity signals (routing agreement) keep their own prefix
         metrics.update(
             {k if k.startswith("fidelity/") else f"train/{k}": v for k, v in _mean_metrics(step_metrics).items()}
@@ -394,6 +396,7 @@ class TrainingLoop:
             if diff is not None:
                 metrics["fidelity/train_rollout_logprob_abs_diff"] = diff
         metrics["time/train_seconds"] = time.perf_counter() - train_start
+        metrics["time/train_step_seconds"] = steps_seconds  # the optimizer steps alone (without batch preparation)
         return metrics
 
     def record_trainer_logprobs(self, batches: list[TrainBatch], groups: list[SampleGroup] | None) -> None:

@@ -122,6 +122,9 @@ def serve(opts: ServeOptions) -> None:
     server = uvicorn.Server(config)
 
     def http() -> None:
+        # torch work on this thread (weight routes, checksums) runs single-threaded: a second OpenMP pool in
+        # the process would slow every parallel region of the scheduler's (see miles.torch_threads)
+        torch.set_num_threads(1)
         try:
             server.run()
         finally:

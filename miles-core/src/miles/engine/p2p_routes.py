@@ -37,6 +37,7 @@ from fastapi import Request as HTTPRequest
 
 from miles.engine.p2p_receiver import Chunk, P2PSession
 from miles.engine.weight_sync import _parameters, parameter_aliases
+from miles.torch_threads import to_thread
 
 if TYPE_CHECKING:
     from miles.engine.state import EngineState
@@ -87,7 +88,7 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             datapath = str(body.get("datapath", ""))
             device = sched.runner.device
             # joining a group blocks until every member arrives: off the event loop and the scheduler
-            created = await asyncio.to_thread(lambda: P2PSession(sid, datapath, body, device))
+            created = await to_thread(lambda: P2PSession(sid, datapath, body, device))
             sessions[sid] = created
             model = sched.runner.model
             tensors = [
@@ -114,7 +115,7 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             if direct:  # moving the weights to shared memory must not race a forward pass
                 info = await on_scheduler(s.set_plan, plan_id, chunks, params, None, True)
             else:
-                info = await asyncio.to_thread(s.set_plan, plan_id, chunks, params, None if path is None else str(path))
+                info = await to_thread(s.set_plan, plan_id, chunks, params, None if path is None else str(path))
             log.info(
                 "p2p session %r: plan %s, %d chunks, %.1f MB buffer",
                 s.id,
@@ -130,7 +131,7 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
     async def receive(request: HTTPRequest) -> Any:
         async def run(body: dict[str, Any]) -> Any:
             s = session(body)
-            seconds = await asyncio.to_thread(s.receive, str(body.get("plan_id")), str(body.get("version")))
+            seconds = await to_thread(s.receive, str(body.get("plan_id")), str(body.get("version")))
             return {"success": True, "seconds": seconds}
 
         return await admin(request, run)

@@ -32,6 +32,7 @@ from miles.engine.weight_sync import (
     weights_by_name,
     weights_checksum,
 )
+from miles.torch_threads import to_thread
 
 if TYPE_CHECKING:
     from miles.engine.state import EngineState
@@ -87,7 +88,7 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
                 "device": sched.runner.device,
             }
             # joining blocks until every rank arrives: keep it off the event loop and the scheduler
-            await asyncio.to_thread(lambda: groups.init(**kwargs))
+            await to_thread(lambda: groups.init(**kwargs))
             return {"success": True, "message": f"joined weight update group {kwargs['group_name']!r}"}
 
         return await admin(request, run)

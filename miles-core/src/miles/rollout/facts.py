@@ -55,6 +55,15 @@ class RoutedExpertsClient(EngineClient):
     def urls(self) -> Sequence[str]:
         return self.inner.urls
 
+    @property
+    def lora_path(self) -> str | None:
+        """The inner client's: an adapter set through this wrapper reaches every request (LoRA on an MoE)."""
+        return self.inner.lora_path
+
+    @lora_path.setter
+    def lora_path(self, value: str | None) -> None:
+        self.inner.lora_path = value
+
     async def generate(
         self,
         input_ids: Sequence[int],

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.components import ComponentSettings
 from miles.errors import EngineError
+from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, WeightTransport, wire_dtype
 from miles.transport.verify import tensor_checksum
 
@@ -296,7 +297,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         ]
         cause: Exception | None = None
         try:
-            await asyncio.to_thread(broadcast_tensors, self.group, tensors)
+            await to_thread(broadcast_tensors, self.group, tensors)
         except Exception as exc:
             # members blocked in this bucket's receive wait for tensors that will not come: closing rank 0's end
             # of the group fails their receive now (gloo: "connection closed by peer") instead of at the timeout

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles.components import ComponentSettings
+from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, StagedTransport, wire_dtype
 from miles.transport.folders import VersionFolders
 from miles.transport.verify import tensor_checksum
@@ -125,7 +126,7 @@ class DiskTransport(VersionFolders, StagedTransport[DiskTransportSettings]):
     async def prepare(self, report: PushReport) -> None:
         """Write the staged version, in a worker thread (the engines keep generating meanwhile)."""
         start = time.perf_counter()
-        self._ready[report.version] = await asyncio.to_thread(self._write, report)
+        self._ready[report.version] = await to_thread(self._write, report)
         report.seconds += time.perf_counter() - start
 
     async def commit(self, report: PushReport) -> None:
@@ -144,9 +145,7 @@ class DiskTransport(VersionFolders, StagedTransport[DiskTransportSettings]):
                     report.checksums[name] = tensor_checksum(t)
 
         # the trainer's checksums are computed while the engines load (both are needed only to verify)
-        await asyncio.gather(
-            self.client.update_weights_from_disk(str(target), report.version), asyncio.to_thread(checksums)
-        )
+        await asyncio.gather(self.client.update_weights_from_disk(str(target), report.version), to_thread(checksums))
         del self._ready[report.version], self._staged[report.version]  # (kept until then: a commit may go again)
         self.written.append(target)
         while len(self.written) > self.keep:

@@ -32,6 +32,7 @@ from pydantic import Field
 
 from miles.components import ComponentSettings
 from miles.errors import EngineError
+from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, StagedTransport, wire_dtype
 from miles.transport.disk import _COPIED
 from miles.transport.files import atomic_directory, write_safetensors
@@ -208,7 +209,7 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
     async def prepare(self, report: PushReport) -> None:
         """Checksums and the version's folders, in a worker thread (the engines keep generating)."""
         start = time.perf_counter()
-        await asyncio.to_thread(self._prepare, report)
+        await to_thread(self._prepare, report)
         report.seconds += time.perf_counter() - start
 
     # -- engine side --------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
         async with self._full_lock:  # written once, for the first engine that needs it
             if "full" not in folders:
                 tensors = self._staged[version]
-                folders["full"] = await asyncio.to_thread(self._write_full, version, tensors, report.checksums)
+                folders["full"] = await to_thread(self._write_full, version, tensors, report.checksums)
         await self._load(url, folders["full"], version)
         return "full"
 

@@ -318,6 +318,8 @@ def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     times = [t for r in rounds for t in r["step_times"]]
     pooled: dict[str, Any] = {"step_times": times, "step_s": median(times), "rounds": rounds}
     pooled["wall_s"] = median([r["wall_s"] for r in rounds])
+    rewards = [x for r in rounds for x in r.get("reward_mean", [])]
+    pooled["reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
     pooled["loadavg_1min"] = [x for r in rounds for x in r["loadavg_1min"]]
     keys = {k for r in rounds for k in r.get("parts", {})}
     pooled["parts"] = {k: median([r["parts"][k] for r in rounds if k in r.get("parts", {})]) for k in sorted(keys)}
@@ -437,6 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"{r['speedup_vs_trl']:.2f}x",
                         f"{r['wall_s']:.0f}",
                         "-".join(f"{x:.1f}" for x in (min(r["loadavg_1min"]), max(r["loadavg_1min"]))),
+                        f"{r['reward_mean']:.3f}",
                     )
                 )
             results[name] = entry
@@ -460,6 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "vs TRL",
             "run wall s (incl. start-up)",
             "host load (1-min avg)",
+            "mean reward (every step)",
         ],
         table_rows,
     )

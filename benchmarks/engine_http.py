@@ -1,0 +1,168 @@
+"""The local engine as the RL loop drives it: a ``miles serve`` process over loopback HTTP, concurrent requests.
+
+For each concurrency C (default 1, 8, 32) the same C prompts (``--prompt-len`` random tokens, ``--new-tokens``
+sampled at temperature 1 with fixed lengths, EOS ignored) go three ways, in one run:
+
+- **HTTP**: a ``miles serve`` process (``miles.engine``, ``--threads``) and the rollout's own client
+  (:class:`~miles.rollout.http_client.HttpEngineClient`), C ``/generate`` requests in flight at once, each with
+  its logprobs, as the rollout manager sends them;
+- **in-process**: the same engine's scheduler driven directly in this process (``benchmarks.engine``): what
+  the engine itself does, with no HTTP, JSON or admission in between;
+- **HF ``generate``** on the same model in float32 (the reference of ``benchmarks/engine.py``).
+
+The table gives decoded tokens/s of each and the ratios HTTP / in-process (what the serving path costs) and
+HTTP / HF. Medians of ``--repeats`` after a warm-up::
+
+    python -m benchmarks.engine_http                       # SmolLM2, bfloat16 and float32
+    python -m benchmarks.engine_http --dtypes bfloat16 --concurrency 8
+
+Writes ``benchmarks/results/engine_http.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    add_common_args,
+    machine_info,
+    markdown_table,
+    model_dir,
+    pin_threads,
+    versions,
+    write_result,
+)
+
+
+async def _http_round(url: str, prompts: list[list[int]], new: int, seed: int) -> float:
+    from miles.rollout.http_client import HttpEngineClient
+    from miles.rollout.protocol import SamplingParams
+
+    async with HttpEngineClient([url]) as client:
+        params = [
+            SamplingParams(
+                max_new_tokens=new, min_new_tokens=new, temperature=1.0, ignore_eos=True, sampling_seed=seed + i
+            )
+            for i in range(len(prompts))
+        ]
+        start = time.perf_counter()
+        outs = await asyncio.gather(
+            *(client.generate(p, sp, return_logprob=True) for p, sp in zip(prompts, params, strict=True))
+        )
+        elapsed = time.perf_counter() - start
+    assert all(len(o[0].output_ids) == new for o in outs)
+    return elapsed
+
+
+def _in_process_round(state: Any, prompts: list[list[int]], new: int) -> float:
+    from benchmarks.engine import run_engine
+
+    elapsed, _ = run_engine(state, prompts, new, n=1)
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--model", default="smollm2", help="smollm2 or tiny")
+    parser.add_argument("--concurrency", default="1,8,32", help="requests in flight at once")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.concurrency, args.new_tokens, args.repeats = "tiny", "1,8", 16, 1
+    pin_threads(args.threads)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.engine import run_hf
+    from miles.engine.launch import build_engine
+    from miles.engine.process import EngineProcess
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows: list[tuple[Any, ...]] = []
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="miles-bench-engine-http-") as tmp:
+        path = model_dir(args.model, Path(tmp))
+        vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = {c: torch.randint(10, vocab - 10, (c, args.prompt_len), generator=g).tolist() for c in levels}
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf_tps = {}
+        for c in levels:
+            run_hf(hf, prompts[c], 2)
+            hf_tps[c] = (
+                c
+                * args.new_tokens
+                / statistics.median(run_hf(hf, prompts[c], args.new_tokens) for _ in range(args.repeats))
+            )
+        del hf
+        for dtype in args.dtypes.split(","):
+            engine_args = ["--dtype", dtype, "--max-running-requests", str(max(levels))]
+            http: dict[int, float] = {}
+            with EngineProcess(
+                path, extra_args=engine_args, threads=args.threads, log_path=Path(tmp) / f"engine-{dtype}.log"
+            ) as engine:
+                for c in levels:
+                    asyncio.run(_http_round(engine.url, prompts[c], 2, 0))  # warm-up
+                    times = [
+                        asyncio.run(_http_round(engine.url, prompts[c], args.new_tokens, r))
+                        for r in range(args.repeats)
+                    ]
+                    http[c] = c * args.new_tokens / statistics.median(times)
+            state = build_engine(path, max_cache_tokens=0, max_running_requests=max(levels), dtype=dtype, start=False)
+            local: dict[int, float] = {}
+            try:
+                for c in levels:
+                    _in_process_round(state, prompts[c], 2)
+                    times = [_in_process_round(state, prompts[c], args.new_tokens) for _ in range(args.repeats)]
+                    local[c] = c * args.new_tokens / statistics.median(times)
+            finally:
+                state.scheduler.stop()
+            results[dtype] = {"http": http, "in_process": local, "hf_float32": hf_tps}
+            for c in levels:
+                rows.append(
+                    (
+                        dtype,
+                        c,
+                        f"{http[c]:.1f}",
+                        f"{local[c]:.1f}",
+                        f"{http[c] / local[c]:.2f}x",
+                        f"{hf_tps[c]:.1f}",
+                        f"{http[c] / hf_tps[c]:.2f}x",
+                    )
+                )
+    headers = [
+        "engine dtype",
+        "concurrent requests",
+        "HTTP tok/s",
+        "in-process tok/s",
+        "HTTP / in-process",
+        "HF generate fp32 tok/s",
+        "HTTP / HF",
+    ]
+    print(
+        f"## Engine over HTTP\n\n{args.model}, {args.threads} thread(s), prompts of {args.prompt_len} tokens, "
+        f"{args.new_tokens} new tokens sampled (fixed length), median of {args.repeats}\n"
+    )
+    print(markdown_table(headers, rows))
+    payload = {
+        "machine": machine_info("cpu"),
+        "versions": versions(),
+        "config": {k: v for k, v in vars(args).items() if k != "results_dir"},
+        "results": results,
+    }
+    write_result("engine_http", payload, args.results_dir)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -241,7 +241,8 @@ class Run:
         transport: WeightTransport = self["transport"].create(
             run_dir=s.log.run_dir, model_path=s.train.model_path, engine_dtype=self.engine_dtype
         )
-        transport.engine_capabilities = self.engine_capabilities
+        if "rollout.engine" in self.resolved:  # a run built for the transport alone leaves it unknown (None)
+            transport.engine_capabilities = self.engine_capabilities
         return transport
 
     @property

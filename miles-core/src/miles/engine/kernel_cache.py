@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -132,7 +133,15 @@ def load_extension(
         stale = directory / "lock"
         if stale.exists():  # we hold the only build lock: torch's was left by a build that died
             log.warning("removing %s, left by an interrupted build of %s", stale, what)
-            stale.unlink()
+        # No COMPLETE mark: whatever is here is a died build's (a SIGKILL mid-link leaves a truncated .so or
+        # .o newer than the sources, which ninja would take as up to date); build from nothing.
+        for leftover in directory.iterdir():
+            if leftover.name == "miles.lock":
+                continue
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
         from torch.utils.cpp_extension import load
 
         log.info("building %s in %s (once per machine and source version; ~40 s on 2 cores)", what, directory)

@@ -450,7 +450,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{'threads picked by Miles' if miles_threads is None else f'{args.threads} thread(s) per process'}, "
         f"median of {steps} steps after 1 warm-up step"
         f"{f' x {args.rounds} rounds' if args.rounds > 1 else ''}; "
-        f"Miles weight transport: {args.transport}{f', --set {args.miles_set}' if args.miles_set else ''}; "
+        f"Miles weight transport: {args.transport} (the bf16 sides: p2p over /dev/shm, written into the engine's "
+        f"weights){f', --set {args.miles_set}' if args.miles_set else ''}; "
         f"'vs TRL' against {reference}\n"
     )
     table = markdown_table(

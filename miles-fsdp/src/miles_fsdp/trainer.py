@@ -215,7 +215,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             out = module(
                 input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
             )
-        return out.logits[0]
+        # squeeze, not [0]: a select's backward zero-fills a tensor of the whole logits' size (K x vocabulary)
+        return out.logits.squeeze(0)
 
     def _install_fused_heads(self) -> None:
         from miles_fsdp.fused_head import FusedHead, unsupported_reason
@@ -244,13 +245,13 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         with head.scoring(targets, temperature, mb.mask_ids, entropy_grad=entropy_grad), self._precision_context():
             out = module(
                 input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
-            ).logits[0]
+            ).logits.squeeze(0)
         return out[:, 0], (out[:, 1] if with_entropy else None)
 
     def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
         with self._precision_context():
             values = self.critic(mb.input_ids, mb.position_ids)
-        return values[0].index_select(0, mb.keep_index)
+        return values.squeeze(0).index_select(0, mb.keep_index)
 
     # -- trainer interface -------------------------------------------------------------------------
     def compute_logprobs(

@@ -27,6 +27,11 @@ __all__ = ["launch_engines", "launch_fleet", "run_training", "start_router"]
 log = logging.getLogger(__name__)
 
 
+KEEP_MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615"
+"""``cluster.trainer_malloc = "keep"``: no block mapped on its own, freed memory never returned (glibc ignores
+tunables it does not know, and other C libraries ignore the variable)."""
+
+
 def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, str]:
     """Environment of a child process, with its torch thread count on CPU.
 
@@ -51,6 +56,9 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
             MILES_TORCH_THREADS=os.environ.get("MILES_TORCH_THREADS", threads),
         )
+        user_malloc = any(k == "GLIBC_TUNABLES" or k.startswith("MALLOC_") for k in os.environ)
+        if role == "trainer" and settings.cluster.trainer_malloc == "keep" and not user_malloc:
+            env["GLIBC_TUNABLES"] = KEEP_MALLOC_TUNABLES
     return env
 
 

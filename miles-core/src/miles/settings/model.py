@@ -115,6 +115,13 @@ class ClusterSettings(_Section):
     """Address services bind to."""
     engine_startup_timeout: float = Field(300.0, gt=0)
     """Seconds to wait for an engine to answer ``/health``."""
+    trainer_malloc: Literal["keep", "system"] = "keep"
+    """On CPU, how the trainer processes' glibc malloc treats freed memory. ``keep``: every block comes from
+    the heap and freed memory stays mapped for the next step (``GLIBC_TUNABLES`` with
+    ``glibc.malloc.mmap_max=0`` and no trimming). A step's large tensors (the logits, the tied embedding's
+    gradient) are then not mapped afresh and page-faulted in, zero page by zero page, at every step: a
+    SmolLM2 train step 1.3-2x faster on 2 cores. RSS stays at the step's peak. ``system``: glibc's defaults.
+    ``GLIBC_TUNABLES`` or ``MALLOC_*`` set in the environment win over either."""
 
 
 class DataSettings(_Section):

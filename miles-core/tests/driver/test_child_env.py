@@ -1,0 +1,64 @@
+"""The environment ``miles train`` gives its children: torch threads and, on CPU, the trainers' malloc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from miles.driver.launch import KEEP_MALLOC_TUNABLES, _child_env
+from miles.settings.model import MilesSettings
+
+# RSS growth of a process that allocates 64 MiB, writes it, frees it: kept (the heap holds it for the next
+# step) or given back (glibc maps a block that size on its own and unmaps it at free)
+_PROBE = """
+import os
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+block = bytearray(64 << 20)
+block[::4096] = b"x" * len(block[::4096])
+del block
+print(rss() - before)
+"""
+
+
+def _kept_after_free(env: dict[str, str]) -> int:
+    clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, **env}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+def _clear_malloc_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key == "GLIBC_TUNABLES" or key.startswith("MALLOC_"):
+            monkeypatch.delenv(key)
+
+
+def test_cpu_trainers_keep_freed_memory_and_engines_keep_glibc_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear_malloc_env(monkeypatch)
+    settings = MilesSettings()
+    assert _child_env(settings)["GLIBC_TUNABLES"] == KEEP_MALLOC_TUNABLES
+    assert "GLIBC_TUNABLES" not in _child_env(settings, role="engine")
+    settings.cluster.trainer_malloc = "system"
+    assert "GLIBC_TUNABLES" not in _child_env(settings)
+    settings.cluster.trainer_malloc = "keep"
+    settings.cluster.device = "cuda"
+    assert "GLIBC_TUNABLES" not in _child_env(settings)
+
+
+def test_the_users_malloc_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clear_malloc_env(monkeypatch)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert "GLIBC_TUNABLES" not in _child_env(MilesSettings())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
+def test_glibc_honours_the_tunables_a_freed_block_stays_mapped() -> None:
+    """What ``keep`` is for: with glibc's defaults a 64 MiB block is mapped on its own and given back at
+    free (the next step maps and page-faults it again); with the trainers' tunables it stays."""
+    assert _kept_after_free({}) < 8 << 20
+    assert _kept_after_free({"GLIBC_TUNABLES": KEEP_MALLOC_TUNABLES}) > 56 << 20

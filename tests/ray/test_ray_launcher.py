@@ -165,7 +165,8 @@ def finish(proc: subprocess.Popen[str], timeout: float = 300) -> subprocess.Comp
 
 
 def kill_actor_when(config: Path, run_dir: Path, process: str, when: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``miles train config`` and ``ray.kill`` the actor owning ``process`` once ``when`` exists."""
+    """Run ``miles train config`` and ``ray.kill`` the actor owning ``process`` once ``when`` holds something
+    (``metrics.jsonl`` exists, empty, from the trainers' start, which overlaps the engines')."""
     import ray
 
     proc = train(str(config))
@@ -174,7 +175,7 @@ def kill_actor_when(config: Path, run_dir: Path, process: str, when: Path) -> su
     killed = False
     try:
         while not killed and proc.poll() is None and time.monotonic() < deadline:
-            if when.exists() and placement.exists():
+            if when.exists() and when.stat().st_size > 0 and placement.exists():
                 name = json.loads(placement.read_text())[process]["actor"]
                 ray.kill(ray.get_actor(name, namespace="miles"), no_restart=True)
                 killed = True

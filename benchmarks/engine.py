@@ -85,7 +85,18 @@ def run_hf(model: Any, prompts: list[list[int]], new: int) -> float:
     return elapsed
 
 
-def run_engine(state: Any, prompts: list[list[int]], new: int, n: int = 1) -> tuple[float, list[Any]]:
+def run_engine(
+    state: Any,
+    prompts: list[list[int]],
+    new: int,
+    n: int = 1,
+    *,
+    temperature: float | None = None,
+    seed: int = 0,
+    return_logprob: bool = False,
+) -> tuple[float, list[Any]]:
+    """Decode ``new`` tokens for each prompt (``n`` samples each) with the scheduler on this thread. Greedy
+    for ``n == 1`` unless ``temperature`` is given; ``seed + i`` seeds prompt ``i``."""
     from miles.engine.request import Request
     from miles.rollout.protocol import SamplingParams
 
@@ -104,13 +115,23 @@ def run_engine(state: Any, prompts: list[list[int]], new: int, n: int = 1) -> tu
         cfg = SamplingParams(
             max_new_tokens=new,
             min_new_tokens=new,
-            temperature=0.0 if n == 1 else 1.0,
+            temperature=(0.0 if n == 1 else 1.0) if temperature is None else temperature,
             ignore_eos=True,
             n=n,
-            sampling_seed=i,
+            sampling_seed=seed + i,
         )
         for j in range(n):
-            reqs.append(Request(rid=f"{i}-{j}", parent_rid=str(i), index=j, prompt_ids=list(p), config=cfg, sink=sink))
+            reqs.append(
+                Request(
+                    rid=f"{i}-{j}",
+                    parent_rid=str(i),
+                    index=j,
+                    prompt_ids=list(p),
+                    config=cfg,
+                    sink=sink,
+                    return_logprob=return_logprob,
+                )
+            )
     t0 = time.perf_counter()
     state.scheduler.add(reqs)
     state.scheduler.run_until_idle()  # on this (main) thread, as `miles serve` runs it

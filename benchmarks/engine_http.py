@@ -40,6 +40,12 @@ from benchmarks.common import (
 )
 
 
+def _decode_steps(url: str) -> int:
+    import httpx
+
+    return int(httpx.get(f"{url}/server_info", timeout=30).json()["decode_steps"])
+
+
 async def _http_round(url: str, prompts: list[list[int]], new: int, seed: int) -> float:
     from miles.rollout.http_client import HttpEngineClient
     from miles.rollout.protocol import SamplingParams
@@ -60,11 +66,26 @@ async def _http_round(url: str, prompts: list[list[int]], new: int, seed: int) -
     return elapsed
 
 
-def _in_process_round(state: Any, prompts: list[list[int]], new: int) -> float:
+def _in_process_round(state: Any, prompts: list[list[int]], new: int, as_http: bool, seed: int = 0) -> float:
+    """The scheduler on this thread: greedy (``as_http=False``, ``benchmarks/engine.py``'s setting) or with the
+    HTTP rounds' sampling (temperature 1, a seed per request, logprobs returned)."""
     from benchmarks.engine import run_engine
 
-    elapsed, _ = run_engine(state, prompts, new, n=1)
+    if as_http:
+        elapsed, _ = run_engine(state, prompts, new, n=1, temperature=1.0, seed=seed, return_logprob=True)
+    else:
+        elapsed, _ = run_engine(state, prompts, new, n=1)
     return elapsed
+
+
+def _timed(round_: Any, repeats: int, steps: Any) -> tuple[float, float]:
+    """Median seconds of ``repeats`` calls of ``round_(r)`` and the decode steps each took (mean)."""
+    times, counts = [], []
+    for r in range(repeats):
+        before = steps()
+        times.append(round_(r))
+        counts.append(steps() - before)
+    return statistics.median(times), statistics.mean(counts)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -108,26 +129,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for dtype in args.dtypes.split(","):
             engine_args = ["--dtype", dtype, "--max-running-requests", str(max(levels))]
             http: dict[int, float] = {}
+            http_steps: dict[int, float] = {}
             with EngineProcess(
                 path, extra_args=engine_args, threads=args.threads, log_path=Path(tmp) / f"engine-{dtype}.log"
             ) as engine:
+                url = engine.url
                 for c in levels:
-                    asyncio.run(_http_round(engine.url, prompts[c], 2, 0))  # warm-up
-                    times = [
-                        asyncio.run(_http_round(engine.url, prompts[c], args.new_tokens, r))
-                        for r in range(args.repeats)
-                    ]
-                    http[c] = c * args.new_tokens / statistics.median(times)
-            state = build_engine(path, max_cache_tokens=0, max_running_requests=max(levels), dtype=dtype, start=False)
+                    asyncio.run(_http_round(url, prompts[c], 2, 0))  # warm-up
+                    seconds, http_steps[c] = _timed(
+                        lambda r, c=c, url=url: asyncio.run(_http_round(url, prompts[c], args.new_tokens, r)),
+                        args.repeats,
+                        lambda url=url: _decode_steps(url),
+                    )
+                    http[c] = c * args.new_tokens / seconds
+            # the served engine's own defaults (its prefix cache included), the scheduler on this thread
+            state = build_engine(path, max_running_requests=max(levels), dtype=dtype, start=False)
             local: dict[int, float] = {}
+            same: dict[int, float] = {}
+            same_steps: dict[int, float] = {}
             try:
                 for c in levels:
-                    _in_process_round(state, prompts[c], 2)
-                    times = [_in_process_round(state, prompts[c], args.new_tokens) for _ in range(args.repeats)]
-                    local[c] = c * args.new_tokens / statistics.median(times)
+                    _in_process_round(state, prompts[c], 2, as_http=False)
+                    seconds, _ = _timed(
+                        lambda r, c=c, state=state: _in_process_round(
+                            state, prompts[c], args.new_tokens, as_http=False
+                        ),
+                        args.repeats,
+                        lambda state=state: state.scheduler.steps,
+                    )
+                    local[c] = c * args.new_tokens / seconds
+                    seconds, same_steps[c] = _timed(
+                        lambda r, c=c, state=state: _in_process_round(
+                            state, prompts[c], args.new_tokens, as_http=True, seed=r
+                        ),
+                        args.repeats,
+                        lambda state=state: state.scheduler.steps,
+                    )
+                    same[c] = c * args.new_tokens / seconds
             finally:
                 state.scheduler.stop()
-            results[dtype] = {"http": http, "in_process": local, "hf_float32": hf_tps}
+            results[dtype] = {
+                "http": http,
+                "in_process": local,
+                "in_process_http_sampling": same,
+                "decode_steps_http": http_steps,
+                "decode_steps_in_process": same_steps,
+                "hf_float32": hf_tps,
+            }
             for c in levels:
                 rows.append(
                     (
@@ -135,7 +183,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         c,
                         f"{http[c]:.1f}",
                         f"{local[c]:.1f}",
+                        f"{same[c]:.1f}",
                         f"{http[c] / local[c]:.2f}x",
+                        f"{same[c] / local[c]:.2f}x",
+                        f"{http[c] / same[c]:.2f}x",
+                        f"{http_steps[c]:.0f} / {same_steps[c]:.0f}",
                         f"{hf_tps[c]:.1f}",
                         f"{http[c] / hf_tps[c]:.2f}x",
                     )
@@ -144,8 +196,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engine dtype",
         "concurrent requests",
         "HTTP tok/s",
-        "in-process tok/s",
-        "HTTP / in-process",
+        "in-process greedy tok/s",
+        "in-process, HTTP's sampling tok/s",
+        "HTTP / in-process greedy",
+        "of which sampling + logprobs",
+        "of which serving",
+        "decode steps HTTP / in-process",
         "HF generate fp32 tok/s",
         "HTTP / HF",
     ]

@@ -28,12 +28,13 @@ from typing import Any
 
 from benchmarks.common import REPO_ROOT, add_common_args, child_env, machine_info, markdown_table, model_dir
 from benchmarks.common import write_result as write_json
+from miles.settings.model import MilesSettings
 
 RSS_LIMIT = 0.05
 """The largest RSS growth after warm-up the soak accepts."""
 
 
-def _config(workdir: Path, model: Path, steps: int, ranks: int) -> Path:
+def _config(workdir: Path, model: Path, steps: int, ranks: int, malloc: dict[str, str]) -> Path:
     data = workdir / "prompts.jsonl"
     rows = [{"prompt": f"Count to {n}:", "label": str(n)} for n in range(2, 66)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -44,6 +45,8 @@ def _config(workdir: Path, model: Path, steps: int, ranks: int) -> Path:
             [cluster]
             trainer_ranks = {ranks}
             num_engines = 1
+            trainer_malloc = "{malloc["trainer"]}"
+            engine_malloc = "{malloc["engine"]}"
 
             [data]
             path = "{data}"
@@ -127,10 +130,10 @@ def _step(run_dir: Path) -> int:
     return int(json.loads(lines[-1])["step"]) if lines else 0
 
 
-def soak(steps: int, ranks: int, interval: float, threads: int) -> dict[str, Any]:
+def soak(steps: int, ranks: int, interval: float, threads: int, malloc: dict[str, str]) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="miles-soak-"))
     model = model_dir("tiny", workdir)
-    config = _config(workdir, model, steps, ranks)
+    config = _config(workdir, model, steps, ranks, malloc)
     proc = subprocess.Popen(
         [sys.executable, "-m", "miles", "train", str(config)],
         cwd=REPO_ROOT,
@@ -187,12 +190,12 @@ def summarize(samples: list[dict[str, Any]], steps: int, warmup: float) -> list[
 
 
 def series(samples: list[dict[str, Any]], every: int = 10) -> dict[str, list[list[float]]]:
-    """Per process: ``[step, RSS MB]`` at the first sample of every ``every``-th step (the growth's shape)."""
+    """Per process: ``[step, RSS MB]`` at the first sample in every ``every`` steps (the growth's shape)."""
     out: dict[str, list[list[float]]] = {}
     seen: set[tuple[int, int]] = set()
     for s in samples:
-        key = (s["pid"], s["step"])
-        if s["step"] % every or key in seen:
+        key = (s["pid"], s["step"] // every)
+        if key in seen:
             continue
         seen.add(key)
         out.setdefault(f"{s['role']} (pid {s['pid']})", []).append([s["step"], round(s["rss_mb"], 1)])
@@ -206,9 +209,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
     parser.add_argument("--warmup", type=float, default=0.1, help="share of the steps before the comparison starts")
+    for role in ("trainer", "engine"):
+        parser.add_argument(
+            f"--{role}-malloc",
+            choices=["keep", "system"],
+            default=None,
+            help=f"cluster.{role}_malloc (default: the setting's default)",
+        )
     args = parser.parse_args(argv)
     steps = 12 if args.quick else args.steps
-    result = soak(steps, args.ranks, args.interval, args.threads)
+    defaults = MilesSettings().cluster
+    malloc = {
+        "trainer": args.trainer_malloc or defaults.trainer_malloc,
+        "engine": args.engine_malloc or defaults.engine_malloc,
+    }
+    result = soak(steps, args.ranks, args.interval, args.threads, malloc)
     rows = summarize(result["samples"], steps, args.warmup)
     headers = ["process", "steps", "RSS warm (MB)", "RSS end (MB)", "peak", "growth", "limit", "fds", "threads", "ok"]
     table = markdown_table(
@@ -229,7 +244,10 @@ def main(argv: list[str] | None = None) -> None:
             for r in rows
         ],
     )
-    print(f"soak: {result['steps']} steps in {result['seconds']:.0f} s, {len(result['samples'])} samples\n")
+    print(
+        f"soak: {result['steps']} steps in {result['seconds']:.0f} s, {len(result['samples'])} samples, "
+        f"malloc: trainers {malloc['trainer']}, engine {malloc['engine']}\n"
+    )
     print(table)
     write_json(
         "soak",
@@ -239,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             "seconds": result["seconds"],
             "rows": rows,
             "series": series(result["samples"]),
+            "malloc": malloc,
             "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))},
         },
         args.results_dir,

@@ -160,3 +160,104 @@ def test_router_health_and_registration(fleet: Any) -> None:
     assert all(w["is_healthy"] for w in workers)
     ready = httpx.get(fleet.router_url + "/readiness", timeout=10).json()
     assert ready["healthy_workers"] == 2
+
+
+def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_model: Path) -> None:
+    """Two engines behind a real smg (``manual`` policy) and the rollout's client: 8 keyed requests in flight,
+    one engine SIGKILLed once it runs some of them. smg re-sends them to the engine left, so every request is
+    answered once, with the tokens the healthy fleet produced for it (same seeds, same weights); later
+    requests of the dead engine's keys go to the engine left; with no engine left the client gets an error,
+    not a hang."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from miles.engine.process import EngineProcess
+    from miles.launch.rendezvous import free_port
+    from miles.rollout.http_client import EngineError, HttpEngineClient
+    from miles.rollout.protocol import SamplingParams
+    from miles.rollout.router import smg_argv, wait_for_router
+    from miles.settings.model import RouterSettings
+
+    keys = [f"group-{i}" for i in range(8)]
+
+    async def generate_all(client: HttpEngineClient) -> list[Any]:
+        outs = await asyncio.gather(
+            *(
+                client.generate(
+                    [1, 2, 3, i],
+                    SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=1.0, sampling_seed=100 + i),
+                    routing_key=key,
+                )
+                for i, key in enumerate(keys)
+            )
+        )
+        return [o[0] for o in outs]
+
+    engines = [EngineProcess(tiny_model, log_path=tmp_path / f"engine{i}.log") for i in range(2)]
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        for engine in engines:
+            engine.start(wait=False)
+        for engine in engines:
+            engine.wait_ready()
+        urls = [engine.url for engine in engines]
+        port = free_port("127.0.0.1")
+        argv = smg_argv(
+            RouterSettings(name="smg", policy="manual"),
+            urls,
+            host="127.0.0.1",
+            port=port,
+            prometheus_port=free_port("127.0.0.1"),
+        )
+        with (tmp_path / "router.log").open("wb") as log_file:
+            router = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+        router_url = f"http://127.0.0.1:{port}"
+        wait_for_router(router_url, urls, timeout=60)
+
+        async def main() -> None:
+            async with (
+                HttpEngineClient(urls, router_url=router_url, max_retries=3, backoff=0.05) as client,
+                httpx.AsyncClient(timeout=10) as probe,
+            ):
+                reference = await generate_all(client)
+                owners = [o.meta_info["engine_url"] for o in reference]
+                assert set(owners) == set(urls), owners  # both engines hold keys
+                victim, survivor = engines[1], engines[0]
+
+                task = asyncio.ensure_future(generate_all(client))
+                while (await probe.get(victim.url + "/server_info")).json()["num_running_reqs"] == 0:
+                    await asyncio.sleep(0.005)
+                assert victim.proc is not None
+                os.kill(victim.proc.pid, signal.SIGKILL)
+                again = await task
+
+                assert [o.output_ids for o in again] == [o.output_ids for o in reference]
+                for o, r in zip(again, reference, strict=True):
+                    assert o.output_logprobs == pytest.approx(r.output_logprobs, abs=1e-5)
+                assert {o.meta_info["engine_url"] for o in again} == {survivor.url}
+                survivor_info = (await probe.get(survivor.url + "/server_info")).json()
+                # each request generated once on the survivor per round, plus the dead engine's share once more
+                assert survivor_info["generate_requests"] == 8 + owners.count(survivor.url), survivor_info
+
+                # the dead engine's keys stay served by the engine left
+                later = await generate_all(client)
+                assert [o.output_ids for o in later] == [o.output_ids for o in reference]
+
+                # no engine left: an error within the client's retries, not a hang
+                assert survivor.proc is not None
+                os.kill(survivor.proc.pid, signal.SIGKILL)
+                survivor.proc.wait()
+                started = time.monotonic()
+                with pytest.raises(EngineError):
+                    await generate_all(client)
+                assert time.monotonic() - started < 60
+
+        asyncio.run(main())
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=30)
+        for engine in engines:
+            engine.stop()

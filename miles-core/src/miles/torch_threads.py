@@ -7,7 +7,15 @@ small parallel regions then waits longer for its workers: one persistent helper 
 two-thread copy made a SmolLM2 train step 1.3-1.5x slower on a 2-core machine (the trainer's pushes and the
 engines' weight routes run such copies in ``asyncio.to_thread``'s pool). :func:`to_thread` runs the work on
 that pool with one torch thread, so the helper threads never create a pool of their own; the calling
-thread's torch thread count is untouched (torch's count is per thread once a thread has started).
+thread's torch thread count is untouched.
+
+Helper threads must lower their count without ``torch.set_num_threads``: it also stores the count in a
+process-wide variable, and every shared object built against torch (a C++ extension: Miles' CPU kernels)
+keeps its own per-thread "initialised" flag, so a thread's first parallel region *in that object* sets the
+thread's count from the variable again. ``miles serve``'s HTTP thread setting one thread made the engine's
+scheduler decode on one core of two from its first CPU-kernel call on (0.55-0.85x its in-process speed).
+:func:`single_threaded_here` sets only the calling thread's OpenMP count (``threadpoolctl``); the threads
+that compute set theirs with :func:`set_torch_threads`, which the process-wide variable then follows.
 """
 
 from __future__ import annotations
@@ -15,19 +23,49 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["to_thread"]
+__all__ = ["set_torch_threads", "single_threaded_here", "to_thread"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _single_threaded(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+def set_torch_threads(threads: int) -> None:
+    """Set the calling (computing) thread's torch thread count, and the process-wide count that torch and its
+    extensions initialise a thread's count from."""
     import torch
 
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)  # this helper thread only: no OpenMP pool of its own
+    torch.set_num_threads(threads)
+    # the first get_num_threads initialises this thread's count from the process-wide variable, which another
+    # thread may have changed since the line above; once initialised, the set below is this thread's
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def _openmp() -> Any:
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="openmp")
+
+
+def single_threaded_here() -> None:
+    """Run torch single-threaded on the calling (helper) thread only: no OpenMP pool of its own, and the
+    process-wide count other threads initialise theirs from left as it is."""
+    import torch
+
+    if torch.get_num_threads() == 1:  # (this also initialises the thread's count, in libtorch)
+        return
+    controller = _openmp()
+    if controller.lib_controllers:
+        controller.limit(limits=1)  # omp_set_num_threads: this thread's count alone
+    else:  # torch without OpenMP (its own pool is shared, nothing to spare)
+        torch.set_num_threads(1)
+
+
+def _single_threaded(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    single_threaded_here()
     return fn(*args, **kwargs)
 
 

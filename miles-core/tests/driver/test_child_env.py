@@ -62,3 +62,29 @@ def test_glibc_honours_the_tunables_a_freed_block_stays_mapped() -> None:
     free (the next step maps and page-faults it again); with the trainers' tunables it stays."""
     assert _kept_after_free({}) < 8 << 20
     assert _kept_after_free({"GLIBC_TUNABLES": KEEP_MALLOC_TUNABLES}) > 56 << 20
+
+
+_HELPER_PROBE = """
+import threading, torch
+from miles.torch_threads import single_threaded_here
+torch.set_num_threads(2)
+seen = {}
+def helper():
+    single_threaded_here()
+    seen["helper"] = torch.get_num_threads()
+    torch.ones(1 << 20).sum()  # a parallel region on the helper
+def later():
+    seen["later"] = torch.get_num_threads()  # a thread initialised afterwards takes the process's count
+for target in (helper, later):
+    t = threading.Thread(target=target); t.start(); t.join()
+print(seen["helper"], torch.get_num_threads(), seen["later"])
+"""
+
+
+def test_a_helper_thread_runs_single_threaded_without_lowering_the_process_count() -> None:
+    """``single_threaded_here``: the helper runs on one thread; the main thread keeps 2, and so does a thread
+    initialised afterwards (``torch.set_num_threads(1)`` in the helper would have lowered that one to 1)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", _HELPER_PROBE], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "2", "2"]

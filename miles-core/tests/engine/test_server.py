@@ -379,3 +379,14 @@ def test_server_info_counts_generate_requests(engine: EngineProcess) -> None:
     after = httpx.get(engine.url + "/server_info", timeout=30).json()
     assert after["generate_requests"] - before["generate_requests"] == 2
     assert after["generated_samples"] - before["generated_samples"] == 4
+
+
+def test_the_scheduler_keeps_its_torch_threads_while_serving(engine_models: dict[str, Path], tmp_path: Path) -> None:
+    """``--threads 2``: the scheduler still runs torch on 2 threads after requests went through the CPU kernels.
+    The HTTP thread runs torch single-threaded; it used to lower the process-wide count as well, and the
+    kernels' first parallel region then set the scheduler's count from it (decoding on one core of two)."""
+    with EngineProcess(engine_models["qwen2"], threads=2, log_path=tmp_path / "engine.log") as engine:
+        assert httpx.get(engine.url + "/server_info", timeout=30).json()["torch_threads"] == 2
+        for n in (1, 4):
+            gen(engine, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "n": n, "temperature": 1.0}})
+        assert httpx.get(engine.url + "/server_info", timeout=30).json()["torch_threads"] == 2

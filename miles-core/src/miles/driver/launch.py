@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 KEEP_MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615"
-"""``cluster.trainer_malloc = "keep"``: no block mapped on its own, freed memory never returned (glibc ignores
+"""``cluster.trainer_malloc`` / ``engine_malloc = "keep"``: no block mapped on its own, freed memory never returned (glibc ignores
 tunables it does not know, and other C libraries ignore the variable)."""
 
 
@@ -57,7 +57,8 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
             MILES_TORCH_THREADS=os.environ.get("MILES_TORCH_THREADS", threads),
         )
         user_malloc = any(k == "GLIBC_TUNABLES" or k.startswith("MALLOC_") for k in os.environ)
-        if role == "trainer" and settings.cluster.trainer_malloc == "keep" and not user_malloc:
+        malloc = settings.cluster.engine_malloc if role == "engine" else settings.cluster.trainer_malloc
+        if malloc == "keep" and not user_malloc:
             env["GLIBC_TUNABLES"] = KEEP_MALLOC_TUNABLES
     return env
 

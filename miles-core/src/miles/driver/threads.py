@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from miles.torch_threads import set_torch_threads, single_threaded_here
+
 __all__ = ["ComputeThread"]
 
 
@@ -33,19 +35,18 @@ class ComputeThread:
             import torch
 
             self.threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+            single_threaded_here()
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-train")
 
     async def run(self, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
         """``await coro_fn()`` here, or on the dedicated thread (in its own event loop)."""
         if self._executor is None:
             return await coro_fn()
-        import torch
 
         threads = self.threads
 
         def work() -> Any:
-            torch.set_num_threads(threads)
+            set_torch_threads(threads)
 
             async def main() -> Any:
                 return await coro_fn()

@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise at RL rates
     threads = os.environ.get("MILES_TORCH_THREADS")
     if threads:
-        import torch
+        from miles.torch_threads import set_torch_threads
 
-        torch.set_num_threads(int(threads))
+        set_torch_threads(int(threads))
     try:
         asyncio.run(_run(Path(args[0])))
     except MilesError as exc:

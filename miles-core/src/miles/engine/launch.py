@@ -109,9 +109,10 @@ def serve(opts: ServeOptions) -> None:
     import uvicorn
 
     from miles.engine.server import create_app
+    from miles.torch_threads import set_torch_threads, single_threaded_here
 
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    # the scheduler's count is set (and initialised) on this thread before the HTTP thread sets its own
+    set_torch_threads(opts.threads or torch.get_num_threads())
     host, port = opts.host, opts.port
     state = start_engine(opts, start=False)
     scheduler = state.scheduler
@@ -124,7 +125,7 @@ def serve(opts: ServeOptions) -> None:
     def http() -> None:
         # torch work on this thread (weight routes, checksums) runs single-threaded: a second OpenMP pool in
         # the process would slow every parallel region of the scheduler's (see miles.torch_threads)
-        torch.set_num_threads(1)
+        single_threaded_here()
         try:
             server.run()
         finally:

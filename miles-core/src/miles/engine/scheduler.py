@@ -223,6 +223,7 @@ class Scheduler:
             "max_kv_tokens": self.max_kv_tokens,
             "deterministic": self.config.deterministic,
             "attention_backend": self.runner.attention_backend,
+            "torch_threads": torch.get_num_threads(),  # the scheduler thread's (this runs on it)
         }
 
     # ------------------------------------------------------------------ loop

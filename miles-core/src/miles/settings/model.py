@@ -122,6 +122,10 @@ class ClusterSettings(_Section):
     gradient) are then not mapped afresh and page-faulted in, zero page by zero page, at every step: a
     SmolLM2 train step 1.3-2x faster on 2 cores. RSS stays at the step's peak. ``system``: glibc's defaults.
     ``GLIBC_TUNABLES`` or ``MALLOC_*`` set in the environment win over either."""
+    engine_malloc: Literal["keep", "system"] = "system"
+    """On CPU, the same choice for the local engine processes (``miles serve`` started by ``miles train``):
+    ``keep`` spares each decode step's freshly mapped and page-faulted logits and activations; ``system``:
+    glibc's defaults. ``GLIBC_TUNABLES`` or ``MALLOC_*`` set in the environment win over either."""
 
 
 class DataSettings(_Section):

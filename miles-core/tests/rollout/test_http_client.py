@@ -158,6 +158,44 @@ def test_retries_until_a_starting_engine_answers_and_tells_its_restart_apart(mod
         engine.stop()
 
 
+def test_an_engine_that_names_no_process_is_told_restarted_by_its_launch_weight_version(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's ``/health`` names no process. The client is made blind to the local engine's header, as it
+    is to SGLang's: once a push is verified, an engine that answers with its launch weight version (``0``)
+    is a new process at the URL (it rejoins and takes the next push); an engine on another pushed version
+    (a push that failed midway) is not."""
+    from miles.rollout import http_client
+
+    monkeypatch.setattr(http_client, "INSTANCE_HEADER", "x-not-sent-by-the-engine")
+    port = free_port()
+    engine = EngineProcess(model, port=port, log_path=tmp_path / "engine.log")
+
+    async def run() -> None:
+        async with HttpEngineClient([engine.url], max_retries=50, backoff=0.1) as client:
+            assert await client.check_engines() == []  # before any push: nothing to compare
+            await client.update_weight_version("3")
+            client.weights_reached("3")
+            assert await client.check_engines() == [] and client.serving() == [engine.url]
+            await client.update_weight_version("4")  # a push that stopped after setting its version
+            assert await client.check_engines() == [] and client.serving() == [engine.url]
+            await client.update_weight_version("3")
+            engine.stop()
+            engine.start()  # the same URL, another process: version 0 again
+            assert await client.check_engines() == [engine.url]
+            assert client.serving() == [] and client.rejoining() == [engine.url]
+            assert client.failover_metrics()["rollout/engine_failures"] == 1.0
+            await client.update_weight_version("5")
+            client.weights_reached("5")
+            assert await client.check_engines() == [] and client.serving() == [engine.url]
+
+    try:
+        engine.start()
+        asyncio.run(run())
+    finally:
+        engine.stop()
+
+
 def test_unreachable_engine_fails_with_its_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from miles.errors import SettingsError
+from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
 from miles_sglang.settings import SGLangEngineSettings
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def launch_argv(
         "--base-gpu-id", str(where.base_gpu_id),
         "--random-seed", str(where.seed),
         "--dtype", where.dtype,
-        "--weight-version", "0",
+        "--weight-version", LAUNCH_WEIGHT_VERSION,
     ]  # fmt: skip
     if settings.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(settings.mem_fraction_static)]

@@ -38,7 +38,13 @@ import httpx
 from miles.errors import EngineError
 from miles.rollout.client import EngineClient
 from miles.rollout.failover import EngineHealth, NoEngineLeftError
-from miles.rollout.protocol import INSTANCE_HEADER, GenerateOutput, PauseMode, SamplingParams
+from miles.rollout.protocol import (
+    INSTANCE_HEADER,
+    LAUNCH_WEIGHT_VERSION,
+    GenerateOutput,
+    PauseMode,
+    SamplingParams,
+)
 
 __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routing_header_value"]
 
@@ -146,6 +152,8 @@ class HttpEngineClient(EngineClient):
         self._waiting = False
         self._instances: dict[str, str] = {}
         """The process each engine's last ``/health`` named (engines that name one: the local engine)."""
+        self._verified_version: str | None = None
+        """The weight version the last verified push brought every serving engine (:meth:`weights_reached`)."""
 
     @property
     def urls(self) -> Sequence[str]:
@@ -242,15 +250,43 @@ class HttpEngineClient(EngineClient):
         state = self.health_state
         known = dict(self._instances)
         answers = await self._health(state.engines)
+        anonymous = [url for url, ok in zip(state.engines, answers, strict=True) if ok and url not in self._instances]
+        relaunched = await self._relaunched(anonymous)
         for url, ok in zip(state.engines, answers, strict=True):
             if ok:
                 before, now = known.get(url), self._instances.get(url)
-                if before is not None and now != before and url not in state.down:  # it died unseen
-                    state.mark_down(url, "restarted: another process answers at its URL")
+                if url not in state.down:  # it died unseen
+                    if before is not None and now != before:
+                        state.mark_down(url, "restarted: another process answers at its URL")
+                    elif url in relaunched:
+                        state.mark_down(url, relaunched[url])
                 state.back_up(url)
             elif url not in state.down:
                 state.mark_down(url, "no answer to /health")
         return sorted(state.rejoining)
+
+    async def _relaunched(self, urls: Sequence[str]) -> dict[str, str]:
+        """Of ``urls`` (engines whose ``/health`` names no process: SGLang), those that report their launch
+        weight version (:data:`LAUNCH_WEIGHT_VERSION`) although a push has brought every engine another
+        one: a new process at the engine's URL, with the weights it loaded at start. A push that failed
+        midway leaves an engine on the old version or the new one, never on the launch version."""
+        verified = self._verified_version
+        if verified is None or verified == LAUNCH_WEIGHT_VERSION or not urls:
+            return {}
+
+        async def version(url: str) -> str | None:
+            try:
+                resp = await self._http.get(url + "/model_info", timeout=10)
+                return str(resp.json().get("weight_version")) if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        found = await asyncio.gather(*(version(u) for u in urls))
+        return {
+            url: f"restarted: it serves its launch weight version {v}, where version {verified} was pushed"
+            for url, v in zip(urls, found, strict=True)
+            if v == LAUNCH_WEIGHT_VERSION
+        }
 
     def serving(self) -> list[str]:
         return self.health_state.serving()
@@ -301,6 +337,7 @@ class HttpEngineClient(EngineClient):
 
     def weights_reached(self, version: str) -> list[str]:
         """The weight push of ``version`` reached every reachable engine: rejoining ones serve again."""
+        self._verified_version = version
         return self.health_state.rejoined(version)
 
     def failover_metrics(self) -> dict[str, float]:

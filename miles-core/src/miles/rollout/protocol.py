@@ -14,12 +14,17 @@ from typing import Any, Literal
 
 from miles.types import PauseMode
 
-__all__ = ["INSTANCE_HEADER", "FinishReason", "GenerateOutput", "PauseMode", "SamplingParams"]
+__all__ = ["INSTANCE_HEADER", "LAUNCH_WEIGHT_VERSION", "FinishReason", "GenerateOutput", "PauseMode", "SamplingParams"]
 
 INSTANCE_HEADER = "x-miles-instance"
 """A Miles addition: the header in which the local engine's ``/health`` names its process (a random id made
 at start), so that a client tells a restarted engine from the one it knew at the same URL. SGLang sends
-none; its restarts are seen when a request fails."""
+none: its restarts are told by :data:`LAUNCH_WEIGHT_VERSION`."""
+
+LAUNCH_WEIGHT_VERSION = "0"
+"""The weight version every engine of a run starts with (the local engine's default; ``--weight-version 0`` on
+SGLang's command line). Pushes bring step numbers from 1 on, so an engine that reports this version after a
+verified push is a new process at the engine's URL, serving the weights it loaded at start."""
 
 
 @dataclass

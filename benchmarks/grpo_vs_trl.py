@@ -313,6 +313,49 @@ def run_trl(spec: dict[str, Any], workdir: Path, python: str, threads: int, bf16
     return {"step_times": times, "step_s": median(times), "wall_s": wall, "reward_mean": out["reward_mean"]}
 
 
+def permutation_p(a: list[float], b: list[float]) -> float:
+    """Exact two-sided permutation test of ``mean(a) - mean(b)``: the share of the splits of ``a + b`` into
+    groups of their sizes whose difference is at least as large (the observed split included)."""
+    from itertools import combinations
+
+    pooled, n = a + b, len(a)
+    observed = abs(sum(a) / n - sum(b) / len(b))
+    count = total = 0
+    for chosen in combinations(range(len(pooled)), n):
+        left = [pooled[i] for i in chosen]
+        right = [pooled[i] for i in range(len(pooled)) if i not in chosen]
+        total += 1
+        count += abs(sum(left) / n - sum(right) / len(right)) >= observed - 1e-12
+    return count / total
+
+
+def _reward_rows(model: str, entry: dict[str, Any], reference: str) -> list[tuple[Any, ...]]:
+    """Each side's rewards across its seed-matched runs (see the table's caption in :func:`main`)."""
+    import statistics
+
+    def run_means(side: str) -> list[float]:
+        return [statistics.fmean(r["reward_mean"]) for r in entry[side]["rounds"] if r.get("reward_mean")]
+
+    rows = []
+    ref_means = run_means(reference)
+    for side, pooled in entry.items():
+        curves = [r["reward_mean"] for r in pooled["rounds"] if r.get("reward_mean")]
+        if not curves:
+            continue
+        steps = min(len(c) for c in curves)
+        cells = []
+        for q in range(4):
+            lo, hi = q * steps // 4, max((q + 1) * steps // 4, q * steps // 4 + 1)
+            per_run = [statistics.fmean(c[lo:hi]) for c in curves]
+            sd = statistics.stdev(per_run) if len(per_run) > 1 else 0.0
+            cells.append(f"{statistics.fmean(per_run):.3f} ± {sd:.3f}")
+        means = run_means(side)
+        p = "-" if side == reference else f"{permutation_p(means, ref_means):.2f}"
+        rows.append((model, side, ", ".join(f"{m:.3f}" for m in means), *cells, p))
+        pooled["reward_run_means"] = means
+    return rows
+
+
 def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's figures over all its rounds: step times pooled, medians recomputed."""
     times = [t for r in rounds for t in r["step_times"]]
@@ -369,8 +412,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     parser.add_argument(
-        "--rounds", type=int, default=1, help="runs of every side; odd rounds go in reverse order (2 = A B C C B A)"
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of every side; odd rounds go in reverse order (2 = A B C C B A); round r seeds every side "
+        "with --seed + r (seed-matched sides; with 2 rounds or more the rewards are compared across seeds)",
     )
+    parser.add_argument("--seed", type=int, default=1234, help="the seed of round 0 (both sides)")
     parser.add_argument("--trl-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
@@ -389,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     samples_per_step = args.prompts_per_step * args.group_size
     results: dict[str, Any] = {}
     table_rows = []
+    reward_rows: list[tuple[Any, ...]] = []
     with tempfile.TemporaryDirectory(prefix="miles-bench-grpo-") as tmp:
         workdir = Path(tmp)
         for name in models:
@@ -403,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "completion_tokens": args.completion_tokens,
                 "lr": args.lr,
                 "temperature": args.temperature,
-                "seed": 1234,
+                "seed": args.seed,
                 "transport": args.transport,
                 "timeout": args.timeout,
                 "miles_set": args.miles_set,
@@ -412,15 +461,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for round_index in range(args.rounds):
                 # odd rounds run the sides in reverse, so a load that drifts during the run hits each side alike
                 order = sides if round_index % 2 == 0 else sides[::-1]
+                seeded = {**spec, "seed": args.seed + round_index}
                 for side in order:
                     runs = workdir / f"runs-{name}-{round_index}-{side}"
                     runs.mkdir()
                     load_before = os.getloadavg()[0]
                     if side in TRL_VARIANTS:
-                        r = run_trl(spec, runs, python, args.threads, bf16=TRL_VARIANTS[side])
+                        r = run_trl(seeded, runs, python, args.threads, bf16=TRL_VARIANTS[side])
                     else:
-                        r = run_miles(spec, runs, side, miles_threads)
+                        r = run_miles(seeded, runs, side, miles_threads)
                     r["loadavg_1min"] = [load_before, os.getloadavg()[0]]
+                    r["seed"] = seeded["seed"]
                     per_round[side].append(r)
             entry = {side: _pool(rounds) for side, rounds in per_round.items()}
             trl_s = entry[reference]["step_s"]
@@ -443,6 +494,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     )
                 )
             results[name] = entry
+            if args.rounds >= 2:
+                reward_rows += _reward_rows(name, entry, reference)
     header = (
         f"## GRPO vs TRL\n\n{samples_per_step} completions ({args.prompts_per_step} prompts x {args.group_size}) x "
         f"{args.completion_tokens} tokens per step (min_new_tokens = max_new_tokens), lr {args.lr}, AdamW, "
@@ -470,6 +523,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(header)
     print(table)
+    if reward_rows:
+        print(
+            f"\n### Rewards across seeds ({args.rounds} seed-matched runs a side)\n\nPer run: the mean reward of every "
+            "step; per quarter of the run: mean ± sd over the runs. p: an exact two-sided permutation test of the "
+            "per-run means against the reference side (a large p: no difference the runs can show).\n"
+        )
+        quarters = [f"steps {q}" for q in ("Q1", "Q2", "Q3", "Q4")]
+        print(markdown_table(["model", "side", "per-run means", *quarters, "p vs " + reference], reward_rows))
     for note in notes:
         print(f"\n- {note}")
     payload = {

@@ -166,8 +166,9 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
     """Two engines behind a real smg (``manual`` policy) and the rollout's client: 8 keyed requests in flight,
     one engine SIGKILLed once it runs some of them. smg re-sends them to the engine left, so every request is
     answered once, with the tokens the healthy fleet produced for it (same seeds, same weights); later
-    requests of the dead engine's keys go to the engine left; with no engine left the client gets an error,
-    not a hang."""
+    requests of the dead engine's keys go to the engine left. Then smg itself is SIGKILLed with requests in
+    flight: the client routes them, and every later request, to the engines itself, with the same tokens.
+    With no engine left the client gets an error, not a hang."""
     import os
     import signal
     import subprocess
@@ -244,6 +245,18 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
                 # the dead engine's keys stay served by the engine left
                 later = await generate_all(client)
                 assert [o.output_ids for o in later] == [o.output_ids for o in reference]
+
+                # the router SIGKILLed with requests in flight: the client routes to the engines itself
+                assert router is not None
+                task = asyncio.ensure_future(generate_all(client))
+                while (await probe.get(survivor.url + "/server_info")).json()["num_running_reqs"] == 0:
+                    await asyncio.sleep(0.005)
+                router.kill()
+                router.wait()
+                without_router = await task
+                assert [o.output_ids for o in without_router] == [o.output_ids for o in reference]
+                assert {o.meta_info["engine_url"] for o in without_router} == {survivor.url}
+                assert client.router_url is None
 
                 # no engine left: an error within the client's retries, not a hang
                 assert survivor.proc is not None

@@ -11,7 +11,9 @@ With a ``router_url`` (a real router, :mod:`miles.rollout.router`) the client do
 ``/generate`` goes to the router with the routing key in the ``routing_key_header`` header, and the
 router picks the engine (it names it in its response; ``meta_info["engine_url"]``). Every control call
 (abort, pause, continue, flush, model info, weight updates, :meth:`call`) still goes to each engine
-directly.
+directly. A router that gives no answer (its process died) is left: the request in hand and every later one
+are routed here, by the ring, so the run goes on without it (a request the router had forwarded is computed
+again, with the same seed, by the engine the ring picks).
 
 Failures: transport errors (refused connection, reset, timeout) and HTTP 502/503/504 are retried with
 exponential backoff. An engine that still gives no answer is down (:mod:`miles.rollout.failover`): a
@@ -367,8 +369,15 @@ class HttpEngineClient(EngineClient):
         if self.lora_path is not None:
             payload["lora_path"] = self.lora_path
         if self.router_url is not None:
-            body, url = await self._generate_via_router(payload, routing_key)
-            return self._outputs(body, url)
+            try:
+                body, url = await self._generate_via_router(payload, routing_key)
+                return self._outputs(body, url)
+            except EngineHTTPError:
+                raise
+            except EngineError as exc:  # no answer from the router: route here from now on
+                if self.router_url is not None:
+                    log.error("the router gives no answer (%s); routing to the engines directly from now on", exc)
+                    self.router_url = None
         tried: list[str] = []
         delay = self.backoff
         while True:

@@ -32,6 +32,10 @@ SGLANG_SIDE = textwrap.dedent(
     t = torch.zeros(6)
     torch.distributed.broadcast(t, src=0, group=group)
     print(" ".join(str(int(v)) for v in t.tolist()), flush=True)
+    # leave the groups before exiting, as an engine's shutdown does: a gloo group torn down by the interpreter's
+    # exit while its threads still run aborts the process ("terminate called without an active exception")
+    torch.distributed.destroy_process_group(group)
+    torch.distributed.destroy_process_group()
     """
 )
 

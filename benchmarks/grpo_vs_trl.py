@@ -356,6 +356,24 @@ def _reward_rows(model: str, entry: dict[str, Any], reference: str) -> list[tupl
     return rows
 
 
+def combine(paths: list[Path]) -> dict[str, Any]:
+    """``--combine``: every side's rounds from several result files (each model, each side), the rewards
+    compared across all their seeds against the first file's reference side."""
+    loaded = [json.loads(p.read_text()) for p in paths]
+    reference = loaded[0]["config"]["variants"].split(",")[0]
+    merged: dict[str, dict[str, Any]] = {}
+    for result in loaded:
+        for model, entry in result["results"].items():
+            for side, pooled in entry.items():
+                merged.setdefault(model, {}).setdefault(side, {"rounds": []})["rounds"] += pooled["rounds"]
+    rows = [row for model, entry in merged.items() for row in _reward_rows(model, entry, reference)]
+    seeds = sorted({r.get("seed") for e in merged.values() for p in e.values() for r in p["rounds"]}, key=str)
+    print(f"### Rewards across seeds ({len(paths)} results, seeds {seeds})\n")
+    quarters = [f"steps {q}" for q in ("Q1", "Q2", "Q3", "Q4")]
+    print(markdown_table(["model", "side", "per-run means", *quarters, "p vs " + reference], rows))
+    return {"results": merged, "rows": rows}
+
+
 def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's figures over all its rounds: step times pooled, medians recomputed."""
     times = [t for r in rounds for t in r["step_times"]]
@@ -419,11 +437,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "with --seed + r (seed-matched sides; with 2 rounds or more the rewards are compared across seeds)",
     )
     parser.add_argument("--seed", type=int, default=1234, help="the seed of round 0 (both sides)")
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="no run: pool the rounds of earlier results (their grpo_vs_trl.json, other seeds) and print the "
+        "rewards across seeds",
+    )
     parser.add_argument("--trl-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
         _trl_worker(*args.trl_worker)
         return {}
+    if args.combine:
+        return combine(args.combine)
     models = (args.models or ("tiny" if args.quick else "tiny,smollm2")).split(",")
     steps = args.steps or (3 if args.quick else 4)
     sides = [v for v in args.variants.split(",") if v]

@@ -177,24 +177,14 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
     from miles.engine.process import EngineProcess
     from miles.launch.rendezvous import free_port
     from miles.rollout.http_client import EngineError, HttpEngineClient
-    from miles.rollout.protocol import SamplingParams
     from miles.rollout.router import smg_argv, wait_for_router
     from miles.settings.model import RouterSettings
+    from miles.testing.failover import assert_same_answers, generate_keyed
 
     keys = [f"group-{i}" for i in range(8)]
 
     async def generate_all(client: HttpEngineClient) -> list[Any]:
-        outs = await asyncio.gather(
-            *(
-                client.generate(
-                    [1, 2, 3, i],
-                    SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=1.0, sampling_seed=100 + i),
-                    routing_key=key,
-                )
-                for i, key in enumerate(keys)
-            )
-        )
-        return [o[0] for o in outs]
+        return await generate_keyed(client, keys)
 
     engines = [EngineProcess(tiny_model, log_path=tmp_path / f"engine{i}.log") for i in range(2)]
     router: subprocess.Popen[bytes] | None = None
@@ -234,10 +224,7 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
                 os.kill(victim.proc.pid, signal.SIGKILL)
                 again = await task
 
-                assert [o.output_ids for o in again] == [o.output_ids for o in reference]
-                for o, r in zip(again, reference, strict=True):
-                    assert o.output_logprobs == pytest.approx(r.output_logprobs, abs=1e-5)
-                assert {o.meta_info["engine_url"] for o in again} == {survivor.url}
+                assert_same_answers(again, reference, served_by=survivor.url)
                 survivor_info = (await probe.get(survivor.url + "/server_info")).json()
                 # each request generated once on the survivor per round, plus the dead engine's share once more
                 assert survivor_info["generate_requests"] == 8 + owners.count(survivor.url), survivor_info
@@ -254,8 +241,7 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
                 router.kill()
                 router.wait()
                 without_router = await task
-                assert [o.output_ids for o in without_router] == [o.output_ids for o in reference]
-                assert {o.meta_info["engine_url"] for o in without_router} == {survivor.url}
+                assert_same_answers(without_router, reference, served_by=survivor.url)
                 assert client.router_url is None
 
                 # no engine left: an error within the client's retries, not a hang

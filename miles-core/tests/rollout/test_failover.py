@@ -16,22 +16,16 @@ import torch
 from miles.engine.process import EngineProcess
 from miles.rollout.failover import NoEngineLeftError
 from miles.rollout.http_client import HttpEngineClient
-from miles.rollout.protocol import GenerateOutput, SamplingParams
+from miles.rollout.protocol import GenerateOutput
+from miles.testing.failover import assert_same_answers, generate_keyed
 
 pytestmark = pytest.mark.slow
 
 KEYS = [f"group-{i}" for i in range(8)]
 
 
-def _params(seed: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=1.0, sampling_seed=seed)
-
-
 async def _generate_all(client: HttpEngineClient) -> list[GenerateOutput]:
-    outs = await asyncio.gather(
-        *(client.generate([1, 2, 3, i], _params(100 + i), routing_key=key) for i, key in enumerate(KEYS))
-    )
-    return [o[0] for o in outs]
+    return await generate_keyed(client, KEYS)
 
 
 def test_a_killed_engines_requests_are_resent_with_their_seeds(tmp_path: Path) -> None:
@@ -58,10 +52,7 @@ def test_a_killed_engines_requests_are_resent_with_their_seeds(tmp_path: Path) -
             again = await task
 
             # every request answered once, with what a healthy engine produced (same seed, same weights)
-            assert [o.output_ids for o in again] == [o.output_ids for o in reference]
-            for o, r in zip(again, reference, strict=True):
-                assert o.output_logprobs == pytest.approx(r.output_logprobs, abs=1e-5)
-            assert {o.meta_info["engine_url"] for o in again} == {engines[0].url}
+            assert_same_answers(again, reference, served_by=engines[0].url)
             assert list(client.urls) == [engines[0].url]
             metrics = client.failover_metrics()
             assert metrics == {

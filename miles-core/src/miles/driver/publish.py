@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles.errors import EngineError
+from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
 from miles.transport.base import StagedTransport
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class WeightPublisher(ABC):
 
     def __init__(self, loop: PublishContext) -> None:
         self.loop = loop
-        self.weight_version = "0"
+        self.weight_version = LAUNCH_WEIGHT_VERSION
         """The version the trainer's weights were last published as."""
 
     @property

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from miles.components import ComponentSettings
 from miles.errors import SettingsError
+from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
 
 __all__ = ["ATTENTION_BACKENDS", "EngineOptions", "ServeOptions", "parse_serve_args", "to_argv"]
 
@@ -76,7 +77,7 @@ class ServeOptions(EngineOptions):
     """``cpu`` or ``cuda`` (``cuda:N``)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Weights' dtype: ``auto`` keeps the checkpoint's."""
-    weight_version: str = "0"
+    weight_version: str = LAUNCH_WEIGHT_VERSION
     """Initial weight version reported by ``/model_info``."""
 
     @field_validator("device")

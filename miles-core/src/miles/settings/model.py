@@ -123,9 +123,10 @@ class ClusterSettings(_Section):
     SmolLM2 train step 1.3-2x faster on 2 cores. RSS stays at the step's peak. ``system``: glibc's defaults.
     ``GLIBC_TUNABLES`` or ``MALLOC_*`` set in the environment win over either."""
     engine_malloc: Literal["keep", "system"] = "system"
-    """On CPU, the same choice for the local engine processes (``miles serve`` started by ``miles train``):
-    ``keep`` spares each decode step's freshly mapped and page-faulted logits and activations; ``system``:
-    glibc's defaults. ``GLIBC_TUNABLES`` or ``MALLOC_*`` set in the environment win over either."""
+    """On CPU, the same choice for the local engine processes (``miles serve`` started by ``miles train``).
+    ``system`` (glibc's defaults) by default: the engine's decode measured no faster with ``keep``, and its RSS
+    grows less (``docs/reliability.md``, "Soak"). ``GLIBC_TUNABLES`` or ``MALLOC_*`` set in the environment win
+    over either."""
 
 
 class DataSettings(_Section):

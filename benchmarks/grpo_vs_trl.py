@@ -180,49 +180,14 @@ def run_miles(spec: dict[str, Any], workdir: Path, variant: str, threads: int | 
 
 
 # --------------------------------------------------------------------------------------------- TRL
-def _trl_worker(spec_path: str, out_path: str) -> None:
-    """Runs inside the interpreter that has ``trl``: one GRPOTrainer run, step times to ``out_path``."""
-    spec = json.loads(Path(spec_path).read_text())
-    import torch
+def trl_grpo_config(spec: dict[str, Any]) -> Any:
+    """TRL's ``GRPOConfig`` for ``spec``: the same run as :func:`_miles_config` describes (no KL, group-scaled
+    rewards, per-sequence token means, constant learning rate, AdamW, clipping at 1.0); ``spec["bf16"]``
+    selects TRL's bf16 autocast over float32 weights."""
+    from trl import GRPOConfig
 
-    torch.set_num_threads(spec["threads"])
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines() if line.strip()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in rows])
-    pattern = re.compile(ANSWER_PATTERN)
-
-    def exact_match(prompts: list[Any], completions: list[Any], label: list[str], **_: Any) -> list[float]:
-        scores = []
-        for completion, answer in zip(completions, label, strict=True):
-            text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
-            found = pattern.search(text)
-            scores.append(1.0 if found and found.group(1) == answer else 0.0)
-        return scores
-
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self._start = 0.0
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if spec["device"] == "cuda":
-                torch.cuda.synchronize()
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if spec["device"] == "cuda":
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self._start)
-
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     n = spec["completion_tokens"]
-    config = GRPOConfig(
+    return GRPOConfig(
         output_dir=spec["output_dir"],
         use_cpu=spec["device"] == "cpu",
         bf16=bool(spec.get("bf16", False)),
@@ -258,6 +223,50 @@ def _trl_worker(spec_path: str, out_path: str) -> None:
         dataloader_num_workers=0,
         seed=spec["seed"],
     )
+
+
+def _trl_worker(spec_path: str, out_path: str) -> None:
+    """Runs inside the interpreter that has ``trl``: one GRPOTrainer run, step times to ``out_path``."""
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines() if line.strip()]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in rows])
+    pattern = re.compile(ANSWER_PATTERN)
+
+    def exact_match(prompts: list[Any], completions: list[Any], label: list[str], **_: Any) -> list[float]:
+        scores = []
+        for completion, answer in zip(completions, label, strict=True):
+            text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
+            found = pattern.search(text)
+            scores.append(1.0 if found and found.group(1) == answer else 0.0)
+        return scores
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._start = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if spec["device"] == "cuda":
+                torch.cuda.synchronize()
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if spec["device"] == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._start)
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    config = trl_grpo_config(spec)
     timer = StepTimer()
     trainer = GRPOTrainer(
         model=model,

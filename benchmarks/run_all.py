@@ -28,6 +28,7 @@ from benchmarks.common import BENCH_DIR, DEFAULT_THREADS, RESULTS_DIR, child_env
 
 SUITE: dict[str, dict[str, list[str]]] = {
     "grpo_vs_trl": {"full": ["--rounds", "2", "--steps", "3"], "quick": ["--quick"]},
+    "grpo_same_batch": {"full": [], "quick": ["--model", "tiny", "--quick"]},
     "engine": {"full": [], "quick": ["--models", "tiny", "--batches", "1,8", "--repeats", "2"]},
     "engine_http": {"full": [], "quick": ["--quick"]},
     "weight_sync": {"full": [], "quick": ["--quick"]},
@@ -55,7 +56,16 @@ SUITE: dict[str, dict[str, list[str]]] = {
 }
 """Benchmarks in run order, with the arguments of a full and a ``--quick`` run."""
 
-OWN_JSON = {"grpo_vs_trl", "engine_http", "weight_sync", "disk_delta", "scaling", "router", "sessions"}
+OWN_JSON = {
+    "grpo_vs_trl",
+    "grpo_same_batch",
+    "engine_http",
+    "weight_sync",
+    "disk_delta",
+    "scaling",
+    "router",
+    "sessions",
+}
 """Benchmarks that take ``--device`` / ``--threads`` / ``--results-dir`` and write their own JSON."""
 
 

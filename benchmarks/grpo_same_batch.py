@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{c['cosine']:.6f}",
                     f"{c['relative_difference']:.2e}",
                     f"{c['worst_tensor_cosine']:.4f} ({c['worst_tensor']})",
-                    f"{u['cosine']:.4f}",
+                    f"{u['cosine']:.6f}",
                     f"{steps[a]['grad_norm']:.4f} / {steps[b]['grad_norm']:.4f}",
                 )
             )

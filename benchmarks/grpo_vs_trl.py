@@ -69,9 +69,15 @@ MILES_VARIANTS: dict[str, dict[str, Any]] = {
     "fully_async": {"mode": "fully_async", "precision": "fp32", "set": []},
     "bf16-sync": {"mode": "sync", "precision": "bf16", "set": FAST},
     "bf16-async": {"mode": "fully_async", "precision": "bf16", "set": FAST},
+    "bf16-sync-fp32-engine": {
+        "mode": "sync",
+        "precision": "bf16",
+        "set": [*FAST[1:], "rollout.engine_dtype=float32"],
+    },
 }
 """Miles' sides by name: rollout mode, ``precision`` (the trainer's recipe; ``bf16`` is bf16 compute over fp32
-master weights) and ``--set`` overrides of ``miles train`` (the ``bf16-*`` sides: :data:`FAST`). Every side runs
+master weights) and ``--set`` overrides of ``miles train`` (the ``bf16-*`` sides: :data:`FAST`;
+``bf16-sync-fp32-engine``: the same with the engine in float32, sampling from the float32 weights). Every side runs
 the trainer's defaults (oneDNN GEMMs, ``packed_sdpa`` attention with shared prompts, the plain module at one
 rank). ``--miles-set`` adds overrides to every side."""
 
@@ -322,20 +328,47 @@ def run_trl(spec: dict[str, Any], workdir: Path, python: str, threads: int, bf16
     return {"step_times": times, "step_s": median(times), "wall_s": wall, "reward_mean": out["reward_mean"]}
 
 
-def permutation_p(a: list[float], b: list[float]) -> float:
-    """Exact two-sided permutation test of ``mean(a) - mean(b)``: the share of the splits of ``a + b`` into
-    groups of their sizes whose difference is at least as large (the observed split included)."""
+EXACT_SPLITS = 200_000
+"""Up to this many splits the permutation test enumerates them all; beyond, it draws :data:`RANDOM_SPLITS`."""
+RANDOM_SPLITS = 100_000
+
+
+def permutation_p(a: list[float], b: list[float], *, seed: int = 0) -> float:
+    """Two-sided permutation test of ``mean(a) - mean(b)``: the share of the splits of ``a + b`` into groups of
+    their sizes whose difference is at least as large. Exact (every split, the observed one included) when
+    there are at most :data:`EXACT_SPLITS` (8 + 8 runs: 12,870); else over :data:`RANDOM_SPLITS` random splits
+    drawn with ``seed``, as ``(count + 1) / (draws + 1)`` (16 + 16 runs have 601 million splits)."""
+    import random
     from itertools import combinations
+    from math import comb
 
     pooled, n = a + b, len(a)
+    total_sum = sum(pooled)
     observed = abs(sum(a) / n - sum(b) / len(b))
-    count = total = 0
-    for chosen in combinations(range(len(pooled)), n):
-        left = [pooled[i] for i in chosen]
-        right = [pooled[i] for i in range(len(pooled)) if i not in chosen]
-        total += 1
-        count += abs(sum(left) / n - sum(right) / len(right)) >= observed - 1e-12
-    return count / total
+
+    def extreme(left_sum: float) -> bool:
+        return abs(left_sum / n - (total_sum - left_sum) / len(b)) >= observed - 1e-12
+
+    if comb(len(pooled), n) <= EXACT_SPLITS:
+        count = total = 0
+        for chosen in combinations(pooled, n):
+            total += 1
+            count += extreme(sum(chosen))
+        return count / total
+    rng = random.Random(seed)
+    count = sum(extreme(sum(rng.sample(pooled, n))) for _ in range(RANDOM_SPLITS))
+    return (count + 1) / (RANDOM_SPLITS + 1)
+
+
+def difference_ci(a: list[float], b: list[float], *, draws: int = 20_000, seed: int = 0) -> tuple[float, float, float]:
+    """``mean(a) - mean(b)`` and its 95% percentile-bootstrap interval (each side resampled with replacement)."""
+    import random
+
+    rng = random.Random(seed)
+    diffs = sorted(
+        sum(rng.choices(a, k=len(a))) / len(a) - sum(rng.choices(b, k=len(b))) / len(b) for _ in range(draws)
+    )
+    return sum(a) / len(a) - sum(b) / len(b), diffs[int(0.025 * draws)], diffs[int(0.975 * draws) - 1]
 
 
 def _reward_rows(model: str, entry: dict[str, Any], reference: str) -> list[tuple[Any, ...]]:
@@ -359,8 +392,13 @@ def _reward_rows(model: str, entry: dict[str, Any], reference: str) -> list[tupl
             sd = statistics.stdev(per_run) if len(per_run) > 1 else 0.0
             cells.append(f"{statistics.fmean(per_run):.3f} ± {sd:.3f}")
         means = run_means(side)
-        p = "-" if side == reference else f"{permutation_p(means, ref_means):.2f}"
-        rows.append((model, side, ", ".join(f"{m:.3f}" for m in means), *cells, p))
+        if side == reference:
+            p = diff = "-"
+        else:
+            p = f"{permutation_p(means, ref_means):.2f}"
+            d, lo, hi = difference_ci(means, ref_means)
+            diff = f"{d:+.3f} ({lo:+.3f} to {hi:+.3f})"
+        rows.append((model, side, ", ".join(f"{m:.3f}" for m in means), *cells, diff, p))
         pooled["reward_run_means"] = means
     return rows
 
@@ -379,7 +417,11 @@ def combine(paths: list[Path]) -> dict[str, Any]:
     seeds = sorted({r.get("seed") for e in merged.values() for p in e.values() for r in p["rounds"]}, key=str)
     print(f"### Rewards across seeds ({len(paths)} results, seeds {seeds})\n")
     quarters = [f"steps {q}" for q in ("Q1", "Q2", "Q3", "Q4")]
-    print(markdown_table(["model", "side", "per-run means", *quarters, "p vs " + reference], rows))
+    print(
+        markdown_table(
+            ["model", "side", "per-run means", *quarters, "mean difference (95% CI)", "p vs " + reference], rows
+        )
+    )
     return {"results": merged, "rows": rows}
 
 
@@ -563,11 +605,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if reward_rows:
         print(
             f"\n### Rewards across seeds ({args.rounds} seed-matched runs a side)\n\nPer run: the mean reward of every "
-            "step; per quarter of the run: mean ± sd over the runs. p: an exact two-sided permutation test of the "
-            "per-run means against the reference side (a large p: no difference the runs can show).\n"
+            "step; per quarter of the run: mean ± sd over the runs. Mean difference: of the per-run means from the "
+            "reference side's, with a 95% bootstrap interval. p: a two-sided permutation test of the per-run means "
+            "against the reference side (a large p: no difference the runs can show).\n"
         )
         quarters = [f"steps {q}" for q in ("Q1", "Q2", "Q3", "Q4")]
-        print(markdown_table(["model", "side", "per-run means", *quarters, "p vs " + reference], reward_rows))
+        print(
+            markdown_table(
+                ["model", "side", "per-run means", *quarters, "mean difference (95% CI)", "p vs " + reference],
+                reward_rows,
+            )
+        )
     for note in notes:
         print(f"\n- {note}")
     payload = {

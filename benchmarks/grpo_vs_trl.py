@@ -54,7 +54,17 @@ PROMPTS = REPO_ROOT / "examples" / "quickstart" / "train.jsonl"
 
 ANSWER_PATTERN = r"(-?\d+)(?!.*\d)"
 """The reward: the last integer of the completion equals the label (Miles' ``exact_match`` with this
-regex; the same check as a Python callable for TRL)."""
+regex; the same check as a Python callable for TRL, :func:`last_integer`)."""
+
+
+def last_integer(text: str) -> str | None:
+    """The answer both sides compare with the label: :data:`ANSWER_PATTERN` searched with ``re.DOTALL``, as
+    Miles' ``exact_match`` searches it, so the lookahead spans lines and the match is the completion's last
+    integer. (Without ``DOTALL`` it stops at the line's end and takes the first integer that ends its line:
+    ``"21\\nWhat is 3 + 4? 7"`` gives 21, not 7. TRL's side was scored that way, more leniently than Miles',
+    until 2026-12-05.)"""
+    found = re.search(ANSWER_PATTERN, text, flags=re.DOTALL)
+    return found.group(1) if found else None
 
 
 FAST = [
@@ -243,14 +253,12 @@ def _trl_worker(spec_path: str, out_path: str) -> None:
 
     rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in rows])
-    pattern = re.compile(ANSWER_PATTERN)
 
     def exact_match(prompts: list[Any], completions: list[Any], label: list[str], **_: Any) -> list[float]:
         scores = []
         for completion, answer in zip(completions, label, strict=True):
             text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
-            found = pattern.search(text)
-            scores.append(1.0 if found and found.group(1) == answer else 0.0)
+            scores.append(1.0 if last_integer(text) == answer else 0.0)
         return scores
 
     class StepTimer(TrainerCallback):

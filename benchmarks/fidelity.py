@@ -17,19 +17,20 @@ Prints a markdown table and writes ``benchmarks/results/fidelity.json``.
 from __future__ import annotations
 
 import argparse
-import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import add_common_args, machine_info, markdown_table, median, pin_threads, write_result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from benchmarks.common import (
+    add_common_args,
+    free_port,
+    machine_info,
+    markdown_table,
+    median,
+    pin_threads,
+    write_result,
+)
 
 
 def _own_routing(model: Path, tokens: list[int]) -> Any:
@@ -124,7 +125,7 @@ def main() -> None:
     }
     rows = []
     results: dict[str, Any] = {}
-    ctx = init_distributed(0, 1, master_port=_free_port())
+    ctx = init_distributed(0, 1, master_port=free_port())
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for label, (arch, switch) in cases.items():

@@ -34,10 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from benchmarks.common import (
     REPO_ROOT,
     add_common_args,
     child_env,
+    free_port,
     machine_info,
     markdown_table,
     model_dir,
@@ -105,6 +106,33 @@ def build_batch(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class StepCapture:
+    """A side's gradients just before its optimizer step and the parameter changes the step makes, in float32."""
+
+    def __init__(self, named_parameters: Callable[[], Iterator[tuple[str, Any]]]) -> None:
+        self.named_parameters = named_parameters
+        self.grads: dict[str, Any] = {}
+        self.updates: dict[str, Any] = {}
+        self._before: dict[str, Any] = {}
+
+    def before_step(self, *_: Any) -> None:
+        for name, param in self.named_parameters():
+            if param.grad is not None:
+                self.grads[name] = param.grad.detach().float().clone().contiguous()
+                self._before[name] = param.detach().float().clone()
+
+    def after_step(self, *_: Any) -> None:
+        for name, param in self.named_parameters():
+            if name in self._before:
+                self.updates[name] = (param.detach().float() - self._before.pop(name)).contiguous()
+
+    def save(self, out_dir: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.grads, str(out_dir / "grads.safetensors"))
+        save_file(self.updates, str(out_dir / "updates.safetensors"))
+
+
 # ----------------------------------------------------------------------------------------------- TRL
 def _trl_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
     """Inside the interpreter that has ``trl``: one GRPOTrainer step on the batch; gradients to ``out_dir``."""
@@ -114,7 +142,6 @@ def _trl_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
     batch = json.loads(Path(batch_path).read_text())
     torch.set_num_threads(spec["threads"])
     from datasets import Dataset
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
@@ -138,21 +165,14 @@ def _trl_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
         assert len(served) == len(completions), (len(served), len(completions))
         return [batch["rewards"][p][k] for p, k in served]
 
-    captured: dict[str, torch.Tensor] = {}
-    before: dict[str, torch.Tensor] = {}
-    updates: dict[str, torch.Tensor] = {}
+    capture = StepCapture(lambda: trainer.model.named_parameters())
 
     class Capture(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            for name, param in trainer.model.named_parameters():
-                if param.grad is not None:
-                    captured[name] = param.grad.detach().float().clone().contiguous()
-                    before[name] = param.detach().float().clone()
+            capture.before_step()
 
         def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            for name, param in trainer.model.named_parameters():
-                if name in before:
-                    updates[name] = (param.detach().float() - before.pop(name)).contiguous()
+            capture.after_step()
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     if tokenizer.pad_token is None:
@@ -170,19 +190,12 @@ def _trl_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
     trainer._generate_single_turn = generate  # type: ignore[method-assign]
     trainer.train()
     logged = next(h for h in trainer.state.log_history if "loss" in h)
-    save_file(captured, str(Path(out_dir) / "grads.safetensors"))
-    save_file(updates, str(Path(out_dir) / "updates.safetensors"))
+    capture.save(Path(out_dir))
     meta = {"loss": float(logged["loss"]), "grad_norm": float(logged["grad_norm"]), "served": served}
     (Path(out_dir) / "meta.json").write_text(json.dumps(meta))
 
 
 # --------------------------------------------------------------------------------------------- Miles
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _miles_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
     """One Miles trainer step on the batch, built as ``miles train`` builds it; gradients to ``out_dir``."""
     import torch
@@ -190,7 +203,6 @@ def _miles_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     batch = json.loads(Path(batch_path).read_text())
     torch.set_num_threads(spec["threads"])
-    from safetensors.torch import save_file
 
     from miles.driver.batching import prepare_minibatches
     from miles.driver.run import build_run
@@ -204,7 +216,7 @@ def _miles_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
     overrides = FAST if spec["precision"] == "bf16" else []
     run = build_run(load_settings(config, overrides=overrides))
     run.materialize_model()
-    dist = init_distributed(0, 1, master_port=_free_port())
+    dist = init_distributed(0, 1, master_port=free_port())
     try:
         trainer = run.trainer(dist)
         trainer.setup()
@@ -240,29 +252,14 @@ def _miles_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
         )
         actor = trainer.actor  # type: ignore[attr-defined]
         optimizer = trainer._parts["actor"][1]  # type: ignore[attr-defined]
-        captured: dict[str, torch.Tensor] = {}
-        before: dict[str, torch.Tensor] = {}
-        updates: dict[str, torch.Tensor] = {}
-
-        def capture(*_: Any) -> None:
-            for name, param in actor.named_parameters():
-                if param.grad is not None:
-                    captured[name] = param.grad.detach().float().clone().contiguous()
-                    before[name] = param.detach().float().clone()
-
-        def update(*_: Any) -> None:
-            for name, param in actor.named_parameters():
-                if name in before:
-                    updates[name] = (param.detach().float() - before.pop(name)).contiguous()
-
-        optimizer.register_step_pre_hook(capture)
-        optimizer.register_step_post_hook(update)
+        capture = StepCapture(actor.named_parameters)
+        optimizer.register_step_pre_hook(capture.before_step)
+        optimizer.register_step_post_hook(capture.after_step)
         metrics = trainer.train_step(step, run.algorithm, temperature=temperature)
         trainer.close()
     finally:
         shutdown_distributed()
-    save_file(captured, str(out / "grads.safetensors"))
-    save_file(updates, str(out / "updates.safetensors"))
+    capture.save(out)
     (out / "meta.json").write_text(
         json.dumps({"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "metrics": metrics})
     )

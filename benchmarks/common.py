@@ -14,7 +14,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,13 +68,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         default=RESULTS_DIR,
         help="where the JSON result is written (default benchmarks/results)",
     )
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for a one-rank gloo group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_env(threads: int, **extra: str) -> dict[str, str]:

@@ -24,13 +24,13 @@ from typing import Any
 
 from benchmarks.common import (
     add_common_args,
-    free_port,
     machine_info,
     markdown_table,
     median,
     pin_threads,
     write_result,
 )
+from miles.net import free_port
 
 
 def _own_routing(model: Path, tokens: list[int]) -> Any:

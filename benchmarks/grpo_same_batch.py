@@ -45,7 +45,6 @@ from benchmarks.common import (
     REPO_ROOT,
     add_common_args,
     child_env,
-    free_port,
     machine_info,
     markdown_table,
     model_dir,
@@ -53,6 +52,7 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.grpo_vs_trl import FAST, PROMPTS, _miles_config, trl_grpo_config, trl_python
+from miles.net import free_port
 
 
 # --------------------------------------------------------------------------------------------- batch

@@ -124,7 +124,7 @@ async def run_groups(client: Any, args: argparse.Namespace, seed: int) -> list[R
 @contextmanager
 def smg(policy: str, urls: list[str], workdir: Path) -> Iterator[str]:
     """A real smg in front of ``urls`` (the command Miles launches), stopped on leaving."""
-    from miles.engine.process import free_port
+    from miles.net import free_port
     from miles.rollout.router import smg_argv, wait_for_router
     from miles.settings.model import RouterSettings
 

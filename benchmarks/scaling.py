@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.repeats = args.repeats or (2 if args.quick else 3)
     pin_threads(args.threads)
 
-    from miles.engine.process import free_port
+    from miles.net import free_port
 
     results: dict[str, Any] = {}
     tables = []

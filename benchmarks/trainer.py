@@ -232,7 +232,7 @@ def _measure(backend: str, model: Path, args: argparse.Namespace, workdir: Path)
 def _worker(spec_json: str) -> None:
     import torch.multiprocessing as mp
 
-    from miles.engine.process import free_port
+    from miles.net import free_port
 
     spec = json.loads(spec_json)
     args = argparse.Namespace(**spec["args"])

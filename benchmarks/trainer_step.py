@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.model, args.rounds, args.steps = "tiny", 1, 1
     pin_threads(args.threads)
-    from miles.engine.process import free_port
+    from miles.net import free_port
     from miles_fsdp.distributed import init_distributed, shutdown_distributed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -14,7 +14,6 @@ the error the setting used to cause.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from miles.engine.process import EngineProcess
+from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
@@ -33,12 +33,6 @@ from miles.types import Sample
 
 ROUNDING = 1e-5
 """|trainer - engine| allowed: float32 rounding of two GEMM implementations (observed ~1e-6)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +53,7 @@ def dist_world() -> Iterator[Any]:
     from miles_fsdp.distributed import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=_free_port())
+    ctx = init_distributed(0, 1, master_port=free_port())
     try:
         yield ctx
     finally:

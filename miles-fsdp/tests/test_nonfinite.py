@@ -3,7 +3,6 @@ count stay where they were, and the next finite step trains normally (one gloo r
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,14 +10,9 @@ import pytest
 import torch
 
 from miles.errors import NonFiniteStepError
+from miles.net import free_port
 from miles.testing.algorithms import RatioPG
 from miles.training.batch import TrainBatch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -32,7 +26,7 @@ def trainer(tmp_path: Path) -> Iterator[object]:
 
     torch.set_num_threads(1)
     model = build_tiny_model(tmp_path / "model", "qwen2", seed=3)
-    ctx = init_distributed(0, 1, master_port=_free_port())
+    ctx = init_distributed(0, 1, master_port=free_port())
     try:
         t = FSDPTrainer(TrainSettings(model_path=str(model), lr=1e-2), FSDPSettings(), FP32(None), ctx)  # type: ignore[arg-type, call-arg]
         t.setup()

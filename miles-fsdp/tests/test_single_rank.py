@@ -4,7 +4,6 @@ trainer, on one in-process gloo rank and a tiny Llama with tied embeddings."""
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,11 +12,7 @@ import fsdp_job as job
 import pytest
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from miles.net import free_port
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +20,7 @@ def world() -> Iterator[Any]:
     from miles_fsdp.distributed import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=_free_port())
+    ctx = init_distributed(0, 1, master_port=free_port())
     try:
         yield ctx
     finally:

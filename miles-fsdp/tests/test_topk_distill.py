@@ -5,7 +5,6 @@ training on the top-k reverse KL lowers it."""
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from miles.algorithms.base import LossInputs, LossOutput
 from miles.algorithms.builtin import Distill
 from miles.algorithms.settings import DistillSettings
+from miles.net import free_port
 from miles.training.batch import TrainBatch
 
 K = 3
@@ -59,12 +59,6 @@ def _batch(vocab: int) -> TrainBatch:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from miles.testing.models import build_tiny_model
@@ -81,7 +75,7 @@ def trainer(model: Path) -> Iterator[object]:
     from miles_fsdp.trainer import FSDPTrainer
 
     torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=_free_port())
+    ctx = init_distributed(0, 1, master_port=free_port())
     try:
         train = TrainSettings(model_path=str(model), lr=1e-2, max_tokens_per_micro_batch=16)  # type: ignore[call-arg]
         t = FSDPTrainer(train, FSDPSettings(), FP32(None), ctx)  # type: ignore[arg-type]

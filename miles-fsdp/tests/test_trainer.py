@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +19,9 @@ import fsdp_job as job
 import pytest
 import torch
 
+from miles.net import free_port
+
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class JobResult:
@@ -70,7 +65,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         "--out",
         str(root / "out"),
         "--port",
-        str(_free_port()),
+        str(free_port()),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stderr[-6000:]}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from miles.engine.process import EngineProcess
+from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
@@ -29,12 +29,6 @@ from miles.training.batch import TrainBatch
 from miles.types import Sample
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79], [7, 8, 9], [100, 200, 300, 400, 5]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +50,7 @@ def dist_world() -> Iterator[Any]:
     from miles_fsdp.distributed import init_distributed, shutdown_distributed
 
     torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=_free_port())
+    ctx = init_distributed(0, 1, master_port=free_port())
     try:
         yield ctx
     finally:

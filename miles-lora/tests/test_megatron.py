@@ -19,7 +19,7 @@ import megatron_lora_job as job
 import pytest
 import torch
 from lora_job import make_sequences
-from test_trainer import _free_port, max_diff, reference_logprobs
+from test_trainer import free_port, max_diff, reference_logprobs
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -54,7 +54,7 @@ class Run:
 def _run(args: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
-        [sys.executable, job.__file__, *args, "--port", str(_free_port())],
+        [sys.executable, job.__file__, *args, "--port", str(free_port())],
         env=env,
         capture_output=True,
         text=True,

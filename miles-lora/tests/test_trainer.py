@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +14,9 @@ import lora_job as job
 import pytest
 import torch
 
+from miles.net import free_port
+
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def reference_logprobs(model: Any, tokens: list[list[int]], prompts: list[int]) -> list[torch.Tensor]:
@@ -55,7 +50,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = root / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, job.__file__, "--world-size", "2", "--model", str(model), "--out", str(out)]
-    subprocess.run([*cmd, "--port", str(_free_port())], check=True, env=env, timeout=400)
+    subprocess.run([*cmd, "--port", str(free_port())], check=True, env=env, timeout=400)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     tokens, prompts = job.make_sequences(7, 4, vocab)
     results = [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]

@@ -148,7 +148,7 @@ def _child(
 def _run(name: str, scenario: str, until: str, disabled: str, models: Path, out: Path) -> dict[str, Any]:
     import multiprocessing
 
-    from miles.launch.rendezvous import free_port
+    from miles.net import free_port
 
     spec = SCENARIOS[scenario]
     port = free_port("127.0.0.1")

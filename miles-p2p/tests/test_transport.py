@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,17 +17,12 @@ from typing import Any
 import pytest
 
 from miles.engine.process import EngineProcess
+from miles.net import free_port
 
 pytestmark = pytest.mark.slow  # two engine processes and one two-rank launch per data path
 
 JOB = Path(__file__).with_name("p2p_job.py")
 ENGINE_ARGS = ["--dtype", "bfloat16", "--enable-debug-endpoints", "--attention-backend", "sdpa"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +47,7 @@ def run_job(model: Path, datapath: str, tmp: Path) -> tuple[list[dict[str, Any]]
         cmd = [
             sys.executable, str(JOB), "--model", str(model), "--urls", f"{a.url},{b.url}",
             "--kill-pid", str(b.proc.pid), "--datapath", datapath, "--out", str(tmp / "out"),
-            "--port", str(_free_port()), "--timeout", "10",
+            "--port", str(free_port()), "--timeout", "10",
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

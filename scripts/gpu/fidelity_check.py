@@ -42,7 +42,7 @@ def main() -> None:
         with EngineProcess(model, extra_args=args, log_path=Path(tmp) / "engine.log") as engine:
             samples = r3.rollout(engine.url)
         batch = TrainBatch.from_samples(samples)
-        ctx = init_distributed(0, 1, device=DEVICE, local_rank=0, master_port=r3._free_port())
+        ctx = init_distributed(0, 1, device=DEVICE, local_rank=0, master_port=r3.free_port())
         try:
             results = {}
             for replay in (False, True):

@@ -53,7 +53,7 @@ def test_grpo_through_smg_with_two_engines(tmp_path: Path, tiny_model: Path, pro
     config = write_config(tmp_path, tiny_model, prompts, run_dir, ROUTER, ranks=1, rollouts=2)
     out = miles("train", str(config), "--set", "cluster.num_engines=2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    launch = json.loads((run_dir / "launch.json").read_text())
+    launch = json.loads((run_dir / "fleet.json").read_text())
     assert len(launch["engine_urls"]) == 2 and launch["router_url"] not in launch["engine_urls"]
     assert (run_dir / "logs" / "router.log").exists()
     rows = metrics(run_dir)
@@ -175,7 +175,7 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
     import time
 
     from miles.engine.process import EngineProcess
-    from miles.launch.rendezvous import free_port
+    from miles.net import free_port
     from miles.rollout.http_client import EngineError, HttpEngineClient
     from miles.rollout.router import smg_argv, wait_for_router
     from miles.settings.model import RouterSettings

@@ -476,7 +476,7 @@ def view_in_browser(run_dir: Path, tmp_path: Path, samples: list[object]) -> Non
         if os.environ.get("MILES_REQUIRE_BROWSER"):
             pytest.fail("MILES_REQUIRE_BROWSER is set but no chromium is installed (apt-get install chromium)")
         pytest.skip("no chromium (apt-get install chromium) to render miles view")
-    from miles.launch.rendezvous import free_port
+    from miles.net import free_port
 
     port = free_port()
     server = subprocess.Popen(
@@ -609,9 +609,9 @@ def test_debug_mode_runs_engine_driver_and_trainer_in_one_process(
 
 
 def engine_pid(run_dir: Path, index: int) -> int | None:
-    """The PID of engine ``index`` of the run (found by the port of its URL in ``launch.json``)."""
+    """The PID of engine ``index`` of the run (found by the port of its URL in ``fleet.json``)."""
     try:
-        url = json.loads((run_dir / "launch.json").read_text())["engine_urls"][index]
+        url = json.loads((run_dir / "fleet.json").read_text())["engine_urls"][index]
     except (OSError, ValueError, KeyError, IndexError):
         return None
     port = f"--port {url.rsplit(':', 1)[1]} ".encode()
@@ -731,7 +731,7 @@ def kill_then_hold_until_restarted(
         if not died():
             return False
         gate.touch()
-        urls = json.loads((run_dir / "launch.json").read_text())["engine_urls"]
+        urls = json.loads((run_dir / "fleet.json").read_text())["engine_urls"]
         restarted = [i for i in (0, 1) if engine_pid(run_dir, i) not in (None, pids[i])]
         if restarted and all(serves(urls[i]) for i in restarted):
             gate.unlink()

@@ -379,7 +379,7 @@ def test_a_killed_engine_actor_is_restarted_in_a_new_actor_and_rejoins(
                     now = json.loads(placement.read_text())["engine-1"]
                 except ValueError:
                     continue
-                url = json.loads((run_dir / "launch.json").read_text())["engine_urls"][1]
+                url = json.loads((run_dir / "fleet.json").read_text())["engine_urls"][1]
                 if now["process_pid"] != first["process_pid"] and serves(url):
                     gate.closed.clear()
             time.sleep(0.1)

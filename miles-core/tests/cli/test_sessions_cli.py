@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles.engine.process import free_port
+from miles.net import free_port
 from miles.testing.chat_templates import build_chat_tokenizer
 
 

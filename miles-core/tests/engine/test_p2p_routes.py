@@ -129,7 +129,8 @@ def test_shared_memory_session_commits_only_complete_versions(engine: EngineProc
 
 
 def test_torch_session_receives_over_a_gloo_group_and_names_a_missing_chunk(engine: EngineProcess) -> None:
-    from miles.transport.broadcast import free_port, make_process_group
+    from miles.net import free_port
+    from miles.transport.broadcast import make_process_group
 
     port = free_port()
     sid = f"t-{uuid.uuid4().hex[:8]}"

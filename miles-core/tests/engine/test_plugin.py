@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from miles.components import ComponentKind
-from miles.engine.process import free_port
+from miles.net import free_port
 from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.manager import PluginManager
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +22,8 @@ import pytest
 from miles.components import ComponentKind
 from miles.errors import LaunchError
 from miles.launch.local import LocalLauncher, LocalLauncherSettings
-from miles.launch.rendezvous import free_port, trainer_specs
+from miles.launch.rendezvous import trainer_specs
+from miles.net import free_port
 from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.manager import PluginManager
 from miles.rollout.engine import EngineLaunch
@@ -130,6 +133,31 @@ def test_engine_exiting_early_fails_fast_with_its_log_tail(tmp_path: Path) -> No
     assert (info.value.process, info.value.returncode) == ("engine-1", 3)
     assert all(gone(p.pid) for p in lau.processes)  # the good engine was stopped too
     lau.shutdown()
+
+
+def test_an_engine_whose_port_was_taken_starts_again_on_another(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The race of choosing a port and binding it, made to happen: another socket listens on the engine's port
+    before the engine binds it. The engine fails to bind, the launcher starts it on another port (saying so
+    once) and returns the URL it answers on."""
+
+    def at(host: str, port: int) -> EngineLaunch:
+        argv = [sys.executable, "-m", "http.server", str(port), "--bind", host, "--directory", str(tmp_path)]
+        return EngineLaunch(argv=argv, url=f"http://{host}:{port}", env=CHILD_ENV, health_path="/", rebind=at)
+
+    with socket.socket() as squatter, launcher(tmp_path) as lau, caplog.at_level(logging.WARNING):
+        squatter.bind(("127.0.0.1", free_port()))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        (url,) = lau.start_engines([at("127.0.0.1", taken)], timeout=60, wait=False)
+        assert url.endswith(f":{taken}")  # not final until it answers
+        (final,) = lau.wait_engines(timeout=60)
+        assert not final.endswith(f":{taken}") and lau.engine_urls == [final]
+        assert httpx.get(final + "/", trust_env=False).status_code == 200
+        assert lau.engines[0].exit_status() is None
+    moves = [r.getMessage() for r in caplog.records if "was taken before the engine could bind" in r.getMessage()]
+    assert moves == [f"engine-0: port {taken} was taken before the engine could bind it; starting it again on {final}"]
 
 
 def test_engine_not_healthy_in_time(tmp_path: Path) -> None:
@@ -297,7 +325,8 @@ def test_shutdown_kills_sigterm_ignorers_and_their_group(tmp_path: Path, script:
 DRIVER = """
 import json, logging, sys, time
 from miles.launch.local import LocalLauncher, LocalLauncherSettings
-from miles.launch.rendezvous import free_port, trainer_specs
+from miles.launch.rendezvous import trainer_specs
+from miles.net import free_port
 from miles.rollout.engine import EngineLaunch
 logging.basicConfig(level=logging.INFO)
 out, engine_argv, url, sleeper = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])

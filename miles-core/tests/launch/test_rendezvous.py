@@ -6,14 +6,7 @@ import socket
 
 import pytest
 
-from miles.launch.rendezvous import free_port, trainer_specs
-
-
-def test_free_port_can_be_bound() -> None:
-    port = free_port()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))
-    assert 0 < port < 65536
+from miles.launch.rendezvous import RendezvousStore, trainer_specs
 
 
 def test_trainer_specs_set_torchrun_variables() -> None:
@@ -30,9 +23,33 @@ def test_trainer_specs_set_torchrun_variables() -> None:
         "LOCAL_WORLD_SIZE": "3",
         "CUDA_VISIBLE_DEVICES": "1,2",
     }
-    ports = {s.env["MASTER_PORT"] for s in trainer_specs(["x"], 2)}
-    assert len(ports) == 1 and int(ports.pop()) > 0
+    # without a port the launcher hosts the store and points the ranks at it
+    assert not {"MASTER_ADDR", "MASTER_PORT"} & set(trainer_specs(["x"], 2)[0].env)
     assert "CUDA_VISIBLE_DEVICES" not in trainer_specs(["x"], 1)[0].env
+
+
+def test_rendezvous_store_is_bound_before_the_ranks_are_told() -> None:
+    """The store listens on its port the moment it exists: no other process can take the port between the
+    launcher choosing it and the ranks joining (they connect as clients, as to torchrun's agent store)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rendezvous = RendezvousStore("127.0.0.1", timeout=30)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError):
+            squatter.bind(("127.0.0.1", rendezvous.port))  # taken: by the store
+    specs = trainer_specs(["x"], 2)
+    rendezvous.join(specs)
+    env = specs[1].env
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["MASTER_PORT"] == str(rendezvous.port)
+    client = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), None, False, timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    assert rendezvous.store.get("k") == b"v"
+    given = trainer_specs(["x"], 1, master_port=29555)
+    rendezvous.join(given)
+    assert given[0].env["MASTER_PORT"] == "29555"  # a rank told its own port keeps it
 
 
 def test_trainer_specs_reject_bad_shapes() -> None:

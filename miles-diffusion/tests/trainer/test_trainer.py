@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from miles.engine.process import free_port
+from miles.net import free_port
 
 JOB = Path(__file__).resolve().parent.parent / "trainer_job.py"
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -44,12 +43,8 @@ GROUP = "convert"
 def _single_rank_world() -> None:
     import torch.distributed as dist
 
-    from miles.launch.rendezvous import free_port
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():  # a world of one: its store lives in this process, no port to take
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _build(hf_dir: str, weights: str | None) -> tuple[Any, Any]:

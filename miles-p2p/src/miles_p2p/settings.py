@@ -23,7 +23,7 @@ class P2PTransportSettings(ComponentSettings):
     what Mooncake advertises. Keep loopback on one host; on a cluster, the cluster-network address (the
     ``MILES_P2P_ADDRESS`` environment variable overrides it per process)."""
     port: int = Field(0, ge=0, le=65535)
-    """Port of the ``torch`` group's store (0: a free port)."""
+    """Port of the ``torch`` group's store (0: one the OS picks as trainer rank 0 binds it)."""
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     """Mooncake's transport protocol."""
     mooncake_device: str = ""

@@ -139,17 +139,21 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
     async def _open(self) -> None:
         """Open a session on every engine and set the data path up (a collective over the trainer ranks)."""
         from miles.engine.p2p_receiver import MooncakeEndpoint, host_id
+        from miles.net import host_store
         from miles.training.comm import all_gather_json, broadcast_json
-        from miles.transport.broadcast import free_port, make_process_group, run_in_daemon_thread
+        from miles.transport.broadcast import make_process_group, run_in_daemon_thread
         from miles_p2p.datapaths import MooncakeSender, ShmSender, TorchSender
 
         dist = self._dist()
         datapath = self.settings.datapath
         meta: dict[str, Any] | None = None
+        store: Any = None
         if dist.rank == 0:
             if self.client is None:
                 raise RuntimeError("p2p transport: rank 0 needs the engine client")
-            port = (self.settings.port or free_port(self.address)) if datapath == "torch" else 0
+            port = 0
+            if datapath == "torch":  # bound before its port is told to anyone (0: the OS picks one)
+                store, port = host_store(self.address, self.settings.port, timeout=self.settings.timeout)
             meta = {
                 "session": f"miles-p2p-{uuid.uuid4().hex[:12]}",
                 "urls": list(self.client.urls),
@@ -171,7 +175,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
                     rank=rank,
                     world_size=world,
                     timeout=self.settings.timeout,
-                    is_master=rank == 0,
+                    store=store,
                 )
             )
         elif datapath == "mooncake":

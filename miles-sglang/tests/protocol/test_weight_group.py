@@ -12,7 +12,8 @@ import textwrap
 
 import torch
 
-from miles.transport.broadcast import free_port, make_process_group
+from miles.net import free_port
+from miles.transport.broadcast import make_process_group
 from miles_sglang.sglang_source import SGLangSource
 
 SGLANG_SIDE = textwrap.dedent(

@@ -31,9 +31,12 @@ def view(
         data = RunData(run_dir)
     except FileNotFoundError as exc:
         raise MilesError(str(exc)) from None
-    if port == 0:
-        from miles.launch.rendezvous import free_port
+    from miles.net import bind_socket
 
-        port = free_port(host)
-    typer.echo(f"miles view: http://{host}:{port}/ ({run_dir}; Ctrl-C to stop)")
-    uvicorn.run(create_app(data), host=host, port=port, log_level="warning", access_log=False)
+    try:
+        sock = bind_socket(host, port)  # port 0: the OS picks one as it binds
+    except OSError as exc:
+        raise MilesError(f"--port: cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    typer.echo(f"miles view: http://{host}:{sock.getsockname()[1]}/ ({run_dir}; Ctrl-C to stop)")
+    server = uvicorn.Server(uvicorn.Config(create_app(data), log_level="warning", access_log=False))
+    server.run(sockets=[sock])

@@ -46,13 +46,13 @@ async def _train(run: Run, urls: list[str], resume: str | None) -> None:
     import torch.distributed as dist
 
     from miles.driver.loop import TrainingLoop, run_to_completion
-    from miles.launch.rendezvous import free_port
+    from miles.rollout.router import EngineFleet
     from miles.training.trainer import DistContext
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    loop = TrainingLoop(run, DistContext(device=run.settings.cluster.device), engine_urls=urls, resume=resume)
+    # a world of one: its store lives in this process (no port)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    fleet = EngineFleet(urls) if urls else None
+    loop = TrainingLoop(run, DistContext(device=run.settings.cluster.device), fleet=fleet, resume=resume)
     try:
         await run_to_completion(loop)
     finally:
@@ -66,7 +66,6 @@ def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -
     from miles.engine.launch import InProcessEngine
     from miles.engine.options import ServeOptions
     from miles.engine.weight_paths import parse_weight_dirs
-    from miles.launch.rendezvous import free_port
 
     _check(run)
     run_dir = prepare_run_dir(run.settings, resume=resume, overwrite=overwrite)
@@ -83,7 +82,7 @@ def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -
         **options.model_dump(exclude={"allowed_weight_dirs"}),
         model=settings.train.model_path,
         host=settings.cluster.host,
-        port=free_port(settings.cluster.host),
+        port=0,  # the in-process engine binds a port the OS picks
         device=settings.cluster.device,
         dtype=run.engine_dtype,
         allowed_weight_dirs=os.pathsep.join([*map(str, parse_weight_dirs(options_dirs)), *allowed_weight_dirs(run)]),

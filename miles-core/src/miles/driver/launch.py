@@ -3,6 +3,7 @@ tear everything down on exit, Ctrl-C or failure."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -12,17 +13,19 @@ from typing import TYPE_CHECKING
 from miles.driver.loop import write_resolved_settings
 from miles.driver.progress import follow_metrics
 from miles.driver.rundir import prepare_run_dir
+from miles.rollout.router import FLEET_FILE
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from miles.driver.run import Run
-    from miles.launch.base import Launcher
+    from miles.launch.base import Launcher, ProcessHandle
     from miles.launch.engine_restarts import EngineDeathPolicy
+    from miles.rollout.engine import EngineLaunch
     from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 
-__all__ = ["launch_engines", "launch_fleet", "run_training", "start_router"]
+__all__ = ["finish_fleet", "launch_engines", "launch_fleet", "run_training", "start_router"]
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +101,11 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
         from miles.errors import SettingsError
 
         raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
-    launches = []
     gpus = engine.gpus_per_engine
     # colocated engines share the trainer's GPUs; the others take the GPUs after the trainer ranks'
     first = 0 if settings.cluster.colocate else settings.cluster.trainer_ranks
-    for i in range(settings.cluster.num_engines):
-        host, port = launcher.engine_address(i, settings.cluster.host)
+
+    def launch_at(i: int, host: str, port: int) -> EngineLaunch:
         launch = engine.launch(
             model_path=path,
             host=host,
@@ -116,7 +118,12 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
             colocate=settings.cluster.colocate,
         )
         launch.env = {**_child_env(settings, role="engine"), **_weight_dirs_env(run), **launch.env}
-        launches.append(launch)
+        launch.rebind = functools.partial(launch_at, i)
+        return launch
+
+    launches = [
+        launch_at(i, *launcher.engine_address(i, settings.cluster.host)) for i in range(settings.cluster.num_engines)
+    ]
     urls = launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout, wait=wait)
     if wait:
         _flush(urls)
@@ -136,26 +143,40 @@ def _flush(urls: list[str]) -> None:
                 raise LaunchError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")
 
 
+ROUTER_BIND_ATTEMPTS = 3
+"""Starts of the router on new ports when another program took its ports before it bound them."""
+
+
 def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
     """Start the ``rollout.router`` (smg) in front of ``engine_urls`` through the launcher, which owns it;
-    return its URL once it reports every engine healthy and registered."""
+    return its URL once it reports every engine healthy and registered. A router whose ports were taken before
+    it bound them is started again on others (said once in the log)."""
+    from miles.errors import LaunchError
     from miles.launch.base import ProcessSpec
     from miles.launch.process import describe_exit
-    from miles.launch.rendezvous import free_port
+    from miles.net import address_in_use, free_port
     from miles.rollout.router import smg_argv, wait_for_router
 
     settings = run.settings
     host = settings.cluster.host
-    port = free_port(host)
-    argv = smg_argv(settings.rollout.router, engine_urls, host=host, port=port, prometheus_port=free_port(host))
-    process = launcher.start_process(ProcessSpec(name="router", argv=argv))
-    url = f"http://{host}:{port}"
+    for attempt in range(1, ROUTER_BIND_ATTEMPTS + 1):
+        port, metrics_port = free_port(host), free_port(host)
+        argv = smg_argv(settings.rollout.router, engine_urls, host=host, port=port, prometheus_port=metrics_port)
+        process = launcher.start_process(ProcessSpec(name="router", argv=argv))
+        url = f"http://{host}:{port}"
 
-    def exited() -> str | None:
-        code = process.exit_status()
-        return None if code is None else f"{describe_exit(code)}; last lines of its log:\n{process.log_tail(20)}"
+        def exited(process: ProcessHandle = process) -> str | None:
+            code = process.exit_status()
+            return None if code is None else f"{describe_exit(code)}; last lines of its log:\n{process.log_tail(20)}"
 
-    wait_for_router(url, engine_urls, timeout=settings.rollout.router.startup_timeout, exited=exited)
+        try:
+            wait_for_router(url, engine_urls, timeout=settings.rollout.router.startup_timeout, exited=exited)
+            break
+        except LaunchError:
+            code = process.exit_status()
+            if attempt == ROUTER_BIND_ATTEMPTS or not address_in_use(code, process.log_tail(20)):
+                raise
+            log.warning("router: port %d or %d was taken before it could bind; starting it again", port, metrics_port)
     log.info(
         "router (smg, policy %s) is up at %s in front of %d engines",
         settings.rollout.router.policy,
@@ -165,15 +186,23 @@ def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
     return url
 
 
-def launch_fleet(run: Run, launcher: Launcher, *, model_path: str | None = None, wait: bool = True) -> EngineFleet:
-    """The engines (:func:`launch_engines`) and, with ``rollout.router = "smg"``, the router in front of them.
+def launch_fleet(run: Run, launcher: Launcher, *, model_path: str | None = None) -> EngineFleet:
+    """The engines (:func:`launch_engines`) and, with ``rollout.router = "smg"``, the router in front of them,
+    once every one answers."""
+    launch_engines(run, launcher, model_path=model_path, wait=False)
+    return finish_fleet(run, launcher)
 
-    ``wait=False`` returns without waiting for the engines when there is no router (a router is started
-    once its engines are up, so with one the engines are always waited for)."""
+
+def finish_fleet(run: Run, launcher: Launcher) -> EngineFleet:
+    """Wait for the engines started with ``wait=False`` (an engine whose port was taken meanwhile is started on
+    another: the URLs are final only now), then start the router in front of them; return the fleet."""
     from miles.rollout.router import EngineFleet
 
-    router = run.settings.rollout.router
-    urls = launch_engines(run, launcher, model_path=model_path, wait=wait or router.name == "smg")
+    settings = run.settings
+    router = settings.rollout.router
+    urls = launcher.wait_engines(timeout=settings.cluster.engine_startup_timeout)
+    if urls:
+        _flush(urls)
     router_url = start_router(run, launcher, urls) if urls and router.name == "smg" else None
     return EngineFleet(urls, router_url=router_url, routing_key_header=router.routing_key_header)
 
@@ -219,15 +248,18 @@ def run_training(
         )
         launcher.engine_deaths = _engine_death_policy(settings)
         # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
-        # rank 0 waits for the engines' health before it talks to them (with a router they are waited for here)
-        fleet = launch_fleet(run, launcher, wait=False) if run.algorithm.needs.rollout else None
-        engines = fleet.to_json() if fleet is not None else {"engine_urls": []}
-        (run_dir / "launch.json").write_text(json.dumps({**engines, "resume": resume}))
+        # rank 0 waits for the fleet (fleet.json, written here once every engine and the router answer)
+        engines = run.algorithm.needs.rollout and cluster.num_engines > 0
+        (run_dir / FLEET_FILE).unlink(missing_ok=True)  # a resumed run's old engines are gone
+        if engines:
+            launch_engines(run, launcher, wait=False)
+        (run_dir / "launch.json").write_text(json.dumps({"engines": engines, "resume": resume}))
         env = _child_env(settings)
         specs = trainer_specs(
             [sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env
         )
         launcher.start_trainers(specs)
-        launcher.wait_engines(timeout=settings.cluster.engine_startup_timeout)
+        if engines:
+            finish_fleet(run, launcher).announce(run_dir / FLEET_FILE)
         with follow_metrics(console, run_dir / "metrics.jsonl", settings.train.num_rollouts):
             return launcher.wait_trainers()

@@ -96,9 +96,9 @@ def mismatch_metrics(batches: list[TrainBatch]) -> dict[str, float]:
 class TrainingLoop:
     """Owns the components of one run on one rank.
 
-    :param engine_urls: base URLs of the engines (rank 0 talks to them; empty for SFT).
-    :param fleet: the engines and the router in front of them, when one was launched (its engine URLs
-        are ``engine_urls``).
+    :param fleet: the engines and the router in front of them (rank 0 talks to them; ``None`` for SFT), or
+        a coroutine function rank 0 awaits for them in :meth:`setup` (the launcher announces them once they
+        answer, while the ranks load their models).
     :param resume: a checkpoint to continue from (see :func:`find_checkpoint`).
     """
 
@@ -107,8 +107,7 @@ class TrainingLoop:
         run: Run,
         dist: DistContext,
         *,
-        engine_urls: list[str],
-        fleet: EngineFleet | None = None,
+        fleet: EngineFleet | Callable[[], Awaitable[EngineFleet]] | None = None,
         resume: str | None = None,
     ) -> None:
         settings = run.settings
@@ -116,8 +115,10 @@ class TrainingLoop:
         self.settings: MilesSettings = settings
         self.pm = run.plugins
         self.dist = dist
-        self.engine_urls = engine_urls
-        self.fleet = fleet
+        self.has_engines = fleet is not None
+        """Whether the run has engines (every rank knows; only rank 0 talks to them)."""
+        self.fleet: EngineFleet | None = None if callable(fleet) else fleet
+        self._announced = fleet if callable(fleet) else None
         self.resume = resume
         self.run_dir = Path(settings.log.run_dir)
         self.ckpt_root = Path(settings.checkpoint.dir or self.run_dir / "checkpoints")
@@ -128,7 +129,7 @@ class TrainingLoop:
         self.precision = run.precision
         self.algorithm = run.algorithm
         self.trainer = run.trainer(dist)
-        self.transport = run.transport() if engine_urls else None
+        self.transport = run.transport() if self.has_engines else None
         self.sampler: WeightSampler | None = None
         """Rank 0, engines without a checksum route: samples each push for :func:`verify_sampled`."""
         if self.transport is not None and settings.transport.verify and not run.engine_capabilities.weights_checksum:
@@ -170,8 +171,10 @@ class TrainingLoop:
         needs = self.algorithm.needs
         self.trainer.setup(need_ref=needs.ref_logprobs or needs.ref_logprobs_for_advantages, need_values=needs.values)
         if self.is_driver:
+            if self._announced is not None:  # the engines started while the ranks loaded their models
+                self.fleet = await self._announced()
             self._setup_driver()
-            if self.client is not None:  # the engines start while the ranks load their models
+            if self.client is not None:
                 await self.client.wait_until_healthy(self.settings.cluster.engine_startup_timeout)
                 if self.waits_for_restarts:
                     self.client.wait_for_restarts(
@@ -193,11 +196,9 @@ class TrainingLoop:
         self.loggers = run.loggers()
         if not self.algorithm.needs.rollout:
             self.source = SFTBatches(self.data, self.tokenizer, batch_size=settings.rollout.rollout_batch_size)
-        if not self.engine_urls:
+        if self.fleet is None:
             return
-        from miles.rollout.router import EngineFleet
-
-        self.client = (self.fleet or EngineFleet(self.engine_urls)).client()
+        self.client = self.fleet.client()
         self.scorer = run.scorer()
         self.manager = run.rollout_manager(self.client, self.scorer)
         if self.source is not None:

@@ -22,7 +22,7 @@ __all__ = ["RUN_OUTPUTS", "check_run_dir", "prepare_run_dir", "run_outputs"]
 log = logging.getLogger(__name__)
 
 RUN_OUTPUTS = (
-    "metrics.jsonl", "samples", "checkpoints", "hf", "logs", "launch.json", "settings.json", "tensorboard", "weights",
+    "metrics.jsonl", "samples", "checkpoints", "hf", "logs", "launch.json", "fleet.json", "settings.json", "tensorboard", "weights",
 )  # fmt: skip
 """What a run writes into its directory."""
 

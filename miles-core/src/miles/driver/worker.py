@@ -43,7 +43,7 @@ async def _run(run_dir: Path) -> None:
     from miles.driver.loop import TrainingLoop, run_to_completion
     from miles.driver.run import build_run
     from miles.engine.launch import freeze_startup_objects
-    from miles.rollout.router import EngineFleet
+    from miles.rollout.router import FLEET_FILE, EngineFleet
     from miles.settings.model import MilesSettings
 
     settings = MilesSettings.model_validate(json.loads((run_dir / "settings.json").read_text()))
@@ -52,8 +52,10 @@ async def _run(run_dir: Path) -> None:
     backend = "nccl" if ctx.device == "cuda" else "gloo"  # type: ignore[attr-defined]
     dist.init_process_group(backend=backend)
     run = build_run(settings)
-    fleet = EngineFleet.from_json(launch)
-    loop = TrainingLoop(run, ctx, engine_urls=fleet.engine_urls, fleet=fleet, resume=launch.get("resume"))  # type: ignore[arg-type]
+    # the engines are announced once they answer (their URLs are final then); rank 0 loads its model meanwhile
+    wait = settings.cluster.engine_startup_timeout + settings.rollout.router.startup_timeout + 60
+    fleet = (lambda: EngineFleet.announced(run_dir / FLEET_FILE, timeout=wait)) if launch.get("engines") else None
+    loop = TrainingLoop(run, ctx, fleet=fleet, resume=launch.get("resume"))  # type: ignore[arg-type]
     freeze_startup_objects()  # the exit's last garbage collection no longer walks every import-time object
     try:
         await run_to_completion(loop)

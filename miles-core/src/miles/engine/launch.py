@@ -109,11 +109,13 @@ def serve(opts: ServeOptions) -> None:
     import uvicorn
 
     from miles.engine.server import create_app
+    from miles.net import bind_or_exit
     from miles.torch_threads import set_torch_threads, single_threaded_here
 
+    host, port = opts.host, opts.port
+    sock = bind_or_exit(host, port, "miles serve")  # before the model loads: a taken port fails in a second
     # the scheduler's count is set (and initialised) on this thread before the HTTP thread sets its own
     set_torch_threads(opts.threads or torch.get_num_threads())
-    host, port = opts.host, opts.port
     state = start_engine(opts, start=False)
     scheduler = state.scheduler
     freeze_startup_objects()
@@ -127,7 +129,7 @@ def serve(opts: ServeOptions) -> None:
         # the process would slow every parallel region of the scheduler's (see miles.torch_threads)
         single_threaded_here()
         try:
-            server.run()
+            server.run(sockets=[sock])
         finally:
             scheduler.stop()  # the HTTP side ended (shutdown, or it could not bind): so does the engine
 
@@ -142,7 +144,7 @@ def serve(opts: ServeOptions) -> None:
         signal.signal(sig, on_signal)
     thread = threading.Thread(target=http, name="miles-http", daemon=True)
     thread.start()
-    log.info("serving %s on http://%s:%d", opts.model, host, port)
+    log.info("serving %s on http://%s:%d", opts.model, host, port)  # bound above; listening once uvicorn starts
     try:
         scheduler.run_forever()
     finally:
@@ -158,6 +160,7 @@ class InProcessEngine:
 
     def __init__(self, opts: ServeOptions) -> None:
         self.opts = opts
+        """(``port`` 0: the OS picks one as the engine binds; :attr:`url` names it once entered)"""
         self.url = f"http://{opts.host}:{opts.port}"
         self._server: Any = None
         self._thread: Any = None
@@ -170,14 +173,17 @@ class InProcessEngine:
         import uvicorn
 
         from miles.engine.server import create_app
+        from miles.net import bind_socket
 
+        sock = bind_socket(self.opts.host, self.opts.port)
+        self.url = f"http://{self.opts.host}:{sock.getsockname()[1]}"
         self._state = start_engine(self.opts, start=True)
-        config = uvicorn.Config(
-            create_app(self._state), host=self.opts.host, port=self.opts.port, log_level="warning", access_log=False
-        )
+        config = uvicorn.Config(create_app(self._state), log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # the process's handlers stay the driver's
-        self._thread = threading.Thread(target=self._server.run, name="miles-engine-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="miles-engine-http", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 60
         while not self._server.started:

@@ -7,7 +7,6 @@ The process is owned by the :class:`EngineProcess` object: it is terminated (the
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ from typing import BinaryIO
 
 import httpx
 
-__all__ = ["EngineProcess", "free_port"]
+from miles.net import ADDRESS_IN_USE_EXIT, free_port
 
-
-def free_port() -> int:
-    """A TCP port the OS reports free on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["EngineProcess"]
 
 
 class EngineProcess:
@@ -53,6 +47,8 @@ class EngineProcess:
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: BinaryIO | None = None
+        self.rebinds = 0
+        """Starts on another port because the chosen one was taken before the engine bound it."""
 
     def start(self, wait: bool = True) -> EngineProcess:
         argv = [
@@ -67,13 +63,21 @@ class EngineProcess:
         return self
 
     def wait_ready(self) -> None:
-        """Poll ``/health`` until it answers 200; raise if the process exits or the timeout passes."""
+        """Poll ``/health`` until it answers 200; raise if the process exits or the timeout passes. An engine
+        whose port was taken before it bound (its exit code says so) starts again on another port."""
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
         headers = {}
         if "--api-key" in self.extra_args:
             headers["Authorization"] = "Bearer " + self.extra_args[self.extra_args.index("--api-key") + 1]
         while time.monotonic() < deadline:
+            if self.proc.poll() == ADDRESS_IN_USE_EXIT and self.rebinds < 3:
+                self.rebinds += 1
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                self.stop()
+                self.start(wait=False)
+                continue
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"engine for {self.model_path} exited with code {self.proc.returncode} (log: {self.log_path})"

@@ -68,10 +68,11 @@ class Launcher(Component[SettingsT], ABC):
         reserves their resources here (the ``ray`` launcher makes its placement group). Default: nothing."""
 
     def engine_address(self, index: int, host: str) -> tuple[str, int]:
-        """Host and port engine ``index`` will listen on (default: a free port on ``host``, this machine).
+        """Host and port engine ``index`` will listen on (default: :func:`miles.net.free_port` on ``host``,
+        this machine).
 
         A launcher that runs engines elsewhere answers with an address on the engine's own machine."""
-        from miles.launch.ports import free_port
+        from miles.net import free_port
 
         return host, free_port(host)
 
@@ -83,19 +84,26 @@ class Launcher(Component[SettingsT], ABC):
     def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
         """Start engine servers and (``wait``) wait until each answers its health path; return their base URLs.
 
+        An engine whose port was taken before it could bind is started again on another address (its
+        :attr:`~miles.rollout.engine.EngineLaunch.rebind`), so a URL is final only once it answers.
         Raises :class:`~miles.errors.LaunchError` (naming the engine, with its log tail) when one exits
         or does not answer within ``timeout`` seconds; the engines of this call are then terminated. With
         ``wait=False`` the caller starts other work (the trainer ranks load their models meanwhile) and
-        calls :meth:`wait_engines`.
+        calls :meth:`wait_engines`, which returns the final URLs.
         """
 
     @abstractmethod
-    def wait_engines(self, *, timeout: float) -> None:
-        """Wait for the engines started with ``wait=False`` (as :meth:`start_engines` would)."""
+    def wait_engines(self, *, timeout: float) -> list[str]:
+        """Wait for the engines started with ``wait=False`` (as :meth:`start_engines` would); return the base
+        URLs of every engine this launcher runs, in order."""
 
     @abstractmethod
     def start_trainers(self, specs: list[ProcessSpec]) -> None:
-        """Start the trainer ranks (``specs[i]`` is rank ``i``; rendezvous variables already in ``env``)."""
+        """Start the trainer ranks (``specs[i]`` is rank ``i``, with ``RANK`` and ``WORLD_SIZE`` in ``env``).
+
+        The launcher sets the rendezvous (``MASTER_ADDR``, ``MASTER_PORT``): a ``torch.distributed`` store it
+        hosts on rank 0's host (:func:`miles.net.host_store`, bound before the ranks are told its port), which
+        the ranks join as clients (``TORCHELASTIC_USE_AGENT_STORE``)."""
 
     @abstractmethod
     def wait_trainers(self, *, timeout: float | None = None) -> int:

@@ -14,6 +14,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from pydantic import Field
 
@@ -22,6 +23,8 @@ from miles.errors import LaunchError
 from miles.launch import cleanup
 from miles.launch.base import Launcher, ProcessSpec
 from miles.launch.process import LocalProcess, SupervisedProcess, describe_exit
+from miles.launch.rendezvous import RendezvousStore
+from miles.net import address_in_use
 from miles.rollout.engine import EngineLaunch
 
 __all__ = ["LocalLauncher", "LocalLauncherSettings"]
@@ -64,6 +67,11 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         self._starting: list[tuple[SupervisedProcess, str]] = []
         """Engines started without waiting, with their health URLs (see :meth:`wait_engines`)."""
         self.trainers: list[SupervisedProcess] = []
+        self.engine_urls: list[str] = []
+        """The base URL of each engine of :attr:`engines` (final once it answers)."""
+        self._launches: dict[str, EngineLaunch] = {}
+        """Each engine's launch, by process name (an engine whose port was taken is launched again elsewhere)."""
+        self._rendezvous: RendezvousStore | None = None
         self._closed = False
         self._stopping = False
         self._stopped = False
@@ -72,7 +80,7 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
     def start_process(self, spec: ProcessSpec) -> LocalProcess:
         if self._closed:
             raise LaunchError(f"cannot start {spec.name!r}: the launcher was shut down")
-        if any(p.name == spec.name and not p.reaped for p in self.processes):
+        if any(p.name == spec.name and not p.reaped and p.exit_status() is None for p in self.processes):
             raise ValueError(f"a process named {spec.name!r} is already running")
         os.makedirs(self.log_dir, exist_ok=True)
         cleanup.track(self, handle_signals=self.settings.handle_signals)
@@ -84,30 +92,58 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         """Start engine ``index`` or trainer rank ``index`` (``role``); here a child of this host."""
         return self.start_process(spec)
 
+    def _start_engine(self, launch: EngineLaunch, index: int) -> SupervisedProcess:
+        spec = ProcessSpec(name=f"engine-{index}", argv=list(launch.argv), env=dict(launch.env))
+        process = self._start_member(spec, "engine", index)
+        self._launches[spec.name] = launch
+        return process
+
     def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
         started: list[SupervisedProcess] = []
         first = len(self.engines)
         try:
             for i, launch in enumerate(launches):
-                spec = ProcessSpec(name=f"engine-{first + i}", argv=list(launch.argv), env=dict(launch.env))
-                started.append(self._start_member(spec, "engine", first + i))
+                started.append(self._start_engine(launch, first + i))
         except BaseException:
             self._stop(started)
             raise
         self.engines.extend(started)
+        self.engine_urls.extend(launch.url for launch in launches)
         self._starting.extend(
             (p, launch.url.rstrip("/") + launch.health_path) for p, launch in zip(started, launches, strict=True)
         )
         if wait:
             self.wait_engines(timeout=timeout)
-        return [launch.url for launch in launches]
+        return self.engine_urls[first:]
 
-    def wait_engines(self, *, timeout: float) -> None:
+    def _rebind(self, process: SupervisedProcess) -> tuple[SupervisedProcess, str] | None:
+        """Start an engine whose port was taken before it bound again on another address; ``None`` when its
+        launch cannot move. Said once in the log, with both ports."""
+        launch = self._launches[process.name]
+        if launch.rebind is None:
+            return None
+        index = self.engines.index(process)
+        process.reap()
+        old = urlsplit(launch.url)
+        host, port = self.engine_address(index, old.hostname or "127.0.0.1")
+        moved = launch.rebind(host, port)
+        log.warning(
+            "%s: port %s was taken before the engine could bind it; starting it again on %s",
+            process.name,
+            old.port,
+            moved.url,
+        )
+        again = self._start_engine(moved, index)
+        self.engines[index] = again
+        self.engine_urls[index] = moved.url
+        return again, moved.url.rstrip("/") + moved.health_path
+
+    def wait_engines(self, *, timeout: float) -> list[str]:
         import httpx
 
         pending = {p.name: (p, url) for p, url in self._starting}
         if not pending:
-            return
+            return list(self.engine_urls)
         try:
             deadline = time.monotonic() + timeout
             next_note = time.monotonic() + self.settings.progress_interval
@@ -115,6 +151,11 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
                 while pending:
                     for name, (process, url) in list(pending.items()):
                         code = process.exit_status()
+                        if code is not None and address_in_use(code, process.log_tail(self.settings.log_tail_lines)):
+                            moved = self._rebind(process)
+                            if moved is not None:
+                                pending[name] = moved
+                                continue
                         if code is not None:
                             raise self._failure(
                                 process, f"{name} exited ({describe_exit(code)}) before answering {url}", code
@@ -134,10 +175,11 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
                         next_note = self._note_progress(pending, next_note)
                         time.sleep(self.settings.poll_interval)
         except BaseException:
-            self._stop([p for p, _ in self._starting])
+            self._stop([p for p, _ in self._starting] + [p for p, _ in pending.values()])
             raise
         finally:
             self._starting = []
+        return list(self.engine_urls)
 
     def _note_progress(self, pending: dict[str, tuple[SupervisedProcess, str]], next_note: float) -> float:
         """Every ``progress_interval`` seconds, say which engines are still starting and what each is doing
@@ -156,6 +198,9 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         running = [p.name for p in self.trainers if p.exit_status() is None]
         if running:
             raise LaunchError(f"trainer ranks still running: {', '.join(running)}")
+        if any("MASTER_PORT" not in spec.env for spec in specs):
+            self._rendezvous = RendezvousStore(specs[0].env.get("MASTER_ADDR", "127.0.0.1"))
+            self._rendezvous.join(specs)
         trainers: list[SupervisedProcess] = []
         try:
             for rank, spec in enumerate(specs):
@@ -206,7 +251,7 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         engine.reap()
         if decision == "restart":
             index = self.engines.index(engine)
-            self.engines[index] = self._start_member(engine.spec, "engine", index)
+            self.engines[index] = self._start_engine(self._launches[engine.name], index)
 
     def _failure(self, process: SupervisedProcess | None, what: str, code: int | None) -> LaunchError:
         if process is None:
@@ -259,6 +304,7 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
             # trainers first (they may still talk to the engines), then engines and helpers
             self._stop(self.trainers)
             self._stop(self.processes)
+            self._rendezvous = None
             self._stopped = True
         finally:
             self._stopping = False

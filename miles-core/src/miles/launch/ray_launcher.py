@@ -4,7 +4,7 @@ It joins the cluster at ``address`` (or starts a one-node cluster on 127.0.0.1 w
 placement group: a bundle per trainer rank and, disaggregated, a bundle per engine (colocated, engine ``i``
 shares trainer rank ``i``'s bundle). Each trainer rank and each engine is a :class:`ProcessOwner` actor
 in its bundle that starts the same command line the ``local`` launcher would, on its node, and reaps it;
-trainer rank 0's actor hands out the ``torch.distributed`` address (its node IP, a free port there), and
+trainer rank 0's actor hosts the ``torch.distributed`` store (its node IP, a port bound there), and
 each engine listens on its own node's IP. The driver (rollout manager included, in trainer rank 0) is the
 same code as with ``local``; helpers such as the router run on the driver's host. Supervision, error
 messages and the stop order are the ``local`` launcher's, with the actor and its node named; a dead actor
@@ -238,7 +238,7 @@ class RayLauncher(LocalLauncher):
         return ip, int(ray.get(actor.free_port.remote(ip), timeout=self.ray_settings.call_timeout))
 
     def start_trainers(self, specs: list[ProcessSpec]) -> None:
-        """Rank 0's actor hands out the rendezvous address; ranks count per node for ``LOCAL_RANK``."""
+        """Rank 0's actor hosts the rendezvous store on its node; ranks count per node for ``LOCAL_RANK``."""
         import ray
 
         if not specs:
@@ -246,7 +246,7 @@ class RayLauncher(LocalLauncher):
         owners = [self._owner("trainer", rank) for rank in range(len(specs))]
         actor0, node0, _ = owners[0]
         addr = str(node0["ip"])
-        port = int(ray.get(actor0.free_port.remote(addr), timeout=self.ray_settings.call_timeout))
+        rendezvous = dict(ray.get(actor0.host_rendezvous.remote(addr), timeout=self.ray_settings.call_timeout))
         per_node: dict[str, int] = {}
         local_ranks = []
         for _, node, _ in owners:
@@ -254,12 +254,12 @@ class RayLauncher(LocalLauncher):
             per_node[node["node_id"]] = local_ranks[-1] + 1
         for rank, spec in enumerate(specs):
             node = owners[rank][1]
-            spec.env.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+            spec.env.update(rendezvous)
             if self._device == "cuda":  # the actor's one GPU is the only one its process sees
                 spec.env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
             else:
                 spec.env.update(LOCAL_RANK=str(local_ranks[rank]), LOCAL_WORLD_SIZE=str(per_node[node["node_id"]]))
-        log.info("trainer rendezvous at %s:%d (rank 0's node)", addr, port)
+        log.info("trainer rendezvous at %s:%s (rank 0's node)", addr, rendezvous["MASTER_PORT"])
         super().start_trainers(specs)
 
     def _start_member(self, spec: ProcessSpec, role: str, index: int) -> SupervisedProcess:

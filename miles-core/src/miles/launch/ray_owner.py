@@ -21,7 +21,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from miles.launch.base import ProcessSpec
 from miles.launch.process import LocalProcess, SupervisedProcess
-from miles.launch.rendezvous import free_port
+from miles.launch.rendezvous import RendezvousStore
+from miles.net import free_port
 
 __all__ = ["ProcessOwner", "RayProcess"]
 
@@ -33,6 +34,7 @@ class ProcessOwner:
         self.log_dir = log_dir
         self.die_with_parent = die_with_parent
         self.process: LocalProcess | None = None
+        self.rendezvous: RendezvousStore | None = None
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends: fork from one that lives on
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-owner")
 
@@ -47,8 +49,14 @@ class ProcessOwner:
         }
 
     def free_port(self, host: str) -> int:
-        """A free TCP port on this node."""
+        """A port for a service on this node (:func:`miles.net.free_port`)."""
         return free_port(host)
+
+    def host_rendezvous(self, host: str) -> dict[str, str]:
+        """Host the trainer ranks' ``torch.distributed`` store on this node, for as long as this actor lives;
+        return the ranks' rendezvous variables."""
+        self.rendezvous = RendezvousStore(host)
+        return self.rendezvous.env()
 
     def start(self, spec: ProcessSpec, driver_python: str) -> int:
         """Start ``spec`` here (the driver's Python replaced by this node's; this actor's GPUs visible)."""

@@ -8,6 +8,7 @@ goes through the HTTP protocol and the :class:`~miles.rollout.client.EngineClien
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -48,6 +49,9 @@ class EngineLaunch:
     """Extra environment variables (e.g. ``CUDA_VISIBLE_DEVICES``)."""
     health_path: str = "/health"
     """Path polled until it answers 200."""
+    rebind: Callable[[str, int], EngineLaunch] | None = field(default=None, repr=False, compare=False)
+    """The same engine on another address (host, port): a launcher starts it there when the engine's port was
+    taken before it could bind (:func:`miles.net.address_in_use`). ``None``: the launch is final."""
 
 
 class RolloutEngine(Component[SettingsT], ABC):

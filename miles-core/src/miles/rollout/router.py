@@ -14,7 +14,9 @@ Starting and reaping the process is the launcher's job (``start_process``).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from miles.settings.model import RouterSettings
 
 __all__ = [
+    "FLEET_FILE",
     "EngineFleet",
     "smg_argv",
     "smg_executable",
@@ -131,9 +134,13 @@ def wait_for_router(
     return workers
 
 
+FLEET_FILE = "fleet.json"
+"""Where in the run directory the launching host announces the fleet, once every engine and the router answer."""
+
+
 @dataclass
 class EngineFleet:
-    """The engines of a run and the router in front of them (what ``launch.json`` records)."""
+    """The engines of a run and the router in front of them (what ``fleet.json`` records)."""
 
     engine_urls: list[str]
     """Base URLs of the engines: control calls go to each."""
@@ -158,6 +165,25 @@ class EngineFleet:
             router_url=data.get("router_url"),
             routing_key_header=str(data.get("routing_key_header") or "x-session-id"),
         )
+
+    def announce(self, path: Path) -> None:
+        """Write the fleet to ``path`` at once (a reader never sees half of it)."""
+        scratch = path.with_name(path.name + ".tmp")
+        scratch.write_text(json.dumps(self.to_json()))
+        os.replace(scratch, path)
+
+    @classmethod
+    async def announced(cls, path: Path, *, timeout: float, poll_interval: float = 0.1) -> EngineFleet:
+        """The fleet :meth:`announce` writes to ``path``, once it is there (trainer rank 0 loads its model
+        meanwhile). Raises :class:`~miles.errors.LaunchError` after ``timeout`` seconds."""
+        import asyncio
+
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"no engines were announced in {path} within {timeout:g} s")
+            await asyncio.sleep(poll_interval)
+        return cls.from_json(json.loads(path.read_text()))
 
     def client(self, **options: Any) -> HttpEngineClient:
         """An engine client over this fleet (generation through the router when there is one)."""

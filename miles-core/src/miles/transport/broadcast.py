@@ -26,7 +26,6 @@ import asyncio
 import gc
 import logging
 import secrets
-import socket
 import threading
 import time
 import traceback
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.components import ComponentSettings
 from miles.errors import EngineError
+from miles.net import host_store
 from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, WeightTransport, wire_dtype
 from miles.transport.verify import tensor_checksum
@@ -67,7 +67,7 @@ class BroadcastTransportSettings(ComponentSettings):
     master_address: str = "127.0.0.1"
     """Address of the group's store (trainer rank 0's host, reachable by every engine)."""
     master_port: int = 0
-    """Port of the group's store (0: a free port)."""
+    """Port of the group's store (0: one the OS picks as trainer rank 0 binds it)."""
     group_name: str = "miles_weights"
     """Name of the weight-update group on the engines (with ``secret_group_name``, its first part)."""
     secret_group_name: bool = True
@@ -79,12 +79,6 @@ class BroadcastTransportSettings(ComponentSettings):
     """Seconds a collective may take before it fails."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def make_process_group(
     backend: str,
     *,
@@ -93,11 +87,14 @@ def make_process_group(
     rank: int,
     world_size: int,
     timeout: float,
-    is_master: bool,
+    is_master: bool = False,
     group_name: str = "miles_weights",
+    store: Any = None,
 ) -> Any:
     """A process group independent of the default one (trainer and engine processes each have their own
-    default world): a ``TCPStore`` plus ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built on it.
+    default world): a ``TCPStore`` plus ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built on it. Rank 0 passes
+    the ``store`` it hosts (:func:`miles.net.host_store`: bound before its port was handed to anyone); the
+    others join the store at ``host:port``.
 
     The group's keys on the store are laid out as SGLang's ``init_custom_process_group`` lays them out for
     ``/init_weights_update_group`` (a prefix of ``group_name``, then torch's own ``"<group_name>/"`` and
@@ -106,7 +103,10 @@ def make_process_group(
     processes that reach the port out (:attr:`BroadcastTransportSettings.secret_group_name`)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, world_size, is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(
+            host, port, world_size, is_master, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
     device = "cuda" if backend == "nccl" else "cpu"
     keys = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
     if backend == "gloo":
@@ -193,7 +193,8 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         self._dist = dist
         self.device = dist.device
         backend = "nccl" if dist.device == "cuda" else "gloo"
-        port = self.options.master_port or free_port(self.options.master_address)
+        # the store binds before its port is told to anyone (port 0: the OS picks one, nobody can take it first)
+        store, port = host_store(self.options.master_address, self.options.master_port, timeout=self.options.timeout)
         members = list(client.urls)
         offsets, world_size = group_ranks(await client.server_info())
         self.group_name = self.options.group_name
@@ -226,8 +227,8 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                 rank=0,
                 world_size=world_size,
                 timeout=self.options.timeout,
-                is_master=True,
                 group_name=self.group_name,
+                store=store,
             )
         )
         pending: set[asyncio.Future[Any]] = {rendezvous, *joins}

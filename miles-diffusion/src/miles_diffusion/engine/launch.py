@@ -44,6 +44,9 @@ def serve(opts: ImageServeOptions) -> None:
     import torch
     import uvicorn
 
+    from miles.net import bind_or_exit
+
+    sock = bind_or_exit(opts.host, opts.port, "miles image engine")  # a taken port fails before the model loads
     if opts.threads:
         torch.set_num_threads(opts.threads)
     app, scheduler = create_engine_app(opts)
@@ -54,7 +57,7 @@ def serve(opts: ImageServeOptions) -> None:
     )
     log.info("serving %s on http://%s:%d", opts.model, opts.host, opts.port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         scheduler.stop()
     if not server.started:

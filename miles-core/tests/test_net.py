@@ -1,0 +1,72 @@
+"""Ports for the services of a run (miles.net): outside the ephemeral range, bound before they are told."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles import net
+from miles.net import ADDRESS_IN_USE_EXIT, address_in_use, bind_socket, ephemeral_range, free_port, port_candidates
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable() -> None:
+    low, high = ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50  # never handed out twice
+    for port in ports:
+        assert not low <= port <= high and port >= 20000
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))
+
+
+def test_ephemeral_range_is_read_from_the_kernel_file(tmp_path: Path) -> None:
+    path = tmp_path / "range"
+    path.write_text("40000\t50000\n")
+    assert ephemeral_range(str(path)) == (40000, 50000)
+    assert ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
+    assert port_candidates((40000, 50000)) == [range(20000, 40000), range(50001, 65536)]
+    assert port_candidates((1024, 65535)) == []
+
+
+def test_free_port_skips_a_taken_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        monkeypatch.setattr(net, "port_candidates", lambda: [range(taken, taken + 1), range(taken + 1, taken + 2)])
+        net._handed_out.discard(("127.0.0.1", taken + 1))
+        assert free_port() != taken
+
+
+def test_free_port_falls_back_to_the_kernel_when_the_range_leaves_no_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(net, "port_candidates", list)
+    port = free_port()
+    assert 0 < port < 65536
+
+
+def test_address_in_use_reads_exit_codes_and_logs() -> None:
+    assert address_in_use(ADDRESS_IN_USE_EXIT)
+    assert not address_in_use(None, "address already in use")  # still running
+    uvicorn = (
+        "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 38519): address already in use"
+    )
+    assert address_in_use(1, uvicorn)
+    assert address_in_use(1, "Error: Address already in use (os error 98)")  # Rust (smg)
+    assert not address_in_use(1, "ValueError: no model")
+
+
+def test_a_service_exits_with_the_address_in_use_code_when_its_port_is_taken() -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(OSError):
+            bind_socket("127.0.0.1", port)
+        code = f"from miles.net import bind_or_exit; bind_or_exit('127.0.0.1', {port}, 'probe')"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == ADDRESS_IN_USE_EXIT
+    assert f"probe: cannot bind 127.0.0.1:{port}" in out.stderr

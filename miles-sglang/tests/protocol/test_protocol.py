@@ -16,7 +16,6 @@ import pytest
 from miles.engine.process import EngineProcess
 from miles.errors import SettingsError, WeightVerificationError
 from miles.rollout.protocol import SamplingParams
-from miles.settings.model import MilesSettings
 from miles.training.adapter import LowRankSpec
 from miles.training.trainer import DistContext
 from miles.types import PauseMode
@@ -98,7 +97,6 @@ def hf_buckets(model: Path, size: int = 4) -> list[list[tuple[str, typing.Any]]]
 
 async def exercise(client: RecordingClient, model: Path, run_dir: Path) -> None:
     """What a run does to its engines, through the code that does it."""
-    from miles.driver.loop import TrainingLoop
     from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings
     from miles.transport.disk import DiskTransport, DiskTransportSettings
     from miles.transport.verify import WeightSampler, verify_sampled
@@ -116,12 +114,9 @@ async def exercise(client: RecordingClient, model: Path, run_dir: Path) -> None:
     await client.flush_cache()
     await client.model_info()
     await client.update_weight_version("3")
-    # colocated runs: release and resume around training (the loop's own call)
-    loop = types.SimpleNamespace(
-        is_driver=True, settings=MilesSettings.model_validate({"cluster": {"colocate": True}}), client=client
-    )
-    await TrainingLoop.engines_memory(loop, "release")  # type: ignore[arg-type]
-    await TrainingLoop.engines_memory(loop, "resume")  # type: ignore[arg-type]
+    # colocated runs: release and resume around training (the loop's own calls)
+    await client.release_memory()
+    await client.resume_memory()
     dist = DistContext(rank=0, world_size=1, device="cpu")
     # disk transport: /update_weights_from_disk
     disk = DiskTransport(DiskTransportSettings(), run_dir=str(run_dir), model_path=str(model), engine_dtype="float32")

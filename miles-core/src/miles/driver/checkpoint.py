@@ -12,9 +12,12 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles.errors import SettingsError
+
+if TYPE_CHECKING:
+    from miles.driver.sources import GroupSource
 
 __all__ = ["DriverState", "checkpoint_dir", "find_checkpoint", "read_driver_state", "write_driver_state"]
 
@@ -32,6 +35,36 @@ class DriverState:
     rollout: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     format: int = _FORMAT
+
+    @classmethod
+    def capture(
+        cls, step: int, weight_version: str, *, data: Stateful, manager: Stateful | None, source: GroupSource | None
+    ) -> DriverState:
+        """Rank 0's position after ``step``: the data source's, the rollout manager's and the group source's
+        state."""
+        return cls(
+            step=step,
+            weight_version=weight_version,
+            data=data.state_dict(),
+            rollout=manager.state_dict() if manager is not None else {},
+            extra=source.state_dict() if source is not None else {},
+        )
+
+    def restore(self, *, data: Stateful, manager: Stateful | None, source: GroupSource | None) -> None:
+        """Put rank 0's components back where :meth:`capture` found them."""
+        data.load_state_dict(self.data)
+        if manager is not None and self.rollout:
+            manager.load_state_dict(self.rollout)
+        if source is not None:
+            source.load_state_dict(self.extra, step=self.step)
+
+
+class Stateful(Protocol):
+    """A component whose position a checkpoint keeps."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:

@@ -62,7 +62,7 @@ async def _train(run: Run, urls: list[str], resume: str | None) -> None:
 def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -> int:
     """Run training with the engine and the trainer in this process; returns 0 (errors raise)."""
     from miles.driver.launch import allowed_weight_dirs
-    from miles.driver.loop import write_resolved_settings
+    from miles.driver.rundir import write_resolved_settings
     from miles.engine.launch import InProcessEngine
     from miles.engine.options import ServeOptions
     from miles.engine.weight_paths import parse_weight_dirs

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from miles.driver.run import Run
     from miles.rewards.scoring import Scorer
     from miles.rollout.client import EngineClient
+    from miles.settings.model import MilesSettings
 
-__all__ = ["eval_metrics", "generate_rollouts", "pass_at_k"]
+__all__ = ["eval_due", "eval_metrics", "evaluate_once", "generate_rollouts", "pass_at_k"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ async def evaluate_once(run: Run, client: EngineClient, scorer: Scorer, *, token
     manager = run.rollout_manager(client, scorer, rollout=rollout, seed_offset=1_000_003, filter_groups=False)
     result = await manager.rollout(source)
     return eval_metrics(result.groups, ks=ks)
+
+
+def eval_due(step: int, settings: MilesSettings) -> bool:
+    """Whether step ``step`` of a training run evaluates (every ``train.eval_interval`` steps and the last)."""
+    interval = settings.train.eval_interval
+    return interval is not None and (step % interval == 0 or step == settings.train.num_rollouts)
 
 
 async def generate_rollouts(

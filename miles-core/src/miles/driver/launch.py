@@ -10,9 +10,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from miles.driver.loop import write_resolved_settings
 from miles.driver.progress import follow_metrics
-from miles.driver.rundir import prepare_run_dir
+from miles.driver.rundir import prepare_run_dir, write_resolved_settings
 from miles.rollout.router import FLEET_FILE
 
 if TYPE_CHECKING:

@@ -34,44 +34,61 @@ from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
 from miles.transport.base import StagedTransport
 
 if TYPE_CHECKING:
+    from miles.driver.run import Run
     from miles.driver.sources import GroupSource
+    from miles.plugins.manager import PluginManager
+    from miles.precision.base import PrecisionRecipe
     from miles.rollout.client import EngineClient
     from miles.settings.model import MilesSettings
     from miles.training.trainer import DistContext, Trainer
     from miles.transport.base import WeightTransport
-    from miles.types import PushReport
+    from miles.transport.verify import WeightSampler
+    from miles.types import PushReport, SampleGroup
 
-__all__ = ["InlinePublisher", "OverlappedPublisher", "PublishContext", "WeightPublisher"]
+__all__ = ["InlinePublisher", "OverlappedPublisher", "PublishContext", "WeightPublisher", "make_publisher"]
 
 log = logging.getLogger(__name__)
 
 
 class PublishContext(Protocol):
-    """What a publisher needs from the training loop."""
+    """What a publisher needs from the training loop: the components of the run on this rank, and rank 0's
+    engine client and group source (set up by :meth:`TrainingLoop.setup`)."""
 
     settings: MilesSettings
     dist: DistContext
     trainer: Trainer
+    precision: PrecisionRecipe
     transport: WeightTransport | None
     client: EngineClient | None
     source: GroupSource | None
-
-    def rollout_buckets(self) -> Iterator[list[tuple[str, Any]]]: ...
-
-    async def randomize_engines(self, step: int) -> None: ...
-
-    async def verify_push(self, report: PushReport, *, step: int) -> None: ...
+    pm: PluginManager
 
     async def on_compute_thread(self, coro_fn: Callable[[], Awaitable[Any]]) -> Any: ...
 
 
 class WeightPublisher(ABC):
-    """Publishes each step's weights (every rank calls it, in step)."""
+    """Publishes each step's weights (every rank calls it, in step): the one way weights leave the trainer.
 
-    def __init__(self, loop: PublishContext) -> None:
+    The trainer's weights go out as HF-named buckets (:meth:`buckets`: the trainer's ``iter_weights``, the
+    precision recipe's conversion), the transport moves them, and rank 0 verifies what the engines serve
+    (:meth:`verify`) and tells the plugins (``miles_on_weights_pushed``).
+
+    :param sample_pushes: rank 0 keeps the first rows of every tensor of a push for a sampled verification
+        (engines without a checksum route, such as SGLang); decided by the composition root from the
+        engine's capabilities.
+    """
+
+    def __init__(self, loop: PublishContext, *, sample_pushes: bool = False) -> None:
         self.loop = loop
         self.weight_version = LAUNCH_WEIGHT_VERSION
         """The version the trainer's weights were last published as."""
+        self.sampler: WeightSampler | None = None
+        """Rank 0, engines without a checksum route: samples each push for :func:`verify_sampled`."""
+        settings = loop.settings
+        if loop.transport is not None and settings.transport.verify and sample_pushes:
+            from miles.transport.verify import WeightSampler
+
+            self.sampler = WeightSampler(loop.transport.engine_dtype)
 
     @property
     def is_driver(self) -> bool:
@@ -89,6 +106,58 @@ class WeightPublisher(ABC):
     async def publish(self, step: int) -> PushReport | None:
         """Publish the trainer's weights as version ``step`` (``None`` without a transport)."""
 
+    @property
+    def waits_for_restarts(self) -> bool:
+        """Whether a rollout that loses every engine waits for a restarted one (the same on every rank):
+        ``sync`` runs that roll out through a transport, with ``rollout.engine_restarts`` and no router (it
+        would send traffic to a restarted engine before it has the weights)."""
+        rollout = self.loop.settings.rollout
+        return (
+            rollout.mode == "sync"
+            and rollout.engine_restarts > 0
+            and rollout.router.name != "smg"
+            and self.loop.transport is not None
+        )
+
+    async def during_rollout(
+        self, rollout: Callable[[], Awaitable[list[SampleGroup]]], metrics: dict[str, float]
+    ) -> list[SampleGroup] | None:
+        """Every rank: rank 0 awaits ``rollout()`` (the step's groups; ``None`` on the others).
+
+        When the rollout loses every engine and one may be restarted (:attr:`waits_for_restarts`), generation
+        waits (:meth:`~miles.rollout.client.EngineClient.wait_for_restarts`); rank 0 probes the engines
+        meanwhile, and once a restarted one answers, every rank takes part in pushing it the trainer's
+        current weights (:meth:`republish`, a push is a collective), after which it serves and the rollout
+        goes on."""
+        from miles.training.comm import broadcast_json
+
+        if not self.waits_for_restarts:
+            return await rollout() if self.is_driver else None
+        if not self.is_driver:
+            while broadcast_json(None) == "republish":
+                await self.republish()
+            return None
+        client = self.loop.client
+        assert client is not None
+        task = asyncio.ensure_future(rollout())
+        pushes = 0
+        try:
+            while not (await asyncio.wait({task}, timeout=1.0))[0]:
+                if client.serving() or not await client.check_engines():
+                    continue
+                log.warning("pushing weight version %s to %s", self.weight_version, ", ".join(client.rejoining()))
+                broadcast_json("republish")
+                await self.republish()
+                pushes += 1
+        except BaseException:
+            task.cancel()
+            raise
+        groups = task.result()  # (a failed rollout ends the run: the launcher stops the other ranks)
+        broadcast_json("groups")
+        if pushes:
+            metrics["weight_sync/rejoin_pushes"] = float(pushes)
+        return groups
+
     async def republish(self) -> PushReport | None:
         """Push the version the trainer holds (:attr:`weight_version`) again, every rank: engines restarted
         while none served (:mod:`miles.rollout.failover`) take it, verified, and serve again."""
@@ -99,6 +168,46 @@ class WeightPublisher(ABC):
 
     async def close(self) -> None:
         """Cancel what is pending (the run is ending)."""
+
+    def buckets(self) -> Iterator[list[tuple[str, Any]]]:
+        """The trainer's weights in buckets, converted to what the engines serve (a collective: every rank)."""
+        loop = self.loop
+        raw = loop.trainer.iter_weights(loop.settings.transport.bucket_bytes)
+        converted = ([*loop.precision.rollout_weights(bucket)] for bucket in raw)
+        if self.sampler is not None and self.is_driver:
+            return self.sampler.observe(converted)
+        return converted
+
+    async def randomize_engines(self, step: int) -> None:
+        """Test mode ``transport.randomize_engines_first``: random engine weights before a push (rank 0), so a
+        tensor the push misses shows in its verification."""
+        loop = self.loop
+        if self.is_driver and loop.settings.transport.randomize_engines_first:
+            assert loop.client is not None
+            await loop.client.randomize_weights(seed=step)
+
+    async def verify(self, report: PushReport, *, step: int) -> None:
+        """Rank 0: check the engines serve what was pushed (``transport.verify``): the transport's own check,
+        else the sampled rows (:attr:`sampler`), else every tensor's checksum; tell the plugins."""
+        if not self.is_driver:
+            return
+        from miles.transport.verify import verify_engines, verify_sampled
+
+        loop = self.loop
+        transport, client = loop.transport, loop.client
+        assert transport is not None
+        if loop.settings.transport.verify:
+            assert client is not None
+            own = await transport.verify(client, report)
+            if own is not None:
+                report.verification = own
+            elif self.sampler is not None:
+                report.verification = await verify_sampled(client, version=report.version, samples=self.sampler.samples)
+            else:
+                report.verification = await verify_engines(
+                    client, version=report.version, checksums_by_dtype={transport.engine_dtype: report.checksums}
+                )
+        loop.pm.on_weights_pushed(step=step, version=report.version, report=report)
 
     def metrics(self, report: PushReport | None) -> dict[str, float]:
         """The step's ``weight_sync/*`` metrics (rank 0)."""
@@ -188,7 +297,7 @@ class InlinePublisher(WeightPublisher):
             retries = 0
             while True:
                 before = await self._check_engines()
-                await loop.randomize_engines(step)
+                await self.randomize_engines(step)
                 report, error = await self._push_once(transport, version)
                 if not await self._push_again(error, before, version, retries):
                     break
@@ -199,7 +308,7 @@ class InlinePublisher(WeightPublisher):
             if retries:
                 report.metrics["weight_sync/retries"] = float(retries)
             self.weight_version = version
-            await loop.verify_push(report, step=step)
+            await self.verify(report, step=step)
             self._weights_reached(version)
             return report
 
@@ -212,7 +321,7 @@ class InlinePublisher(WeightPublisher):
         """One push of ``version`` on every rank; a failure is returned, once the buckets are drained (each
         bucket is a collective of every rank: the others have gathered them all)."""
         loop = self.loop
-        buckets = iter(loop.rollout_buckets())
+        buckets = iter(self.buckets())
         try:
             return await transport.push(buckets, version=version, dist=loop.dist), None
         except Exception as exc:
@@ -232,8 +341,8 @@ class InlinePublisher(WeightPublisher):
 class OverlappedPublisher(WeightPublisher):
     """Stage in the step, commit while the next step trains (see the module docstring)."""
 
-    def __init__(self, loop: PublishContext) -> None:
-        super().__init__(loop)
+    def __init__(self, loop: PublishContext, *, sample_pushes: bool = False) -> None:
+        super().__init__(loop, sample_pushes=sample_pushes)
         self._commit: asyncio.Task[PushReport] | None = None
         self._committed: dict[str, float] = {}
         """Metrics of the last awaited commit, logged with the next step."""
@@ -244,7 +353,7 @@ class OverlappedPublisher(WeightPublisher):
         transport = loop.transport
         assert isinstance(transport, StagedTransport)
         version = str(step)
-        buckets = loop.rollout_buckets()
+        buckets = self.buckets()
         report: PushReport = await loop.on_compute_thread(
             lambda: transport.stage(buckets, version=version, dist=loop.dist)
         )
@@ -274,7 +383,7 @@ class OverlappedPublisher(WeightPublisher):
             while True:
                 before = await self._check_engines()
                 if not retries:  # (once: a retry may deliver only to the engines that lack the version)
-                    await loop.randomize_engines(step)
+                    await self.randomize_engines(step)
                 try:
                     await transport.commit(report)
                     break
@@ -287,7 +396,7 @@ class OverlappedPublisher(WeightPublisher):
 
         await self._paused(load)
         loaded = time.perf_counter()
-        await loop.verify_push(report, step=step)
+        await self.verify(report, step=step)
         self._weights_reached(report.version)
         done = time.perf_counter()
         report.seconds = staged_seconds  # what the trainer waited for; the commit is reported apart
@@ -319,3 +428,20 @@ class OverlappedPublisher(WeightPublisher):
         out.update(self._committed)  # the previous version's commit, awaited by this step's push
         self._committed = {}
         return out
+
+
+def make_publisher(loop: PublishContext, run: Run) -> WeightPublisher:
+    """The publisher of ``run`` (the same kind on every rank): pushes staged and committed while the next step
+    trains (:class:`OverlappedPublisher`) in the async modes with a staging transport,
+    ``rollout.overlap_weight_commit`` and no colocation; otherwise pushed in line (:class:`InlinePublisher`).
+    Pushes are sampled for verification where the engines have no checksum route."""
+    rollout = loop.settings.rollout
+    overlapped = (
+        rollout.mode != "sync"
+        and isinstance(loop.transport, StagedTransport)
+        and rollout.overlap_weight_commit
+        and run.algorithm.needs.rollout
+        and not loop.settings.cluster.colocate
+    )
+    publisher = OverlappedPublisher if overlapped else InlinePublisher
+    return publisher(loop, sample_pushes=loop.transport is not None and not run.engine_capabilities.weights_checksum)

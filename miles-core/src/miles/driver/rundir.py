@@ -7,6 +7,7 @@ user says what to do with it: ``--resume`` continues that run (logs are appended
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from miles.errors import SettingsError
 if TYPE_CHECKING:
     from miles.settings.model import MilesSettings
 
-__all__ = ["RUN_OUTPUTS", "check_run_dir", "prepare_run_dir", "run_outputs"]
+__all__ = ["RUN_OUTPUTS", "check_run_dir", "prepare_run_dir", "run_outputs", "write_resolved_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +67,9 @@ def prepare_run_dir(settings: MilesSettings, *, resume: str | None, overwrite: b
         log.info("--overwrite: removed the earlier run's %s from %s", ", ".join(found), run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def write_resolved_settings(settings: MilesSettings, path: Path) -> None:
+    """The resolved settings every rank reads (JSON: plugin tables keep their extra keys)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings.model_dump(mode="json"), indent=1))

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
     from miles.rollout.manager import RolloutManager
     from miles.rollout.producer import RolloutProducer
+    from miles.settings.model import MilesSettings
 
-__all__ = ["BufferedRollout", "GroupSource", "InlineRollout", "SFTBatches"]
+__all__ = ["BufferedRollout", "GroupSource", "InlineRollout", "SFTBatches", "group_source_for"]
 
 log = logging.getLogger(__name__)
 
@@ -189,3 +190,27 @@ class BufferedRollout(GroupSource):
             "restored the rollout buffer: %d groups ready, %d to regenerate (%d were in flight)",
             len(self.buffer.ready), len(self.buffer.retry), len(inflight),
         )  # fmt: skip
+
+
+def group_source_for(
+    settings: MilesSettings,
+    *,
+    data: DataSource,
+    tokenizer: Any,
+    manager: RolloutManager | None,
+    client: EngineClient | None,
+    needs_rollout: bool,
+) -> GroupSource | None:
+    """The group source of the run's mode (rank 0): data rows for an algorithm that needs no rollout (SFT),
+    the inline rollout in ``sync`` mode, a producer filling a staleness buffer in the async modes; ``None``
+    without a rollout stack (no engines)."""
+    if not needs_rollout:
+        return SFTBatches(data, tokenizer, batch_size=settings.rollout.rollout_batch_size)
+    if manager is None or client is None:
+        return None
+    if settings.rollout.mode == "sync":
+        return InlineRollout(manager, data)
+    from miles.rollout.producer import buffer_for
+
+    buffer = buffer_for(settings.rollout, num_rollouts=settings.train.num_rollouts)
+    return BufferedRollout(manager, data, buffer, client, mode=settings.rollout.mode)

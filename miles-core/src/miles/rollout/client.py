@@ -103,6 +103,32 @@ class EngineClient(ABC):
         for url in self.urls:
             await self.call(url, "/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
 
+    async def release_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+        """Make every engine free the memory of ``tags`` (SGLang's ``/release_memory_occupation``: its KV cache
+        and weights while a colocated trainer trains).
+
+        .. versionadded:: 0.1 (not abstract: the default posts through :meth:`call`)
+        """
+        for url in self.urls:
+            await self.call(url, "/release_memory_occupation", {"tags": list(tags)})
+
+    async def resume_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+        """Make every engine take back the memory of ``tags`` (``/resume_memory_occupation``).
+
+        .. versionadded:: 0.1 (not abstract: the default posts through :meth:`call`)
+        """
+        for url in self.urls:
+            await self.call(url, "/resume_memory_occupation", {"tags": list(tags)})
+
+    async def randomize_weights(self, *, seed: int) -> None:
+        """Test mode: every engine fills its weights with random values (``/debug/randomize_weights``, served
+        with debug routes on), so a tensor a push misses shows in its verification.
+
+        .. versionadded:: 0.1 (not abstract: the default posts through :meth:`call`)
+        """
+        for url in self.urls:
+            await self.call(url, "/debug/randomize_weights", {"seed": seed})
+
     async def health(self) -> list[bool]:
         """Whether each engine answers ``/health`` (in :attr:`urls` order).
 

@@ -157,6 +157,7 @@ def _wait_until(check: Callable[[], object], timeout: float) -> bool:
     return False
 
 
+@pytest.mark.usefixtures("namespace_hosts")  # (skips, saying why, where namespaces cannot be made)
 def test_close_ends_every_process_in_the_hosts_daemons_included(tmp_path: Path) -> None:
     with NamespaceHosts(2) as hosts:
         prefix = hosts.prefix
@@ -172,6 +173,7 @@ def test_close_ends_every_process_in_the_hosts_daemons_included(tmp_path: Path) 
     assert _leftovers(prefix) == []
 
 
+@pytest.mark.usefixtures("namespace_hosts")
 @pytest.mark.parametrize("janitor", [True, False], ids=["janitor", "sweep"])
 def test_a_killed_owner_leaves_nothing(janitor: bool) -> None:
     """The owner killed with SIGKILL: its janitor tears its hosts down at once; without a janitor (killed

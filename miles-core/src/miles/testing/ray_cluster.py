@@ -196,6 +196,22 @@ class RayCluster:
             host.stop(grace)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
+    def leftovers(self) -> list[str]:
+        """What is left of the cluster: live processes in its hosts, or anywhere whose command line names its
+        temp dir (every Ray daemon's does), and the temp dir itself. Empty once :meth:`stop` is done."""
+        found = [f"pid {pid} in host {h.name}" for h in self.hosts for pid in h.pids()]
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if str(self.temp_dir) in cmdline:
+                    found.append(f"pid {entry.name}: {cmdline[:200]}")
+        if self.temp_dir.exists():
+            found.append(f"directory {self.temp_dir}")
+        return found
+
     def __enter__(self) -> RayCluster:
         return self.start()
 
@@ -209,7 +225,7 @@ class RayCluster:
 def ray_cluster(namespace_hosts: NamespaceHosts) -> Iterator[RayCluster]:
     """A two-node Ray cluster for the module's tests: the head on host ``a`` (2 CPUs, ``trainer_node: 2``),
     a worker node on host ``b`` (2 CPUs, ``engine_node: 2``); host ``c`` has no node. Stopped (every
-    process in ``a`` and ``b`` ended) after the module's last test."""
+    process in ``a`` and ``b`` ended) after the module's last test, which fails if anything of it is left."""
     cluster = RayCluster(
         namespace_hosts.hosts[:2],
         num_cpus=2,
@@ -217,3 +233,5 @@ def ray_cluster(namespace_hosts: NamespaceHosts) -> Iterator[RayCluster]:
     )
     with cluster:
         yield cluster
+    left = cluster.leftovers()
+    assert not left, f"the Ray cluster left {left}"

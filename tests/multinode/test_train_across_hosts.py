@@ -8,96 +8,42 @@ default, the engine on b could never reach it). One cluster for the module (its 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from miles.testing.ray_cluster import RayCluster
+from miles.testing.runs import children_of_run, read_metrics, write_run_config
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from miles.testing.models import build_tiny_model
+LAUNCHER = """
+[cluster.launcher]
+name = "ray"
+address = "{address}"
+trainer_resources = {{ trainer_node = 1 }}
+engine_resources = {{ engine_node = 1 }}
+terminate_timeout = 5
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", "qwen2", seed=0)
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    rows = [
-        {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "label": str(a + b)}
-        for a in range(3, 9)
-        for b in range(2, 6)
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+[rollout.engine]
+name = "local"
+enable_deterministic_inference = true
+"""
 
 
 def write_config(
-    tmp_path: Path, cluster: RayCluster, model: Path, data: Path, run_dir: Path, transport: str, *, rollouts: int = 2
+    tmp_path: Path, cluster: RayCluster, model: Path, data: Path, run_dir: Path, transport: str, options: str = ""
 ) -> Path:
-    config = tmp_path / f"{run_dir.name}.toml"
-    config.write_text(
-        textwrap.dedent(
-            f"""
-            [cluster]
-            trainer_ranks = 2
-            num_engines = 1
-
-            [cluster.launcher]
-            name = "ray"
-            address = "{cluster.address}"
-            trainer_resources = {{ trainer_node = 1 }}
-            engine_resources = {{ engine_node = 1 }}
-            terminate_timeout = 5
-
-            [data]
-            path = "{data}"
-
-            [rollout]
-            rollout_batch_size = 4
-            n_samples_per_prompt = 4
-            max_new_tokens = 6
-            temperature = 1.0
-
-            [rollout.engine]
-            name = "local"
-            enable_deterministic_inference = true
-
-            [train]
-            model_path = "{model}"
-            num_rollouts = {rollouts}
-            global_batch_size = 8
-            lr = 1e-3
-
-            [algorithm]
-            name = "grpo"
-
-            [[reward.functions]]
-            name = "length_penalty"
-            max_length = 6
-            buffer_length = 4
-            mode = "linear"
-
-            [transport]
-            name = "{transport}"
-
-            [log]
-            run_dir = "{run_dir}"
-            """
-        )
+    """Two steps of GRPO with 2 trainer ranks (on host a) and one engine (on host b) on ``cluster``."""
+    extra = LAUNCHER.format(address=cluster.address)
+    return write_run_config(
+        tmp_path, model, data, run_dir, extra, ranks=2, transport=transport, transport_options=options, rollouts=2
     )
-    return config
 
 
 def train_on_head(cluster: RayCluster, config: Path, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -133,15 +79,7 @@ print(json.dumps({"actors": actors, "free": ray.available_resources().get("CPU",
 def leftovers(cluster: RayCluster, run_dir: Path) -> list[str]:
     """The run's processes still alive anywhere on the machine (command lines naming its directory), its Ray
     actors, and CPUs of the cluster still reserved."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if str(run_dir) in cmdline:
-                found.append(f"pid {entry.name}: {cmdline}")
+    found = [f"pid {pid}" for pid in children_of_run(run_dir)]
     out = cluster.driver(RUN_ACTORS, run_dir.name + "-", timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     state = json.loads(out.stdout.strip().splitlines()[-1])
@@ -154,7 +92,7 @@ def leftovers(cluster: RayCluster, run_dir: Path) -> list[str]:
 def check_run(cluster: RayCluster, run_dir: Path, out: subprocess.CompletedProcess[str]) -> None:
     """Two verified steps, trainer ranks on host a, the engine on host b at b's address, nothing left."""
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["weight_sync/verified"] == 1.0 and row["weight_sync/verified_tensors"] > 0, row
@@ -214,24 +152,23 @@ def test_broadcast_master_address_is_the_trainer_nodes_when_the_engine_is_elsewh
     assert leftovers(ray_cluster, run_dir) == []
 
 
-def test_disk_transport_across_hosts(ray_cluster: RayCluster, tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
+def test_disk_transport_across_hosts(
+    ray_cluster: RayCluster, tmp_path: Path, tiny_model: Path, arithmetic_prompts: Path
+) -> None:
     run_dir = tmp_path / "disk"
-    started = time.monotonic()
-    out = train_on_head(ray_cluster, write_config(tmp_path, ray_cluster, tiny_model, prompts, run_dir, "disk"))
+    out = train_on_head(
+        ray_cluster, write_config(tmp_path, ray_cluster, tiny_model, arithmetic_prompts, run_dir, "disk")
+    )
     check_run(ray_cluster, run_dir, out)
-    print(f"disk run: {time.monotonic() - started:.1f} s; cluster start {ray_cluster.start_seconds:.1f} s")
 
 
 def test_broadcast_transport_rendezvouses_on_trainer_rank_0s_node(
-    ray_cluster: RayCluster, tmp_path: Path, tiny_model: Path, prompts: Path
+    ray_cluster: RayCluster, tmp_path: Path, tiny_model: Path, arithmetic_prompts: Path
 ) -> None:
     run_dir = tmp_path / "broadcast"
-    started = time.monotonic()
-    config = write_config(tmp_path, ray_cluster, tiny_model, prompts, run_dir, "broadcast")
-    # a rendezvous that the engine cannot reach fails in 60 s rather than the default 600
-    config.write_text(config.read_text().replace('name = "broadcast"', 'name = "broadcast"\ntimeout = 60'))
+    # (a rendezvous that the engine cannot reach fails in 60 s rather than the default 600)
+    config = write_config(tmp_path, ray_cluster, tiny_model, arithmetic_prompts, run_dir, "broadcast", "timeout = 60")
     out = train_on_head(ray_cluster, config)
     check_run(ray_cluster, run_dir, out)
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert f"with 1 engines at {ray_cluster.head.address}:" in trainer_log, trainer_log[-3000:]
-    print(f"broadcast run: {time.monotonic() - started:.1f} s")

@@ -102,7 +102,7 @@ def check_run(cluster: RayCluster, run_dir: Path, out: subprocess.CompletedProce
     assert placement["trainer-0"]["ip"] == placement["trainer-1"]["ip"] == a.address, placement
     assert placement["trainer-0"]["node_id"] == cluster.node_ids["a"]
     assert placement["engine-0"]["ip"] == b.address and placement["engine-0"]["node_id"] == cluster.node_ids["b"]
-    (url,) = json.loads((run_dir / "launch.json").read_text())["engine_urls"]
+    (url,) = json.loads((run_dir / "fleet.json").read_text())["engine_urls"]
     assert url.startswith(f"http://{b.address}:"), url
     assert leftovers(cluster, run_dir) == []
 

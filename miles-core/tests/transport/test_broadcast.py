@@ -91,3 +91,22 @@ def test_group_ranks_count_every_tp_rank_of_an_sglang_engine() -> None:
     # two SGLang engines of tp_size 2 and a local engine (its /server_info has no tp_size)
     assert group_ranks([{"tp_size": 2}, {"tp_size": 2}, {}]) == ([1, 3, 5], 6)
     assert group_ranks([{}, {}]) == ([1, 2], 3)
+
+
+def test_the_store_address_defaults_to_the_node_address_the_launcher_hands_rank_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trainer rank 0 hosts the group's store, so engines on other nodes must reach it at rank 0's node
+    address, which the ``ray`` launcher puts in ``MILES_NODE_ADDRESS`` (not at ``127.0.0.1``, where an engine
+    on another node finds its own loopback). Without a launcher's word: ``127.0.0.1``; the setting overrides."""
+    from miles.node_address import NODE_ADDRESS_ENV
+
+    def master(**settings: str) -> str:
+        options = BroadcastTransportSettings(**settings)
+        return BroadcastTransport(options, run_dir=".", model_path=None, engine_dtype="float32").master_address
+
+    monkeypatch.delenv(NODE_ADDRESS_ENV, raising=False)
+    assert master() == "127.0.0.1"
+    monkeypatch.setenv(NODE_ADDRESS_ENV, "10.213.0.1")
+    assert master() == "10.213.0.1"
+    assert master(master_address="10.213.0.7") == "10.213.0.7"

@@ -5,17 +5,20 @@ placement group: a bundle per trainer rank and, disaggregated, a bundle per engi
 shares trainer rank ``i``'s bundle). Each trainer rank and each engine is a :class:`ProcessOwner` actor
 in its bundle that starts the same command line the ``local`` launcher would, on its node, and reaps it;
 trainer rank 0's actor hosts the ``torch.distributed`` store (its node IP, a port bound there), and
-each engine listens on its own node's IP. The driver (rollout manager included, in trainer rank 0) is the
-same code as with ``local``; helpers such as the router run on the driver's host. Supervision, error
-messages and the stop order are the ``local`` launcher's, with the actor and its node named; a dead actor
-reads as a process killed by SIGKILL. Shutdown reaps every process through its actor, ends the actors,
-removes the placement group and leaves the cluster (stopping it when this launcher started it).
+each engine listens on its own node's IP. Every process gets its node's IP in ``MILES_NODE_ADDRESS``
+(:mod:`miles.node_address`): trainer rank 0 hosts the ``broadcast`` transport's store there. The driver
+(rollout manager included, in trainer rank 0) is the same code as with ``local``; helpers such as the
+router run on the driver's host. Supervision, error messages and the stop order are the ``local``
+launcher's, with the actor and its node named; a dead actor reads as a process killed by SIGKILL. Shutdown
+reaps every process through its actor, ends the actors, removes the placement group and leaves the cluster
+(stopping it when this launcher started it).
 
 ``ray`` is an optional dependency (``pip install miles-core[ray]``), imported only when this launcher runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +32,7 @@ from miles.errors import LaunchError
 from miles.launch.base import ProcessSpec
 from miles.launch.local import LocalLauncher, LocalLauncherSettings
 from miles.launch.process import SupervisedProcess
+from miles.node_address import NODE_ADDRESS_ENV
 
 __all__ = ["RayLauncher", "RayLauncherSettings"]
 
@@ -269,6 +273,8 @@ class RayLauncher(LocalLauncher):
         if self._closed:
             raise LaunchError(f"cannot start {spec.name!r}: the launcher was shut down")
         actor, node, name = self._owner(role, index)
+        # where other nodes reach what the process serves (broadcast's store in trainer rank 0 ...): its node's IP
+        spec = dataclasses.replace(spec, env={**spec.env, NODE_ADDRESS_ENV: str(node["ip"])})
         os.makedirs(self.log_dir, exist_ok=True)
         cleanup.track(self, handle_signals=self.settings.handle_signals)
         process = RayProcess(spec, actor, node, name, self.log_dir, self.ray_settings.call_timeout)

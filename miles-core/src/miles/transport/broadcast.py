@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from miles.components import ComponentSettings
 from miles.errors import EngineError
 from miles.net import host_store
+from miles.node_address import node_address
 from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, WeightTransport, wire_dtype
 from miles.transport.verify import tensor_checksum
@@ -64,8 +65,10 @@ class PushFailedError(EngineError):
 class BroadcastTransportSettings(ComponentSettings):
     """Settings of the ``broadcast`` transport."""
 
-    master_address: str = "127.0.0.1"
-    """Address of the group's store (trainer rank 0's host, reachable by every engine)."""
+    master_address: str | None = None
+    """Address of the group's store, hosted by trainer rank 0: it must be one every engine reaches. Unset:
+    rank 0's node address as its launcher tells it (the ``ray`` launcher: the node's IP;
+    ``MILES_NODE_ADDRESS``), else ``127.0.0.1`` (the ``local`` launcher: every engine on this host)."""
     master_port: int = 0
     """Port of the group's store (0: one the OS picks as trainer rank 0 binds it)."""
     group_name: str = "miles_weights"
@@ -184,6 +187,12 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         """The engines of the current group, rank ``1 + i`` for ``members[i]``."""
         self._dist: DistContext | None = None
 
+    @property
+    def master_address(self) -> str:
+        """Where the engines reach the group's store: :attr:`BroadcastTransportSettings.master_address`, or
+        this process's (trainer rank 0's) node address, :func:`miles.node_address.node_address`."""
+        return self.options.master_address or node_address()
+
     async def connect(self, client: EngineClient | None, dist: DistContext) -> None:
         if dist.rank != 0:
             return
@@ -194,7 +203,8 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         self.device = dist.device
         backend = "nccl" if dist.device == "cuda" else "gloo"
         # the store binds before its port is told to anyone (port 0: the OS picks one, nobody can take it first)
-        store, port = host_store(self.options.master_address, self.options.master_port, timeout=self.options.timeout)
+        master = self.master_address
+        store, port = host_store(master, self.options.master_port, timeout=self.options.timeout)
         members = list(client.urls)
         offsets, world_size = group_ranks(await client.server_info())
         self.group_name = self.options.group_name
@@ -206,7 +216,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
                     url,
                     "/init_weights_update_group",
                     {
-                        "master_address": self.options.master_address,
+                        "master_address": master,
                         "master_port": port,
                         "rank_offset": offsets[i],
                         "world_size": world_size,
@@ -222,7 +232,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         rendezvous = run_in_daemon_thread(
             lambda: make_process_group(
                 backend,
-                host=self.options.master_address,
+                host=master,
                 port=port,
                 rank=0,
                 world_size=world_size,
@@ -242,7 +252,11 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
         self.group, self._store = rendezvous.result()
         self.members = members
         log.info(
-            "broadcast transport: group %r with %d engines on port %d", self.options.group_name, world_size - 1, port
+            "broadcast transport: group %r with %d engines at %s:%d",
+            self.options.group_name,
+            world_size - 1,
+            master,
+            port,
         )
 
     async def push(self, buckets: Iterable[WeightBucket], *, version: str, dist: DistContext) -> PushReport:

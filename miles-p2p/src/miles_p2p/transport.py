@@ -76,6 +76,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
     """Sends each trainer rank's slices straight to the engines (see the module docstring)."""
 
     name = "p2p"
+    engine_routes = ("/p2p/open_session", "/p2p/plan", "/p2p/receive", "/p2p/commit", "/p2p/checksums")
     reads_buckets = False  # each rank sends its own slices (attach)
 
     def __init__(

@@ -37,6 +37,7 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
         release_memory=True,
         routed_experts=True,
         weights_checksum=False,
+        miles_weight_routes=False,
         lora_adapters=False,
     )
 

@@ -114,10 +114,10 @@ def build_run(
                     functions[field] = _resolve_function(pm, value, field, source_of(field))
                     continue
                 entry, options = pm.resolve(kind, value, field=field, source_of=source_of)
+                resolved[field] = Resolved(field, entry, options)  # (checked across components below too)
                 check = getattr(entry.component, "check_settings", None)
                 if check is not None:
                     check(options, settings)
-                resolved[field] = Resolved(field, entry, options)
             except MilesError as exc:
                 problems.append(exc)
     adapter, backend = resolved.get("train.adapter"), resolved.get("train.backend")
@@ -127,6 +127,7 @@ def build_run(
         and not getattr(backend.registration.component, "supports_adapters", False)
     ):
         problems.append(SettingsError(f"train.adapter: trainer {backend.registration.name!r} cannot train adapters"))
+    problems.extend(_engine_serves_transport(resolved))
     if kinds is None or {ComponentKind.TRAINER, ComponentKind.ROLLOUT_ENGINE} & set(kinds):
         from miles.models import check_model_source
 
@@ -143,6 +144,25 @@ def build_run(
         kind_of_error = PluginLoadError if any(isinstance(p, PluginLoadError) for p in problems) else SettingsError
         raise kind_of_error("\n".join(str(p) for p in problems))
     return Run(settings, pm, resolved, functions)
+
+
+def _engine_serves_transport(resolved: dict[str, Resolved]) -> list[SettingsError]:
+    """The transport's weight routes beyond SGLang's protocol (``engine_routes``), when the selected engine
+    does not serve them (an SGLang fleet and ``p2p``: the first push would fail with a 404)."""
+    transport, engine = resolved.get("transport"), resolved.get("rollout.engine")
+    if transport is None or engine is None:
+        return []
+    routes = getattr(transport.registration.component, "engine_routes", ())
+    capabilities = getattr(engine.registration.component, "capabilities", None)
+    if not routes or capabilities is None or capabilities.miles_weight_routes:
+        return []
+    return [
+        SettingsError(
+            f"transport.name: {transport.registration.name!r} loads weights through routes only Miles' own engine "
+            f"serves ({', '.join(routes)}); rollout.engine {engine.registration.name!r} does not serve them: "
+            "use transport 'broadcast' or 'disk' with it"
+        )
+    ]
 
 
 def _resolve_function(pm: PluginManager, ref: str, field: str, source: str | None) -> Any:

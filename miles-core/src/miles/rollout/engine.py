@@ -31,6 +31,9 @@ class EngineCapabilities:
     weights_checksum: bool = True
     """Serves Miles' ``/weights_checksum`` (every tensor verified by SHA-256); without it a push is verified
     by sampling rows through SGLang's ``/get_weights_by_name``."""
+    miles_weight_routes: bool = True
+    """Serves the weight routes of Miles' own engine beyond SGLang's protocol (``/p2p/*`` sessions,
+    ``/update_weights_from_delta``) that the transports naming them in ``engine_routes`` need."""
     lora_adapters: bool = True
     """Serves Miles' ``/lora_adapters`` (each LoRA adapter's tensors by SHA-256) and replaces an adapter
     loaded again under its name. Without it (SGLang) the ``lora`` transport unloads the previous version

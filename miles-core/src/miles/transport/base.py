@@ -44,6 +44,14 @@ class WeightTransport(Component[SettingsT], ABC):
     engine_capabilities: EngineCapabilities | None = None
     """What the run's engines support (their kind's capabilities), set by the composition root."""
 
+    engine_routes: ClassVar[tuple[str, ...]] = ()
+    """Routes beyond SGLang's protocol this transport needs on every engine (Miles' own engine serves them:
+    :attr:`~miles.rollout.engine.EngineCapabilities.miles_weight_routes`). A run whose engine lacks them is
+    refused at start, naming both fields.
+
+    .. versionadded:: 0.1
+    """
+
     reads_buckets: ClassVar[bool] = True
     """Whether :meth:`push` iterates the buckets it is given (gathering them is a collective of every rank).
     ``False`` for a transport that sends the trainer's own slices (:meth:`attach`): after a failed push the

@@ -77,6 +77,7 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
     """Writes XOR deltas (or full snapshots) with a checksum manifest; engines apply and verify them."""
 
     name = "disk_delta"
+    engine_routes = (ROUTE,)
 
     def __init__(
         self, settings: DiskDeltaTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str

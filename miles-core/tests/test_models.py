@@ -48,3 +48,45 @@ def test_the_packaged_smollm2_converts_once(monkeypatch: pytest.MonkeyPatch, tmp
     elsewhere.parent.mkdir()
     os.link(gguf, elsewhere) if gguf.stat().st_dev == tmp_path.stat().st_dev else shutil.copy(gguf, elsewhere)
     assert materialize(str(elsewhere)) == first
+
+
+@pytest.mark.parametrize(
+    ("config", "layout"),
+    [
+        ({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2}, (4, (0, 1, 2, 3), 2)),
+        (  # Qwen2-MoE: dense layers named, every second layer sparse
+            {"num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 2,
+             "mlp_only_layers": [3]},
+            (6, (1, 5), 2),
+        ),
+        ({"num_hidden_layers": 3, "num_local_experts": 8, "num_experts_per_tok": 2}, (3, (0, 1, 2), 2)),  # Mixtral
+        (  # DeepSeek V3: the first layer dense
+            {"num_hidden_layers": 4, "n_routed_experts": 16, "num_experts_per_tok": 4, "first_k_dense_replace": 1},
+            (4, (1, 2, 3), 4),
+        ),
+        ({"text_config": {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 1}}, (2, (0, 1), 1)),
+        ({"num_hidden_layers": 2, "intermediate_size": 64}, None),  # dense
+    ],
+)  # fmt: skip
+def test_routed_layout_names_the_sparse_layers(config: dict[str, object], layout: tuple[object, ...] | None) -> None:
+    found = models.RoutedLayout.of_config(config)
+    assert (None if found is None else (found.num_layers, found.moe_layers, found.topk)) == layout
+
+
+def test_routed_layout_matches_the_routers_the_engine_finds(tmp_path: Path) -> None:
+    """The layout read from config.json names the layers whose routers the local engine observes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.engine.model_runner import ModelRunner
+    from miles.testing.models import build_tokenizer, tiny_config
+
+    config = tiny_config("qwen2_moe", num_layers=4)
+    config.decoder_sparse_step, config.mlp_only_layers = 2, [3]  # sparse: layer 1 only
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    build_tokenizer(512).save_pretrained(tmp_path / "moe")
+    layout = models.routed_layout(tmp_path / "moe")
+    assert layout is not None and layout.moe_layers == (1,) and layout.num_layers == 4
+    runner = ModelRunner(tmp_path / "moe", device="cpu", dtype="float32")
+    assert tuple(runner.moe_layers) == layout.moe_layers and runner.topk == layout.topk

@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,14 @@ from miles.errors import SettingsError
 
 __all__ = [
     "CACHE_ENV",
+    "RoutedLayout",
     "check_model_source",
     "convert_gguf",
     "eos_token_ids",
     "find_gguf",
     "is_moe_model",
     "materialize",
+    "routed_layout",
     "smollm2_gguf",
 ]
 
@@ -112,6 +115,53 @@ def is_moe_model(model_path: str | os.PathLike[str]) -> bool:
 
     config = json.loads((Path(model_path) / "config.json").read_text())
     return any(int(config.get(key) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+@dataclass(frozen=True)
+class RoutedLayout:
+    """Where an MoE model's routers are: what an engine's routed experts of one token are indexed by.
+
+    Miles' own engine reports ``[tokens, len(moe_layers), topk]`` with its shape; SGLang reports a flat int32
+    array of ``tokens x num_layers x topk`` (every decoder layer, dense ones included) and no shape
+    (:func:`miles.rollout.facts.shape_routed_experts` reads it with this layout)."""
+
+    num_layers: int
+    """Decoder layers (``num_hidden_layers``)."""
+    moe_layers: tuple[int, ...]
+    """The layers whose MLP routes to experts, in order."""
+    topk: int
+    """Experts per token (``num_experts_per_tok``)."""
+
+    @classmethod
+    def of_config(cls, config: dict[str, Any]) -> RoutedLayout | None:
+        """The layout of an HF ``config.json`` (its ``text_config`` for a multimodal model); ``None`` for a
+        dense model. Sparse layers as the model families define them: Qwen2/Qwen3-MoE (``mlp_only_layers``,
+        ``decoder_sparse_step``), DeepSeek (``first_k_dense_replace``, ``moe_layer_freq``), every layer
+        otherwise (Mixtral)."""
+        config = config.get("text_config") or config
+        layers = int(config.get("num_hidden_layers") or 0)
+        topk = int(config.get("num_experts_per_tok") or 0)
+        if not layers or not topk:
+            return None
+        if int(config.get("n_routed_experts") or 0) > 0:  # DeepSeek V2/V3
+            first, freq = int(config.get("first_k_dense_replace") or 0), int(config.get("moe_layer_freq") or 1)
+            moe = [i for i in range(layers) if i >= first and i % freq == 0]
+        elif int(config.get("num_experts") or 0) > 0:  # Qwen2-MoE, Qwen3-MoE
+            dense = set(config.get("mlp_only_layers") or [])
+            step = int(config.get("decoder_sparse_step") or 1)
+            moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+        elif int(config.get("num_local_experts") or 0) > 0:  # Mixtral
+            moe = list(range(layers))
+        else:
+            return None
+        return cls(layers, tuple(moe), topk) if moe else None
+
+
+def routed_layout(model_path: str | os.PathLike[str]) -> RoutedLayout | None:
+    """:meth:`RoutedLayout.of_config` of the model in ``model_path`` (reads only its ``config.json``)."""
+    import json
+
+    return RoutedLayout.of_config(json.loads((Path(model_path) / "config.json").read_text()))
 
 
 def _cache_root() -> Path:

@@ -83,8 +83,11 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
             dtype=dtype or "auto",
             memory_saver=memory_saver,
         )
+        settings = self.settings
+        if self.records_routed_experts and not settings.enable_return_routed_experts:  # routing replay needs it
+            settings = settings.model_copy(update={"enable_return_routed_experts": True})
         return EngineLaunch(
-            argv=launch_argv(self.settings, where, self.adapter),
+            argv=launch_argv(settings, where, self.adapter),
             url=f"http://{host}:{port}",
             health_path="/health_generate",
         )

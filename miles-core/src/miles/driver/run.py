@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from miles.data.base import DataSource
     from miles.launch.base import Launcher
     from miles.metrics.base import MetricsLogger
+    from miles.models import RoutedLayout
     from miles.plugins.manager import PluginManager
     from miles.plugins.registry import Registration
     from miles.precision.base import PrecisionRecipe
@@ -272,9 +273,10 @@ class Run:
         return capabilities
 
     def rollout_engine(self) -> RolloutEngine:
-        """The rollout engine, told the weight format of the precision recipe (``engine_quantization``) and
-        the shape of the run's LoRA adapter (``train.adapter``)."""
+        """The rollout engine, told the weight format of the precision recipe (``engine_quantization``), the
+        shape of the run's LoRA adapter (``train.adapter``) and whether rollouts record routed experts."""
         engine: RolloutEngine = self["rollout.engine"].create()
+        engine.records_routed_experts = self.records_routed_experts
         if "train.adapter" in self.resolved:
             engine.adapter = self["train.adapter"].create().low_rank()
         wanted = self.precision.engine_quantization
@@ -375,6 +377,7 @@ class Run:
             rollout_function=self.rollout_function,
             seed=self.settings.train.seed + seed_offset,
             return_routed_experts=self.records_routed_experts,
+            routed_layout=self.routed_layout,
             eos_token_ids=self.eos_token_ids,
         )
 
@@ -387,6 +390,17 @@ class Run:
 
         path = self.settings.train.model_path
         return path is not None and (Path(path) / "config.json").is_file() and is_moe_model(path)
+
+    @functools.cached_property
+    def routed_layout(self) -> RoutedLayout | None:
+        """Where the policy's routers are (``None``: a dense model), to read routed experts from engines that
+        send them without a shape (SGLang)."""
+        from pathlib import Path
+
+        from miles.models import routed_layout
+
+        path = self.settings.train.model_path
+        return routed_layout(path) if path is not None and (Path(path) / "config.json").is_file() else None
 
     @functools.cached_property
     def records_routed_experts(self) -> bool:

@@ -66,6 +66,11 @@ class RolloutEngine(Component[SettingsT], ABC):
     :meth:`launch`: an engine that must be told at launch what adapters it will serve (SGLang's
     ``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``) reads it."""
 
+    records_routed_experts: bool = False
+    """Whether the run asks every ``/generate`` for the routed experts (MoE routing replay), set by the
+    composition root before :meth:`launch`: an engine that must be told at launch (SGLang's
+    ``--enable-return-routed-experts``) reads it."""
+
     @property
     def gpus_per_engine(self) -> int:
         """GPUs one engine uses on CUDA (its tensor-parallel size); the launcher places that many."""

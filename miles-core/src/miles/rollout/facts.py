@@ -17,15 +17,17 @@ distribution before truncation), and neither engine applies a logit bias here: n
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.client import EngineClient
 from miles.types import LogitMask
 
 if TYPE_CHECKING:
+    from miles.models import RoutedLayout
     from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
 
-__all__ = ["RoutedExpertsClient", "logit_masks"]
+__all__ = ["RoutedExpertsClient", "logit_masks", "shape_routed_experts"]
 
 
 def logit_masks(
@@ -44,12 +46,50 @@ def logit_masks(
     return [LogitMask(ids, start, start + masked)]
 
 
+def shape_routed_experts(output: GenerateOutput, layout: RoutedLayout | None) -> GenerateOutput:
+    """``output`` with its routed experts as ``[tokens, moe layers, topk]`` int32 and their shape in
+    ``meta_info["routed_experts_shape"]``, as Miles' own engine sends them.
+
+    SGLang (0.5.23, ``tokenizer_manager.py``) sends a flat base64 int32 array of every token but the last
+    (``prompt + output - 1`` rows: ``batch_result_processor.py``) x ``num_hidden_layers`` x
+    ``num_experts_per_tok``, dense layers included, and no shape: it is read with the model's ``layout`` and
+    its MoE layers kept. Raises :class:`~miles.errors.EngineError` when the array cannot be read that way (a
+    run never trains on routing it cannot place)."""
+    import numpy as np
+
+    from miles.errors import EngineError
+
+    if output.routed_experts is None or output.meta_info.get("routed_experts_shape") is not None:
+        return output
+    if layout is None:
+        raise EngineError(
+            "routed_experts: the engine sent them without a shape and no router layout was given to read them "
+            "with (miles.models.routed_layout of the policy; a dense model's config names no MoE layers)"
+        )
+    flat = np.frombuffer(output.routed_experts, dtype=np.int32)
+    per_token = layout.num_layers * layout.topk
+    if flat.size % per_token:
+        raise EngineError(
+            f"routed_experts: {flat.size} int32 values are not whole rows of {layout.num_layers} layers x "
+            f"{layout.topk} experts (the model's config)"
+        )
+    rows = flat.size // per_token
+    moe = np.ascontiguousarray(flat.reshape(rows, layout.num_layers, layout.topk)[:, list(layout.moe_layers), :])
+    meta = {**output.meta_info, "routed_experts_shape": [rows, len(layout.moe_layers), layout.topk]}
+    return replace(output, routed_experts=moe.tobytes(), meta_info=meta)
+
+
 class RoutedExpertsClient(EngineClient):
     """An :class:`EngineClient` that asks every ``/generate`` for the routed experts (MoE runs: routing
-    replay and the routing-agreement metric), and otherwise forwards to ``inner``."""
+    replay and the routing-agreement metric), in one shape whatever the engine
+    (:func:`shape_routed_experts`), and otherwise forwards to ``inner``.
 
-    def __init__(self, inner: EngineClient) -> None:
+    :param layout: the policy's routers (:func:`miles.models.routed_layout`), to read an engine that sends
+        no shape (SGLang)."""
+
+    def __init__(self, inner: EngineClient, layout: RoutedLayout | None = None) -> None:
         self.inner = inner
+        self.layout = layout
 
     @property
     def urls(self) -> Sequence[str]:
@@ -74,8 +114,8 @@ class RoutedExpertsClient(EngineClient):
         routing_key: str | None = None,
         rid: str | None = None,
     ) -> list[GenerateOutput]:
-        """:meth:`EngineClient.generate` with ``return_routed_experts`` always on."""
-        return await self.inner.generate(
+        """:meth:`EngineClient.generate` with ``return_routed_experts`` always on, shaped."""
+        outputs = await self.inner.generate(
             input_ids,
             sampling_params,
             return_logprob=return_logprob,
@@ -83,6 +123,7 @@ class RoutedExpertsClient(EngineClient):
             routing_key=routing_key,
             rid=rid,
         )
+        return [shape_routed_experts(output, self.layout) for output in outputs]
 
     async def abort(self, rid: str | None = None) -> None:
         await self.inner.abort(rid)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from miles.rewards.scoring import Scorer
-from miles.rollout.facts import RoutedExpertsClient, logit_masks
+from miles.rollout.facts import RoutedExpertsClient, logit_masks, shape_routed_experts
 from miles.rollout.failover import NoEngineLeftError
 from miles.rollout.protocol import GenerateOutput, SamplingParams
 from miles.rollout.teacher import TeacherScorer, teacher_for
@@ -34,6 +34,7 @@ from miles.types import Sample, SampleGroup, SampleStatus, WeightSpan
 if TYPE_CHECKING:
     from miles.algorithms.base import Algorithm
     from miles.data.base import DataSource, Prompt
+    from miles.models import RoutedLayout
     from miles.rollout.client import EngineClient
     from miles.rollout.function import RolloutFunction
     from miles.settings.model import RolloutSettings
@@ -117,10 +118,9 @@ def sample_from_output(sample: Sample, output: GenerateOutput) -> Sample:
     else:
         spans = [WeightSpan(0, n, _version(output.weight_version))] if n else []
     routed_shape = None
-    if output.routed_experts is not None:
-        shape = output.meta_info.get("routed_experts_shape")
-        if shape is not None:
-            routed_shape = (int(shape[0]), int(shape[1]), int(shape[2]))
+    if output.routed_experts is not None:  # (shaped by the client: RoutedExpertsClient)
+        shape = shape_routed_experts(output, None).meta_info["routed_experts_shape"]
+        routed_shape = (int(shape[0]), int(shape[1]), int(shape[2]))
     return replace(
         sample,
         response_ids=list(output.output_ids),
@@ -156,6 +156,8 @@ class RolloutManager:
         (``max_rounds x rollout_batch_size``) before it keeps one anyway.
     :param return_routed_experts: ask every ``/generate`` for the experts the engine routed each token to
         (MoE models: routing replay and the routing-agreement metric).
+    :param routed_layout: the policy's routers, to read routed experts an engine sends without a shape
+        (SGLang; :func:`miles.rollout.facts.shape_routed_experts`).
     :param eos_token_ids: the engine's EOS ids; single-turn samples record the logit masks the engine
         applied before ``min_new_tokens`` (:func:`miles.rollout.facts.logit_masks`).
     """
@@ -171,6 +173,7 @@ class RolloutManager:
         seed: int = 0,
         max_rounds: int = 8,
         return_routed_experts: bool = False,
+        routed_layout: RoutedLayout | None = None,
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.client = client
@@ -185,7 +188,9 @@ class RolloutManager:
         self.max_rounds = max_rounds
         self.return_routed_experts = return_routed_experts
         self.eos_token_ids = list(eos_token_ids)
-        self._generate_client: EngineClient = RoutedExpertsClient(client) if return_routed_experts else client
+        self._generate_client: EngineClient = (
+            RoutedExpertsClient(client, routed_layout) if return_routed_experts else client
+        )
         self.next_group_id = 0
         self._function_started = False
         self.budget = DropBudget(max_rounds * settings.rollout_batch_size)

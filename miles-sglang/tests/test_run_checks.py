@@ -1,6 +1,6 @@
-"""Which weight transports an SGLang fleet can take: those needing routes only Miles' own engine serves are
-refused before anything starts, naming the transport and the engine (they used to fail at the first push
-with a 404)."""
+"""What a run tells its SGLang fleet before anything starts: the weight transports it can take (those needing
+routes only Miles' own engine serves are refused, naming the transport and the engine: they used to fail at
+the first push with a 404), and the routed experts routing replay needs."""
 
 from __future__ import annotations
 
@@ -31,3 +31,16 @@ def test_sglang_protocol_transports_are_not_refused_for_their_routes(transport: 
         build_run(settings(transport))
     except SettingsError as exc:  # (this host has no GPU: the engine's own host check still speaks)
         assert "loads weights through routes only" not in str(exc)
+
+
+def test_a_run_that_records_routed_experts_launches_sglang_with_them() -> None:
+    """Routing replay needs SGLang's ``--enable-return-routed-experts``: the composition root tells the engine
+    (``records_routed_experts``) and the launch command carries it without a setting (it never did)."""
+    from miles_sglang.engine import SGLangEngine
+    from miles_sglang.settings import SGLangEngineSettings
+
+    engine = SGLangEngine(SGLangEngineSettings())
+    where = {"model_path": "/m", "host": "127.0.0.1", "port": 30001, "device": "cuda", "dtype": "bfloat16"}
+    assert "--enable-return-routed-experts" not in engine.launch(**where, devices=[0]).argv
+    engine.records_routed_experts = True
+    assert "--enable-return-routed-experts" in engine.launch(**where, devices=[0]).argv

@@ -62,6 +62,7 @@ class PublishContext(Protocol):
     client: EngineClient | None
     source: GroupSource | None
     pm: PluginManager
+    tokenizer: Any
 
     async def on_compute_thread(self, coro_fn: Callable[[], Awaitable[Any]]) -> Any: ...
 
@@ -82,13 +83,21 @@ class WeightPublisher(ABC):
         self.loop = loop
         self.weight_version = LAUNCH_WEIGHT_VERSION
         """The version the trainer's weights were last published as."""
-        self.sampler: WeightSampler | None = None
-        """Rank 0, engines without a checksum route: samples each push for :func:`verify_sampled`."""
         settings = loop.settings
-        if loop.transport is not None and settings.transport.verify and sample_pushes:
+        self.verification = settings.transport.verify_with
+        """How pushes are verified (``auto`` until :meth:`connect` decides; the same on every rank)."""
+        if self.verification == "auto" and not sample_pushes:
+            self.verification = "checksums"
+        self.sampler: WeightSampler | None = None
+        """Rank 0, ``rows`` verification: samples each push for :func:`verify_sampled`."""
+        if loop.transport is not None and settings.transport.verify and self.verification in ("auto", "rows"):
             from miles.transport.verify import WeightSampler
 
             self.sampler = WeightSampler(loop.transport.engine_dtype)
+        self.probe: list[int] = []
+        """``logprobs`` verification: the probe's tokens (:data:`~miles.transport.verify.PROBE_TEXT`)."""
+        self._probe_expected: dict[str, list[float]] = {}
+        """Rank 0: the trainer's logprobs of the probe, by the version they were computed for."""
 
     @property
     def is_driver(self) -> bool:
@@ -101,6 +110,50 @@ class WeightPublisher(ABC):
         if loop.transport is not None:
             loop.transport.attach(loop.trainer)
             await loop.transport.connect(loop.client, loop.dist)
+            if loop.settings.transport.verify:
+                await self._choose_verification()
+
+    async def _choose_verification(self) -> None:
+        """Every rank: settle :attr:`verification` (``auto``: rows where every engine answers
+        ``/get_weights_by_name`` for the model's first tensor, else logprobs) and the probe, as rank 0 finds."""
+        from miles.training.comm import broadcast_json
+        from miles.transport.verify import PROBE_TEXT, serves_rows
+
+        loop = self.loop
+        decided: dict[str, Any] | None = None
+        if self.is_driver:
+            method = self.verification
+            if method == "auto":
+                assert loop.client is not None
+                name = _first_tensor_name(loop.settings.train.model_path)
+                method = "rows" if name is not None and await serves_rows(loop.client, name) else "logprobs"
+                if method == "logprobs":
+                    log.info(
+                        "the engines answer no /get_weights_by_name for this model: each push is verified by "
+                        "their logprobs of a probe sequence (transport.verify_with = 'logprobs')"
+                    )
+            probe = [int(t) for t in loop.tokenizer.encode(PROBE_TEXT)] if method == "logprobs" else []
+            decided = {"method": method, "probe": probe}
+        decided = broadcast_json(decided)
+        assert decided is not None
+        self.verification, self.probe = decided["method"], list(decided["probe"])
+        if self.verification != "rows":
+            self.sampler = None
+
+    def probe_expected(self, version: str) -> None:
+        """Every rank (a forward of the trainer: a collective), ``logprobs`` verification: the trainer's
+        logprobs of the probe under the weights published as ``version``, kept by rank 0 for :meth:`verify`."""
+        if self.verification != "logprobs" or not self.loop.settings.transport.verify:
+            return
+        from miles.training.batch import TrainBatch
+        from miles.types import Sample
+
+        probe = self.probe
+        n = len(probe) - 1
+        sample = Sample(prompt_ids=probe[:1], response_ids=probe[1:], rollout_logprobs=[0.0] * n, loss_mask=[1] * n)
+        out = self.loop.trainer.compute_logprobs(TrainBatch.from_samples([sample]), temperature=1.0)
+        if self.is_driver:
+            self._probe_expected = {version: [float(v) for v in out.logprobs[0].tolist()]}
 
     @abstractmethod
     async def publish(self, step: int) -> PushReport | None:
@@ -201,6 +254,17 @@ class WeightPublisher(ABC):
             own = await transport.verify(client, report)
             if own is not None:
                 report.verification = own
+            elif self.verification == "logprobs":
+                from miles.transport.verify import default_logprob_tolerance, verify_logprobs
+
+                tolerance = loop.settings.transport.verify_logprob_tolerance
+                report.verification = await verify_logprobs(
+                    client,
+                    version=report.version,
+                    probe=self.probe,
+                    expected=self._probe_expected[report.version],
+                    tolerance=tolerance or default_logprob_tolerance(transport.engine_dtype),
+                )
             elif self.sampler is not None:
                 report.verification = await verify_sampled(client, version=report.version, samples=self.sampler.samples)
             else:
@@ -292,6 +356,7 @@ class InlinePublisher(WeightPublisher):
             return None
         transport = loop.transport
         version = str(step)
+        self.probe_expected(version)
 
         async def push() -> PushReport:
             retries = 0
@@ -354,9 +419,12 @@ class OverlappedPublisher(WeightPublisher):
         assert isinstance(transport, StagedTransport)
         version = str(step)
         buckets = self.buckets()
-        report: PushReport = await loop.on_compute_thread(
-            lambda: transport.stage(buckets, version=version, dist=loop.dist)
-        )
+
+        async def stage() -> PushReport:
+            self.probe_expected(version)
+            return await transport.stage(buckets, version=version, dist=loop.dist)
+
+        report: PushReport = await loop.on_compute_thread(stage)
         self.weight_version = version
         if self.is_driver:
             if loop.source is not None:  # the trainer holds the new version; the engines serve the old one
@@ -445,3 +513,19 @@ def make_publisher(loop: PublishContext, run: Run) -> WeightPublisher:
     )
     publisher = OverlappedPublisher if overlapped else InlinePublisher
     return publisher(loop, sample_pushes=loop.transport is not None and not run.engine_capabilities.weights_checksum)
+
+
+def _first_tensor_name(model_path: str | None) -> str | None:
+    """The name of the first tensor of the model's safetensors (a name every engine serving it knows)."""
+    from pathlib import Path
+
+    if model_path is None:
+        return None
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), framework="pt") as f:
+        names = sorted(f.keys())
+    return names[0] if names else None

@@ -85,7 +85,17 @@ class TransportSpec(PluginSpec):
     bucket_bytes: int = Field(256 << 20, ge=1)
     """Size of the weight buckets the trainer gathers and the transport sends one at a time."""
     verify: bool = True
-    """After every push, check that the engines serve exactly what was sent (checksums per tensor)."""
+    """After every push, check that the engines serve what was sent (how: ``verify_with``)."""
+    verify_with: Literal["auto", "checksums", "rows", "logprobs"] = "auto"
+    """How a push is verified. ``checksums``: every tensor, bit for bit (``/weights_checksum``, Miles' own
+    engine). ``rows``: the leading rows of every tensor, bit for bit (SGLang's ``/get_weights_by_name``,
+    which SGLang serves for Llama-like models only). ``logprobs``: each engine's logprobs of a fixed probe
+    sequence equal the trainer's within ``verify_logprob_tolerance`` (any model an engine serves; a tensor a
+    push missed shows for sure only after ``randomize_engines_first``). ``auto``: checksums where the engine
+    serves them, else rows where it answers them for this model, else logprobs (said once in the log)."""
+    verify_logprob_tolerance: float | None = Field(None, gt=0)
+    """``logprobs`` verification: the largest mean |engine - trainer| logprob over the probe's tokens
+    (default 0.02 for float32 engines, 0.1 for lower precisions)."""
     randomize_engines_first: bool = False
     """Test mode: overwrite the engines' weights with random values before every push, so verification
     proves every tensor was really sent (needs ``rollout.engine.enable_debug_endpoints``)."""

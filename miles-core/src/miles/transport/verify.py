@@ -14,6 +14,13 @@ engines answer SGLang's ``/get_weights_by_name`` with the first rows of what the
 be equal bit for bit. That proves every tensor the trainer sent arrived under its name, with its shape
 and dtype, in the version reported; it does not see the rest of a tensor's rows, nor parameters the
 engine serves but the trainer never sent (SGLang cannot list them).
+
+SGLang answers ``/get_weights_by_name`` only for models whose class has the method (Llama-like ones; not
+Qwen2, Qwen3 or Qwen3-MoE). For those the engines are verified by what they compute
+(:func:`verify_logprobs`): their logprobs of a fixed probe sequence must equal the trainer's within a
+tolerance. That needs no support from the model, and proves the engine serves weights that compute what the
+trainer's compute; a tensor a push missed shows for sure only when the engines were filled with random
+values first (``transport.randomize_engines_first``), since one step's change can be within the tolerance.
 """
 
 from __future__ import annotations
@@ -30,7 +37,18 @@ if TYPE_CHECKING:
 
 BucketT = TypeVar("BucketT", bound=Sequence[tuple[str, Any]])
 
-__all__ = ["WeightSampler", "compare_checksums", "tensor_checksum", "verify_engines", "verify_sampled"]
+__all__ = [
+    "PROBE_TEXT",
+    "WeightSampler",
+    "compare_checksums",
+    "default_logprob_tolerance",
+    "engine_probe_logprobs",
+    "serves_rows",
+    "tensor_checksum",
+    "verify_engines",
+    "verify_logprobs",
+    "verify_sampled",
+]
 
 
 def tensor_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
@@ -180,3 +198,85 @@ async def verify_sampled(
         "weight_sync/verified_tensors": float(len(samples) * len(client.urls)),
         "weight_sync/verified": 1.0,
     }
+
+
+PROBE_TEXT = "Weights check: the quick brown fox jumps over the lazy dog; 1 2 3 4 5 6 7 8 9 10."
+"""The probe of ``logprobs`` verification, tokenized by the policy's tokenizer (the same in every run)."""
+
+
+def default_logprob_tolerance(engine_dtype: str) -> float:
+    """The largest mean |engine - trainer| logprob of the probe a push passes with (``logprobs``
+    verification): kernels differ between engine and trainer by about 1e-3 in float32, 1e-2 in bfloat16, while
+    a tensor left random or stale by a push moves the logprobs by whole units."""
+    return 0.02 if engine_dtype == "float32" else 0.1
+
+
+async def serves_rows(client: EngineClient, name: str) -> bool:
+    """Whether every engine answers ``/get_weights_by_name`` for ``name`` (SGLang does for Llama-like models;
+    for Qwen2, Qwen3 and others its model classes have no such method and it answers an error)."""
+    from miles.errors import EngineError
+
+    for url in client.urls:
+        try:
+            await client.call(url, "/get_weights_by_name", {"name": name, "truncate_size": 1})
+        except EngineError:
+            return False
+    return True
+
+
+async def engine_probe_logprobs(client: EngineClient, url: str, probe: Sequence[int]) -> list[float]:
+    """One engine's logprobs of ``probe[1:]`` given the tokens before each (``/generate`` with the prompt's
+    logprobs from position 0, temperature 1)."""
+    payload = {
+        "input_ids": list(probe),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    answer = await client.call(url, "/generate", payload)
+    rows = answer["meta_info"]["input_token_logprobs"]
+    values = [row[0] for row in rows]
+    if len(values) == len(probe) and values[0] is None:  # the first token has none
+        values = values[1:]
+    if len(values) != len(probe) - 1 or any(v is None for v in values):
+        raise WeightVerificationError(
+            f"engine {url} answered {len(rows)} prompt logprobs for a {len(probe)}-token probe"
+        )
+    return [float(v) for v in values]
+
+
+async def verify_logprobs(
+    client: EngineClient,
+    *,
+    version: str,
+    probe: Sequence[int],
+    expected: Sequence[float],
+    tolerance: float,
+) -> dict[str, float]:
+    """Check every engine reports ``version`` (``/model_info``) and gives the probe the logprobs the trainer
+    gives it (``expected``, of ``probe[1:]``), within ``tolerance`` on average.
+
+    :returns: metrics (``weight_sync/verified``, ``weight_sync/verified_logprob_diff``: the largest mean
+        difference over the engines).
+    """
+    infos = await client.model_info()
+    for url, info in zip(client.urls, infos, strict=True):
+        served_version = str(info.get("weight_version"))
+        if served_version != version:
+            raise WeightVerificationError(
+                f"engine {url} serves weight version {served_version!r}, expected {version!r}"
+            )
+    worst = 0.0
+    for url in client.urls:
+        served = await engine_probe_logprobs(client, url, probe)
+        diffs = [abs(a - b) for a, b in zip(served, expected, strict=True)]
+        mean = sum(diffs) / len(diffs)
+        if mean > tolerance:
+            at = max(range(len(diffs)), key=diffs.__getitem__)
+            raise WeightVerificationError(
+                f"engine {url}: its logprobs of the probe differ from the trainer's by {mean:.3g} on average "
+                f"(tolerance {tolerance:g}; largest {diffs[at]:.3g} at token {at + 1}): it does not serve the "
+                f"weights of version {version}"
+            )
+        worst = max(worst, mean)
+    return {"weight_sync/verified": 1.0, "weight_sync/verified_logprob_diff": worst}

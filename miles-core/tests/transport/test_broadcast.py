@@ -110,3 +110,23 @@ def test_the_store_address_defaults_to_the_node_address_the_launcher_hands_rank_
     monkeypatch.setenv(NODE_ADDRESS_ENV, "10.213.0.1")
     assert master() == "10.213.0.1"
     assert master(master_address="10.213.0.7") == "10.213.0.7"
+
+
+def test_colocation_on_cuda_is_refused_naming_both_fields() -> None:
+    """Trainer rank 0 and engine 0 on one GPU would be two NCCL ranks on one device: refused before anything
+    starts (it was accepted and the docs recommended it)."""
+    from miles.driver.run import build_run
+    from miles.errors import SettingsError
+    from miles.settings.model import MilesSettings
+
+    chosen = {"transport": {"name": "broadcast"}, "train": {"model_path": None}}
+    colocated = {"cluster": {"colocate": True, "device": "cuda"}, **chosen}
+    with pytest.raises(
+        SettingsError, match=r"transport.name: 'broadcast' cannot serve cluster.colocate = true on CUDA"
+    ):
+        build_run(MilesSettings.model_validate(colocated))
+    for cluster in ({"colocate": True, "device": "cpu"}, {"colocate": False, "device": "cuda"}):
+        try:
+            build_run(MilesSettings.model_validate({"cluster": cluster, **chosen}))
+        except SettingsError as exc:  # (no model, no trainer backend here: only those may be said)
+            assert "broadcast" not in str(exc)

@@ -81,7 +81,10 @@ class TrainingLoop:
         self.ckpt_root = Path(settings.checkpoint.dir or self.run_dir / "checkpoints")
         self.is_driver = dist.rank == 0
         # before the trainer is built: the async modes train on a dedicated thread (miles.driver.threads)
-        self.compute = ComputeThread(dedicated=settings.rollout.mode != "sync")
+        self.compute = ComputeThread(
+            dedicated=settings.rollout.mode != "sync",
+            cuda_device=dist.local_rank if dist.device == "cuda" else None,
+        )
 
         self.precision = run.precision
         self.algorithm = run.algorithm

@@ -24,19 +24,30 @@ class ComputeThread:
     """Runs coroutine functions inline, or (``dedicated``) to completion on one worker thread.
 
     A dedicated thread takes the process's torch thread count and leaves the calling thread with one;
-    create it before the model is built.
+    create it before the model is built. On CUDA it works on the rank's GPU (``cuda_device``): the current
+    device is per thread, and a thread that never sets it puts its kernels and collectives on GPU 0.
     """
 
-    def __init__(self, *, dedicated: bool) -> None:
+    def __init__(self, *, dedicated: bool, cuda_device: int | None = None) -> None:
         self.dedicated = dedicated
         self._executor: ThreadPoolExecutor | None = None
         self.threads = 0
+        self.cuda_device = cuda_device
         if dedicated:
             import torch
 
             self.threads = torch.get_num_threads()
             single_threaded_here()
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-train")
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="miles-train", initializer=self._on_thread
+            )
+
+    def _on_thread(self) -> None:
+        """The worker thread's start: the rank's GPU becomes its current device."""
+        if self.cuda_device is not None:
+            import torch
+
+            torch.cuda.set_device(self.cuda_device)
 
     async def run(self, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
         """``await coro_fn()`` here, or on the dedicated thread (in its own event loop)."""

@@ -213,6 +213,8 @@ class MemoryOccupation:
                 self.released_weights.append((storage, storage.nbytes()))
                 freed += storage.nbytes()
                 storage.resize_(0)
+        if freed and torch.cuda.is_available() and runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the device (the caching allocator would keep it)
         log.info("released %s (%.1f MB)", ", ".join(tags), freed / 1e6)
         return {"freed_bytes": float(freed)}
 

@@ -34,7 +34,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from miles.components import ComponentSettings
-from miles.errors import EngineError
+from miles.errors import EngineError, SettingsError
 from miles.net import host_store
 from miles.node_address import node_address
 from miles.torch_threads import to_thread
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from miles.rollout.client import EngineClient
+    from miles.settings.model import MilesSettings
     from miles.training.trainer import DistContext, WeightBucket
 
 __all__ = ["BroadcastTransport", "BroadcastTransportSettings", "PushFailedError", "make_process_group"]
@@ -171,6 +172,17 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
     """Pushes weights over a process group that spans trainer rank 0 and every engine."""
 
     name = "broadcast"
+
+    @classmethod
+    def check_settings(cls, options: BroadcastTransportSettings, settings: MilesSettings) -> None:
+        """Refuse colocation on CUDA: the group would put trainer rank 0 and engine 0 on one GPU, and NCCL
+        refuses two ranks of a group on one device."""
+        if settings.cluster.colocate and settings.cluster.device == "cuda":
+            raise SettingsError(
+                "transport.name: 'broadcast' cannot serve cluster.colocate = true on CUDA (trainer rank 0 and "
+                "engine 0 would be two NCCL ranks on one GPU, which NCCL refuses); colocated engines take their "
+                "weights by CUDA IPC (transport 'sglang_tensor' with SGLang) or from disk (transport 'disk')"
+            )
 
     def __init__(
         self, settings: BroadcastTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str

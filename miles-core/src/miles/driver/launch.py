@@ -8,10 +8,11 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles.driver.progress import follow_metrics
-from miles.driver.rundir import prepare_run_dir, write_resolved_settings
+from miles.driver.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
 from miles.rollout.router import FLEET_FILE
 
 if TYPE_CHECKING:
@@ -232,6 +233,7 @@ def run_training(
     from miles.launch.rendezvous import trainer_specs
 
     run_dir = prepare_run_dir(run.settings, resume=resume, overwrite=overwrite)
+    resumed_at = _resume_step(run_dir, resume, console)
     run.materialize_model()
     settings = run.settings.model_copy(deep=True)
     settings.log.run_dir = str(run_dir)
@@ -260,5 +262,28 @@ def run_training(
         launcher.start_trainers(specs)
         if engines:
             finish_fleet(run, launcher).announce(run_dir / FLEET_FILE)
-        with follow_metrics(console, run_dir / "metrics.jsonl", settings.train.num_rollouts):
-            return launcher.wait_trainers()
+        try:
+            with follow_metrics(console, run_dir / "metrics.jsonl", settings.train.num_rollouts, after_step=resumed_at):
+                return launcher.wait_trainers()
+        finally:
+            launcher.shutdown()  # (every process reaped before its files go)
+            transport = run.resolved.get("transport")
+            if transport is None or not getattr(transport.options, "keep_after_run", False):
+                remove_scratch(run_dir)
+
+
+def _resume_step(run_dir: Path, resume: str | None, console: Console | None) -> int:
+    """The checkpoint step a resumed run continues after (0 for a new run), said once; the earlier run's rows
+    of later steps leave ``metrics.jsonl``."""
+    if resume is None:
+        return 0
+    from miles.driver.checkpoint import find_checkpoint, read_driver_state
+
+    checkpoint = find_checkpoint(resume)
+    step = read_driver_state(checkpoint).step
+    dropped = rewind_metrics(run_dir, step)
+    note = f"resumed from step {step} ({checkpoint})" + (f"; {dropped} later step(s) will run again" if dropped else "")
+    log.info("%s", note)
+    if console is not None:
+        console.print(note, highlight=False)
+    return step

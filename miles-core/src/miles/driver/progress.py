@@ -55,12 +55,17 @@ class _Reader:
 
 
 @contextmanager
-def follow_metrics(console: Console | None, metrics_path: Path, total: int, *, interval: float = 1.0) -> Iterator[None]:
-    """Show the run's progress while the block runs (nothing without a console)."""
+def follow_metrics(
+    console: Console | None, metrics_path: Path, total: int, *, interval: float = 1.0, after_step: int = 0
+) -> Iterator[None]:
+    """Show the run's progress while the block runs (nothing without a console); ``after_step``: a resumed
+    run's rows up to its checkpoint are not shown again."""
     if console is None:
         yield
         return
     reader = _Reader(metrics_path)
+    for _ in reader.rows():  # (rows already there: a resumed run's earlier steps)
+        pass
     stop = threading.Event()
     if console.is_terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -69,7 +74,7 @@ def follow_metrics(console: Console | None, metrics_path: Path, total: int, *, i
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(), console=console, transient=False,
         )  # fmt: skip
-        task = bar.add_task("train", total=total, info="starting engines and ranks ...")
+        task = bar.add_task("train", total=total, completed=after_step, info="starting engines and ranks ...")
 
         def show(row: dict[str, Any]) -> None:
             bar.update(task, completed=int(row["step"]), info=step_summary(row))

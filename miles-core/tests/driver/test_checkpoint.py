@@ -74,3 +74,16 @@ def test_an_interrupted_save_never_replaces_the_last_good_checkpoint(tmp_path: P
     assert read_driver_state(checkpoint_dir(root, 1)).step == 1
     assert not (checkpoint_dir(root, 2) / "driver.json").exists()
     assert not list(root.glob("*.tmp")) and not list(checkpoint_dir(root, 1).glob("*.tmp"))
+
+
+def test_keep_last_removes_older_complete_checkpoints_only(tmp_path: Path) -> None:
+    from miles.driver.checkpoint import prune_checkpoints
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        write_driver_state(checkpoint_dir(root, step), DriverState(step=step, weight_version=str(step)))
+    (checkpoint_dir(root, 10) / "trainer").mkdir(parents=True)  # a save in progress: no driver.json yet
+    removed = prune_checkpoints(root, 2)
+    assert [p.name for p in removed] == ["step_000002", "step_000004"]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000006", "step_000008", "step_000010"]
+    assert find_checkpoint(root).name == "step_000008"

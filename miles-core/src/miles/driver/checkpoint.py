@@ -19,7 +19,14 @@ from miles.errors import SettingsError
 if TYPE_CHECKING:
     from miles.driver.sources import GroupSource
 
-__all__ = ["DriverState", "checkpoint_dir", "find_checkpoint", "read_driver_state", "write_driver_state"]
+__all__ = [
+    "DriverState",
+    "checkpoint_dir",
+    "find_checkpoint",
+    "prune_checkpoints",
+    "read_driver_state",
+    "write_driver_state",
+]
 
 _FORMAT = 1
 
@@ -94,6 +101,19 @@ def write_driver_state(path: Path, state: DriverState) -> None:
     path.mkdir(parents=True, exist_ok=True)
     _write_durably(path / "driver.json", json.dumps(asdict(state), indent=1))
     _write_durably(path.parent / "latest", path.name + "\n")
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints under ``root`` (never the one ``latest``
+    names; incomplete ones are left to the next save's check); returns what went."""
+    import shutil
+
+    complete = sorted(p for p in root.glob("step_*") if (p / "driver.json").exists())
+    latest = (root / "latest").read_text().strip() if (root / "latest").exists() else None
+    removed = [p for p in complete[: max(len(complete) - keep, 0)] if p.name != latest]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def read_driver_state(path: Path) -> DriverState:

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.driver.batching import prepare_minibatches
-from miles.driver.checkpoint import DriverState, checkpoint_dir, find_checkpoint, read_driver_state, write_driver_state
+from miles.driver.checkpoint import (
+    DriverState,
+    checkpoint_dir,
+    find_checkpoint,
+    prune_checkpoints,
+    read_driver_state,
+    write_driver_state,
+)
 from miles.driver.fidelity import mismatch_metrics, optimizer_step_metrics, scoring_temperature_of, warn_on_mismatch
 from miles.driver.publish import WeightPublisher, make_publisher
 from miles.driver.records import SampleRecords
@@ -284,6 +291,8 @@ class TrainingLoop:
             write_driver_state(path, state)
             self.pm.on_checkpoint_saved(step=self.step, path=str(path))
             log.info("checkpoint saved: %s", path)
+            if self.settings.checkpoint.keep_last is not None:
+                prune_checkpoints(self.ckpt_root, self.settings.checkpoint.keep_last)
 
     async def _load(self, path: Path) -> None:
         state = read_driver_state(path)

@@ -99,12 +99,12 @@ def test_cpu_launch_command() -> None:
     """The same command on a CPU: ``--device cpu`` instead of ``--base-gpu-id`` (which SGLang would read as the
     NUMA node to bind to), no overlap scheduling, ``SGLANG_USE_CPU_ENGINE=1`` in the environment."""
     engine_launch = SGLangEngine(SGLangEngineSettings(max_total_tokens=4096)).launch(
-        model_path="/models/llama", host="127.0.0.1", port=30002, device="cpu", dtype="float32", devices=[], seed=7
+        model_path="/models/llama", host="127.0.0.1", port=30002, device="cpu", dtype="bfloat16", devices=[], seed=7
     )
     assert engine_launch.argv == [
         PY, "-m", "sglang.launch_server",
         "--model-path", "/models/llama", "--host", "127.0.0.1", "--port", "30002",
-        "--tp-size", "1", "--device", "cpu", "--random-seed", "7", "--dtype", "float32",
+        "--tp-size", "1", "--device", "cpu", "--random-seed", "7", "--dtype", "bfloat16",
         "--weight-version", "0", "--max-total-tokens", "4096",
         "--skip-server-warmup", "--disable-overlap-schedule",
     ]  # fmt: skip
@@ -117,6 +117,8 @@ def test_cpu_launch_command() -> None:
     assert "--max-total-tokens" not in launch(SGLangEngineSettings(), device="cpu", devices=[])
     assert "--max-total-tokens" in launch(SGLangEngineSettings(max_total_tokens=512))  # on CUDA too
     assert "--disable-overlap-schedule" not in launch(SGLangEngineSettings())
+    with pytest.raises(SettingsError, match='rollout.engine_dtype: .* no float32 path .* = "bfloat16"'):
+        launch(SGLangEngineSettings(), device="cpu", devices=[], dtype="float32")
 
 
 def test_cpu_host_problems_name_what_is_missing_and_how_to_build_it() -> None:

@@ -77,6 +77,11 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
         if device not in ("cuda", "cpu"):
             raise SettingsError(f"cluster.device: rollout.engine 'sglang' serves on 'cuda' or 'cpu', got {device!r}")
         on_cpu = device == "cpu"
+        if on_cpu and dtype in ("float32", "float"):
+            raise SettingsError(
+                "rollout.engine_dtype: SGLang's CPU kernels have no float32 path (its first forward fails in "
+                'rmsnorm); serve bfloat16 on a CPU: rollout.engine_dtype = "bfloat16"'
+            )
         if not on_cpu and len(devices) != self.settings.tp_size:
             raise SettingsError(
                 f"rollout.engine.tp_size: engine {rank} was placed on GPUs {devices}, expected {self.settings.tp_size}"

@@ -184,7 +184,7 @@ def server(tiny_llamas: TinyModels, tmp_path_factory: pytest.TempPathFactory) ->
     and 2-3 GB), serving the first tiny Llama, started the way Miles starts it: the command of
     :meth:`SGLangEngine.launch` on a CPU (``test_engine.py`` checks it is SGLang's documented CPU command)
     run by the local launcher. Tests that load other weights put the first checkpoint back."""
-    from miles.launch.ports import free_port
+    from miles.net import free_port
     from miles_sglang.engine import SGLangEngine
     from miles_sglang.settings import SGLangEngineSettings
 

@@ -109,3 +109,16 @@ def test_the_skip_reason_names_the_missing_flags(cpu_env: ModuleType, monkeypatc
     assert "lacks avx512_bf16: SGLang's CPU kernels" in cpu_env.skip_reason()
     monkeypatch.setattr(host, "missing_cpu_flags", lambda: [])
     assert cpu_env.skip_reason() is None
+
+
+def test_layers_of_vanished_checkouts_are_removed(cpu_env: ModuleType, tmp_path: Path) -> None:
+    checkouts = tmp_path / "env-x" / "checkouts"
+    gone, here, building = checkouts / "a", checkouts / "b", checkouts / "c"
+    for overlay in (gone, here, building):
+        overlay.mkdir(parents=True)
+    cpu_env.finish(gone, {"checkout": str(tmp_path / "deleted-clone")})
+    cpu_env.finish(here, {"checkout": str(tmp_path)})
+    (checkouts / "a.lock").touch()
+    cpu_env.prune_checkouts(tmp_path / "env-x")
+    assert not gone.exists() and not (checkouts / "a.lock").exists()
+    assert here.is_dir() and building.is_dir()  # a layer without its marker may be in the making

@@ -348,7 +348,23 @@ def ensure_checkout(layer: Path, installer: Installer) -> Path:
         with locked(overlay.with_suffix(".lock"), f"the environment of {ROOT}"):
             if complete(overlay) is None:
                 build_checkout(layer, overlay, installer)
+                prune_checkouts(layer)
     return overlay / "venv" / "bin" / "python"
+
+
+def prune_checkouts(layer: Path) -> None:
+    """Remove the layers of checkouts that no longer exist (CI clones each run into a new folder)."""
+    for overlay in sorted((layer / "checkouts").iterdir()):
+        info = complete(overlay) if overlay.is_dir() else None
+        if info is None or Path(str(info["checkout"])).is_dir():
+            continue
+        with overlay.with_suffix(".lock").open("a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(overlay, ignore_errors=True)
+        overlay.with_suffix(".lock").unlink(missing_ok=True)
 
 
 def build_checkout(layer: Path, overlay: Path, installer: Installer) -> None:

@@ -1,5 +1,6 @@
-"""The ``sglang`` engine without SGLang: launch-command snapshots, GPU placement by the launcher, and the
-settings errors a run gets before anything starts (SGLang missing, no GPU, too few GPUs)."""
+"""The ``sglang`` engine without SGLang: launch-command snapshots (CUDA and CPU), GPU placement by the
+launcher, and the settings errors a run gets before anything starts (SGLang or its CPU kernels missing, no
+GPU, too few GPUs, a CPU without AVX-512 BF16)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from miles.errors import SettingsError
 from miles.settings.model import MilesSettings
+from miles_sglang import cpu_host
 from miles_sglang.checks import INSTALL_LINE, host_problems, sglang_installed
 from miles_sglang.engine import SGLangEngine
 from miles_sglang.settings import SGLangEngineSettings
@@ -84,11 +86,65 @@ def test_memory_saver_follows_colocation_unless_set() -> None:
     assert "--skip-server-warmup" not in launch(SGLangEngineSettings(skip_server_warmup=False))
 
 
-def test_launch_refuses_a_cpu_device_and_a_wrong_placement() -> None:
-    with pytest.raises(SettingsError, match="cluster.device: rollout.engine 'sglang' serves on CUDA GPUs only"):
-        launch(SGLangEngineSettings(), device="cpu", devices=[])
+def test_launch_refuses_an_unknown_device_and_a_wrong_placement() -> None:
+    with pytest.raises(
+        SettingsError, match="cluster.device: rollout.engine 'sglang' serves on 'cuda' or 'cpu', got 'xpu'"
+    ):
+        launch(SGLangEngineSettings(), device="xpu", devices=[])
     with pytest.raises(SettingsError, match=r"tp_size: engine 0 was placed on GPUs \[0\], expected 2"):
         launch(SGLangEngineSettings(tp_size=2), devices=[0])
+
+
+def test_cpu_launch_command() -> None:
+    """The same command on a CPU: ``--device cpu`` instead of ``--base-gpu-id`` (which SGLang would read as the
+    NUMA node to bind to), no overlap scheduling, ``SGLANG_USE_CPU_ENGINE=1`` in the environment."""
+    engine_launch = SGLangEngine(SGLangEngineSettings(max_total_tokens=4096)).launch(
+        model_path="/models/llama", host="127.0.0.1", port=30002, device="cpu", dtype="bfloat16", devices=[], seed=7
+    )
+    assert engine_launch.argv == [
+        PY, "-m", "sglang.launch_server",
+        "--model-path", "/models/llama", "--host", "127.0.0.1", "--port", "30002",
+        "--tp-size", "1", "--device", "cpu", "--random-seed", "7", "--dtype", "bfloat16",
+        "--weight-version", "0", "--max-total-tokens", "4096",
+        "--skip-server-warmup", "--disable-overlap-schedule",
+    ]  # fmt: skip
+    assert engine_launch.env == {"SGLANG_USE_CPU_ENGINE": "1"}
+    assert engine_launch.health_path == "/health_generate" and engine_launch.url == "http://127.0.0.1:30002"
+    # rank 2 of a colocated CPU run: seed + rank, and no memory saver (it pages CUDA memory)
+    argv = launch(SGLangEngineSettings(), device="cpu", devices=[], rank=2, seed=5, colocate=True)
+    assert "--base-gpu-id" not in argv and "--enable-memory-saver" not in argv
+    assert argv[argv.index("--random-seed") + 1] == "7"
+    assert "--max-total-tokens" not in launch(SGLangEngineSettings(), device="cpu", devices=[])
+    assert "--max-total-tokens" in launch(SGLangEngineSettings(max_total_tokens=512))  # on CUDA too
+    assert "--disable-overlap-schedule" not in launch(SGLangEngineSettings())
+    with pytest.raises(SettingsError, match='rollout.engine_dtype: .* no float32 path .* = "bfloat16"'):
+        launch(SGLangEngineSettings(), device="cpu", devices=[], dtype="float32")
+
+
+def test_cpu_host_problems_name_what_is_missing_and_how_to_build_it() -> None:
+    options = SGLangEngineSettings()
+    cpu = settings_for(device="cpu")
+    assert host_problems(options, cpu, installed=True, kernels=True, missing_flags=[]) == []
+    (no_sglang,) = host_problems(options, cpu, installed=False, kernels=False, missing_flags=[])
+    assert no_sglang.startswith("rollout.engine: 'sglang' on a CPU (cluster.device = \"cpu\") needs SGLang")
+    assert "SGLang is not installed here" in no_sglang and "scripts/sglang/cpu_env.py" in no_sglang
+    (no_kernels,) = host_problems(options, cpu, installed=True, kernels=False, missing_flags=[])
+    assert "SGLang's CPU kernels (sgl_kernel) is not installed here" in no_kernels
+    assert cpu_host.BUILD_HINT in no_kernels
+    (old_cpu,) = host_problems(options, cpu, installed=True, kernels=True, missing_flags=["avx512_bf16"])
+    assert old_cpu.startswith("cluster.device: SGLang's CPU kernels need avx512_bf16, which this CPU (")
+    refused = SGLangEngineSettings(enable_memory_saver=True, enable_deterministic_inference=True)
+    saver, deterministic = host_problems(refused, cpu, installed=True, kernels=True, missing_flags=[])
+    assert saver.startswith("rollout.engine.enable_memory_saver:") and "CUDA" in saver
+    assert deterministic.startswith("rollout.engine.enable_deterministic_inference:")
+
+
+def test_cpu_flags_come_from_cpuinfo() -> None:
+    cpuinfo = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx512f avx512bw avx512_bf16\n"
+    flags = cpu_host.cpu_flags(cpuinfo)
+    assert {"avx512f", "avx512_bf16"} <= flags and cpu_host.cpu_model(cpuinfo) == "Some CPU"
+    assert cpu_host.missing_cpu_flags(flags) == ["avx512cd", "avx512dq", "avx512vl", "avx512_vnni"]
+    assert cpu_host.missing_cpu_flags(set(cpu_host.REQUIRED_CPU_FLAGS)) == []
 
 
 def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -141,8 +197,6 @@ def test_host_problems_name_the_field_and_the_install_line() -> None:
     missing = host_problems(options, settings_for(device="cuda", num_engines=1), installed=False, gpus=3)
     assert missing == [f"rollout.engine: 'sglang' is selected but SGLang is not installed: {INSTALL_LINE}"]
     assert 'pip install "miles-sglang[sglang]"' in INSTALL_LINE
-    (cpu,) = host_problems(options, settings_for(device="cpu"), installed=True, gpus=0)
-    assert cpu.startswith("cluster.device: rollout.engine 'sglang' serves on CUDA GPUs only, got 'cpu'")
     (none,) = host_problems(options, settings_for(device="cuda"), installed=True, gpus=0)
     assert "this host has no CUDA GPU" in none
     (few,) = host_problems(options, settings_for(device="cuda", num_engines=2), installed=True, gpus=4)

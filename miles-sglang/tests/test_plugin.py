@@ -33,7 +33,12 @@ def test_entry_point_comes_from_the_miles_sglang_distribution() -> None:
 
 
 def test_modules_import_without_torch_or_sglang() -> None:
-    for module in ("miles_sglang.plugin", "miles_sglang.engine", "miles_sglang.tensor_transport"):
+    for module in (
+        "miles_sglang.plugin",
+        "miles_sglang.engine",
+        "miles_sglang.tensor_transport",
+        "miles_sglang.cpu_compat",
+    ):
         check_light_import(module, forbidden=("torch", "transformers", "sglang"))
 
 

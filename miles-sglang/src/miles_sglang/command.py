@@ -17,7 +17,11 @@ from miles_sglang.settings import SGLangEngineSettings
 if TYPE_CHECKING:
     from miles.training.adapter import LowRankSpec
 
-__all__ = ["EnginePlacement", "launch_argv", "lora_argv"]
+__all__ = ["CPU_ENV", "EnginePlacement", "launch_argv", "lora_argv"]
+
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+"""The environment in which SGLang takes its CPU path (``sglang.srt.utils.is_cpu``; ``--device cpu`` alone
+leaves it on its CUDA defaults)."""
 
 
 @dataclass(frozen=True)
@@ -27,14 +31,21 @@ class EnginePlacement:
     model_path: str
     host: str
     port: int
-    base_gpu_id: int
-    """First GPU of the engine (the launcher's placement: ``rank x tp_size``)."""
+    base_gpu_id: int | None
+    """First GPU of the engine (the launcher's placement: ``rank x tp_size``); ``None`` on a CPU."""
     seed: int
     """``train.seed + rank``: engines sample differently, reproducibly."""
     dtype: str
     """The dtype engines serve (``float32``, ``bfloat16`` ...; ``auto``: the checkpoint's)."""
     memory_saver: bool
     """``--enable-memory-saver`` (colocated runs release weights and KV cache while the trainer trains)."""
+    device: str = "cuda"
+    """``cuda``, or ``cpu``: SGLang's CPU backend (``--device cpu``, no overlap scheduling; the launch
+    environment sets ``SGLANG_USE_CPU_ENGINE=1``, :data:`CPU_ENV`)."""
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
 
 
 def lora_argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None) -> list[str]:
@@ -78,18 +89,31 @@ def launch_argv(
     settings: SGLangEngineSettings, where: EnginePlacement, adapter: LowRankSpec | None = None
 ) -> list[str]:
     """The command that starts one SGLang server (``argv[0]`` is this Python); ``adapter``: the run's LoRA
-    adapter (:func:`lora_argv`)."""
+    adapter (:func:`lora_argv`).
+
+    On a CPU (``where.device == "cpu"``): ``--device cpu`` instead of ``--base-gpu-id`` (SGLang reads the GPU
+    id as the NUMA node to bind its threads to) and ``--disable-overlap-schedule`` (overlap scheduling runs
+    on CUDA streams)."""
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", where.model_path,
         "--host", where.host,
         "--port", str(where.port),
         "--tp-size", str(settings.tp_size),
-        "--base-gpu-id", str(where.base_gpu_id),
+    ]  # fmt: skip
+    if where.on_cpu:
+        argv += ["--device", "cpu"]
+    else:
+        if where.base_gpu_id is None:
+            raise SettingsError("rollout.engine: an SGLang engine on CUDA needs its first GPU (base_gpu_id)")
+        argv += ["--base-gpu-id", str(where.base_gpu_id)]
+    argv += [
         "--random-seed", str(where.seed),
         "--dtype", where.dtype,
         "--weight-version", LAUNCH_WEIGHT_VERSION,
     ]  # fmt: skip
+    if settings.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(settings.max_total_tokens)]
     if settings.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(settings.mem_fraction_static)]
     if settings.context_length is not None:
@@ -105,6 +129,7 @@ def launch_argv(
         "--enable-deterministic-inference": settings.enable_deterministic_inference,
         "--enable-memory-saver": where.memory_saver,
         "--skip-server-warmup": settings.skip_server_warmup,
+        "--disable-overlap-schedule": where.on_cpu,
     }
     argv += [flag for flag, on in switches.items() if on]
     argv += lora_argv(settings, adapter)

@@ -9,6 +9,11 @@ through ``/get_weights_by_name`` (SGLang has no route for checksums of HF-named 
 (``train.adapter``) launch with SGLang's LoRA flags and push adapters with miles-lora's ``lora`` transport
 (``/load_lora_adapter``, ``lora_path`` per request). This module only turns settings into the launch
 command and refuses runs this host cannot serve.
+
+On a CPU (``cluster.device = "cpu"``) the same command takes SGLang's CPU backend: ``--device cpu``, its
+``SGLANG_USE_CPU_ENGINE=1`` switch in the environment, no overlap scheduling. That needs SGLang with its CPU
+kernels, which no package index carries: ``scripts/sglang/cpu_env.py`` builds that environment
+(``docs/how-to/sglang-cpu.md``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import TYPE_CHECKING
 from miles.errors import SettingsError
 from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
 from miles_sglang.checks import host_problems
-from miles_sglang.command import EnginePlacement, launch_argv
+from miles_sglang.command import CPU_ENV, EnginePlacement, launch_argv
 from miles_sglang.settings import SGLangEngineSettings
 
 if TYPE_CHECKING:
@@ -28,7 +33,7 @@ __all__ = ["SGLangEngine"]
 
 
 class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
-    """SGLang servers (``python -m sglang.launch_server``) on CUDA GPUs, ``tp_size`` GPUs each."""
+    """SGLang servers (``python -m sglang.launch_server``) on CUDA GPUs, ``tp_size`` GPUs each, or on the CPU."""
 
     name = "sglang"
     capabilities = EngineCapabilities(
@@ -43,7 +48,8 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
 
     @classmethod
     def check_settings(cls, options: SGLangEngineSettings, settings: MilesSettings) -> None:
-        """Refuse a run this host cannot serve (SGLang missing, no or too few GPUs), before anything starts."""
+        """Refuse a run this host cannot serve (SGLang or its CPU kernels missing, no or too few GPUs, a CPU
+        without AVX-512 BF16), before anything starts."""
         problems = host_problems(options, settings)
         if problems:
             raise SettingsError("\n".join(problems))
@@ -66,22 +72,32 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
         colocate: bool = False,
     ) -> EngineLaunch:
         """``sglang.launch_server`` on ``devices`` (the first is ``--base-gpu-id``; SGLang takes ``tp_size``
-        consecutive GPUs from there), seeded ``seed + rank``, ready when ``/health_generate`` answers."""
-        if device != "cuda":
-            raise SettingsError(f"cluster.device: rollout.engine 'sglang' serves on CUDA GPUs only, got {device!r}")
-        if len(devices) != self.settings.tp_size:
+        consecutive GPUs from there) or, with ``device="cpu"``, on the CPU; seeded ``seed + rank``, ready when
+        ``/health_generate`` answers."""
+        if device not in ("cuda", "cpu"):
+            raise SettingsError(f"cluster.device: rollout.engine 'sglang' serves on 'cuda' or 'cpu', got {device!r}")
+        on_cpu = device == "cpu"
+        if on_cpu and dtype in ("float32", "float"):
+            raise SettingsError(
+                "rollout.engine_dtype: SGLang's CPU kernels have no float32 path (its first forward fails in "
+                'rmsnorm); serve bfloat16 on a CPU: rollout.engine_dtype = "bfloat16"'
+            )
+        if not on_cpu and len(devices) != self.settings.tp_size:
             raise SettingsError(
                 f"rollout.engine.tp_size: engine {rank} was placed on GPUs {devices}, expected {self.settings.tp_size}"
             )
-        memory_saver = colocate if self.settings.enable_memory_saver is None else self.settings.enable_memory_saver
+        # torch_memory_saver pages CUDA memory out: on a CPU only when asked for (and then refused by the checks)
+        default_saver = colocate and not on_cpu
+        memory_saver = default_saver if self.settings.enable_memory_saver is None else self.settings.enable_memory_saver
         where = EnginePlacement(
             model_path=model_path,
             host=host,
             port=port,
-            base_gpu_id=devices[0],
+            base_gpu_id=None if on_cpu else devices[0],
             seed=seed + rank,
             dtype=dtype or "auto",
             memory_saver=memory_saver,
+            device=device,
         )
         settings = self.settings
         if self.records_routed_experts and not settings.enable_return_routed_experts:  # routing replay needs it
@@ -89,5 +105,6 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
         return EngineLaunch(
             argv=launch_argv(settings, where, self.adapter),
             url=f"http://{host}:{port}",
+            env=dict(CPU_ENV) if on_cpu else {},
             health_path="/health_generate",
         )

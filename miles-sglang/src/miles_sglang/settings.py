@@ -14,7 +14,8 @@ SGLANG_VERSION = "0.5.23"
 
 
 class SGLangEngineSettings(ComponentSettings):
-    """One ``python -m sglang.launch_server`` per engine; the launcher places ``tp_size`` GPUs for each."""
+    """One ``python -m sglang.launch_server`` per engine; on CUDA the launcher places ``tp_size`` GPUs for
+    each, with ``cluster.device = "cpu"`` it serves on the CPU (``docs/how-to/sglang-cpu.md``)."""
 
     tp_size: int = Field(1, ge=1)
     """Tensor-parallel size of one engine (``--tp-size``): GPUs ``base .. base + tp_size - 1`` of its host,
@@ -22,6 +23,10 @@ class SGLangEngineSettings(ComponentSettings):
     mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
     """Share of GPU memory for weights and KV cache (``--mem-fraction-static``; default: SGLang's choice).
     Colocated with a trainer, leave it room (0.5-0.7)."""
+    max_total_tokens: int | None = Field(None, ge=1)
+    """Tokens the KV cache holds, all requests together (``--max-total-tokens``; default: SGLang's choice,
+    from free GPU memory or, on a CPU, from free RAM x ``mem_fraction_static``). On a CPU set it: 4096 serves
+    a small model in well under 1 GB."""
     context_length: int | None = Field(None, ge=2)
     """Longest prompt + output (``--context-length``; default: the model's)."""
     max_running_requests: int | None = Field(None, ge=1)

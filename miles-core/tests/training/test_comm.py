@@ -4,11 +4,12 @@ any dtype and shape), control values as JSON."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from miles.net import free_port
 
 JOB = textwrap.dedent(
     """
@@ -63,9 +64,7 @@ JOB = textwrap.dedent(
 
 
 def test_tensors_and_json_cross_two_gloo_ranks_exactly(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "job.py"
     script.write_text(JOB)
     out = tmp_path / "result"

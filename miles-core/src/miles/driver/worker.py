@@ -42,7 +42,7 @@ async def _run(run_dir: Path) -> None:
 
     from miles.driver.loop import TrainingLoop, run_to_completion
     from miles.driver.run import build_run
-    from miles.engine.launch import freeze_startup_objects
+    from miles.startup import freeze_startup_objects
     from miles.rollout.router import FLEET_FILE, EngineFleet
     from miles.settings.model import MilesSettings
 

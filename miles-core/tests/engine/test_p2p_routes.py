@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 from miles.transport.verify import tensor_checksum
 
 from .conftest import start_engine

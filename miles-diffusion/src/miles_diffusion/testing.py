@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 __all__ = ["ImageEngineProcess"]
 

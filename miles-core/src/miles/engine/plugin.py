@@ -1,4 +1,6 @@
-"""The ``local`` rollout-engine backend: starts ``miles serve`` (built-in plugin ``local_engine``).
+"""The ``local`` rollout-engine backend: starts ``miles serve`` (built-in plugin ``local_engine``), and the
+local engine's own route groups (weights, ``disk_delta``, LoRA), added through ``miles_engine_routes`` as any
+plugin's are.
 
 Imports cheaply: nothing here touches torch.
 """
@@ -7,12 +9,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.components import Register
 from miles.engine.options import EngineOptions, ServeOptions, to_argv
 from miles.markers import hookimpl
 from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 __all__ = ["LocalEngine", "LocalEngineSettings"]
 
@@ -55,3 +60,21 @@ class LocalEngine(RolloutEngine[EngineOptions]):
 @hookimpl
 def miles_register_rollout_engines(register: Register) -> None:
     register(LocalEngine)
+
+
+@hookimpl
+def miles_engine_routes(app: FastAPI, engine: object) -> None:
+    """The local engine's built-in route groups: distributed weight updates, memory release and sampled
+    weights (:mod:`~miles.engine.weight_routes`), ``/update_weights_from_delta``
+    (:mod:`~miles.engine.weight_delta`) and LoRA adapters (:mod:`~miles.engine.lora_routes`)."""
+    from miles.engine.state import EngineState
+
+    if not isinstance(engine, EngineState):
+        return
+    from miles.engine.lora_routes import add_lora_routes
+    from miles.engine.weight_delta import add_delta_routes
+    from miles.engine.weight_routes import add_weight_routes
+
+    add_weight_routes(app, engine)
+    add_delta_routes(app, engine)
+    add_lora_routes(app, engine)

@@ -7,7 +7,10 @@ Imports cheaply: nothing here touches torch.
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +32,7 @@ class LocalEngine(RolloutEngine[EngineOptions]):
     """Miles' own torch engine, ``miles serve``: CPU or GPU, continuous batching, radix cache."""
 
     name = "local"
-    capabilities = EngineCapabilities(update_weights_from_disk=True, routed_experts=True)
+    capabilities = EngineCapabilities(update_weights_from_disk=True, routed_experts=True, in_process=True)
 
     def launch(
         self,
@@ -55,6 +58,35 @@ class LocalEngine(RolloutEngine[EngineOptions]):
         return EngineLaunch(
             argv=[sys.executable, "-m", "miles.engine", *to_argv(serve)], url=f"http://{host}:{port}", env=env
         )
+
+    def start_in_process(
+        self, *, model_path: str, host: str, device: str, dtype: str, allowed_weight_dirs: Sequence[str] = ()
+    ) -> AbstractContextManager[str]:
+        """The local engine on background threads of this process (:class:`~miles.engine.launch.InProcessEngine`:
+        its scheduler and HTTP server), on a port the OS picks."""
+        from miles.engine.weight_paths import parse_weight_dirs
+
+        options = self.settings
+        serve = ServeOptions(
+            **options.model_dump(exclude={"allowed_weight_dirs"}),
+            model=model_path,
+            host=host,
+            port=0,  # the in-process engine binds a port the OS picks
+            device=device,
+            dtype=dtype,
+            allowed_weight_dirs=os.pathsep.join(
+                [*map(str, parse_weight_dirs(options.allowed_weight_dirs)), *allowed_weight_dirs]
+            ),
+        )
+        return _serving(serve)
+
+
+@contextmanager
+def _serving(serve: ServeOptions) -> Iterator[str]:
+    from miles.engine.launch import InProcessEngine
+
+    with InProcessEngine(serve) as engine:
+        yield engine.url
 
 
 @hookimpl

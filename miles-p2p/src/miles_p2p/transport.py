@@ -244,7 +244,10 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             try:
                 return await client.call(url, "/p2p/open_session", body)
             except Exception as exc:
-                raise EngineError(f"p2p transport: opening a session on engine {url} failed: {exc}") from exc
+                hint = ""
+                if getattr(exc, "status", None) == 404:  # the routes come with miles-p2p, in the engine's environment
+                    hint = " (the engine serves no /p2p routes: install miles-p2p where the engine runs)"
+                raise EngineError(f"p2p transport: opening a session on engine {url} failed: {exc}{hint}") from exc
 
         tasks = [asyncio.ensure_future(open_one(i, url)) for i, url in enumerate(meta["urls"])]
         pending: set[asyncio.Future[Any]] = set(tasks)

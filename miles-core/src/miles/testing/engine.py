@@ -14,13 +14,15 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import httpx
 
 from miles.net import ADDRESS_IN_USE_EXIT, free_port
 
 __all__ = ["EngineProcess"]
+
+E = TypeVar("E", bound="EngineProcess")
 
 
 class EngineProcess:
@@ -29,6 +31,10 @@ class EngineProcess:
     :param extra_args: more ``miles serve`` flags, e.g. ``["--max-cache-tokens", "64"]``.
     :param threads: torch threads of the engine (and ``OMP_NUM_THREADS``).
     """
+
+    module = "miles.engine"
+    """The engine's module, run as ``python -m module --model ... --port ... --threads ...`` (another engine that
+    takes those flags, e.g. miles-diffusion's image engine, subclasses with its own)."""
 
     def __init__(
         self,
@@ -52,9 +58,9 @@ class EngineProcess:
         self.rebinds = 0
         """Starts on another port because the chosen one was taken before the engine bound it."""
 
-    def start(self, wait: bool = True) -> EngineProcess:
+    def start(self: E, wait: bool = True) -> E:
         argv = [
-            sys.executable, "-m", "miles.engine", "--model", self.model_path, "--port", str(self.port),
+            sys.executable, "-m", self.module, "--model", self.model_path, "--port", str(self.port),
             "--threads", str(self.threads), *self.extra_args,
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), TOKENIZERS_PARALLELISM="false")
@@ -104,7 +110,7 @@ class EngineProcess:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> EngineProcess:
+    def __enter__(self: E) -> E:
         if self.proc is None:
             try:
                 self.start()

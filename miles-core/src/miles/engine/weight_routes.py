@@ -17,7 +17,6 @@ resumes it — so no request ever decodes on half-updated weights.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
     from miles.engine.state import EngineState
 
 __all__ = ["add_weight_routes"]
-
-log = logging.getLogger(__name__)
 
 
 def _require(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:

@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     repeats = args.repeats or (2 if args.quick else 5)
     pin_threads(args.threads)
 
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
 
     memcpy = memcpy_gbps(megabytes=256)
     with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as tmp:

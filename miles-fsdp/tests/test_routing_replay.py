@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
 from miles.testing.algorithms import RatioPG
+from miles.testing.engine import EngineProcess
 from miles.training.batch import TrainBatch
 from miles.training.routing import ROUTED_EXPERTS
 from miles.types import Sample

@@ -174,11 +174,11 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
     import subprocess
     import time
 
-    from miles.engine.process import EngineProcess
     from miles.net import free_port
     from miles.rollout.http_client import EngineError, HttpEngineClient
     from miles.rollout.router import smg_argv, wait_for_router
     from miles.settings.model import RouterSettings
+    from miles.testing.engine import EngineProcess
     from miles.testing.failover import assert_same_answers, generate_keyed
 
     keys = [f"group-{i}" for i in range(8)]

@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.engine.process import EngineProcess
 from miles.errors import SettingsError
 from miles.rollout.buffer import StalenessBuffer
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.rollout.producer import RolloutProducer, buffer_for
 from miles.settings.model import MilesSettings, RolloutSettings
+from miles.testing.engine import EngineProcess
 from miles.testing.models import serve_tiny_model
 from miles.types import Sample, SampleStatus, WeightSpan
 

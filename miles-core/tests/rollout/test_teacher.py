@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from miles.algorithms.base import AlgorithmNeeds
-from miles.engine.process import EngineProcess
 from miles.net import free_port
 from miles.rollout.teacher import TeacherError, TeacherScorer, teacher_for
 from miles.settings.model import TeacherSettings
+from miles.testing.engine import EngineProcess
 from miles.testing.models import serve_tiny_model
 from miles.types import Sample
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
+from miles.testing.engine import EngineProcess
 from miles.training.trainer import DistContext
 from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings, group_ranks
 from miles.transport.verify import verify_engines

@@ -29,7 +29,8 @@ rank 0 compares them with the engines of the sessions, and when one left (it die
 restarted engine has no session: it needs a new one and a full push) every rank closes the sessions and
 opens new ones, on the engines there are now; the plan is made again for them.
 
-The engine side is the local engine's ``/p2p/*`` routes (:mod:`miles.engine.p2p_routes`).
+The engine side is the local engine's ``/p2p/*`` routes (:mod:`miles_p2p.routes`), which this package's
+plugin adds to every local engine (``miles_engine_routes``).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ from miles_p2p.settings import P2PTransportSettings
 if TYPE_CHECKING:
     import torch
 
-    from miles.engine.p2p_receiver import MooncakeEndpoint
     from miles.rollout.client import EngineClient
     from miles.settings.model import MilesSettings
     from miles.training.trainer import DistContext, Trainer, WeightBucket, WeightShard
     from miles_p2p.datapaths import Outcome, Sender
+    from miles_p2p.endpoint import MooncakeEndpoint
 
 __all__ = ["P2PTransport"]
 
@@ -139,11 +140,11 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
 
     async def _open(self) -> None:
         """Open a session on every engine and set the data path up (a collective over the trainer ranks)."""
-        from miles.engine.p2p_receiver import MooncakeEndpoint, host_id
         from miles.net import host_store
         from miles.training.comm import all_gather_json, broadcast_json
         from miles.transport.broadcast import make_process_group, run_in_daemon_thread
         from miles_p2p.datapaths import MooncakeSender, ShmSender, TorchSender
+        from miles_p2p.endpoint import MooncakeEndpoint, host_id
 
         dist = self._dist()
         datapath = self.settings.datapath
@@ -243,7 +244,10 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             try:
                 return await client.call(url, "/p2p/open_session", body)
             except Exception as exc:
-                raise EngineError(f"p2p transport: opening a session on engine {url} failed: {exc}") from exc
+                hint = ""
+                if getattr(exc, "status", None) == 404:  # the routes come with miles-p2p, in the engine's environment
+                    hint = " (the engine serves no /p2p routes: install miles-p2p where the engine runs)"
+                raise EngineError(f"p2p transport: opening a session on engine {url} failed: {exc}{hint}") from exc
 
         tasks = [asyncio.ensure_future(open_one(i, url)) for i, url in enumerate(meta["urls"])]
         pending: set[asyncio.Future[Any]] = set(tasks)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from miles.engine.process import EngineProcess
 from miles.errors import SettingsError, WeightVerificationError
 from miles.rollout.protocol import SamplingParams
+from miles.testing.engine import EngineProcess
 from miles.training.adapter import LowRankSpec
 from miles.training.trainer import DistContext
 from miles.types import PauseMode

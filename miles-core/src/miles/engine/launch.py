@@ -1,4 +1,7 @@
-"""Build and run a local engine: load the model and tokenizer, start the scheduler, serve HTTP."""
+"""Build and run a local engine: load the model and tokenizer, start the scheduler, serve HTTP.
+
+``freeze_startup_objects`` moved to :mod:`miles.startup`; the name stays importable from here for one release.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from miles.startup import freeze_startup_objects
 
 if TYPE_CHECKING:
     from miles.engine.options import ServeOptions
@@ -83,17 +88,6 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
             ]
         ),
     )
-
-
-def freeze_startup_objects() -> None:
-    """Move every object alive after start-up (modules, the model, the tokenizer) out of the garbage
-    collector's reach (``gc.freeze``): the collections while serving traverse only what requests create,
-    and the last collection at interpreter exit no longer walks millions of import-time objects — it took
-    4-5 s of every engine's and trainer rank's exit."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
 
 
 def serve(opts: ServeOptions) -> None:

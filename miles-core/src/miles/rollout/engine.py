@@ -8,11 +8,13 @@ goes through the HTTP protocol and the :class:`~miles.rollout.client.EngineClien
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from miles.components import Component, SettingsT
+from miles.errors import SettingsError
 
 if TYPE_CHECKING:
     from miles.training.adapter import LowRankSpec
@@ -38,6 +40,9 @@ class EngineCapabilities:
     """Serves Miles' ``/lora_adapters`` (each LoRA adapter's tensors by SHA-256) and replaces an adapter
     loaded again under its name. Without it (SGLang) the ``lora`` transport unloads the previous version
     first and verifies a push by the adapter's name and path in ``/v1/models``."""
+    in_process: bool = False
+    """Can serve from inside the calling process (:meth:`RolloutEngine.start_in_process`: ``miles train
+    --debug``)."""
 
 
 @dataclass
@@ -98,3 +103,19 @@ class RolloutEngine(Component[SettingsT], ABC):
         :param seed: the run's seed (``train.seed``); an engine seeds its sampler with ``seed + rank``.
         :param colocate: engines share devices with the trainer (``cluster.colocate``).
         """
+
+    def start_in_process(
+        self, *, model_path: str, host: str, device: str, dtype: str, allowed_weight_dirs: Sequence[str] = ()
+    ) -> AbstractContextManager[str]:
+        """Serve ``model_path`` from inside this process (``miles train --debug``, so a debugger stops in the
+        engine too): a context manager whose value is the engine's base URL (a port the OS picks on
+        ``host``); leaving it stops the engine. Only engines whose :attr:`capabilities` say ``in_process``
+        can; the others refuse with a :class:`~miles.errors.SettingsError` naming ``rollout.engine``.
+
+        :param dtype: the dtype to serve (``Run.engine_dtype``).
+        :param allowed_weight_dirs: more directories weight updates may load from (the run's).
+        """
+        raise SettingsError(
+            f"rollout.engine: --debug runs the engine in this process, which engine {self.name!r} cannot "
+            "(the local engine can)"
+        )

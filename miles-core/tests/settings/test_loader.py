@@ -69,7 +69,13 @@ def test_batch_invariant(tmp_path: Path) -> None:
     ("text", "expected"),
     [
         ("[train]\nlr = -1.0\n", "train.lr ({path}:2): Input should be greater than 0 (got -1.0)"),
-        ("[train]\n\nlrr = 0.1\n", "train.lrr ({path}:3): unknown key"),
+        ("[train]\n\nlrr = 0.1\n", "train.lrr ({path}:3): unknown key (did you mean 'lr'?)"),
+        ("[train]\nnum_rolouts = 3\n", "train.num_rolouts ({path}:2): unknown key (did you mean 'num_rollouts'?)"),
+        (
+            "[rollout.sessions]\nmax_sesions = 3\n",
+            "rollout.sessions.max_sesions ({path}:2): unknown key (did you mean 'max_sessions'?)",
+        ),
+        ("[train]\nzzz = 3\n", "train.zzz ({path}:2): unknown key\n"),
         (
             '[rollout]\nmode = "async"\n',
             "rollout.mode ({path}:2): Input should be 'sync', 'one_step_off' or 'fully_async'",
@@ -79,14 +85,15 @@ def test_batch_invariant(tmp_path: Path) -> None:
             '[[reward.functions]]\nname = "math"\n\n[[reward.functions]]\nname = "regex"\nweight = "x"\n',
             "reward.functions[1].weight ({path}:6): Input should be a valid number",
         ),
-        ("[sections]\na = 1\n", "sections ({path}:1): unknown key"),
+        ("[sections]\na = 1\n", "sections ({path}:1): unknown key\n"),
+        ("[trian]\nlr = 1\n", "trian ({path}:1): unknown key (did you mean 'train'?)"),
     ],
 )
 def test_file_errors_name_field_and_line(tmp_path: Path, text: str, expected: str) -> None:
     config = _write(tmp_path, "run.toml", text)
     with pytest.raises(SettingsError) as info:
         load_settings(config, env={})
-    assert expected.format(path=config) in str(info.value)
+    assert expected.format(path=config) in str(info.value) + "\n"
 
 
 def test_yaml_errors_name_line(tmp_path: Path) -> None:
@@ -109,6 +116,9 @@ def test_env_and_set_errors_name_their_source() -> None:
         load_settings(env={}, overrides=["rollout.top_k=many"])
     with pytest.raises(SettingsError, match=r"train.nope \(--set train.nope=1\): unknown key"):
         load_settings(env={}, overrides=["train.nope=1"])
+    # a misspelt section given only through --set: its error names the --set it came from
+    with pytest.raises(SettingsError, match=r"trian \(--set trian.lr=1\): unknown key \(did you mean 'train'\?\)"):
+        load_settings(env={}, overrides=["trian.lr=1"])
 
 
 def test_bad_files() -> None:

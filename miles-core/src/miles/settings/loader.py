@@ -41,12 +41,17 @@ class SettingsSources:
         self._by_path[path] = source
 
     def of(self, path: str) -> str | None:
-        """The source of ``path`` or of its nearest parent that has one."""
+        """The source of ``path``, of its nearest parent that has one, or else of the first value under it
+        (``trian`` given only as ``--set trian.lr=1``)."""
         probe = path
         while probe:
             if probe in self._by_path:
                 return self._by_path[probe]
             probe = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", probe) if re.search(r"(\.[^.\[]+|\[\d+\])$", probe) else ""
+        if path:
+            for child, source in self._by_path.items():
+                if child.startswith((f"{path}.", f"{path}[")):
+                    return source
         return None
 
     def items(self) -> list[tuple[str, str]]:
@@ -249,7 +254,7 @@ def load_settings(
     try:
         settings = MilesSettings.model_validate(data)
     except ValidationError as exc:
-        raise SettingsError(format_validation_error(exc, source_of=sources.of)) from None
+        raise SettingsError(format_validation_error(exc, source_of=sources.of, model=MilesSettings)) from None
     settings._sources = sources
     return settings
 

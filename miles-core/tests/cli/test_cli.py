@@ -242,3 +242,24 @@ def test_plugins_add_commands_to_a_built_in_group(fake_distribution: Any) -> Non
     assert "command 'convert gguf' is already taken" in plugins["gclash"]["error"]
     assert miles("convert", "whisper").returncode == 2  # rolled back with the clash
     assert "Dequantise a GGUF model" in miles("convert", "gguf", "--help").stdout
+
+
+def test_dry_run_says_where_each_value_came_from_and_warns_of_a_used_run_dir(tmp_path: Path, tiny: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = _config(tmp_path, tiny, _data(tmp_path, ['{"prompt": "1+1?", "label": "2"}']), run_dir)
+    out = miles(
+        "train", "--dry-run", str(config), "--set", "train.lr=0.5", env={"COLUMNS": "300", "MILES_TRAIN__SEED": "7"}
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines() if line.startswith("  ")}
+    assert rows["train.lr"] == ["0.5", "--set", "train.lr=0.5"]
+    assert rows["train.seed"] == ["7", "env", "MILES_TRAIN__SEED"]
+    assert rows["data.path"][1] == f"{config}:2"
+    assert rows["train.steps_per_rollout"][1] == "derived"
+    # a component's own settings are listed with their defaults
+    assert rows["algorithm.name"][1] == "default" and rows["algorithm.clip_eps_low"][1] == "default"
+    said = " ".join(out.stderr.split())
+    assert f"warning: log.run_dir ({config}:8): {run_dir} already holds a run (metrics.jsonl)" in said
+    assert "--overwrite" in said

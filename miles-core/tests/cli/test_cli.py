@@ -263,3 +263,20 @@ def test_dry_run_says_where_each_value_came_from_and_warns_of_a_used_run_dir(tmp
     said = " ".join(out.stderr.split())
     assert f"warning: log.run_dir ({config}:8): {run_dir} already holds a run (metrics.jsonl)" in said
     assert "--overwrite" in said
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["sessions", "--help"], ["plugins", "--help"]])
+def test_help_shows_no_rest_markup(args: list[str]) -> None:
+    out = miles(*args, env={"COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    for markup in ("``", ":class:", ":func:", ":meth:"):
+        assert markup not in out.stdout, out.stdout
+    if args == ["--help"]:
+        assert "`miles serve --help` lists the flags" in " ".join(out.stdout.split())
+
+
+def test_plain_help_reads_rest_roles() -> None:
+    from miles.cli.app import plain_help
+
+    text = "See :class:`~miles.engine.options.ServeOptions` and :func:`miles.run` (``miles serve --help``)."
+    assert plain_help(text) == "See ServeOptions and run (`miles serve --help`)."

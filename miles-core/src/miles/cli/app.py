@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import logging
+import re
 import sys
 from typing import TYPE_CHECKING, Annotated
 
@@ -77,10 +79,31 @@ def _register_commands() -> None:
     plugin_manager().register_commands(app)
 
 
+_ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|obj|exc):`~?(?:[\w.]+\.)?([\w]+)`")
+
+
+def plain_help(text: str | None) -> str | None:
+    """A docstring as terminal help: reST's ``code`` and :role:`~a.b.name` read as `code` and name."""
+    if not text:
+        return text
+    return _ROLE.sub(r"\1", text).replace("``", "`")
+
+
+def _plain_helps(typer_app: typer.Typer) -> None:
+    """Every command's help (its docstring unless given) as :func:`plain_help`, in the groups too."""
+    for command in typer_app.registered_commands:
+        if command.callback is not None:
+            command.help = plain_help(command.help or inspect.getdoc(command.callback))
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _plain_helps(group.typer_instance)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors are typer's (exit 2); a :class:`MilesError` prints its message,
     no traceback, and exits with its code."""
     _register_commands()
+    _plain_helps(app)
     try:
         app(args=argv)
     except MilesError as exc:

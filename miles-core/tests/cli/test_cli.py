@@ -280,3 +280,27 @@ def test_plain_help_reads_rest_roles() -> None:
 
     text = "See :class:`~miles.engine.options.ServeOptions` and :func:`miles.run` (``miles serve --help``)."
     assert plain_help(text) == "See ServeOptions and run (`miles serve --help`)."
+
+
+def test_log_lines_print_above_a_progress_bar_not_into_it() -> None:
+    """The CLI's log handler writes to ``sys.stderr`` as it is at the time: a rich progress bar redirects it
+    and prints each line on its own above the bar."""
+    import io
+    import logging
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from miles.cli.app import _StderrNow
+
+    screen = io.StringIO()
+    logger = logging.getLogger("miles.test_progress_bar")
+    handler = _StderrNow()
+    logger.addHandler(handler)
+    try:
+        with Progress(console=Console(file=screen, force_terminal=True, width=80), redirect_stderr=True) as bar:
+            bar.add_task("train", total=2)
+            logger.warning("a line from the log")
+    finally:
+        logger.removeHandler(handler)
+    assert "a line from the log\n" in screen.getvalue()

@@ -8,7 +8,7 @@ import inspect
 import logging
 import re
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -46,6 +46,19 @@ def _version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
+class _StderrNow(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record is logged: while a rich progress bar is shown (it
+    redirects ``sys.stderr``), log lines print above the bar instead of into it."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 @app.callback()
 def _root(
     version: Annotated[
@@ -57,6 +70,7 @@ def _root(
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[_StderrNow()],
     )
     if not verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)

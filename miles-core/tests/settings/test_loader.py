@@ -121,6 +121,22 @@ def test_env_and_set_errors_name_their_source() -> None:
         load_settings(env={}, overrides=["trian.lr=1"])
 
 
+def test_json_errors_name_the_variable_and_the_column() -> None:
+    """A list or table given as JSON in an environment variable or a --set: the error names where, and the
+    column in the value as written (a trailing newline is not a line of its own)."""
+    with pytest.raises(SettingsError, match=r"^env MILES_REWARD__FUNCTIONS: invalid JSON \(.* at column 18\)$"):
+        load_settings(env={"MILES_REWARD__FUNCTIONS": '[{"name": "math",}]\n'})
+    with pytest.raises(SettingsError, match=r"^env MILES_REWARD__FUNCTIONS: invalid JSON \(.* at line 2 column 1\)$"):
+        load_settings(env={"MILES_REWARD__FUNCTIONS": '[{"name": "math"},\n]'})
+    with pytest.raises(
+        SettingsError,
+        match=r"^--set 'reward.functions=\[\{\"name\": \"math\",\}\]': the value is not valid JSON \(.* at column 18\)$",
+    ):
+        load_settings(env={}, overrides=['reward.functions=[{"name": "math",}]'])
+    settings = load_settings(env={}, overrides=['reward.functions=[{"name": "math"}]', 'rollout.stop=["</a>"]'])
+    assert settings.rollout.stop == ["</a>"]
+
+
 def test_bad_files() -> None:
     with pytest.raises(SettingsError, match="cannot read settings file /nonexistent/run.toml"):
         load_settings("/nonexistent/run.toml", env={})

@@ -175,6 +175,11 @@ def _read_env(sources: SettingsSources, env: Mapping[str, str] | None) -> dict[s
     try:
         data = source()
     except Exception as exc:  # pydantic-settings raises SettingsError for undecodable JSON values
+        for var, value in sorted(environ.items()):
+            if var.upper().startswith("MILES_") and value.strip()[:1] in ("[", "{"):
+                problem = _json_problem(value)
+                if problem:
+                    raise SettingsError(f"env {var}: invalid JSON ({problem})") from None
         raise SettingsError(f"environment: {exc}") from None
     names = {k.lower(): k for k in environ}
     for leaf in _leaf_paths(data):
@@ -187,6 +192,17 @@ def _read_env(sources: SettingsSources, env: Mapping[str, str] | None) -> dict[s
             var = names.get(("miles_" + parent.replace(".", "__")).lower(), var)
         sources.set(leaf, f"env {var}")
     return data
+
+
+def _json_problem(text: str) -> str | None:
+    """Why ``text`` is not JSON, with the line and column in the text as written (its trailing newline is not
+    read as one more line), or ``None``."""
+    try:
+        json.loads(text.rstrip())
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}" if "\n" in text.rstrip() else f"column {exc.colno}"
+        return f"{exc.msg} at {where}"
+    return None
 
 
 # -- overrides --------------------------------------------------------------------------------------
@@ -209,6 +225,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
+            if raw[:1] in ("[", "{"):  # meant as a list or a table: say where it breaks, not "a valid list"
+                raise SettingsError(f"--set {text!r}: the value is not valid JSON ({_json_problem(raw)})") from None
             value = raw
     return key.split("."), value
 

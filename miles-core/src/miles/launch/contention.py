@@ -8,7 +8,7 @@ the 2-core development machine, one busy two-thread neighbour turned 4.5 s quick
 (docs/benchmarks.md, "Sharing the CPU").
 
 Two things follow. Before a run starts, :func:`check_start` measures what the other processes of the
-machine use (one second of ``/proc/stat``) and says so when the machine is already busy; the children then
+machine use (half a second of ``/proc/stat``) and says so when the machine is already busy; the children then
 get as many torch threads as cores are left (:func:`free_cores`, read by the launcher when it builds their
 environment) and a passive OpenMP wait policy, so that an oversubscribed run slows down in proportion to the
 CPU it gets instead of stalling in barriers. While the run trains, :class:`ContentionWatch` compares the CPU
@@ -133,7 +133,7 @@ def free_cores() -> float | None:
     return _free_cores
 
 
-def check_start(seconds: float = 1.0) -> Share | None:
+def check_start(seconds: float = 0.5) -> Share | None:
     """Measure what the machine's other processes use for ``seconds`` before a run starts its children;
     remember the cores they leave (:func:`free_cores`) and warn when the machine is already busy. ``None``
     where ``/proc`` cannot be read."""

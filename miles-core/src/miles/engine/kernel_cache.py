@@ -50,7 +50,7 @@ BUILD_TIMEOUT_ENV = "MILES_KERNEL_BUILD_TIMEOUT"
 COMPLETE = "COMPLETE"
 BUILD_TIMES = "build-times.json"
 """``{what: seconds}`` of the last build of each extension on this machine, in :func:`cache_root`."""
-FIRST_BUILD = "75-98 s on 2 cores shared with one other job, minutes more on a busier machine"
+FIRST_BUILD = "45 s on 2 idle cores, 75-98 s sharing them with one other job, minutes on a busier machine"
 """What a first build costs, as measured (the three Miles CPU kernels, g++ 12, -O3 -march=native, on the
 2-core development machine; 680 s there at a load average of 10-18)."""
 PROGRESS_INTERVAL = 10.0

@@ -46,11 +46,11 @@ def _version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
-class _StderrNow(logging.StreamHandler):  # type: ignore[type-arg]
+class _StderrNow(logging.StreamHandler):
     """Writes to ``sys.stderr`` as it is when a record is logged: while a rich progress bar is shown (it
     redirects ``sys.stderr``), log lines print above the bar instead of into it."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 

@@ -132,7 +132,7 @@ def test_plugins_add_commands_and_a_broken_one_is_reported(fake_distribution: An
     assert plugins["tools"]["status"] == "ok" and plugins["tools"]["commands"] == ["example-tools"]
     assert plugins["clash"]["status"] == "failed" and "command 'train' is already taken" in plugins["clash"]["error"]
     assert plugins["raising"]["status"] == "failed" and "RuntimeError: no such tool" in plugins["raising"]["error"]
-    table = miles("plugins", "list")
+    table = miles("plugins", "list", env={"COLUMNS": "300"})  # (a narrow table wraps the cell)
     assert "command: miles example-tools" in table.stdout
     # the built-in command the clashing plugin tried to replace is still the real one
     assert "Train a policy" in miles("train", "--help").stdout
@@ -166,7 +166,8 @@ def test_a_run_dir_holding_a_run_is_refused_and_nothing_is_lost(tmp_path: Path, 
     assert out.returncode == 2, out.stdout + out.stderr
     said = " ".join(out.stderr.split())
     assert f"log.run_dir ({config}:8): {run_dir} already holds a run (metrics.jsonl, logs)" in said
-    assert "--resume" in said and "--overwrite" in said and "Traceback" not in said
+    # it saved no checkpoint: only what works is suggested
+    assert "--overwrite" in said and "--resume" not in said and "Traceback" not in said
     # a failing run never touches the earlier one's results, even with --overwrite
     bad = _config(tmp_path, tmp_path / "no-model", tmp_path / "train.jsonl", run_dir)
     out = miles("train", str(bad), "--overwrite")

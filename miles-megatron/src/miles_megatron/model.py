@@ -28,20 +28,11 @@ __all__ = [
     "build_optimizer",
     "init_parallel",
     "load_hf_config",
-    "torch_dtype",
     "unwrap",
     "wrap_for_training",
 ]
 
 log = logging.getLogger(__name__)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error for anything that is not a floating dtype."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"precision: {name!r} is not a floating-point torch dtype")
-    return dtype
 
 
 def load_hf_config(model_path: str) -> Any:

@@ -103,7 +103,8 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         With an adapter the actor's base is frozen and gets the adapter's layers before the DDP wrap (the
         optimizer holds the adapter alone), and no reference model is built (the actor with its adapters
         off is the reference)."""
-        from miles_megatron.model import build_model, build_optimizer, init_parallel, load_hf_config, torch_dtype
+        from miles.precision.dtypes import torch_dtype
+        from miles_megatron.model import build_model, build_optimizer, init_parallel, load_hf_config
 
         train, opts = self.train_settings, self.options
         if not train.model_path:
@@ -273,7 +274,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
     def lr_at(self, step: int, *, critic: bool = False) -> float:
         """The learning rate of optimizer step ``step`` (warm-up, then the schedule), of the actor or of
         the critic (the same schedule from its own peak, down to ``train.min_lr``, as miles-fsdp's)."""
-        from miles_megatron.step import lr_factor
+        from miles.training.lr_schedule import lr_factor
 
         train = self.train_settings
         peak = self.critic_peak_lr if critic else train.lr

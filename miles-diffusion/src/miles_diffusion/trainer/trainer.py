@@ -92,7 +92,8 @@ class DiffusionTrainer(Trainer[DiffusionTrainerSettings]):
         return torch.device("cuda", self.dist.local_rank) if self.dist.device == "cuda" else torch.device("cpu")
 
     def _sharded_transformer(self, *, trainable: bool) -> Any:
-        from miles_diffusion.policy import load_transformer, torch_dtype
+        from miles.precision.dtypes import torch_dtype
+        from miles_diffusion.policy import load_transformer
         from miles_fsdp.model import shard_model
 
         assert self.train_settings.model_path is not None

@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from miles.components import Requirement
 from miles.errors import EngineError, SettingsError, WeightVerificationError
 from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, WeightTransport
@@ -59,7 +60,12 @@ if TYPE_CHECKING:
     from miles_p2p.datapaths import Outcome, Sender
     from miles_p2p.endpoint import MooncakeEndpoint
 
-__all__ = ["P2PTransport"]
+__all__ = ["MOONCAKE", "P2PTransport"]
+
+MOONCAKE = Requirement(
+    "mooncake", extra="mooncake", distribution="miles-p2p", package="the Mooncake Transfer Engine (mooncake)"
+)
+"""What ``datapath = "mooncake"`` sends with (and the engines receive with)."""
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,11 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         self._engines_digest = ""
         self.failed: set[str] = set()
         """Engines whose part of the last push failed (not asked to close their session)."""
+
+    @classmethod
+    def requirements(cls, options: P2PTransportSettings) -> tuple[Requirement, ...]:
+        """The Mooncake Transfer Engine when ``datapath = "mooncake"`` (``build_run`` checks it is installed)."""
+        return (MOONCAKE,) if options.datapath == "mooncake" else ()
 
     @classmethod
     def check_settings(cls, options: P2PTransportSettings, settings: MilesSettings) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles.components import ComponentKind
+from miles.components import ComponentKind, missing_requirements
 from miles.errors import MilesError, PluginLoadError, SettingsError
 
 if TYPE_CHECKING:
@@ -97,8 +97,10 @@ def build_run(
     """Resolve every component ``settings`` select (or those of ``kinds``: ``miles generate`` needs no
     trainer); raise one error listing every problem.
 
-    A component class may define ``check_settings(options, settings)`` (a classmethod) to refuse
-    combinations with the rest of the run before anything starts (raising :class:`SettingsError`).
+    Every selected component's requirements (:meth:`~miles.components.Component.requirements`) must be
+    installed: each missing one is a :class:`~miles.errors.MissingExtraError` naming the field and the extra
+    that installs it. A component class may define ``check_settings(options, settings)`` (a classmethod) to
+    refuse combinations with the rest of the run before anything starts (raising :class:`SettingsError`).
     """
     from miles.plugins.manager import PluginManager
     from miles.settings.loader import sources_of
@@ -115,6 +117,11 @@ def build_run(
                     functions[field] = _resolve_function(pm, value, field, source_of(field))
                     continue
                 entry, options = pm.resolve(kind, value, field=field, source_of=source_of)
+                missing = missing_requirements(entry.component, options)
+                if missing:
+                    where = f"{field} ({source})" if (source := source_of(field)) else field
+                    problems.extend(r.missing_error(f"{where}: {kind.label} {entry.name!r}") for r in missing)
+                    continue
                 resolved[field] = Resolved(field, entry, options)  # (checked across components below too)
                 check = getattr(entry.component, "check_settings", None)
                 if check is not None:

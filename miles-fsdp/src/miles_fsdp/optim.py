@@ -43,7 +43,7 @@ def build_optimizer(params: Iterable[nn.Parameter], train: TrainSettings) -> tor
 def _bump_versions(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     """The fused kernel updates the parameters in place without moving their version counters (PyTorch 2.13),
     which every other in-place update does: move them, so what keys on a parameter's version (autograd's
-    saved-tensor check, :mod:`miles.training.onednn_linear`'s bf16 copies) sees the step."""
+    saved-tensor check, :mod:`miles_fsdp.onednn_linear`'s bf16 copies) sees the step."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             torch.autograd.graph.increment_version(param)

@@ -81,8 +81,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         from torch.distributed.device_mesh import init_device_mesh
 
         from miles.precision.dtypes import torch_dtype
-        from miles.training.onednn_linear import install_onednn_linears
         from miles_fsdp.model import load_causal_lm, load_config, load_value_model
+        from miles_fsdp.onednn_linear import install_onednn_linears
         from miles_fsdp.optim import build_optimizer, build_scheduler
         from miles_fsdp.wrap import forward_precision, stays_plain, wrap_model
 
@@ -108,11 +108,11 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             param_dtype=param_dtype,
             reduce_dtype=torch_dtype(self.precision.reduce_dtype),
         )
-        from miles.training.packed_attention import PACKED_SDPA
+        from miles_fsdp.packed_attention import PACKED_SDPA
 
         attn: str = opts.attn_implementation
         if attn in ("auto", "packed_sdpa"):
-            from miles.training.packed_attention import packed_unsupported, register_packed_attention
+            from miles_fsdp.packed_attention import packed_unsupported, register_packed_attention
 
             reason = packed_unsupported(load_config(train.model_path))
             if reason is not None and attn == "packed_sdpa":

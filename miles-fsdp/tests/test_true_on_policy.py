@@ -114,7 +114,7 @@ def push(trainer: Any, url: str, path: Path, version: str) -> None:
 def compare(trainer: Any, samples: Sequence[Sample], temperature: float) -> tuple[bool, float]:
     """(every sequence's logprobs ``torch.equal`` to the rollout's, max |difference|)."""
     batch = TrainBatch.from_samples(samples)
-    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs
+    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs.split(batch.response_lengths)
     want = batch.rows("rollout_logprobs")
     assert want is not None
     equal = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
@@ -220,8 +220,8 @@ def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_w
     plain = new_trainer(model, dist_world, true_on_policy=False)
     try:
         batch = TrainBatch.from_samples(samples)
-        got = exact.compute_logprobs(batch, temperature=0.9).logprobs
-        own = plain.compute_logprobs(batch, temperature=0.9).logprobs
+        got = exact.compute_logprobs(batch, temperature=0.9).logprobs.split(batch.response_lengths)
+        own = plain.compute_logprobs(batch, temperature=0.9).logprobs.split(batch.response_lengths)
         for g, o, s in zip(got, own, samples, strict=True):
             assert g is not None and o is not None
             policy = torch.tensor(s.loss_mask, dtype=torch.bool)

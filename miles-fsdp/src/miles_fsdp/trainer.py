@@ -263,7 +263,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> LogprobOutput:
-        """Per-response-token logprobs (and entropy) of this rank's sequences, packed by the token budget."""
+        """Per-response-token logprobs (and entropy) of this rank's sequences (micro-batches packed by the
+        token budget), packed as the batch's per-token fields."""
         import torch
 
         from miles.training.logprobs import token_logprobs
@@ -275,8 +276,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         module = self.actor if model == "actor" else self.ref
         if module is None:
             raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
-        logprobs: list[torch.Tensor | None] = [None] * len(batch)
-        entropy: list[torch.Tensor | None] = [None] * len(batch)
+        offsets = batch.response_offsets
+        logprobs = torch.zeros(batch.num_response_tokens, dtype=torch.float32)
+        entropy = torch.zeros(batch.num_response_tokens, dtype=torch.float32)
         if model == "actor" and self._replica is not None:
             self._replica.sync(self.actor, self.step)
         if self._routing is not None:  # agreement is counted once per step, by the train step's forwards
@@ -295,35 +297,35 @@ class FSDPTrainer(Trainer[FSDPSettings]):
                 if mb.is_empty:
                     continue
                 lp, ent = scored
-                for i, part in zip(mb.indices, lp.split(mb.response_lengths), strict=True):
-                    logprobs[i] = part.float().cpu()
+                own = [part.float().cpu() for part in lp.split(mb.response_lengths)]
                 if model == "actor" and self._replica is not None:  # the engine's values, bit for bit
                     from miles_fsdp.true_on_policy import exact_or_own
 
                     exact = self._replica.logprobs(batch, mb.indices, temperature)
-                    for i, values in zip(mb.indices, exact, strict=True):
-                        own = logprobs[i]
-                        assert own is not None
-                        logprobs[i] = exact_or_own(own, values)
+                    own = [exact_or_own(o, values) for o, values in zip(own, exact, strict=True)]
+                for i, part in zip(mb.indices, own, strict=True):
+                    logprobs[offsets[i] : offsets[i + 1]] = part
                 if ent is not None:
                     for i, part in zip(mb.indices, ent.split(mb.response_lengths), strict=True):
-                        entropy[i] = part.float().cpu()
+                        entropy[offsets[i] : offsets[i + 1]] = part.float().cpu()
         module.train(was_training)
         return LogprobOutput(logprobs=logprobs, entropy=entropy if with_entropy else None)
 
-    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
-        """Critic values at the positions that predict each response token (needs ``need_values``)."""
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic values at the positions that predict each response token (needs ``need_values``), packed
+        as the batch's per-token fields."""
         import torch
 
         if self.critic is None:
             raise RuntimeError("compute_values needs setup(need_values=True)")
-        values: list[torch.Tensor | None] = [None] * len(batch)
+        offsets = batch.response_offsets
+        values = torch.zeros(batch.num_response_tokens, dtype=torch.float32)
         self.critic.eval()
         with torch.no_grad():
             for mb in self._micro_batches(batch):
                 v = self._values(mb)
                 for i, part in zip(mb.indices, v.split(mb.response_lengths), strict=True):
-                    values[i] = part.float().cpu()
+                    values[offsets[i] : offsets[i + 1]] = part.float().cpu()
         return values
 
     def train_step(self, batch: TrainBatch, algorithm: Algorithm, *, temperature: float = 1.0) -> dict[str, float]:

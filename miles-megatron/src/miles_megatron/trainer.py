@@ -292,8 +292,9 @@ class MegatronTrainer(Trainer[MegatronSettings]):
     # -- trainer interface -------------------------------------------------------------------------
     def _per_token(
         self, parts: ModelParts, batch: TrainBatch, compute: Any, names: list[str], *, values: bool = False
-    ) -> dict[str, list[torch.Tensor]]:
-        """A forward-only pass over the replica's pooled batch; this rank's sequences of each result."""
+    ) -> dict[str, torch.Tensor]:
+        """A forward-only pass over the replica's pooled batch; each result of this rank's sequences, packed
+        as ``batch``'s per-token fields (``[R]`` float32)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
@@ -308,8 +309,8 @@ class MegatronTrainer(Trainer[MegatronSettings]):
                 dist.broadcast(on_device, src=src, group=group)
                 tensor.copy_(on_device.cpu())
         offsets = pooled.response_offsets
-        mine = range(start, start + len(batch))
-        return {name: [tensor[offsets[i] : offsets[i + 1]].clone() for i in mine] for name, tensor in filled.items()}
+        first, end = offsets[start], offsets[start + len(batch)]  # this rank's sequences: a contiguous range
+        return {name: tensor[first:end].clone() for name, tensor in filled.items()}
 
     def compute_logprobs(
         self,
@@ -319,7 +320,8 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> LogprobOutput:
-        """Per-response-token logprobs (and entropy) of this rank's sequences."""
+        """Per-response-token logprobs (and entropy) of this rank's sequences, packed as the batch's per-token
+        fields."""
         from miles.training.logprobs import token_logprobs
 
         self._require_setup()
@@ -340,8 +342,9 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         out = self._per_token(parts, batch, compute, names)
         return LogprobOutput(logprobs=out["logprobs"], entropy=out.get("entropy"))
 
-    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
-        """Critic values at the positions that predict each response token (needs ``need_values``)."""
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic values at the positions that predict each response token (needs ``need_values``), packed as
+        the batch's per-token fields."""
         self._require_setup()
         if self.critic is None:
             raise RuntimeError("compute_values needs setup(need_values=True)")

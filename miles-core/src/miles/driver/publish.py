@@ -153,7 +153,7 @@ class WeightPublisher(ABC):
         sample = Sample(prompt_ids=probe[:1], response_ids=probe[1:], rollout_logprobs=[0.0] * n, loss_mask=[1] * n)
         out = self.loop.trainer.compute_logprobs(TrainBatch.from_samples([sample]), temperature=1.0)
         if self.is_driver:
-            self._probe_expected = {version: [float(v) for v in out.logprobs[0].tolist()]}
+            self._probe_expected = {version: [float(v) for v in out.logprobs.tolist()]}  # its one sequence
 
     @abstractmethod
     async def publish(self, step: int) -> PushReport | None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from miles.errors import SettingsError
 from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
@@ -233,7 +234,7 @@ def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_w
         assert metrics["train_rollout_logprob_abs_diff"] == 0.0
 
         bare = [replace(s, request_spans=[]) for s in samples]
-        with pytest.raises(ValueError, match="no request_spans"):
+        with pytest.raises(SettingsError, match="no request_spans"):
             exact.compute_logprobs(TrainBatch.from_samples(bare), temperature=0.9)
     finally:
         exact.close()
@@ -242,7 +243,6 @@ def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_w
 
 def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: Path) -> None:
     from miles.driver.run import build_run
-    from miles.errors import SettingsError
     from miles.settings.loader import load_settings
     from miles.testing.models import build_tiny_model
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from miles.errors import SettingsError
 from miles.training.lr_schedule import lr_factor
 
 
@@ -19,5 +20,5 @@ def test_warmup_then_cosine_to_min_lr() -> None:
 def test_linear_and_constant_schedules() -> None:
     assert lr_factor(5, warmup_steps=0, total_steps=10, schedule="linear", lr=1.0, min_lr=0.0) == pytest.approx(0.5)
     assert lr_factor(7, warmup_steps=2, total_steps=10, schedule="constant", lr=1.0, min_lr=0.0) == 1.0
-    with pytest.raises(ValueError, match="train.lr_schedule"):
+    with pytest.raises(SettingsError, match="train.lr_schedule"):
         lr_factor(3, warmup_steps=0, total_steps=10, schedule="step", lr=1.0, min_lr=0.0)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from miles.errors import SettingsError
 from miles.training.trainer import DistContext, LogprobOutput, Trainer, WeightBucket, WeightShard
 from miles_fsdp.settings import FSDPSettings
 
@@ -88,7 +89,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
 
         train, opts = self.train_settings, self.options
         if not train.model_path:
-            raise ValueError("train.model_path: the fsdp trainer needs a Hugging Face model directory or .gguf file")
+            raise SettingsError("train.model_path: the fsdp trainer needs a Hugging Face model directory or .gguf file")
         if self.dist.device == "cuda":
             torch.cuda.set_device(self.device)
         mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
@@ -116,7 +117,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
 
             reason = packed_unsupported(load_config(train.model_path))
             if reason is not None and attn == "packed_sdpa":
-                raise ValueError(f"[train.backend] attn_implementation 'packed_sdpa': {reason}; use 'sdpa'")
+                raise SettingsError(f"[train.backend] attn_implementation 'packed_sdpa': {reason}; use 'sdpa'")
             if reason is not None:
                 log.info("attention: sdpa (%s, which packed_sdpa does not implement)", reason)
             attn = "sdpa" if reason is not None else register_packed_attention()
@@ -131,7 +132,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._routing = patch_routers(actor, replay=train.routing_replay)
         if self.adapter is not None:  # the base frozen; the reference is this model with its adapters off
             if train.true_on_policy:
-                raise ValueError("train.true_on_policy: not supported with train.adapter")
+                raise SettingsError("train.true_on_policy: not supported with train.adapter")
             actor = self.adapter.apply(actor)
         if self._onednn:
             install_onednn_linears(actor)

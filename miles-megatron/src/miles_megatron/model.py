@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles.errors import SettingsError
 from miles_megatron.modules import unwrap
 from miles_megatron.settings import MegatronSettings
 
@@ -41,7 +42,7 @@ def load_hf_config(model_path: str) -> Any:
 
     path = Path(model_path)
     if path.suffix == ".gguf":
-        raise ValueError(
+        raise SettingsError(
             f"train.model_path: {model_path!r} is a .gguf file; the megatron trainer needs a HF safetensors "
             "directory (convert it first: miles convert gguf FILE OUT)"
         )

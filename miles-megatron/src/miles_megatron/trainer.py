@@ -84,10 +84,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
                 "pipeline_parallel = 1"
             )
         config = read_hf_config(settings.train.model_path) if settings.train.model_path else None
-        try:
-            check_parallel_layout(options, settings.cluster.trainer_ranks, config)
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
+        check_parallel_layout(options, settings.cluster.trainer_ranks, config)
 
     # -- setup -------------------------------------------------------------------------------------
     @property
@@ -108,7 +105,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
 
         train, opts = self.train_settings, self.options
         if not train.model_path:
-            raise ValueError("train.model_path: the megatron trainer needs a Hugging Face model directory")
+            raise SettingsError("train.model_path: the megatron trainer needs a Hugging Face model directory")
         config = read_hf_config(train.model_path)
         check_parallel_layout(opts, self.dist.world_size, config)
         init_parallel(opts, device=self.dist.device, seed=train.seed)
@@ -159,12 +156,12 @@ class MegatronTrainer(Trainer[MegatronSettings]):
             return None
         spec = self.adapter.low_rank()
         if spec is None:
-            raise ValueError(
+            raise SettingsError(
                 f"train.adapter: adapter {self.adapter.name!r} gives no low-rank spec; the megatron trainer builds "
                 "LoRA adapters only"
             )
         if self.train_settings.true_on_policy:
-            raise ValueError("train.true_on_policy: not supported with train.adapter")
+            raise SettingsError("train.true_on_policy: not supported with train.adapter")
         from miles_megatron.lora import apply_lora, megatron_targets
 
         targets = megatron_targets(spec, self._hf_config)

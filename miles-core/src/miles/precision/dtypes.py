@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.errors import SettingsError
+
 if TYPE_CHECKING:
     import torch
 
@@ -11,12 +13,12 @@ __all__ = ["torch_dtype"]
 
 
 def torch_dtype(name: str, *, field: str | None = "precision") -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a ``ValueError`` naming ``field`` (the setting that gave the
+    """``"bfloat16"`` -> ``torch.bfloat16``; a :class:`~miles.errors.SettingsError` naming ``field`` (the setting that gave the
     name) for anything that is not a floating-point torch dtype."""
     import torch
 
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         where = f"{field}: " if field else ""
-        raise ValueError(f"{where}{name!r} is not a floating-point torch dtype")
+        raise SettingsError(f"{where}{name!r} is not a floating-point torch dtype")
     return dtype

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from miles.errors import SettingsError
+
 __all__ = ["lr_factor"]
 
 
@@ -24,4 +26,4 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "linear":
         return floor + (1.0 - floor) * (1.0 - progress)
-    raise ValueError(f"train.lr_schedule: unknown schedule {schedule!r} (expected constant, cosine or linear)")
+    raise SettingsError(f"train.lr_schedule: unknown schedule {schedule!r} (expected constant, cosine or linear)")

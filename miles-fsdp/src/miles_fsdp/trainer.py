@@ -9,8 +9,9 @@ methods (and the sibling modules they use), so registering the plugin stays chea
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from miles.errors import SettingsError
@@ -20,12 +21,19 @@ from miles_fsdp.settings import FSDPSettings
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PretrainedConfig
 
     from miles.algorithms.base import Algorithm
     from miles.precision.base import PrecisionRecipe
     from miles.settings.model import MilesSettings, TrainSettings
     from miles.training.batch import TrainBatch
+    from miles.training.routing import RouterReplay
+    from miles_fsdp.fused_head import FusedHead
     from miles_fsdp.microbatch import PackedMicroBatch
+    from miles_fsdp.true_on_policy import EngineReplica
+
+    Part = tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
+    """A trained model with its optimizer and learning-rate scheduler."""
 
 __all__ = ["FSDPTrainer"]
 
@@ -44,21 +52,30 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         super().__init__(train, options if options is not None else FSDPSettings(), precision, dist)
         self.step = 0
         """Optimizer steps taken (restored by :meth:`load_checkpoint`)."""
-        self.actor: Any = None
-        self.ref: Any = None
-        self.critic: Any = None
-        self._parts: dict[str, tuple[Any, Any, Any]] = {}
-        self._config: Any = None
-        self._replica: Any = None
-        self._routing: Any = None
-        self._precision_context: Any = None
-        """A fresh context for each forward (:func:`miles_fsdp.wrap.forward_precision`)."""
-        self._heads: dict[int, Any] = {}
+        self.actor: nn.Module | None = None
+        """The policy (FSDP2-wrapped, or the plain module at world size 1), after :meth:`setup`."""
+        self.ref: nn.Module | None = None
+        """The frozen reference (``setup(need_ref=True)`` without an adapter: the adapter off is the reference)."""
+        self.critic: nn.Module | None = None
+        """The value model (``setup(need_values=True)``)."""
+        self._parts: dict[str, Part] = {}
+        """``{"actor": (model, optimizer, scheduler), "critic": ...}``: what steps and checkpoints."""
+        self._config: PretrainedConfig | None = None
+        """The actor's Hugging Face config."""
+        self._pad_token_id = 0
+        """What pads the rows of a micro-batch: the config's pad token, else its EOS."""
+        self._onednn = False
+        """``onednn_linear`` on a CPU rank: the models' linears run on oneDNN (:mod:`miles_fsdp.onednn_linear`)."""
         self._share_prefixes = False
         """Micro-batches hold a shared prompt once (``share_prefixes`` with ``packed_sdpa``)."""
+        self._precision_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        """A fresh context for each forward (:func:`miles_fsdp.wrap.forward_precision`)."""
+        self._heads: dict[int, FusedHead] = {}
         """``id(module)`` -> its :class:`~miles_fsdp.fused_head.FusedHead` (``fused_logprobs``)."""
+        self._routing: RouterReplay | None = None
         """MoE actors: the :class:`~miles.training.routing.RouterReplay` its routers go through (R3 and the
         routing-agreement metric; :mod:`miles_fsdp.routing`)."""
+        self._replica: EngineReplica | None = None
         """``train.true_on_policy``: the engine's model runner at the actor's weights (:mod:`miles_fsdp.true_on_policy`)."""
 
     @classmethod
@@ -251,6 +268,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         return out[:, 0], (out[:, 1] if with_entropy else None)
 
     def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("values need setup(need_values=True)")
         with self._precision_context():
             values = self.critic(mb.input_ids, mb.position_ids)
         return values.squeeze(0).index_select(0, mb.keep_index)

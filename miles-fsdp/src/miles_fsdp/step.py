@@ -73,7 +73,7 @@ def run_train_step(
         raise ValueError(f"algorithm {algorithm.name!r}: TrainBatch.advantages is None; compute advantages first")
     device = ctx.device
     needs_values = algorithm.needs.values
-    topk = getattr(algorithm.needs, "teacher_topk", 0)
+    topk = algorithm.needs.teacher_topk
     if topk > 0 and (batch.teacher_topk_ids is None or batch.teacher_topk < topk):
         have = "none" if batch.teacher_topk_ids is None else f"top-{batch.teacher_topk}"
         raise ValueError(
@@ -94,7 +94,7 @@ def run_train_step(
         critic.train()
     sums = StepMetrics(device)
 
-    entropy_grad = bool(getattr(algorithm.needs, "entropy", False))
+    entropy_grad = algorithm.needs.entropy
     fused = ctx.fused_logprobs if topk == 0 and ctx.exact_logprobs is None else None
     for mb in ctx.micro_batches(batch):
         scored = fused(actor, mb, temperature, True, entropy_grad) if fused is not None else None

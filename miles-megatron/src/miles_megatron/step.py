@@ -169,7 +169,7 @@ def _check_inputs(batch: TrainBatch, algorithm: Algorithm, *, has_critic: bool) 
     """Clear errors for what the algorithm needs and the batch or the trainer lacks; the top-k it needs."""
     if batch.advantages is None and algorithm.needs.rollout:
         raise ValueError(f"algorithm {algorithm.name!r}: TrainBatch.advantages is None; compute advantages first")
-    topk: int = getattr(algorithm.needs, "teacher_topk", 0)
+    topk = algorithm.needs.teacher_topk
     if topk > 0 and (batch.teacher_topk_ids is None or batch.teacher_topk < topk):
         have = "none" if batch.teacher_topk_ids is None else f"top-{batch.teacher_topk}"
         raise ValueError(
@@ -236,7 +236,7 @@ def run_train_step(
             mb.targets,
             temperature,
             with_entropy=True,
-            entropy_grad=getattr(algorithm.needs, "entropy", False),
+            entropy_grad=algorithm.needs.entropy,
             mask_ids=mb.mask_ids,
         )
         assert entropy is not None

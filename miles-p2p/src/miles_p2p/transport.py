@@ -127,7 +127,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         """Keep the trainer: its :meth:`~miles.training.trainer.Trainer.iter_weight_shards`, converted by its
         precision recipe's :meth:`~miles.precision.base.PrecisionRecipe.rollout_shards` (FP8, MXFP8, NVFP4
         values and scales made from each rank's rows), is what is sent."""
-        precision = getattr(trainer, "precision", None)
+        precision = trainer.precision
         if precision is not None and not precision.converts_shards():
             raise SettingsError(
                 f"transport p2p sends slices of the trainer ranks' weights; precision {precision.name!r} converts "
@@ -419,7 +419,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         metrics: dict[str, float] = {}
         assert self.trainer is not None
         shards = list(self.trainer.iter_weight_shards())
-        precision = getattr(self.trainer, "precision", None)
+        precision = self.trainer.precision
         if precision is not None:  # a collective: every rank converts its slices (quantized values, scales)
             try:
                 shards = precision.rollout_shards(shards, all_gather_json)

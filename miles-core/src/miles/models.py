@@ -46,11 +46,16 @@ def find_gguf(source: str) -> Path | None:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir():
-        found = sorted(path.rglob("*.gguf"))
-        return found[0] if found else None
+        return _first_gguf(path)
     if "/" in source or source.startswith("."):
         return None
     return _gguf_in_package(source)
+
+
+def _first_gguf(folder: Path) -> Path | None:
+    """The first ``.gguf`` file under ``folder`` (sorted paths), or ``None``."""
+    found = sorted(folder.rglob("*.gguf"))
+    return found[0] if found else None
 
 
 def _gguf_in_package(name: str) -> Path | None:
@@ -61,9 +66,9 @@ def _gguf_in_package(name: str) -> Path | None:
     except (ImportError, ValueError):
         return None
     for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        found = sorted(Path(location).rglob("*.gguf"))
-        if found:
-            return found[0]
+        found = _first_gguf(Path(location))
+        if found is not None:
+            return found
     return None
 
 

@@ -242,7 +242,7 @@ def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_w
 
 
 def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: Path) -> None:
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.settings.loader import load_settings
     from miles.testing.models import build_tiny_model
 

@@ -117,7 +117,7 @@ def test_layout_ok_gives_the_data_parallel_size() -> None:
 
 
 def test_the_settings_pass_checks_the_layout_before_anything_starts(tmp_path: Path) -> None:
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.settings.loader import load_settings
     from miles.testing.models import build_tiny_model
 

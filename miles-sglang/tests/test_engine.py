@@ -151,10 +151,10 @@ def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyP
     """``launch_engines`` gives engine ``i`` ``tp`` GPUs after the trainer ranks' (from GPU 0 when colocated),
     its rank and seed."""
     import miles_sglang.engine as engine_module
-    from miles.driver.launch import launch_engines
-    from miles.driver.run import build_run
+    from miles.compose import build_run
+    from miles.host.train import launch_engines
     from miles.launch.local import LocalLauncher
-    from miles.rollout.engine import EngineLaunch
+    from miles.rollout.backend import EngineLaunch
 
     monkeypatch.setattr(engine_module, "host_problems", lambda options, settings: [])  # pretend an 8-GPU host
     seen: list[EngineLaunch] = []
@@ -213,7 +213,7 @@ def test_host_problems_name_the_field_and_the_install_line() -> None:
 
 def test_build_run_refuses_sglang_on_this_host() -> None:
     """What this host really has: no CUDA GPU (and SGLang only in the protocol env)."""
-    from miles.driver.run import build_run
+    from miles.compose import build_run
 
     with pytest.raises(SettingsError) as info:
         build_run(settings_for(device="cuda", num_engines=1))

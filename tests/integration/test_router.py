@@ -77,8 +77,8 @@ def test_grpo_through_smg_with_two_engines(tmp_path: Path, tiny_model: Path, pro
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Any]:
     """Two local engines and smg, launched the way ``miles train`` does (``launch_fleet``)."""
-    from miles.driver.launch import launch_fleet
-    from miles.driver.run import build_run
+    from miles.compose import build_run
+    from miles.host.train import launch_fleet
     from miles.settings.model import MilesSettings
 
     settings = MilesSettings.model_validate(

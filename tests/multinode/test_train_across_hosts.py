@@ -111,7 +111,7 @@ SEAM = """
 import json, logging, sys
 from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
 from miles.launch.rendezvous import trainer_specs
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 
 logging.basicConfig(level=logging.INFO)
 RANK = (

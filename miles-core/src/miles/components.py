@@ -100,7 +100,7 @@ class ComponentKind(str, enum.Enum):
         "rollout_engine",
         "miles_register_rollout_engines",
         "rollout.engine",
-        "miles.rollout.engine:RolloutEngine",
+        "miles.rollout.backend:RolloutEngine",
     )
     ROLLOUT_FUNCTION = ("rollout_function", "miles_register_rollout_functions", "rollout.function", "")
     TRAINER = ("trainer", "miles_register_trainers", "train.backend", "miles.training.trainer:Trainer")

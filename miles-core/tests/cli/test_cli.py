@@ -218,7 +218,8 @@ def test_a_missing_extra_is_refused_for_every_selected_component_before_anything
         + '\n[[reward.functions]]\nname = "math"\n'
     )
     present = miles("train", "--dry-run", str(config), env={"COLUMNS": "300"})
-    assert present.returncode == 0, present.stdout + present.stderr  # the extras are installed here
+    assert " needs " not in present.stderr, present.stderr  # the extras are installed here
+    assert present.returncode == 0 or "unknown trainer 'fsdp'" in present.stderr  # (miles-core alone: no trainer)
     for args in (["train", "--dry-run", str(config)], ["train", str(config)]):
         out = miles_without(["torchao", "wandb", "math_verify"], *args)
         assert out.returncode == 2, out.stdout + out.stderr

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.errors import SettingsError
-from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
+from miles.rollout.backend import EngineCapabilities, EngineLaunch, RolloutEngine
 from miles_sglang.checks import host_problems
 from miles_sglang.command import CPU_ENV, EnginePlacement, launch_argv
 from miles_sglang.settings import SGLangEngineSettings

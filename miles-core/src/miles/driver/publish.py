@@ -34,7 +34,7 @@ from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
 from miles.transport.base import StagedTransport
 
 if TYPE_CHECKING:
-    from miles.driver.run import Run
+    from miles.compose import Run
     from miles.driver.sources import GroupSource
     from miles.plugins.manager import PluginManager
     from miles.precision.base import PrecisionRecipe

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from miles.components import Register
 from miles.engine.options import EngineOptions, ServeOptions, to_argv
 from miles.markers import hookimpl
-from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
+from miles.rollout.backend import EngineCapabilities, EngineLaunch, RolloutEngine
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -8,7 +8,7 @@ from types import TracebackType
 
 from miles.components import Component, SettingsT
 from miles.launch.engine_restarts import EngineDeathPolicy
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 
 __all__ = ["Launcher", "ProcessHandle", "ProcessSpec"]
 
@@ -85,7 +85,7 @@ class Launcher(Component[SettingsT], ABC):
         """Start engine servers and (``wait``) wait until each answers its health path; return their base URLs.
 
         An engine whose port was taken before it could bind is started again on another address (its
-        :attr:`~miles.rollout.engine.EngineLaunch.rebind`), so a URL is final only once it answers.
+        :attr:`~miles.rollout.backend.EngineLaunch.rebind`), so a URL is final only once it answers.
         Raises :class:`~miles.errors.LaunchError` (naming the engine, with its log tail) when one exits
         or does not answer within ``timeout`` seconds; the engines of this call are then terminated. With
         ``wait=False`` the caller starts other work (the trainer ranks load their models meanwhile) and

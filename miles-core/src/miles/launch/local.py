@@ -25,7 +25,7 @@ from miles.launch.base import Launcher, ProcessSpec
 from miles.launch.process import LocalProcess, SupervisedProcess, describe_exit
 from miles.launch.rendezvous import RendezvousStore
 from miles.net import address_in_use
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 
 __all__ = ["LocalLauncher", "LocalLauncherSettings"]
 

@@ -11,17 +11,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles.driver.progress import follow_metrics
-from miles.driver.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
+from miles.host.progress import follow_metrics
+from miles.host.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
 from miles.rollout.router import FLEET_FILE
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from miles.driver.run import Run
+    from miles.compose import Run
     from miles.launch.base import Launcher, ProcessHandle
     from miles.launch.engine_restarts import EngineDeathPolicy
-    from miles.rollout.engine import EngineLaunch
+    from miles.rollout.backend import EngineLaunch
     from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 

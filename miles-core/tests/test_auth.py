@@ -151,3 +151,12 @@ def test_the_local_engine_checks_both_levels(keyed_engine: Any) -> None:
     assert client.post("/flush_cache", json={}, headers=admin).status_code == 200
     assert client.post("/pause_generation", json={"mode": "abort"}, headers=admin).status_code == 200
     assert client.post("/continue_generation", json={}, headers=admin).status_code == 200
+
+
+def test_a_key_on_a_command_line_is_never_logged() -> None:
+    from miles.auth import redact_argv
+
+    argv = ["smg", "launch", "--api-key", API, "--control-plane-api-keys", f"m:m:admin:{ADMIN}", "--port", "1"]
+    assert redact_argv(argv) == ["smg", "launch", "--api-key", "<redacted>", "--control-plane-api-keys",
+                                 "<redacted>", "--port", "1"]  # fmt: skip
+    assert redact_argv([f"--api-key={API}", "--host", "h"]) == ["--api-key=<redacted>", "--host", "h"]

@@ -33,12 +33,14 @@ __all__ = [
     "API_KEY_ENV",
     "GENERATION_ROUTES",
     "OPEN_ROUTES",
+    "SECRET_FLAGS",
     "ServiceKeys",
     "check_bind",
     "install_auth",
     "is_control_route",
     "is_loopback",
     "new_key",
+    "redact_argv",
 ]
 
 API_KEY_ENV = "MILES_API_KEY"
@@ -167,6 +169,25 @@ class ServiceKeys:
         if self.api_key:
             return _bearer(header, self.api_key)
         return True
+
+
+SECRET_FLAGS = ("--api-key", "--admin-api-key", "--control-plane-api-keys")
+"""Command-line flags whose value is a key (SGLang's, smg's, ``miles serve``'s)."""
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """``argv`` with the value of every :data:`SECRET_FLAGS` flag replaced (for logs: a key that had to go on a
+    command line is still never written)."""
+    out: list[str] = []
+    hide = False
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        if hide and not arg.startswith("--"):
+            out.append("<redacted>")
+            continue
+        hide = arg in SECRET_FLAGS
+        out.append(f"{flag}=<redacted>" if eq and flag in SECRET_FLAGS else arg)
+    return out
 
 
 def _bearer(header: str | None, key: str) -> bool:

@@ -189,7 +189,10 @@ def test_keyed_run_across_hosts_with_the_router_on_a_routable_address(
     keys = ServiceKeys("train-api-key-0c4f1d92", "train-admin-key-7be3a016")
     run_dir = tmp_path / "keyed"
     a = ray_cluster.hosts[0]
-    extra = LAUNCHER.format(address=ray_cluster.address)
+    # (actor calls get more time than the default 30 s: this run starts the most processes on a shared machine)
+    extra = LAUNCHER.format(address=ray_cluster.address).replace(
+        "terminate_timeout = 5", "terminate_timeout = 5\ncall_timeout = 120"
+    )
     extra += '\n[rollout.router]\nname = "smg"\nstartup_timeout = 120\n'
     config = write_run_config(
         tmp_path, tiny_model, arithmetic_prompts, run_dir, extra, ranks=2, transport="disk", rollouts=2

@@ -185,7 +185,7 @@ class InProcessEngine:
         from miles.net import bind_socket
 
         keys = ServiceKeys(self.opts.api_key, self.opts.admin_api_key)
-        check_bind(self.opts.host, keys, service="the in-process engine", setting="cluster.api_key")
+        check_bind(self.opts.host, keys, service="the in-process engine", setting="MILES_API_KEY")
         sock = bind_socket(self.opts.host, self.opts.port)
         self.url = f"http://{self.opts.host}:{sock.getsockname()[1]}"
         self._state = start_engine(self.opts, start=True)

@@ -102,7 +102,7 @@ def test_cpu_launch_command() -> None:
         model_path="/models/llama", host="127.0.0.1", port=30002, device="cpu", dtype="bfloat16", devices=[], seed=7
     )
     assert engine_launch.argv == [
-        PY, "-m", "sglang.launch_server",
+        PY, "-m", "miles_sglang.serve",
         "--model-path", "/models/llama", "--host", "127.0.0.1", "--port", "30002",
         "--tp-size", "1", "--device", "cpu", "--random-seed", "7", "--dtype", "bfloat16",
         "--weight-version", "0", "--max-total-tokens", "4096",

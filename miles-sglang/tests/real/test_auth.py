@@ -44,30 +44,32 @@ def keyed(tiny_llamas: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_every_sglang_route_refuses_a_request_without_its_key(keyed: Server) -> None:
+    """Every operation of SGLang's OpenAPI document but its probes: 401 without a key and with a wrong one (a
+    refused request never reaches a handler, so no route's effect is triggered); each level's key is refused
+    on the other level's routes."""
     doc = httpx.get(keyed.url + "/openapi.json", headers=KEYS.headers(), timeout=60, trust_env=False).json()
     routes = [(m.upper(), p) for p, ops in doc["paths"].items() for m in ops if m.upper() != "OPTIONS"]
     assert len(routes) > 50
-    refused, open_ = {}, []
-    for method, path in routes:
+
+    def codes(method: str, path: str, *headers: dict[str, str]) -> list[int]:
         url = keyed.url + path.replace("{", "").replace("}", "")
-        if path.startswith(PROBES):
-            open_.append(path)
-            continue
-        other = {"Authorization": f"Bearer {KEYS.api_key}"}, {"Authorization": f"Bearer {KEYS.admin_api_key}"}
-        codes = [
-            httpx.request(
-                method, url, headers=h, json={} if method != "GET" else None, timeout=60, trust_env=False
-            ).status_code
-            for h in ({}, {"Authorization": "Bearer not-the-key"}, *other)
+        body = {} if method != "GET" else None
+        return [
+            httpx.request(method, url, headers=h, json=body, timeout=60, trust_env=False).status_code for h in headers
         ]
-        refused[f"{method} {path}"] = codes
-    # each route refuses no key and a wrong key; exactly one of the two keys opens it (or neither: 403 where
-    # SGLang forbids a route outright) — a refused request never reaches a handler
-    wrong = {r: c for r, c in refused.items() if c[:2] != [401, 401] or sorted(c[2:]).count(401) < 1}
+
+    refused = {}
+    for method, path in routes:
+        if not path.startswith(PROBES):
+            refused[f"{method} {path}"] = codes(method, path, {}, {"Authorization": "Bearer not-the-key"})
+    wrong = {route: c for route, c in refused.items() if c != [401, 401]}
     assert not wrong, wrong
-    assert refused["POST /generate"][2] != 401 and refused["POST /generate"][3] == 401
-    assert refused["POST /update_weights_from_disk"][2] == 401 and refused["POST /update_weights_from_disk"][3] != 401
-    assert "/health" in open_ and "/health_generate" in open_
+    assert {"POST /generate", "POST /update_weights_from_disk", "POST /pause_generation"} <= set(refused)
+    api, admin = KEYS.headers(), KEYS.headers(control=True)
+    assert codes("POST", "/generate", admin) == [401]  # the admin key opens no generation route
+    for path in ("/update_weights_from_disk", "/pause_generation", "/flush_cache", "/abort_request"):
+        assert codes("POST", path, api) == [401], path  # nor the API key a control route
+    assert httpx.get(keyed.url + "/health", timeout=60, trust_env=False).status_code == 200  # a probe: open
 
 
 def test_the_engine_client_sends_each_route_its_key(keyed: Server) -> None:

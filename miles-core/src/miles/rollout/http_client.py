@@ -191,7 +191,12 @@ class HttpEngineClient(EngineClient):
     # -------------------------------------------------------------------- HTTP
     async def _request(self, method: str, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> Any:
         resp = await self._send(method, url, endpoint, payload)
-        return resp.json() if resp.content else {}
+        if not resp.content:
+            return {}
+        try:
+            return resp.json()
+        except ValueError:  # SGLang answers some control routes in plain text (/flush_cache: "Cache flushed. ...")
+            return {"message": resp.text}
 
     async def _send(
         self,

@@ -33,6 +33,7 @@ __all__ = [
     "API_KEY_ENV",
     "GENERATION_ROUTES",
     "OPEN_ROUTES",
+    "SECRET_FIELDS",
     "SECRET_FLAGS",
     "ServiceKeys",
     "check_bind",
@@ -170,6 +171,9 @@ class ServiceKeys:
             return _bearer(header, self.api_key)
         return True
 
+
+SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
+"""Option names of a server whose values are keys: never on a command line, never in ``/server_info``."""
 
 SECRET_FLAGS = ("--api-key", "--admin-api-key", "--control-plane-api-keys")
 """Command-line flags whose value is a key (SGLang's, smg's, ``miles serve``'s)."""

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from miles.auth import ServiceKeys
+from miles.auth import SECRET_FIELDS, ServiceKeys
 from miles.components import ComponentSettings
 from miles.errors import SettingsError
 from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
@@ -25,8 +25,6 @@ from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
 __all__ = ["ATTENTION_BACKENDS", "SECRET_FIELDS", "EngineOptions", "ServeOptions", "parse_serve_args", "to_argv"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "miles_cpu")
-SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
-"""Options never written on a command line nor reported by ``/server_info``."""
 
 
 class EngineOptions(ComponentSettings):

@@ -13,9 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from miles.auth import ServiceKeys
+from miles.auth import SECRET_FIELDS, ServiceKeys
 from miles.components import ComponentSettings
-from miles.engine.options import SECRET_FIELDS
 from miles.errors import SettingsError
 
 __all__ = ["ImageEngineOptions", "ImageServeOptions", "parse_serve_args", "to_argv"]

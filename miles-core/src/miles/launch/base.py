@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from miles.auth import ServiceKeys
 from miles.components import Component, SettingsT
 from miles.launch.engine_restarts import EngineDeathPolicy
 from miles.rollout.backend import EngineLaunch
@@ -60,6 +61,15 @@ class Launcher(Component[SettingsT], ABC):
         self.run_dir = run_dir
         self.engine_deaths = EngineDeathPolicy()
         """What :meth:`wait_trainers` does when an engine dies (the driver sets ``rollout.engine_restarts``)."""
+        self.keys: ServiceKeys | None = None
+        """The run's keys once the driver decided them (:func:`miles.host.train.run_keys`): handed to the
+        processes started through their environment, sent by the launcher's own health checks."""
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether this launcher may place processes on other hosts, where their services listen on routable
+        addresses (the run then needs a key, :mod:`miles.auth`). Default: no."""
+        return False
 
     def reserve(
         self, *, trainer_ranks: int, num_engines: int, colocate: bool, device: str, gpus_per_engine: int

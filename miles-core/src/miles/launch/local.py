@@ -147,7 +147,8 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         try:
             deadline = time.monotonic() + timeout
             next_note = time.monotonic() + self.settings.progress_interval
-            with httpx.Client(timeout=min(5.0, timeout), trust_env=False) as client:
+            headers = self.keys.headers() if self.keys is not None else {}
+            with httpx.Client(timeout=min(5.0, timeout), trust_env=False, headers=headers) as client:
                 while pending:
                     for name, (process, url) in list(pending.items()):
                         code = process.exit_status()

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from miles.auth import ServiceKeys
 from miles.errors import SettingsError
 from miles.rollout.http_client import HttpEngineClient
 
@@ -89,7 +90,9 @@ class TeacherScorer:
         if not todo:
             return
         gate = asyncio.Semaphore(self.settings.max_concurrency)
-        async with HttpEngineClient([self.url], timeout=self.settings.timeout) as client:
+        # the run's API key, for a teacher started with it (``MILES_API_KEY=... miles serve``); never the admin key
+        key = ServiceKeys.from_env().api_key
+        async with HttpEngineClient([self.url], timeout=self.settings.timeout, api_key=key) as client:
 
             async def one(batch: Sequence[Sample]) -> None:
                 names = ", ".join(f"{s.group_id}/{s.index}" for s in batch)

@@ -108,6 +108,7 @@ def build_run(
     pm = plugins if plugins is not None else PluginManager().load()
     source_of = sources_of(settings).of
     resolved: dict[str, Resolved] = {}
+    selected: dict[str, Resolved] = {}  # (with those whose requirements are missing: the cross-checks below)
     functions: dict[str, Any] = {}
     problems: list[MilesError] = []
     for kind in ComponentKind if kinds is None else kinds:
@@ -117,6 +118,7 @@ def build_run(
                     functions[field] = _resolve_function(pm, value, field, source_of(field))
                     continue
                 entry, options = pm.resolve(kind, value, field=field, source_of=source_of)
+                selected[field] = Resolved(field, entry, options)
                 missing = missing_requirements(entry.component, options)
                 if missing:
                     where = f"{field} ({source})" if (source := source_of(field)) else field
@@ -128,14 +130,14 @@ def build_run(
                     check(options, settings)
             except MilesError as exc:
                 problems.append(exc)
-    adapter, backend = resolved.get("train.adapter"), resolved.get("train.backend")
+    adapter, backend = selected.get("train.adapter"), selected.get("train.backend")
     if (
         adapter is not None
         and backend is not None
         and not getattr(backend.registration.component, "supports_adapters", False)
     ):
         problems.append(SettingsError(f"train.adapter: trainer {backend.registration.name!r} cannot train adapters"))
-    problems.extend(_engine_serves_transport(resolved))
+    problems.extend(_engine_serves_transport(selected))
     if kinds is None or {ComponentKind.TRAINER, ComponentKind.ROLLOUT_ENGINE} & set(kinds):
         from miles.models import check_model_source
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from miles.driver.progress import ZeroRewardNote, follow_metrics
+from miles.host.progress import ZeroRewardNote, follow_metrics
 
 
 def test_a_reward_of_zero_everywhere_is_explained_once() -> None:

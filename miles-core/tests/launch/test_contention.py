@@ -69,7 +69,7 @@ def test_a_starved_run_is_told_once_with_the_figures(
 def test_a_run_that_starts_on_a_busy_machine_takes_the_cores_left(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from miles.driver.launch import _child_env
+    from miles.host.train import _child_env
     from miles.settings.model import MilesSettings
 
     monkeypatch.setattr(contention, "_free_cores", None)

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from miles.cli.app import app, plugin_manager
 from miles.cli.render import render_resolved
-from miles.driver.run import Run, build_run
+from miles.compose import Run, build_run
 from miles.errors import SettingsError
 from miles.settings.loader import load_settings
 
@@ -73,7 +73,7 @@ def train(
     ] = False,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
-    from miles.driver.rundir import check_run_dir
+    from miles.host.rundir import check_run_dir
 
     run = resolve_run(
         config,
@@ -88,11 +88,11 @@ def train(
             Console(stderr=True).print(f"[yellow]warning:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return
     if debug:
-        from miles.driver.debug import run_debug
+        from miles.host.debug import run_debug
 
         code = run_debug(run, resume=resume, overwrite=overwrite)
     else:
-        from miles.driver.launch import run_training
+        from miles.host.train import run_training
 
         code = run_training(run, resume=resume, overwrite=overwrite, console=Console())
     if code:

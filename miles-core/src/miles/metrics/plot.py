@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PANELS", "panels_for", "plot_run", "read_metrics", "run_title"]
+from miles.components import Requirement
+
+__all__ = ["DEFAULT_PANELS", "MATPLOTLIB", "panels_for", "plot_run", "read_metrics", "run_title"]
+
+MATPLOTLIB = Requirement("matplotlib", extra="plot")
+"""What the curves are drawn with."""
 
 DEFAULT_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("reward", "mean reward", ("rollout/reward_mean", "eval/reward_mean")),
@@ -74,10 +79,8 @@ def plot_run(
 ) -> Path:
     """Draw one panel per metric group that the run logged, under a title (default :func:`run_title`);
     returns the PNG's path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    MATPLOTLIB.load("miles plot").use("Agg")
+    plt = MATPLOTLIB.load("miles plot", "matplotlib.pyplot")
 
     rows = read_metrics(run_dir)
     present = panels_for(rows, panels)

@@ -6,7 +6,7 @@ import pytest
 
 from miles.errors import SettingsError
 from miles.settings import MilesSettings, load_settings
-from miles.settings.loader import parse_override
+from miles.settings.loader import parse_override, sources_of
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -119,6 +119,19 @@ def test_env_and_set_errors_name_their_source() -> None:
     # a misspelt section given only through --set: its error names the --set it came from
     with pytest.raises(SettingsError, match=r"trian \(--set trian.lr=1\): unknown key \(did you mean 'train'\?\)"):
         load_settings(env={}, overrides=["trian.lr=1"])
+
+
+def test_env_sources_are_the_variables_that_were_set() -> None:
+    """A table filled by one field's variable is not itself from the environment: its other fields'
+    errors name no variable (was ``train.backend (env MILES_TRAIN)`` for ``MILES_TRAIN__SEED``)."""
+    settings = load_settings(
+        env={"MILES_TRAIN__SEED": "7", "MILES_REWARD__FUNCTIONS": '[{"name": "math"}]', "miles_rollout__top_k": "3"}
+    )
+    sources = sources_of(settings)
+    assert sources.of("train.seed") == "env MILES_TRAIN__SEED"
+    assert sources.of("train.backend") is None and sources.of("train.lr") is None
+    assert sources.of("reward.functions[0].name") == "env MILES_REWARD__FUNCTIONS"
+    assert sources.of("rollout.top_k") == "env miles_rollout__top_k"
 
 
 def test_json_errors_name_the_variable_and_the_column() -> None:

@@ -183,14 +183,14 @@ def _read_env(sources: SettingsSources, env: Mapping[str, str] | None) -> dict[s
         raise SettingsError(f"environment: {exc}") from None
     names = {k.lower(): k for k in environ}
     for leaf in _leaf_paths(data):
-        var = "MILES_" + leaf.replace(".", "__").upper()
-        var = names.get(var.lower(), var)
-        if var.lower() not in names:  # a nested value given as JSON in its parent's variable
-            parent = leaf
-            while "." in parent and ("miles_" + parent.replace(".", "__")).lower() not in names:
-                parent = parent.rsplit(".", 1)[0]
-            var = names.get(("miles_" + parent.replace(".", "__")).lower(), var)
-        sources.set(leaf, f"env {var}")
+        # the leaf's own variable, or the parent's that holds it as JSON; a table only filled by its
+        # fields' variables (train, of MILES_TRAIN__SEED) has none: its other fields keep their defaults
+        probe, var = leaf, None
+        while probe and var is None:
+            var = names.get("miles_" + re.sub(r"\[\d+\]", "", probe).replace(".", "__").lower())
+            probe = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", probe) if re.search(r"(\.[^.\[]+|\[\d+\])$", probe) else ""
+        if var is not None:
+            sources.set(leaf, f"env {var}")
     return data
 
 
@@ -279,4 +279,5 @@ def load_settings(
 
 def sources_of(settings: MilesSettings) -> SettingsSources:
     """The :class:`SettingsSources` recorded by :func:`load_settings` (empty for other settings)."""
-    return getattr(settings, "_sources", None) or SettingsSources()
+    sources: SettingsSources | None = settings._sources
+    return sources or SettingsSources()

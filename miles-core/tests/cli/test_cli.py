@@ -284,14 +284,37 @@ def test_plugins_add_commands_to_a_built_in_group(fake_distribution: Any) -> Non
     assert "Dequantise a GGUF model" in miles("convert", "gguf", "--help").stdout
 
 
-def test_dry_run_says_where_each_value_came_from_and_warns_of_a_used_run_dir(tmp_path: Path, tiny: Path) -> None:
+STAND_IN_TRAINER = """
+import miles
+from miles.training.trainer import Trainer
+
+
+class StandInTrainer(Trainer):
+    \"\"\"A trainer a dry run resolves and never builds (miles-core's tests install no backend).\"\"\"
+
+    name = "stand_in"
+
+
+@miles.hookimpl
+def miles_register_trainers(register):
+    register(StandInTrainer)
+"""
+
+
+def test_dry_run_says_where_each_value_came_from_and_warns_of_a_used_run_dir(
+    tmp_path: Path, tiny: Path, fake_distribution: Any
+) -> None:
+    fake_distribution(
+        "miles-stand-in", {"stand_in": "miles_stand_in_plugin"}, {"miles_stand_in_plugin": STAND_IN_TRAINER}
+    )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     config = _config(tmp_path, tiny, _data(tmp_path, ['{"prompt": "1+1?", "label": "2"}']), run_dir)
     out = miles(
-        "train", "--dry-run", str(config), "--set", "train.lr=0.5", env={"COLUMNS": "300", "MILES_TRAIN__SEED": "7"}
-    )
+        "train", "--dry-run", str(config), "--set", "train.lr=0.5", "--set", "train.backend=stand_in",
+        env={"COLUMNS": "300", "MILES_TRAIN__SEED": "7"},
+    )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines() if line.startswith("  ")}
     assert rows["train.lr"] == ["0.5", "--set", "train.lr=0.5"]

@@ -185,12 +185,12 @@ def _read_env(sources: SettingsSources, env: Mapping[str, str] | None) -> dict[s
     for leaf in _leaf_paths(data):
         # the leaf's own variable, or the parent's that holds it as JSON; a table only filled by its
         # fields' variables (train, of MILES_TRAIN__SEED) has none: its other fields keep their defaults
-        probe, var = leaf, None
-        while probe and var is None:
-            var = names.get("miles_" + re.sub(r"\[\d+\]", "", probe).replace(".", "__").lower())
+        probe, found = leaf, None
+        while probe and found is None:
+            found = names.get("miles_" + re.sub(r"\[\d+\]", "", probe).replace(".", "__").lower())
             probe = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", probe) if re.search(r"(\.[^.\[]+|\[\d+\])$", probe) else ""
-        if var is not None:
-            sources.set(leaf, f"env {var}")
+        if found is not None:
+            sources.set(leaf, f"env {found}")
     return data
 
 

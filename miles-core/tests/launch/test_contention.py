@@ -89,10 +89,17 @@ def test_a_run_that_starts_on_a_busy_machine_takes_the_cores_left(
             "the machine is busy before this run starts: other processes use 1.9 of its 2 cores (load average 2.2)"
         )
     )
+    assert "the run's processes get 1 torch thread(s) each" in caplog.records[0].getMessage()
     env = _child_env(MilesSettings(), role="engine")
     assert (env["OMP_NUM_THREADS"], env["MILES_TORCH_THREADS"], env["OMP_WAIT_POLICY"]) == ("1", "1", "PASSIVE")
-    # what the user sets wins
+    # what the user sets wins, and the warning says so
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
     env = _child_env(MilesSettings(), role="engine")
     assert env["OMP_NUM_THREADS"] == "2" and "OMP_WAIT_POLICY" not in env
+    _samples(monkeypatch, [CpuSample(0.0, 0.1, 0.0, 2.1), CpuSample(1.0, 0.1, 1.9, 2.2)])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="miles.launch.contention"):
+        check_start()
+    said = caplog.records[0].getMessage()
+    assert "the run's processes keep the thread count of the environment (OMP_NUM_THREADS=2)" in said, said

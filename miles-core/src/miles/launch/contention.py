@@ -146,14 +146,19 @@ def check_start(seconds: float = 0.5) -> Share | None:
         return None
     _free_cores = max(1.0, share.cores - share.others)
     if share.starved:
+        given = [f"{var}={os.environ[var]}" for var in ("OMP_NUM_THREADS", "MILES_TORCH_THREADS") if var in os.environ]
+        threads = (
+            f"keep the thread count of the environment ({', '.join(given)})"
+            if given
+            else f"get {max(1, round(_free_cores))} torch thread(s) each"
+        )
         log.warning(
             "the machine is busy before this run starts: other processes use %.1f of its %d cores (load average "
-            "%.1f); the run's processes get %d torch thread(s) each and its steps will be slower than on an idle "
-            "machine",
+            "%.1f); the run's processes %s and its steps will be slower than on an idle machine",
             share.others,
             share.cores,
             share.load,
-            max(1, round(_free_cores)),
+            threads,
         )
     return share
 

@@ -5,7 +5,7 @@ step slower, and OpenMP makes it much slower than the share the run loses: each 
 small parallel regions per step ends in a barrier that waits for its slowest thread, and a thread the
 scheduler has just handed to another process stalls the whole region for a scheduler slice. Measured on
 the 2-core development machine, one busy two-thread neighbour turned 4.5 s quickstart steps into 55-82 s
-(docs/benchmarks.md, "Sharing the CPU").
+(issue 42; docs/benchmarks.md, "Sharing the CPU with another job", compares the old and the new setup).
 
 Two things follow. Before a run starts, :func:`check_start` measures what the other processes of the
 machine use (half a second of ``/proc/stat``) and says so when the machine is already busy; the children then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -122,6 +123,15 @@ class Launcher(Component[SettingsT], ABC):
         When a rank fails (or ``timeout`` passes), everything is shut down and
         :class:`~miles.errors.LaunchError` names the process, its exit code and its log tail. An engine that
         dies is restarted, left out or ends the run as :attr:`engine_deaths` decides.
+        """
+
+    @abstractmethod
+    def wait_until(self, condition: Callable[[], bool], *, timeout: float, waiting_for: str) -> None:
+        """Supervise the trainer ranks (as :meth:`wait_trainers`) until ``condition()`` holds or every rank
+        finished: a colocated run starts its engines once the ranks have loaded. A rank that fails, or
+        ``timeout`` passing (:class:`~miles.errors.LaunchError` says ``waiting_for``), shuts everything down.
+
+        .. versionadded:: 0.1
         """
 
     @abstractmethod

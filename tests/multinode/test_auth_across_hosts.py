@@ -8,8 +8,8 @@ probes, which answer without a key and say nothing secret. With the right keys t
 route and open sessions. A service asked to listen on b's address without a key does not start.
 
 SGLang (``--api-key`` / ``--admin-api-key``, the same two levels) needs its CPU environment, which this one is not
-(``scripts/sglang/cpu_env.py``): its keys are checked there, on loopback, by ``miles-sglang/tests/real/test_auth.py``
-(``tox -e sglang-real``); here the SGLang case is skipped, saying so.
+(``scripts/sglang/cpu_env.py``): an SGLang engine on another namespace host is checked the same way there, by
+``miles-sglang/tests/real/test_auth.py`` (``tox -e sglang-real``).
 """
 
 from __future__ import annotations
@@ -248,14 +248,3 @@ def test_a_service_beyond_loopback_without_a_key_does_not_start(
     out = c.run(argv, capture_output=True, text=True, timeout=120, env=base)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"--api-key: miles serve would listen on {c.address}, beyond loopback, without an API key" in out.stderr
-
-
-def test_an_sglang_engine_refuses_another_host_without_its_key() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip(
-            "no SGLang in this environment (its CPU build lives in the one scripts/sglang/cpu_env.py makes): "
-            "SGLang's keys are checked on loopback by miles-sglang/tests/real/test_auth.py (tox -e sglang-real)"
-        )
-    pytest.skip("SGLang across namespace hosts is not wired into the multinode env yet (see the module docstring)")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from miles.errors import SettingsError, WeightVerificationError
+from miles.rollout.client import MEMORY_TAGS
 from miles.rollout.protocol import SamplingParams
 from miles.testing.engine import EngineProcess
 from miles.training.adapter import LowRankSpec
@@ -120,9 +121,10 @@ async def exercise(client: RecordingClient, model: Path, run_dir: Path) -> None:
     await client.flush_cache()
     await client.model_info()
     await client.update_weight_version("3")
-    # colocated runs: release and resume around training (the loop's own calls)
-    await client.release_memory()
-    await client.resume_memory()
+    # colocated runs: release and resume around training (the loop's own calls: miles.driver.colocate)
+    await client.release_memory(MEMORY_TAGS)
+    await client.resume_memory(("weights",))
+    await client.resume_memory(("kv_cache", "cuda_graph"))
     dist = DistContext(rank=0, world_size=1, device="cpu")
     # disk transport: /update_weights_from_disk
     disk = DiskTransport(DiskTransportSettings(), run_dir=str(run_dir), model_path=str(model), engine_dtype="float32")

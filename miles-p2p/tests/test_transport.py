@@ -159,5 +159,7 @@ def test_the_address_defaults_to_the_processs_node_address(
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    transport = P2PTransport(P2PTransportSettings(address=setting), run_dir=".", model_path=None, engine_dtype="float32")
+    transport = P2PTransport(
+        P2PTransportSettings(address=setting), run_dir=".", model_path=None, engine_dtype="float32"
+    )
     assert transport.address == expected

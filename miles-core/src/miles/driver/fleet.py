@@ -244,11 +244,8 @@ class FleetController:
                     self.launcher.retire_engine(request.url)
                     raise LaunchError(f"{request.url} did not answer within {self.timeout:g} s")
                 return
-            import httpx
-
             assert request.url is not None
-            with httpx.Client(timeout=60.0, trust_env=False) as client:
-                client.post(request.url + "/flush_cache")
+            self.flush(request.url)
             self.fleet.joining.append(request.url)
             self.announce()
             self._set(request, "joining", "it answers; trainer rank 0 pushes it the current weights at the next push")
@@ -261,6 +258,16 @@ class FleetController:
                 self._set(request, "done", "it has the current weights (verified) and serves")
             elif state in ("down", "removed"):
                 raise LaunchError(f"{request.url} is {state} before it served")
+
+    @staticmethod
+    def flush(url: str) -> None:
+        """Empty the new engine's prefix cache once it is up (its health check generated a token)."""
+        import httpx
+
+        with httpx.Client(timeout=60.0, trust_env=False) as client:
+            resp = client.post(url + "/flush_cache")
+        if resp.status_code >= 400:
+            raise LaunchError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")
 
     # -- remove ---------------------------------------------------------------------------------------
     def _resolve(self, engine: str | None) -> str:

@@ -73,6 +73,7 @@ def test_an_add_then_a_remove_go_through_their_states_one_at_a_time(tmp_path: Pa
     c = controller(tmp_path, launcher)
     add = submit(tmp_path, FleetRequest("add", resources={"late_node": 1.0}))
     remove = submit(tmp_path, FleetRequest("remove", engine="engine-0"))
+    assert add.id < remove.id  # (requests are taken in the order of their ids: when they were asked)
     c.tick()
     assert launcher.added == [{"host": "127.0.0.1", "resources": {"late_node": 1.0}, "launch": "launch of engine 1"}]
     assert read_status(tmp_path, add.id).state == "starting"  # type: ignore[union-attr]

@@ -66,6 +66,14 @@ State = Literal["queued", "starting", "joining", "draining", "done", "failed"]
 FINAL: tuple[State, ...] = ("done", "failed")
 
 
+def _request_id() -> str:
+    """A new request's id: when it was asked (to the nanosecond: requests are taken in the order of their ids)
+    and a random part (two machines asking in the same nanosecond)."""
+    now = time.time_ns()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now // 1_000_000_000))
+    return f"{stamp}.{now % 1_000_000_000:09d}-{uuid.uuid4().hex[:6]}"
+
+
 @dataclass
 class FleetRequest:
     """One change of the fleet, as the CLI asks it and the launching host reports it."""
@@ -76,7 +84,7 @@ class FleetRequest:
     resources: dict[str, float] | None = None
     """``add`` with the ``ray`` launcher: custom resources the new engine's node must offer (in place of
     ``cluster.launcher.engine_resources``)."""
-    id: str = field(default_factory=lambda: f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    id: str = field(default_factory=lambda: _request_id())
     state: State = "queued"
     url: str | None = None
     """The engine's URL, once known."""

@@ -20,6 +20,8 @@ from types import ModuleType
 
 import pytest
 
+from miles.testing.runs import paced_reward
+
 pytestmark = pytest.mark.slow
 
 
@@ -46,19 +48,21 @@ tiny_model, prompts = _helpers.tiny_model, _helpers.prompts  # module-scoped fix
 
 GROUPS_PER_STEP, SAMPLES_PER_STEP = 4, 16  # 4 prompts x 4 samples (write_config)
 
-# (TOML appended to the run's settings, miles train options, steps): steps take ~3 s in sync, ~0.6 s in
-# one_step_off here, an engine ~30 s to start on 2 busy cores; the changes must be done before the run ends
+# (TOML appended to the run's settings, miles train options, steps). A reward server paces each step to 2 s
+# or more until both changes are done (an engine takes 15-30 s to start on 2 busy cores), so they are done
+# mid-run whatever the load; the run then finishes at full speed
 MODES = {
     "sync-smg": ('\n[rollout.router]\nname = "smg"\nhealth_check_interval = 1\n', [], 24),
-    "one_step_off": ("", ["--set", "rollout.mode=one_step_off"], 100),
+    "one_step_off": ("", ["--set", "rollout.mode=one_step_off"], 40),
 }
 
 
 def run_with_fleet_changes(
-    config: Path, run_dir: Path, options: list[str], *, timeout: float = 900
+    config: Path, run_dir: Path, options: list[str], gate: Path, *, timeout: float = 900
 ) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
     """``miles train config``; after its first step ``miles fleet add`` (not followed), then ``miles fleet remove
-    engine-0`` (followed to its end); returns the three processes' outcomes, the run's last."""
+    engine-0`` (followed to its end), then ``gate`` opened (the paced reward lets the run go at full speed);
+    returns the three processes' outcomes, the run's last."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "miles", "train", str(config), *options],
@@ -77,6 +81,7 @@ def run_with_fleet_changes(
         # (one request at a time, in order: the removal starts once the new engine serves)
         add = miles("fleet", "add", str(run_dir), "--no-wait")
         remove = miles("fleet", "remove", str(run_dir), "engine-0", "--timeout", "300")
+        gate.touch()
         stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
@@ -91,10 +96,17 @@ def test_an_engine_added_and_one_removed_mid_run_lose_no_sample(
 ) -> None:
     run_dir = tmp_path / "run"
     transport = "disk" if mode == "one_step_off" else "broadcast"
-    # enough steps that the new engine starts, takes a push and serves, and the old one drains, before the end
     extra, options, steps = MODES[mode]
-    config = write_config(tmp_path, tiny_model, prompts, run_dir, extra, ranks=1, transport=transport, rollouts=steps)
-    add, remove, out = run_with_fleet_changes(config, run_dir, options)
+    gate = tmp_path / "changes-done"
+    server, paced = paced_reward(gate)
+    try:
+        config = write_config(
+            tmp_path, tiny_model, prompts, run_dir, extra + paced, ranks=1, transport=transport, rollouts=steps
+        )
+        add, remove, out = run_with_fleet_changes(config, run_dir, options, gate)
+    finally:
+        server.kill()
+        server.communicate()
     said = out.stdout[-3000:] + out.stderr[-5000:]
     assert add.returncode == 0, add.stdout + add.stderr + said
     assert remove.returncode == 0, remove.stdout + remove.stderr + said

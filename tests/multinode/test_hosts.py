@@ -127,6 +127,8 @@ OWNER = textwrap.dedent(
     from miles.testing.hosts import NamespaceHosts
     hosts = NamespaceHosts(2, janitor=sys.argv[1] == "janitor").open()
     hosts[1].popen(["sleep", "1000"])
+    while not hosts[1].pids():  # (`ip netns exec` enters the namespace a moment after it starts)
+        time.sleep(0.01)
     print(hosts.prefix, hosts[1].pids()[0], flush=True)
     time.sleep(1000)
     """

@@ -25,7 +25,7 @@ import pytest
 
 from miles.testing.hosts import NamespaceHosts
 from miles.testing.ray_cluster import RayCluster
-from miles.testing.runs import children_of_run, read_metrics, run_miles, write_run_config
+from miles.testing.runs import children_of_run, paced_reward, read_metrics, run_miles, write_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -365,9 +365,16 @@ def test_an_engine_on_a_node_that_joined_mid_run_replaces_one_and_no_sample_is_l
     fleet add --resources '{"late_node": 1}'`` starts an engine on d, which loads the next push (a full
     version from the shared directory) and serves, and ``miles fleet remove engine-0`` then drains and stops
     b's (both asked at once: one request at a time). Every step generates all its groups, every push is
-    verified, the last steps' samples come from d's engine, and nothing is left on any node."""
+    verified, the last steps' samples come from d's engine, and nothing is left on any node. (A remote reward
+    paces the steps, 2 s each, until both changes are done, so they are done mid-run whatever the load.)"""
     run_dir = tmp_path / "fleet"
-    config = write_config(tmp_path, ray_cluster, tiny_model, arithmetic_prompts, run_dir, "disk", rollouts=20)
+    gate = tmp_path / "changes-done"
+    # in host a, where trainer rank 0 scores (its own ports: any is free there)
+    server, paced = paced_reward(gate, port=28765, popen=ray_cluster.head.popen)
+    steps = 30
+    config = write_config(
+        tmp_path, ray_cluster, tiny_model, arithmetic_prompts, run_dir, "disk", rollouts=steps, extra=paced
+    )
     d = namespace_hosts[3]
     proc = ray_cluster.head.popen(
         [sys.executable, "-m", "miles", "train", str(config)],
@@ -384,17 +391,19 @@ def test_an_engine_on_a_node_that_joined_mid_run_replaces_one_and_no_sample_is_l
             time.sleep(0.2)
         add = run_miles("fleet", "add", str(run_dir), "--resources", '{"late_node": 1}', "--no-wait")
         remove = run_miles("fleet", "remove", str(run_dir), "engine-0", "--timeout", "300")
+        gate.touch()
         stdout, stderr = proc.communicate(timeout=400)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        for process in (proc, server):
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
     said = stdout[-3000:] + stderr[-5000:]
     assert add.returncode == 0, add.stdout + add.stderr + said
     assert remove.returncode == 0, remove.stdout + remove.stderr + said
     assert proc.returncode == 0, said
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["weight_sync/verified"] == 1.0 and r["rollout/groups_generated"] == 4 for r in rows), rows
     assert all(r["rollout/failed_fraction"] == 0.0 for r in rows), rows
     assert sum(r.get("fleet/engines_added", 0.0) for r in rows) == 1.0
@@ -408,6 +417,6 @@ def test_an_engine_on_a_node_that_joined_mid_run_replaces_one_and_no_sample_is_l
         [json.loads(line)["metadata"]["engine"] for line in dump.read_text().splitlines()]
         for dump in sorted((run_dir / "samples").glob("rollout_*.jsonl"))
     ]
-    assert [len(s) for s in served] == [16] * 20  # every sample of every step
+    assert [len(s) for s in served] == [16] * steps  # every sample of every step
     assert set(served[-1]) == {url} and url not in served[0], served
     assert leftovers(ray_cluster, run_dir) == []

@@ -113,7 +113,7 @@ def differences(trainer: Any, samples: Sequence[Sample], temperature: float, *, 
     batch = TrainBatch.from_samples(samples)
     if not masks:
         batch.response_tensors.pop(LOGIT_MASK_IDS, None)
-    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs
+    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs.split(batch.response_lengths)
     want = batch.rows("rollout_logprobs")
     return torch.cat([(g - w).abs() for g, w in zip(got, want, strict=True)])
 

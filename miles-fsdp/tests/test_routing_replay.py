@@ -106,7 +106,7 @@ def rollout(url: str) -> list[Sample]:
 
 
 def differences(trainer: Any, batch: TrainBatch) -> torch.Tensor:
-    got = trainer.compute_logprobs(batch, temperature=1.0).logprobs
+    got = trainer.compute_logprobs(batch, temperature=1.0).logprobs.split(batch.response_lengths)
     want = batch.rows("rollout_logprobs")
     assert want is not None
     return torch.cat([(g - w).abs() for g, w in zip(got, want, strict=True)])

@@ -38,7 +38,7 @@ def launch(settings: SGLangEngineSettings, **where: Any) -> list[str]:
 
 def test_default_launch_command() -> None:
     assert launch(SGLangEngineSettings(), seed=1234) == [
-        PY, "-m", "sglang.launch_server",
+        PY, "-m", "miles_sglang.serve",
         "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30001",
         "--tp-size", "1", "--base-gpu-id", "0", "--random-seed", "1234", "--dtype", "bfloat16",
         "--weight-version", "0",
@@ -61,7 +61,7 @@ def test_every_option_on_the_launch_command() -> None:
     # engine rank 3 of a colocated run: GPUs 6 and 7, seed 1234 + 3, memory saver on
     argv = launch(settings, devices=[6, 7], rank=3, seed=1234, colocate=True, port=30007)
     assert argv == [
-        PY, "-m", "sglang.launch_server",
+        PY, "-m", "miles_sglang.serve",
         "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30007",
         "--tp-size", "2", "--base-gpu-id", "6", "--random-seed", "1237", "--dtype", "bfloat16",
         "--weight-version", "0",
@@ -102,7 +102,7 @@ def test_cpu_launch_command() -> None:
         model_path="/models/llama", host="127.0.0.1", port=30002, device="cpu", dtype="bfloat16", devices=[], seed=7
     )
     assert engine_launch.argv == [
-        PY, "-m", "sglang.launch_server",
+        PY, "-m", "miles_sglang.serve",
         "--model-path", "/models/llama", "--host", "127.0.0.1", "--port", "30002",
         "--tp-size", "1", "--device", "cpu", "--random-seed", "7", "--dtype", "bfloat16",
         "--weight-version", "0", "--max-total-tokens", "4096",
@@ -151,10 +151,10 @@ def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyP
     """``launch_engines`` gives engine ``i`` ``tp`` GPUs after the trainer ranks' (from GPU 0 when colocated),
     its rank and seed."""
     import miles_sglang.engine as engine_module
-    from miles.driver.launch import launch_engines
-    from miles.driver.run import build_run
+    from miles.compose import build_run
+    from miles.host.train import launch_engines
     from miles.launch.local import LocalLauncher
-    from miles.rollout.engine import EngineLaunch
+    from miles.rollout.backend import EngineLaunch
 
     monkeypatch.setattr(engine_module, "host_problems", lambda options, settings: [])  # pretend an 8-GPU host
     seen: list[EngineLaunch] = []
@@ -196,10 +196,10 @@ def test_ray_gives_each_engine_its_actors_own_gpus_on_two_nodes_of_four(
     (a host-wide index, 2 / 4 / 6, would point past what the process sees), listens on its own node's address
     and is seeded by its rank."""
     import miles_sglang.engine as engine_module
-    from miles.driver.launch import launch_engines
-    from miles.driver.run import build_run
-    from miles.launch.ray_launcher import RayLauncher
-    from miles.rollout.engine import EngineLaunch
+    from miles.compose import build_run
+    from miles.host.train import launch_engines
+    from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
+    from miles.rollout.backend import EngineLaunch
 
     monkeypatch.setattr(engine_module, "host_problems", lambda options, settings: [])  # SGLang is not here
     nodes = {0: "10.0.0.1", 1: "10.0.0.2", 2: "10.0.0.2"}  # engine 0 beside the trainer ranks, 1 and 2 on node 2
@@ -216,19 +216,17 @@ def test_ray_gives_each_engine_its_actors_own_gpus_on_two_nodes_of_four(
     model = tmp_path / "qwen"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2"}')
-    settings = MilesSettings.model_validate(
-        {
-            "cluster": {
-                "device": "cuda", "num_engines": 3, "trainer_ranks": 2,
-                "launcher": {"name": "ray", "address": "10.0.0.1:6379"},
-            },
-            "rollout": {"engine": {"name": "sglang", "tp_size": 2}},
-            "train": {"model_path": str(model), "seed": 7},
-            "precision": "bf16",
-        }
-    )  # fmt: skip
-    run = build_run(settings)
-    launcher = Recording(run["cluster.launcher"].options, run_dir=str(tmp_path))  # type: ignore[arg-type]
+    ray = {"name": "ray", "address": "10.0.0.1:6379"}
+    base = {
+        "cluster": {"device": "cuda", "num_engines": 3, "trainer_ranks": 2},
+        "rollout": {"engine": {"name": "sglang", "tp_size": 2}},
+        "train": {"model_path": str(model), "seed": 7},
+        "precision": "bf16",
+    }
+    settings = MilesSettings.model_validate({**base, "cluster": {**base["cluster"], "launcher": ray}})
+    # (the run is built with the local launcher: this env has no Ray, which build_run would ask for)
+    run = build_run(MilesSettings.model_validate(base))
+    launcher = Recording(RayLauncherSettings(address=ray["address"]), run_dir=str(tmp_path))
     assert launch_engines(run, launcher) == []
     flags = [dict(zip(x.argv[3::2], x.argv[4::2], strict=False)) for x in seen]
     assert [(f["--host"], f["--base-gpu-id"], f["--tp-size"], f["--random-seed"]) for f in flags] == [
@@ -237,6 +235,9 @@ def test_ray_gives_each_engine_its_actors_own_gpus_on_two_nodes_of_four(
         ("10.0.0.2", "0", "2", "9"),
     ]
     assert all(launch.env.get("CUDA_VISIBLE_DEVICES") is None for launch in seen)  # Ray's to set, per actor
+    # engines on other nodes listen beyond loopback: the run made a key, in their environment, not on a command line
+    keys = {launch.env.get("MILES_API_KEY") for launch in seen}
+    assert len(keys) == 1 and None not in keys and not any(k in " ".join(x.argv) for k in keys for x in seen)
     # the per-node check accepts this fleet on 2 x 4 GPUs (node 1: 2 ranks + 1 engine, node 2: 2 engines)
     four = [{"GPU": 4.0, "CPU": 16.0}, {"GPU": 4.0, "CPU": 16.0}]
     assert run.rollout_engine().placement_problems(four, settings) == []
@@ -300,7 +301,7 @@ def test_host_problems_name_the_field_and_the_install_line() -> None:
 
 def test_build_run_refuses_sglang_on_this_host() -> None:
     """What this host really has: no CUDA GPU (and SGLang only in the protocol env)."""
-    from miles.driver.run import build_run
+    from miles.compose import build_run
 
     with pytest.raises(SettingsError) as info:
         build_run(settings_for(device="cuda", num_engines=1))
@@ -328,3 +329,33 @@ def test_miles_train_stops_before_anything_starts(tmp_path: Path) -> None:
     assert "this host has no CUDA GPU" in proc.stdout + proc.stderr
     assert ('pip install "miles-sglang[sglang]"' in proc.stderr) is (not sglang_installed())  # printed as written
     assert not (run_dir / "logs").exists()  # no process was started
+
+
+def test_the_run_keys_reach_sglang_through_the_environment_only() -> None:
+    """``miles_sglang.serve`` runs ``sglang.launch_server`` with ``--api-key`` / ``--admin-api-key`` from
+    ``MILES_API_KEY`` / ``MILES_ADMIN_API_KEY`` (issue 46): the launch command holds no key, and what the
+    process logs has the keys redacted (SGLang 0.5.23 logs its arguments, keys included)."""
+    import logging
+
+    from miles.auth import ServiceKeys
+    from miles_sglang.serve import _redact_records, key_argv, keyed_launch
+
+    argv = launch(SGLangEngineSettings())
+    assert argv[1:3] == ["-m", "miles_sglang.serve"] and "--api-key" not in argv
+    assert keyed_launch([PY, "-m", "sglang.launch_server", "--port", "1"]) == [
+        PY,
+        "-m",
+        "miles_sglang.serve",
+        "--port",
+        "1",
+    ]
+    assert key_argv(ServiceKeys("k1")) == ["--api-key", "k1"] and key_argv(ServiceKeys()) == []
+    before = logging.getLogRecordFactory()
+    try:
+        _redact_records(["k1", "a2"])
+        record = logging.getLogger("sglang").makeRecord(
+            "sglang", logging.INFO, "f", 1, "server_args=%s", ({"api_key": "k1", "admin_api_key": "a2"},), None
+        )
+        assert record.getMessage() == "server_args={'api_key': '<redacted>', 'admin_api_key': '<redacted>'}"
+    finally:
+        logging.setLogRecordFactory(before)

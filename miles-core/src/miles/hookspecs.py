@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 @hookspec
 def miles_register_rollout_engines(register: Register) -> None:
     """Register rollout-engine backends: classes deriving from
-    :class:`miles.rollout.engine.RolloutEngine` that say how to start one engine server.
+    :class:`miles.rollout.backend.RolloutEngine` that say how to start one engine server.
 
     Selected by ``rollout.engine``. Built in: ``local`` (``miles serve``); miles-sglang adds ``sglang``.
 

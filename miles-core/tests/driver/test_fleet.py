@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.driver.fleet import FleetController, FleetFollower, FleetRequest, read_members, read_status, submit
+from miles.driver.fleet import FleetFollower, FleetRequest, read_members, read_status, submit
 from miles.errors import SettingsError
+from miles.host.fleet import FleetController
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.router import FLEET_FILE, EngineFleet
 

@@ -122,14 +122,15 @@ def test_shared_routes_call_the_engine_and_answer_in_sglangs_shapes() -> None:
 def test_the_api_key_guards_every_route_and_debug_routes_are_opt_in() -> None:
     engine = RecordingEngine(api_key="k", debug=True)
     client = TestClient(create_protocol_app(engine, title="test"))
-    denied = client.get("/health")
+    denied = client.get("/model_info")
     assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+    assert client.get("/health").status_code == 200  # the liveness probe: open, empty (SGLang's are open too)
     headers = {"Authorization": "Bearer k"}
-    assert client.get("/health", headers=headers).status_code == 200
+    assert client.get("/model_info", headers=headers).status_code == 200
     answer = client.post("/debug/randomize_weights", json={"seed": 4}, headers=headers).json()
     assert answer == {"success": True, "num_tensors": 3} and engine.calls == [("randomize", 4)]
     unchecked = TestClient(create_protocol_app(RecordingEngine(api_key="k"), title="test", check_api_key=False))
-    assert unchecked.get("/health").status_code == 200
+    assert unchecked.get("/model_info").status_code == 200
 
 
 @pytest.mark.parametrize("path", ["/model_info", "/get_model_info", "/server_info", "/get_server_info"])

@@ -143,7 +143,7 @@ def _check_one_request(batch: TrainBatch, i: int) -> None:
     trained = (mask > 0).tolist()
     first_gap = next((t for t in range(1, len(trained)) if trained[t - 1] and not trained[t]), None)
     if first_gap is not None and any(trained[first_gap:]):
-        raise ValueError(
+        raise SettingsError(
             f"train.true_on_policy: sequence {i} of the batch trains on tokens after untrained ones (a multi-turn "
             "response) but its sample has no request_spans, so the trainer cannot replay the engine requests that "
             "sampled it; a rollout function that makes several requests per sample must set Sample.request_spans "

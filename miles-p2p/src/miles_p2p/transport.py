@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from miles.components import Requirement
 from miles.errors import EngineError, SettingsError, WeightVerificationError
 from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, WeightTransport
@@ -59,7 +60,12 @@ if TYPE_CHECKING:
     from miles_p2p.datapaths import Outcome, Sender
     from miles_p2p.endpoint import MooncakeEndpoint
 
-__all__ = ["P2PTransport"]
+__all__ = ["MOONCAKE", "P2PTransport"]
+
+MOONCAKE = Requirement(
+    "mooncake", extra="mooncake", distribution="miles-p2p", package="the Mooncake Transfer Engine (mooncake)"
+)
+"""What ``datapath = "mooncake"`` sends with (and the engines receive with)."""
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +108,11 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         """Engines whose part of the last push failed (not asked to close their session)."""
 
     @classmethod
+    def requirements(cls, options: P2PTransportSettings) -> tuple[Requirement, ...]:
+        """The Mooncake Transfer Engine when ``datapath = "mooncake"`` (``build_run`` checks it is installed)."""
+        return (MOONCAKE,) if options.datapath == "mooncake" else ()
+
+    @classmethod
     def check_settings(cls, options: P2PTransportSettings, settings: MilesSettings) -> None:
         """Before anything starts (``build_run`` calls it): ``write_into_weights`` needs the ``shm`` data
         path. Raises :class:`~miles.errors.SettingsError` naming the field."""
@@ -121,7 +132,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         """Keep the trainer: its :meth:`~miles.training.trainer.Trainer.iter_weight_shards`, converted by its
         precision recipe's :meth:`~miles.precision.base.PrecisionRecipe.rollout_shards` (FP8, MXFP8, NVFP4
         values and scales made from each rank's rows), is what is sent."""
-        precision = getattr(trainer, "precision", None)
+        precision = trainer.precision
         if precision is not None and not precision.converts_shards():
             raise SettingsError(
                 f"transport p2p sends slices of the trainer ranks' weights; precision {precision.name!r} converts "
@@ -413,7 +424,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         metrics: dict[str, float] = {}
         assert self.trainer is not None
         shards = list(self.trainer.iter_weight_shards())
-        precision = getattr(self.trainer, "precision", None)
+        precision = self.trainer.precision
         if precision is not None:  # a collective: every rank converts its slices (quantized values, scales)
             try:
                 shards = precision.rollout_shards(shards, all_gather_json)

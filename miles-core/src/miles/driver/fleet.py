@@ -1,11 +1,13 @@
-"""Engines that join and leave while a run goes on: ``miles fleet add|remove RUN_DIR``.
+"""Engines that join and leave while a run goes on: ``miles fleet add|remove RUN_DIR``. This module holds the
+requests and reports every party reads and writes, and trainer rank 0's part; the launching host's part is
+:mod:`miles.host.fleet`.
 
 Three parties, each doing what it already owns, talking through files in the run directory (the one every
 process of a run already shares):
 
 - **the CLI** (:func:`submit`) writes a request, ``<run_dir>/fleet/requests/<id>.json``, and follows its
   status, ``<id>.status.json``;
-- **the launching host** (``miles train``: :class:`FleetController`, called at every check of the processes)
+- **the launching host** (``miles train``: :class:`~miles.host.fleet.FleetController`, called at every check of the processes)
   takes each request in turn. *Add*: the launcher starts one more engine (with Ray, on a node offering the
   request's resources, perhaps one that joined the cluster after the run started); once it answers, it is
   announced in ``fleet.json`` as *joining*. *Remove*: the engine is announced as *draining*, and once trainer
@@ -36,24 +38,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from miles.errors import LaunchError, MilesError, SettingsError
+from miles.errors import MilesError, SettingsError
 from miles.rollout.router import FLEET_FILE, EngineFleet
 
 if TYPE_CHECKING:
-    from miles.driver.run import Run
-    from miles.launch.base import Launcher
     from miles.rollout.http_client import HttpEngineClient
 
 __all__ = [
     "FINAL",
-    "FleetController",
+    "FLEET_DIR",
+    "MEMBERS_FILE",
+    "Action",
     "FleetFollower",
     "FleetRequest",
+    "State",
+    "read_json",
     "read_members",
     "read_status",
     "requests_dir",
     "submit",
     "wait_for",
+    "write_json",
 ]
 
 log = logging.getLogger(__name__)
@@ -98,7 +103,7 @@ class FleetRequest:
         return cls(**known)
 
 
-def _write(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     """Write JSON at once (a reader never sees half of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -106,7 +111,7 @@ def _write(path: Path, data: Any) -> None:
     os.replace(scratch, path)
 
 
-def _read(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -119,14 +124,14 @@ def requests_dir(run_dir: Path) -> Path:
 
 def read_status(run_dir: Path, request_id: str) -> FleetRequest | None:
     """The launching host's latest word on request ``request_id`` (``None``: not taken yet)."""
-    data = _read(requests_dir(run_dir) / f"{request_id}.status.json")
+    data = read_json(requests_dir(run_dir) / f"{request_id}.status.json")
     return FleetRequest.from_json(data) if isinstance(data, dict) else None
 
 
 def read_members(run_dir: Path) -> dict[str, str]:
     """Each engine's state as trainer rank 0 last reported it (URL -> ``joining``, ``serving``, ``draining``,
     ``down`` or ``removed``)."""
-    data = _read(run_dir / FLEET_DIR / MEMBERS_FILE)
+    data = read_json(run_dir / FLEET_DIR / MEMBERS_FILE)
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
@@ -136,7 +141,7 @@ def submit(run_dir: Path, request: FleetRequest) -> FleetRequest:
         raise SettingsError(f"RUN_DIR: {run_dir} holds no run (no settings.json)")
     if not (run_dir / FLEET_FILE).exists():
         raise SettingsError(f"RUN_DIR: the run in {run_dir} has no engines running (no {FLEET_FILE} yet)")
-    _write(requests_dir(run_dir) / f"{request.id}.json", asdict(request))
+    write_json(requests_dir(run_dir) / f"{request.id}.json", asdict(request))
     return request
 
 
@@ -154,165 +159,6 @@ def wait_for(run_dir: Path, request: FleetRequest, *, timeout: float, poll: floa
                 return status
         time.sleep(poll)
     return seen
-
-
-class FleetController:
-    """The launching host's side (``miles train``): requests in, engines started and stopped, ``fleet.json``
-    out. :meth:`tick` runs on the launcher's thread at every check of the processes and never blocks for
-    long; one request is worked on at a time, in the order they came.
-
-    :param launch: builds engine ``index``'s launch for ``(index, host, port)`` (:func:`~miles.driver.launch.
-        engine_launch`).
-    """
-
-    def __init__(
-        self, run: Run, launcher: Launcher, run_dir: Path, fleet: EngineFleet, *, launch: Any, host: str
-    ) -> None:
-        self.run = run
-        self.launcher = launcher
-        self.run_dir = run_dir
-        self.fleet = fleet
-        self.launch = launch
-        self.host = host
-        self.queue: list[FleetRequest] = []
-        self._seen: set[str] = set()
-        self._deadline = 0.0
-        self.timeout = run.settings.cluster.engine_startup_timeout
-        requests_dir(run_dir).mkdir(parents=True, exist_ok=True)
-        (run_dir / FLEET_DIR / MEMBERS_FILE).unlink(missing_ok=True)  # (a resumed run's engines are new)
-        for path in requests_dir(run_dir).glob("*.json"):  # an earlier start's requests are over
-            if path.name.endswith(".status.json"):
-                continue
-            self._seen.add(path.stem)
-            status = read_status(run_dir, path.stem) or FleetRequest.from_json(_read(path) or {"action": "add"})
-            if status.state not in FINAL:
-                self._set(status, "failed", "the run was stopped before it was done")
-        self.announce()
-
-    def announce(self) -> None:
-        self.fleet.announce(self.run_dir / FLEET_FILE)
-
-    # -- the launcher's thread ------------------------------------------------------------------------
-    def tick(self) -> None:
-        """Take new requests; move the first one on as far as it goes now."""
-        self._take_new()
-        if not self.queue:
-            return
-        request = self.queue[0]
-        try:
-            if request.action == "add":
-                self._add(request)
-            else:
-                self._remove(request)
-        except MilesError as exc:
-            self._set(request, "failed", str(exc))
-        except Exception as exc:  # a broken request must not stop the run
-            log.exception("fleet: %s failed", request.id)
-            self._set(request, "failed", f"{type(exc).__name__}: {exc}")
-        if request.state in FINAL:
-            self.queue.pop(0)
-
-    def close(self) -> None:
-        """The run ended: requests still open fail, saying so."""
-        self._take_new()
-        for request in self.queue:
-            self._set(request, "failed", f"the run ended while the request was {request.state}")
-        self.queue = []
-
-    def _take_new(self) -> None:
-        for path in sorted(requests_dir(self.run_dir).glob("*.json")):
-            if path.name.endswith(".status.json") or path.stem in self._seen:
-                continue
-            self._seen.add(path.stem)
-            data = _read(path)
-            if not isinstance(data, dict) or data.get("action") not in ("add", "remove"):
-                log.warning("fleet: ignoring %s (not a request)", path)
-                continue
-            request = FleetRequest.from_json({**data, "state": "queued"})
-            self.queue.append(request)
-            self._set(request, "queued", f"{len(self.queue) - 1} request(s) before it")
-
-    def _set(self, request: FleetRequest, state: State, message: str = "") -> None:
-        if state != request.state or message != request.message:
-            level = logging.WARNING if state == "failed" else logging.INFO
-            log.log(level, "fleet: %s %s %s: %s", request.action, request.url or request.engine or "", state, message)
-        request.state, request.message, request.updated = state, message, time.time()
-        _write(requests_dir(self.run_dir) / f"{request.id}.status.json", asdict(request))
-
-    # -- add ------------------------------------------------------------------------------------------
-    def _add(self, request: FleetRequest) -> None:
-        if request.state == "queued":
-            request.url = self.launcher.add_engine(self.launch, host=self.host, resources=request.resources)
-            self._deadline = time.monotonic() + self.timeout
-            self._set(request, "starting", "the launcher started it")
-        if request.state == "starting":
-            if not self.launcher.engines_up():
-                if time.monotonic() > self._deadline:
-                    assert request.url is not None
-                    self.launcher.retire_engine(request.url)
-                    raise LaunchError(f"{request.url} did not answer within {self.timeout:g} s")
-                return
-            assert request.url is not None
-            self.flush(request.url)
-            self.fleet.joining.append(request.url)
-            self.announce()
-            self._set(request, "joining", "it answers; trainer rank 0 pushes it the current weights at the next push")
-        if request.state == "joining":
-            state = read_members(self.run_dir).get(str(request.url))
-            if state == "serving":
-                self.fleet.joining.remove(str(request.url))
-                self.fleet.engine_urls.append(str(request.url))
-                self.announce()
-                self._set(request, "done", "it has the current weights (verified) and serves")
-            elif state in ("down", "removed"):
-                raise LaunchError(f"{request.url} is {state} before it served")
-
-    @staticmethod
-    def flush(url: str) -> None:
-        """Empty the new engine's prefix cache once it is up (its health check generated a token)."""
-        import httpx
-
-        with httpx.Client(timeout=60.0, trust_env=False) as client:
-            resp = client.post(url + "/flush_cache")
-        if resp.status_code >= 400:
-            raise LaunchError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")
-
-    # -- remove ---------------------------------------------------------------------------------------
-    def _resolve(self, engine: str | None) -> str:
-        """The URL of ``engine`` (a URL or a launcher name, ``engine-1``), one of the fleet's serving engines."""
-        urls = list(self.fleet.engine_urls)
-        if engine is None:
-            raise SettingsError("ENGINE: name the engine to remove (its URL, or its name such as engine-0)")
-        wanted = engine.rstrip("/")
-        if wanted in urls:
-            return wanted
-        names = getattr(self.launcher, "engine_urls", [])
-        if wanted.startswith("engine-") and wanted[7:].isdigit() and int(wanted[7:]) < len(names):
-            url = str(names[int(wanted[7:])])
-            if url in urls:
-                return url
-        known = ", ".join(urls) or "none"
-        raise SettingsError(f"ENGINE: {engine!r} is no serving engine of this run (serving: {known})")
-
-    def _remove(self, request: FleetRequest) -> None:
-        if request.state == "queued":
-            url = self._resolve(request.engine)
-            others = [u for u in self.fleet.engine_urls if u != url and u not in self.fleet.draining]
-            if not others:
-                raise SettingsError(f"ENGINE: {url} is the last serving engine; add one before removing it")
-            request.url = url
-            self.fleet.draining.append(url)
-            self.announce()
-            self._set(request, "draining", "no new requests go to it; those in flight finish")
-        if request.state == "draining":
-            if read_members(self.run_dir).get(str(request.url)) != "removed":
-                return
-            url = str(request.url)
-            self.launcher.retire_engine(url)
-            self.fleet.draining.remove(url)
-            self.fleet.engine_urls.remove(url)
-            self.announce()
-            self._set(request, "done", "trainer rank 0 let it go and its process was stopped")
 
 
 class FleetFollower:
@@ -343,7 +189,7 @@ class FleetFollower:
         except FileNotFoundError:
             return
         if (st.st_mtime_ns, st.st_size) != self._stamp:
-            data = _read(path)
+            data = read_json(path)
             if isinstance(data, dict):
                 self._stamp = (st.st_mtime_ns, st.st_size)
                 self._fleet = EngineFleet.from_json(data)
@@ -361,5 +207,5 @@ class FleetFollower:
     def report(self) -> None:
         state = self.client.fleet_state()
         if state != self._reported:
-            _write(self.run_dir / FLEET_DIR / MEMBERS_FILE, state)
+            write_json(self.run_dir / FLEET_DIR / MEMBERS_FILE, state)
             self._reported = state

@@ -78,6 +78,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
         tokenizer=tokenizer,
         model_path=str(path),
         api_key=opts.api_key,
+        admin_api_key=opts.admin_api_key,
         server_args=opts.server_info(),
         return_original_logprob=opts.return_original_logprob,
         weight_dirs=WeightDirs(
@@ -88,6 +89,18 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
             ]
         ),
     )
+
+
+def refuse_open_bind(opts: ServeOptions, service: str) -> None:
+    """Exit (code 2, one line naming ``--api-key``) rather than serve beyond loopback without a key."""
+    from miles.auth import ServiceKeys, check_bind
+    from miles.errors import SettingsError
+
+    try:
+        check_bind(opts.host, ServiceKeys(opts.api_key, opts.admin_api_key), service=service, setting="--api-key")
+    except SettingsError as exc:
+        log.error("%s", exc)
+        raise SystemExit(exc.exit_code) from None
 
 
 def serve(opts: ServeOptions) -> None:
@@ -107,6 +120,7 @@ def serve(opts: ServeOptions) -> None:
     from miles.torch_threads import set_torch_threads, single_threaded_here
 
     host, port = opts.host, opts.port
+    refuse_open_bind(opts, "miles serve")
     sock = bind_or_exit(host, port, "miles serve")  # before the model loads: a taken port fails in a second
     # the scheduler's count is set (and initialised) on this thread before the HTTP thread sets its own
     set_torch_threads(opts.threads or torch.get_num_threads())
@@ -166,9 +180,12 @@ class InProcessEngine:
 
         import uvicorn
 
+        from miles.auth import ServiceKeys, check_bind
         from miles.engine.server import create_app
         from miles.net import bind_socket
 
+        keys = ServiceKeys(self.opts.api_key, self.opts.admin_api_key)
+        check_bind(self.opts.host, keys, service="the in-process engine", setting="MILES_API_KEY")
         sock = bind_socket(self.opts.host, self.opts.port)
         self.url = f"http://{self.opts.host}:{sock.getsockname()[1]}"
         self._state = start_engine(self.opts, start=True)

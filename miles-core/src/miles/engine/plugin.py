@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from miles.components import Register
 from miles.engine.options import EngineOptions, ServeOptions, to_argv
 from miles.markers import hookimpl
-from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
+from miles.rollout.backend import EngineCapabilities, EngineLaunch, RolloutEngine
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -63,10 +63,13 @@ class LocalEngine(RolloutEngine[EngineOptions]):
         self, *, model_path: str, host: str, device: str, dtype: str, allowed_weight_dirs: Sequence[str] = ()
     ) -> AbstractContextManager[str]:
         """The local engine on background threads of this process (:class:`~miles.engine.launch.InProcessEngine`:
-        its scheduler and HTTP server), on a port the OS picks."""
+        its scheduler and HTTP server), on a port the OS picks, with the keys of this process's environment
+        (:data:`~miles.auth.API_KEY_ENV`: beyond loopback it needs one)."""
+        from miles.auth import ServiceKeys
         from miles.engine.weight_paths import parse_weight_dirs
 
         options = self.settings
+        keys = ServiceKeys.from_env()
         serve = ServeOptions(
             **options.model_dump(exclude={"allowed_weight_dirs"}),
             model=model_path,
@@ -77,6 +80,8 @@ class LocalEngine(RolloutEngine[EngineOptions]):
             allowed_weight_dirs=os.pathsep.join(
                 [*map(str, parse_weight_dirs(options.allowed_weight_dirs)), *allowed_weight_dirs]
             ),
+            api_key=keys.api_key,
+            admin_api_key=keys.admin_api_key,
         )
         return _serving(serve)
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from miles.engine.responses import RequestError, admin, generate_error
+from miles.auth import ServiceKeys, install_auth
+from miles.engine.responses import RequestError, admin
 from miles.rollout.protocol import INSTANCE_HEADER
 from miles.types import PauseMode
 
@@ -48,7 +48,11 @@ class ServedEngine(ABC):
     """
 
     api_key: str | None = None
-    """The key every request must bear (``Authorization: Bearer <key>``); ``None``: none."""
+    """The key every request but ``/health`` must bear (``Authorization: Bearer <key>``; with
+    :attr:`admin_api_key`, only the generation routes); ``None``: none (:mod:`miles.auth`)."""
+    admin_api_key: str | None = None
+    """The key of the control routes (weights, pause, memory, flush, abort, debug ...), which the API key then
+    no longer opens, as SGLang's ``--admin-api-key``; ``None``: none."""
     instance: str | None = None
     """This process's identity, sent with every ``/health`` answer (the ``x-miles-instance`` header)."""
     server_args: dict[str, Any]
@@ -114,18 +118,14 @@ def create_protocol_app(engine: ServedEngine, *, title: str, check_api_key: bool
     """The FastAPI application with the shared routes over ``engine`` (the module docstring lists them).
 
     :param title: the application's title in its OpenAPI document.
-    :param check_api_key: refuse every request without ``Authorization: Bearer <engine.api_key>`` (HTTP 401;
-        a no-op while ``engine.api_key`` is ``None``).
+    :param check_api_key: refuse every request but ``/health`` without its key (HTTP 401): the admin key on
+        the control routes when the engine has one, else the API key (:func:`miles.auth.install_auth`; a no-op
+        while the engine has no key).
     """
     app = FastAPI(title=title)
 
     if check_api_key:
-
-        @app.middleware("http")
-        async def _auth(request: HTTPRequest, call_next: Callable[[HTTPRequest], Any]) -> Any:
-            if engine.api_key is not None and request.headers.get("authorization", "") != f"Bearer {engine.api_key}":
-                return generate_error("missing or wrong API key (Authorization: Bearer <key>)", 401)
-            return await call_next(request)
+        install_auth(app, ServiceKeys(engine.api_key, engine.admin_api_key))
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,8 +1,8 @@
 """The HTTP face of the local engine: SGLang's native endpoints over a :class:`Scheduler` (FastAPI).
 
 Generation errors are HTTP 400 ``{"error": {"message": ...}}``; admin errors are HTTP 400
-``{"success": false, "message": ...}`` (SGLang's shapes). With an API key every route needs
-``Authorization: Bearer <key>``.
+``{"success": false, "message": ...}`` (SGLang's shapes). With an API key every route but ``/health`` needs
+``Authorization: Bearer <key>``; with an admin key the control routes need that one (:mod:`miles.auth`).
 """
 
 from __future__ import annotations

@@ -62,7 +62,10 @@ class EngineState(ServedEngine):
     scheduler: Scheduler
     tokenizer: Any
     model_path: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """Opens every route but ``/health`` (only the generation routes with an admin key)."""
+    admin_api_key: str | None = field(default=None, repr=False)
+    """Opens the control routes (weights, pause, memory, flush, LoRA, debug), and only them."""
     server_args: dict[str, Any] = field(default_factory=dict)
     return_original_logprob: bool = False
     on_randomize: list[Callable[[int], None]] = field(default_factory=list)

@@ -27,7 +27,7 @@ from miles.launch.base import Launcher, ProcessSpec
 from miles.launch.process import LocalProcess, SupervisedProcess, describe_exit
 from miles.launch.rendezvous import RendezvousStore
 from miles.net import address_in_use
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 
 if TYPE_CHECKING:
     import httpx
@@ -173,7 +173,8 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         try:
             deadline = time.monotonic() + timeout
             next_note = time.monotonic() + self.settings.progress_interval
-            with httpx.Client(timeout=min(5.0, timeout), trust_env=False) as client:
+            headers = self.keys.headers() if self.keys is not None else {}
+            with httpx.Client(timeout=min(5.0, timeout), trust_env=False, headers=headers) as client:
                 while pending:
                     self._probe(pending, client)
                     if pending and time.monotonic() >= deadline:

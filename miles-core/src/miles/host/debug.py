@@ -1,7 +1,7 @@
 """``miles train --debug CONFIG``: the whole run in this one process, so ``breakpoint()`` and a debugger stop
 anywhere — in a reward, an algorithm, a rollout function, the trainer, the engine.
 
-The engine runs in-process (:meth:`~miles.rollout.engine.RolloutEngine.start_in_process` of the backend that
+The engine runs in-process (:meth:`~miles.rollout.backend.RolloutEngine.start_in_process` of the backend that
 ``rollout.engine`` selects: the local engine's scheduler and HTTP server on background threads), and
 the training loop runs on the main thread as a world of one trainer rank (a gloo group of size 1). Same
 components, same settings, same outputs in ``log.run_dir`` as a normal run; only the placement differs
@@ -14,11 +14,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from miles.driver.rundir import prepare_run_dir
 from miles.errors import SettingsError
+from miles.host.rundir import prepare_run_dir
 
 if TYPE_CHECKING:
-    from miles.driver.run import Run
+    from miles.compose import Run
 
 __all__ = ["run_debug"]
 
@@ -65,8 +65,8 @@ async def _train(run: Run, urls: list[str], resume: str | None) -> None:
 
 def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -> int:
     """Run training with the engine and the trainer in this process; returns 0 (errors raise)."""
-    from miles.driver.launch import allowed_weight_dirs
-    from miles.driver.rundir import write_resolved_settings
+    from miles.host.rundir import write_resolved_settings
+    from miles.host.train import allowed_weight_dirs
 
     _check(run)
     run_dir = prepare_run_dir(run.settings, resume=resume, overwrite=overwrite)

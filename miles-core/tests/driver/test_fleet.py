@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from miles.auth import OPEN_ROUTES, ServiceKeys, is_control_route
 from miles.driver.fleet import FleetFollower, FleetRequest, read_members, read_status, submit
 from miles.errors import SettingsError
 from miles.host.fleet import FleetController
@@ -127,11 +128,16 @@ def test_what_cannot_be_done_fails_alone_and_a_restart_ends_what_was_open(tmp_pa
 
 
 class FakeFleet:
-    """Engines that answer ``/health``, and smg's ``/workers`` (registration, drain), behind MockTransport."""
+    """Engines that answer ``/health``, and smg's ``/workers`` (registration, drain), behind MockTransport.
+    With ``keys`` each checks them as the real ones do (:mod:`miles.auth`): an engine's control routes need
+    the admin key and its generation routes the API key, ``/health`` is open; smg's ``/workers`` (its control
+    plane) needs the admin key. A request without the key it needs is answered 401 and recorded."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], keys: ServiceKeys | None = None) -> None:
         self.workers: dict[str, dict[str, Any]] = {u: self._worker(u) for u in urls}
         self.calls: list[str] = []
+        self.keys = keys or ServiceKeys()
+        self.refused: list[str] = []
 
     @staticmethod
     def _worker(url: str) -> dict[str, Any]:
@@ -139,7 +145,12 @@ class FakeFleet:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path, method = request.url.path, request.method
-        if request.url.host != "router":
+        router = request.url.host == "router"
+        control = path.startswith("/workers") if router else is_control_route(path)
+        if path not in OPEN_ROUTES and not self.keys.allows(request.headers.get("authorization"), control=control):
+            self.refused.append(f"{method} {request.url}")
+            return httpx.Response(401, json={"error": "unauthorized"})
+        if not router:
             return httpx.Response(200, json={})
         self.calls.append(f"{method} {path}")
         if path == "/workers" and method == "GET":
@@ -156,14 +167,22 @@ class FakeFleet:
 
 
 def client_over(fake: FakeFleet, urls: list[str], router: str | None) -> HttpEngineClient:
-    client = HttpEngineClient(urls, router_url=router)
-    client._http = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+    """A real client of ``urls`` with the fake's keys, its requests answered by ``fake`` (the headers it sends
+    every request, the API key's, kept)."""
+    client = HttpEngineClient(urls, router_url=router, api_key=fake.keys.api_key, admin_api_key=fake.keys.admin_api_key)
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(fake), headers=client._http.headers)
     return client
 
 
-def test_a_joining_engine_takes_the_next_push_then_the_router_and_a_drained_one_leaves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keys", [None, ServiceKeys("fleet-api-key", "fleet-admin-key")], ids=["open", "keyed"])
+def test_a_joining_engine_takes_the_next_push_then_the_router_and_a_drained_one_leaves(
+    tmp_path: Path, keys: ServiceKeys | None
+) -> None:
+    """Keyed (issue 46): every call of the change, the new engine's control calls and the router's
+    ``/workers`` (list, register, drain), carries the key it needs; none is refused."""
+
     async def scenario() -> None:
-        fake = FakeFleet(["http://a", "http://b"])
+        fake = FakeFleet(["http://a", "http://b"], keys)
         client = client_over(fake, ["http://a", "http://b"], "http://router")
         follower = FleetFollower(client, tmp_path)
         EngineFleet(["http://a", "http://b"], router_url="http://router", joining=["http://c"]).announce(
@@ -195,6 +214,7 @@ def test_a_joining_engine_takes_the_next_push_then_the_router_and_a_drained_one_
         metrics = client.failover_metrics()
         assert metrics["fleet/engines_added"] == 1.0 and metrics["fleet/engines_removed"] == 1.0
         assert metrics["rollout/engines_serving"] == 2.0
+        assert fake.refused == []
         await client.close()
 
     asyncio.run(scenario())

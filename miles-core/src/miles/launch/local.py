@@ -207,12 +207,14 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         """Reserve what engine ``index`` (one more while the run goes on) needs; here nothing."""
 
     def engines_up(self) -> bool:
-        """One look at the engines started without waiting (:meth:`wait_engines` without blocking)."""
+        """One look at the engines started without waiting (:meth:`wait_engines` without blocking; the health
+        path asked with the run's API key, as there: SGLang's ``/health_generate`` needs it)."""
         import httpx
 
         pending = {p.name: (p, url) for p, url in self._starting}
+        headers = self.keys.headers() if self.keys is not None else {}
         try:
-            with httpx.Client(timeout=2.0, trust_env=False) as client:
+            with httpx.Client(timeout=2.0, trust_env=False, headers=headers) as client:
                 self._probe(pending, client)
         except BaseException:
             self._stop([p for p, _ in self._starting] + [p for p, _ in pending.values()])

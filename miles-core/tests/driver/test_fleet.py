@@ -131,7 +131,8 @@ class FakeFleet:
     """Engines that answer ``/health``, and smg's ``/workers`` (registration, drain), behind MockTransport.
     With ``keys`` each checks them as the real ones do (:mod:`miles.auth`): an engine's control routes need
     the admin key and its generation routes the API key, ``/health`` is open; smg's ``/workers`` (its control
-    plane) needs the admin key. A request without the key it needs is answered 401 and recorded."""
+    plane) needs the admin key, and a worker registered there must come with the engines' API key (smg sends
+    it the engine). A request without the key it needs is answered 401 and recorded."""
 
     def __init__(self, urls: list[str], keys: ServiceKeys | None = None) -> None:
         self.workers: dict[str, dict[str, Any]] = {u: self._worker(u) for u in urls}
@@ -156,7 +157,10 @@ class FakeFleet:
         if path == "/workers" and method == "GET":
             return httpx.Response(200, json={"workers": list(self.workers.values())})
         if path == "/workers" and method == "POST":
-            url = json.loads(request.content)["url"]
+            spec = json.loads(request.content)
+            url = spec["url"]
+            if spec.get("api_key") != self.keys.api_key:  # smg could not reach a keyed engine (smg 1.13: 401s)
+                return httpx.Response(400, json={"error": f"{url}: could not detect the backend (401)"})
             self.workers[url] = self._worker(url)
             return httpx.Response(202, json={"status": "accepted"})
         if path.startswith("/workers/") and method == "DELETE":

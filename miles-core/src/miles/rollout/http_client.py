@@ -407,12 +407,15 @@ class HttpEngineClient(EngineClient):
         return not ready or (bool(worker.get("is_healthy")) and worker.get("status", "ready") == "ready")
 
     async def _router_call(self, method: str, url: str) -> None:
-        """Register (``POST /workers``) or remove (``DELETE /workers/{id}``: smg drains it first) engine ``url``
-        at the router: control routes of smg, sent with the run's admin key (or its API key)."""
+        """Register (``POST /workers``, with the run's API key, which smg then sends the engine) or remove
+        (``DELETE /workers/{id}``: smg drains it first) engine ``url`` at the router: control routes of smg, sent
+        with the run's admin key (or its API key)."""
         assert self.router_url is not None
         admin = self._keys.headers(control=True)
         if method == "POST":
-            resp = await self._http.post(self.router_url + "/workers", json={"url": url}, headers=admin, timeout=30)
+            # (smg talks to the engine with the key given here: without it, a keyed engine refuses smg)
+            spec = {"url": url, **({"api_key": self._keys.api_key} if self._keys.api_key else {})}
+            resp = await self._http.post(self.router_url + "/workers", json=spec, headers=admin, timeout=30)
         else:
             worker = (await self._router_workers()).get(url)
             if worker is None:

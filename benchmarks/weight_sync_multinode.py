@@ -3,7 +3,8 @@
 The hosts are Linux network namespaces joined by a bridge (:mod:`miles.testing.hosts`; needs root and
 iproute2): host ``a`` runs the two trainer ranks (FSDP2 over gloo, one thread each), host ``b`` one local
 engine listening on b's address, so every byte a transport moves between them crosses the veth link (each
-host has its own loopback: nothing can take a shortcut). The pushes are ``benchmarks/weight_sync.py``'s
+host has its own loopback: nothing can take a shortcut). Beyond loopback the engine needs a key: it gets one
+made for the run, which rank 0's client sends (``MILES_API_KEY`` in both hosts' environment). The pushes are ``benchmarks/weight_sync.py``'s
 (the real transport classes, a real :class:`~miles.rollout.http_client.HttpEngineClient`, an Adam-sized
 change before each push, one warm-up then ``--repeats`` timed pushes, medians), run inside host a with
 ``MILES_NODE_ADDRESS`` set to a's address as the ``ray`` launcher sets it:
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
 
     from benchmarks.weight_sync import SIZES, build_model
+    from miles.auth import ServiceKeys, new_key
     from miles.testing.hosts import NamespaceHosts, unavailable_reason
 
     reason = unavailable_reason()
@@ -204,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         link = socket_copy_gbps(b, a, b.address, link_mb)
         link2 = socket_copy_gbps(b, a, b.address, link_mb // 2, streams=2)  # (one per trainer rank, as p2p)
         loopback = socket_copy_gbps(a, a, "127.0.0.1", link_mb)
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+        # the engine listens on b's address: it needs a key (issue 46), which the pushing rank 0 sends
+        keys = ServiceKeys(new_key())
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false", **keys.env()}
         engine_argv = [
             sys.executable, "-m", "miles.engine", "--model", str(model), "--host", b.address,
             "--port", str(ENGINE_PORT), "--threads", str(args.threads), "--device", args.device,

@@ -129,3 +129,69 @@ def test_responses_branching_off_a_shared_prompt_score_and_train_as_whole_sequen
     torch.testing.assert_close(shared_lp, whole_lp, rtol=1e-5, atol=1e-5)
     for param, grad in whole_grads.items():
         torch.testing.assert_close(shared_grads[param], grad, rtol=1e-4, atol=1e-5, msg=param)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records every call that copies a tensor's values to the host (a device sync on CUDA)."""
+
+    READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_with_the_layout_given_no_layer_reads_the_device_and_the_trainer_gives_it(tmp_path: Path) -> None:
+    """The layout of a micro-batch is computed once, on the host, when it is packed (``PackedMicroBatch.
+    segments``); with it, attention reads nothing back from the device in any layer (on CUDA, no sync), and the
+    model's forward hands it to every layer. Without it, every layer takes the positions back (two reads)."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.testing.models import build_tiny_model
+    from miles.training.batch import TrainBatch
+    from miles_fsdp.microbatch import pack
+
+    positions = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    q = torch.randn(1, 4, positions.shape[1], 8)
+    kv = torch.randn(1, 2, positions.shape[1], 8)
+    module = torch.nn.Module()
+    with _HostReads() as without:
+        reference, _ = packed_sdpa_attention(module, q, kv, kv, None, position_ids=positions)
+    assert without.reads  # (what the check would see: the layout taken from the device)
+    segments = packed_layout(positions)  # (on the host, once per micro-batch)
+    with _HostReads() as given:
+        out, _ = packed_sdpa_attention(module, q, kv, kv, None, position_ids=positions, packed_segments=segments)
+    assert given.reads == [] and torch.equal(out, reference)
+
+    # pack() computes the layout from the host positions; the model passes it down to every layer
+    tokens = [list(range(3, 3 + n)) for n in (9, 6, 9)]
+    batch = TrainBatch.from_lists(
+        tokens=tokens,
+        prompt_lengths=[4, 2, 4],
+        loss_mask=[[1.0] * (len(t) - p) for t, p in zip(tokens, [4, 2, 4], strict=True)],
+    )
+    mb = pack(batch, [0, 1, 2], torch.device("cpu"))
+    assert mb.segments == packed_layout(mb.position_ids)
+    path = build_tiny_model(tmp_path / "qwen2", "qwen2", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=register_packed_attention()
+    )
+    seen: list[object] = []
+    import miles_fsdp.packed_attention as packed
+
+    layout = packed.packed_layout
+    try:
+        packed.packed_layout = lambda p: seen.append(p) or layout(p)  # type: ignore[assignment]
+        with_layout = model(input_ids=mb.input_ids, position_ids=mb.position_ids, packed_segments=mb.segments).logits
+        assert seen == []  # no layer computed it again
+        from_positions = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
+        assert len(seen) == model.config.num_hidden_layers
+    finally:
+        packed.packed_layout = layout  # type: ignore[assignment]
+    assert torch.equal(with_layout, from_positions)

@@ -250,3 +250,27 @@ def test_shared_prompts_train_what_whole_sequences_train(model: Path, world: Any
         assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
         assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
     assert _max_diff(w, whole_w) < 1e-5
+
+
+def test_offload_and_onload_leave_training_exactly_as_it_was(model: Path, world: Any) -> None:
+    """A colocated run's trainer between two steps: its optimizer state, gradients and then its FSDP2-sharded
+    weights leave the device (nothing of them stays resident) and come back; the next step trains exactly
+    as if they had never left."""
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    twin = _trainer(model, world, wrap_single_rank=True, fused_logprobs=False)
+    twin_metrics, _ = _run(twin, vocab, range(2))
+    twin_weights = _weights(twin)
+    twin.close()
+
+    trainer = _trainer(model, world, wrap_single_rank=True, fused_logprobs=False)
+    first, _ = _run(trainer, vocab, range(1))
+    resident = trainer.resident_bytes()
+    state = trainer.offload("state")
+    assert state > 0 and trainer.offloaded("state")  # Adam's two moments at least
+    weights = trainer.offload("weights")
+    assert weights > 0 and state + weights == resident and trainer.resident_bytes() == 0
+    assert trainer.onload() == resident and trainer.resident_bytes() == resident
+    second, _ = _run(trainer, vocab, range(1, 2))
+    assert [first[0], second[0]] == twin_metrics
+    assert _max_diff(_weights(trainer), twin_weights) == 0.0
+    trainer.close()

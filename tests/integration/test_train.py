@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.driver.colocate import PHASES
 from miles.testing.run_faults import (
     kill_rank_after,
 )
@@ -88,7 +90,10 @@ def test_grpo_broadcast_checkpoint_and_exact_resume(tmp_path: Path, tiny_model: 
 
 
 def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
-    """Engines free their KV cache and weights while the trainer trains; the push restores every tensor."""
+    """Colocated, each side gives its memory back while the other works, in one phase order (read back from
+    rank 0's log): the trainer offloads (here on a CPU, ``cluster.offload_trainer``: the same code as on a
+    GPU) before the engines start and while they roll out, the engines release theirs while it trains; the
+    push restores every tensor and the engines generate on the pushed weights."""
     run_dir = tmp_path / "disk"
     config = write_run_config(
         tmp_path, tiny_model, prompts, run_dir, ranks=1, transport="disk", rollouts=2,
@@ -105,8 +110,26 @@ def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model:
     # one optimizer step per rollout at temperature 0.7: the PPO ratio must be exactly 1 (the trainer scores
     # at the temperature the engine sampled at)
     on_policy = ["--set", "train.global_batch_size=16", "--set", "rollout.temperature=0.7"]
-    out = run_miles("train", str(config), "--set", "cluster.colocate=true", *evaluation, *on_policy)
+    colocated = ["--set", "cluster.colocate=true", "--set", "cluster.offload_trainer=true"]
+    out = run_miles("train", str(config), *colocated, *evaluation, *on_policy)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    phases = [
+        (m.group(1), float(m.group(2)))
+        for m in re.finditer(
+            r"colocation: ([a-z ]+?)(?:: [^\n]*?)? \(trainer holds ([0-9.]+) MB",
+            (run_dir / "logs" / "trainer-0.log").read_text(),
+        )
+    ]
+    steps = ["trainer offload", *PHASES, *PHASES]  # loaded, then two steps (a checkpoint after them: offload)
+    assert [p for p, _ in phases][: len(steps)] == steps and {p for p, _ in phases[len(steps) :]} <= {"trainer offload"}
+    held = dict.fromkeys(p for p, _ in phases)
+    for phase, mb in phases:
+        held[phase] = max(mb, held[phase] or 0.0)
+    assert held["trainer offload"] == held["rollout"] == held["trainer offload weights"] == 0.0
+    assert held["train"] and held["trainer offload state"] and held["push"]  # the weights stay for the push
+    assert held["push"] < held["train"]  # (the optimizer state left before the push)
+    host = out.stderr + out.stdout
+    assert "the trainer ranks have loaded and offloaded; starting the engines" in host
     rows = read_metrics(run_dir)
     assert [r["weight_sync/verified"] for r in rows] == [1.0, 1.0]
     for row in rows:
@@ -114,7 +137,8 @@ def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model:
         assert "eval/reward_mean" in row
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v2"]  # older versions removed
     engine_log = (run_dir / "logs" / "engine-0.log").read_text()
-    assert engine_log.count("released kv_cache, weights") == 2 and engine_log.count("resumed kv_cache, weights") == 2
+    assert engine_log.count("released kv_cache, weights, cuda_graph") == 2
+    assert engine_log.count("resumed weights") == 2 and engine_log.count("resumed kv_cache, cuda_graph") == 2
     for row in rows:
         assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # the engine generated on restored weights
         assert row["train/ratio"] == pytest.approx(1.0, abs=1e-5) and row["train/clipfrac"] == 0.0

@@ -9,7 +9,7 @@ with less data runs empty micro-batches (a one-token forward whose loss is multi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ from miles.training.batch import TrainBatch
 from miles.training.logit_masks import LOGIT_MASK_IDS
 from miles.training.logprobs import token_logprobs, topk_logprobs
 from miles.training.routing import ROUTED_EXPERTS
+from miles_fsdp.packed_attention import Segment, packed_layout
 
 __all__ = ["PackedMicroBatch", "pack", "token_logprobs", "topk_logprobs"]
 
@@ -41,6 +42,10 @@ class PackedMicroBatch:
     """``[T, M]`` token ids the engine masked out of each response position's distribution (``-1``: none)."""
     routed_experts: torch.Tensor | None = None
     """``[L, layers, k]`` the engine's experts for each token of ``input_ids`` (``-1``: none), MoE only."""
+    segments: list[Segment] = field(default_factory=list)
+    """The row's layout (:func:`~miles_fsdp.packed_attention.packed_layout`), computed from the positions on the
+    host when the row was packed: ``packed_sdpa`` reads it instead of taking ``position_ids`` back from the
+    device in every layer."""
 
     @property
     def is_empty(self) -> bool:
@@ -66,7 +71,13 @@ def pack(
         one = torch.full((1, 1), pad_token_id, dtype=torch.long, device=device)
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return PackedMicroBatch(
-            one, torch.zeros_like(one), torch.zeros(1, dtype=torch.long, device=device), empty, [], []
+            one,
+            torch.zeros_like(one),
+            torch.zeros(1, dtype=torch.long, device=device),
+            empty,
+            [],
+            [],
+            segments=[Segment(0, 1, 0, 0)],
         )
     starts = batch.seq_offsets.tolist()
     prompts = batch.prompt_lengths.tolist()
@@ -110,13 +121,15 @@ def pack(
                 offset += n - prompt
             targets.append(tokens[prompt:])
             lengths.append(n - prompt)
+    row_positions = torch.cat(positions)  # (on the host: its layout needs no copy back from the device)
     return PackedMicroBatch(
         input_ids=torch.cat(pieces).to(device=device, dtype=torch.long).unsqueeze(0),
-        position_ids=torch.cat(positions).to(device).unsqueeze(0),
+        position_ids=row_positions.to(device).unsqueeze(0),
         keep_index=torch.cat(keep).to(device),
         targets=torch.cat(targets).to(device=device, dtype=torch.long),
         response_lengths=lengths,
         indices=order,
         mask_ids=batch.response_tensor_rows(LOGIT_MASK_IDS, order, device),
         routed_experts=routed,
+        segments=packed_layout(row_positions),
     )

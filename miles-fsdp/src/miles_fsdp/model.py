@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -90,8 +90,11 @@ class ValueModel(nn.Module):
         else:
             nn.init.zeros_(self.value_head.weight)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Values per position; ``kwargs`` go to the attention (``packed_segments``)."""
+        hidden = self.backbone(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs
+        ).last_hidden_state
         # a fresh tensor, not a view: FSDP hooks the root's output for the backward
         return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)
 

@@ -105,8 +105,13 @@ def packed_sdpa_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal SDPA per segment of the packed row (:func:`packed_layout`). ``query`` ``[1, H, L, D]``, ``key`` /
-    ``value`` ``[1, H_kv, L, D]``; returns ``([1, L, H, D], None)`` as transformers' attention functions do."""
+    """Causal SDPA per segment of the packed row. ``query`` ``[1, H, L, D]``, ``key`` / ``value``
+    ``[1, H_kv, L, D]``; returns ``([1, L, H, D], None)`` as transformers' attention functions do.
+
+    The row's layout is the forward's ``packed_segments`` (the trainers compute it once per micro-batch, on
+    the host, from the positions before they go to the device), else :func:`packed_layout` of
+    ``position_ids``, which copies them back from the device in every layer. With the layout given, nothing
+    here waits for the device: the segments' slices, SDPA calls and masks are all queued work."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError(
             f"attn_implementation 'packed_sdpa': {type(module).__name__} uses a sliding window, soft-capping or "
@@ -120,7 +125,9 @@ def packed_sdpa_attention(
         )
     position_ids = kwargs.get("position_ids")
     total = query.shape[2]
-    segments = packed_layout(position_ids) if position_ids is not None else [Segment(0, total, 0, 0)]
+    segments: list[Segment] | None = kwargs.get("packed_segments")
+    if segments is None:  # (the trainers pass the layout, computed on the host: this reads the device)
+        segments = packed_layout(position_ids) if position_ids is not None else [Segment(0, total, 0, 0)]
     gqa = key.shape[1] != query.shape[1]
     p_drop = dropout if module.training else 0.0
     # segments of one shape go through SDPA together: roots by length, branches by (prefix, length)

@@ -68,6 +68,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         """``onednn_linear`` on a CPU rank: the models' linears run on oneDNN (:mod:`miles_fsdp.onednn_linear`)."""
         self._share_prefixes = False
         """Micro-batches hold a shared prompt once (``share_prefixes`` with ``packed_sdpa``)."""
+        self._packed_attention = False
+        """The models attend with ``packed_sdpa``: each forward is given its row's layout, computed on the host
+        when the micro-batch was packed (no device-to-host copy in any layer)."""
         self._precision_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         """A fresh context for each forward (:func:`miles_fsdp.wrap.forward_precision`)."""
         self._heads: dict[int, FusedHead] = {}
@@ -139,6 +142,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
                 log.info("attention: sdpa (%s, which packed_sdpa does not implement)", reason)
             attn = "sdpa" if reason is not None else register_packed_attention()
         self._share_prefixes = opts.share_prefixes and attn == PACKED_SDPA
+        self._packed_attention = attn == PACKED_SDPA
 
         actor = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
         actor.config.use_cache = False
@@ -226,14 +230,19 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         for indices in balanced_bins(lengths, budget, count):
             yield pack(batch, indices, self.device, self._pad_token_id, share_prefixes=self._share_prefixes)
 
+    def _inputs(self, mb: PackedMicroBatch) -> dict[str, Any]:
+        """The forward's inputs: token ids, positions and, with ``packed_sdpa``, the row's layout."""
+        inputs: dict[str, Any] = {"input_ids": mb.input_ids, "position_ids": mb.position_ids}
+        if self._packed_attention:
+            inputs["packed_segments"] = mb.segments
+        return inputs
+
     def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:
         if module is self.actor and self._routing is not None:
             # the micro-batch's rollout experts, kept for an activation-checkpointing recompute in backward
             self._routing.set_rows(mb.routed_experts)
         with self._precision_context():
-            out = module(
-                input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
-            )
+            out = module(**self._inputs(mb), logits_to_keep=mb.keep_index, use_cache=False)
         # squeeze, not [0]: a select's backward zero-fills a tensor of the whole logits' size (K x vocabulary)
         return out.logits.squeeze(0)
 
@@ -262,16 +271,14 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             self._routing.set_rows(mb.routed_experts)
         targets = mb.targets if not mb.is_empty else torch.zeros_like(mb.keep_index)
         with head.scoring(targets, temperature, mb.mask_ids, entropy_grad=entropy_grad), self._precision_context():
-            out = module(
-                input_ids=mb.input_ids, position_ids=mb.position_ids, logits_to_keep=mb.keep_index, use_cache=False
-            ).logits.squeeze(0)
+            out = module(**self._inputs(mb), logits_to_keep=mb.keep_index, use_cache=False).logits.squeeze(0)
         return out[:, 0], (out[:, 1] if with_entropy else None)
 
     def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("values need setup(need_values=True)")
         with self._precision_context():
-            values = self.critic(mb.input_ids, mb.position_ids)
+            values = self.critic(**self._inputs(mb))
         return values.squeeze(0).index_select(0, mb.keep_index)
 
     # -- trainer interface -------------------------------------------------------------------------
@@ -462,6 +469,24 @@ class FSDPTrainer(Trainer[FSDPSettings]):
 
         if dist.is_initialized():
             dist.barrier()
+
+    def offloadable(self, part: Literal["state", "weights"]) -> list[torch.Tensor]:
+        """``"state"``: the optimizers' state, the gradients, the reference and critic models;
+        ``"weights"``: the actor's parameters (FSDP2's shards: the storages
+        under them, views included)."""
+        import torch
+
+        if part == "weights":
+            return [] if self.actor is None else list(self.actor.parameters())
+        out: list[torch.Tensor] = []
+        for model, optimizer, _ in self._parts.values():
+            for state in optimizer.state.values():
+                out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+            out.extend(p.grad for p in model.parameters() if p.grad is not None)
+        for model in (self.ref, self.critic):
+            if model is not None:
+                out.extend(model.parameters())
+        return out
 
     def close(self) -> None:
         """Drop the models and optimizers. No collective: ``close`` also runs after a failure on this rank,

@@ -29,8 +29,9 @@ rank 0 compares them with the engines of the sessions, and when one left (it die
 restarted engine has no session: it needs a new one and a full push) every rank closes the sessions and
 opens new ones, on the engines there are now; the plan is made again for them.
 
-The engine side is the local engine's ``/p2p/*`` routes (:mod:`miles_p2p.routes`), which this package's
-plugin adds to every local engine (``miles_engine_routes``).
+Rank 0 speaks to the engines through :class:`~miles_p2p.engines.EngineSessions`; the engine side is the
+local engine's ``/p2p/*`` routes (:mod:`miles_p2p.routes`), which this package's plugin adds to every local
+engine (``miles_engine_routes``).
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ import time
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from miles.components import Requirement
 from miles.errors import EngineError, SettingsError, WeightVerificationError
 from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, WeightTransport
+from miles_p2p.engines import EngineSessions
 from miles_p2p.plan import EngineLayout, Route, RoutePlan, SliceInfo, engines_digest, layout_key, make_plan
 from miles_p2p.settings import P2PTransportSettings
 
@@ -102,10 +103,9 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         self.endpoint: MooncakeEndpoint | None = None
         self.sender: Sender | None = None
         self.plan: RoutePlan | None = None
-        self.shm_files: list[str] = []
         self._engines_digest = ""
-        self.failed: set[str] = set()
-        """Engines whose part of the last push failed (not asked to close their session)."""
+        self.sessions: EngineSessions | None = None
+        """Rank 0: the session's calls to the engines."""
 
     @classmethod
     def requirements(cls, options: P2PTransportSettings) -> tuple[Requirement, ...]:
@@ -148,6 +148,11 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         self.client = client
         self.dist = dist
         await self._open()
+
+    def _rank0(self) -> EngineSessions:
+        if self.sessions is None:
+            raise RuntimeError("p2p transport: no session open on the engines (rank 0, after connect())")
+        return self.sessions
 
     def _dist(self) -> DistContext:
         if self.dist is None:
@@ -200,7 +205,11 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             self.endpoint = MooncakeEndpoint(
                 self.address, protocol=self.settings.mooncake_protocol, device_name=self.settings.mooncake_device
             )
-        status = await self._open_engines(meta, backend, rendezvous) if dist.rank == 0 else None
+        status = None
+        if dist.rank == 0:
+            assert self.client is not None
+            self.sessions = EngineSessions(self.client, self.settings)
+            status = await self.sessions.open(meta, backend, dist.world_size, rendezvous)
         status = broadcast_json(status)
         if "error" in status:
             raise EngineError(status["error"])
@@ -229,56 +238,6 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         self.opened = True
         log.info("p2p transport: session %s on %d engines (%s)", self.session_id, len(urls), datapath)
 
-    async def _open_engines(
-        self, meta: dict[str, Any], backend: str, rendezvous: asyncio.Future[Any] | None
-    ) -> dict[str, Any]:
-        """Rank 0: ``/p2p/open_session`` on every engine (concurrently with the group's rendezvous)."""
-        assert self.client is not None and self.dist is not None
-        client = self.client
-        n = self.dist.world_size
-
-        async def open_one(i: int, url: str) -> dict[str, Any]:
-            body: dict[str, Any] = {
-                "session_id": meta["session"],
-                "datapath": self.settings.datapath,
-                "timeout": self.settings.timeout,
-            }
-            if self.settings.datapath == "torch":
-                body.update(
-                    master_address=meta["address"],
-                    master_port=meta["port"],
-                    world_size=n + len(meta["urls"]),
-                    rank=n + i,
-                    backend=backend,
-                )
-            elif self.settings.datapath == "mooncake":
-                body.update(
-                    hostname=urlparse(url).hostname or "127.0.0.1",
-                    protocol=self.settings.mooncake_protocol,
-                    device_name=self.settings.mooncake_device,
-                )
-            try:
-                return await client.call(url, "/p2p/open_session", body)
-            except Exception as exc:
-                hint = ""
-                if getattr(exc, "status", None) == 404:  # the routes come with miles-p2p, in the engine's environment
-                    hint = " (the engine serves no /p2p routes: install miles-p2p where the engine runs)"
-                raise EngineError(f"p2p transport: opening a session on engine {url} failed: {exc}{hint}") from exc
-
-        tasks = [asyncio.ensure_future(open_one(i, url)) for i, url in enumerate(meta["urls"])]
-        pending: set[asyncio.Future[Any]] = set(tasks)
-        if rendezvous is not None:
-            pending.add(rendezvous)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                error = task.exception()
-                if error is not None:
-                    for other in pending:
-                        other.cancel()
-                    return {"error": str(error)}
-        return {"answers": [t.result() for t in tasks]}
-
     # -- planning ------------------------------------------------------------------------------------
     async def _replan(self, slices: list[SliceInfo]) -> None:
         """Compute the plan (every rank, the same) and give each engine its chunks (rank 0)."""
@@ -287,7 +246,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         dist = self._dist()
         assert self.sender is not None
         plan = make_plan(slices, self.engines, extra=self.settings.datapath)
-        status = await self._send_plan(plan) if dist.rank == 0 else None
+        status = await self._rank0().send_plan(plan) if dist.rank == 0 else None
         status = broadcast_json(status)
         if "error" in status:
             raise EngineError(status["error"])
@@ -311,63 +270,8 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         from miles.training.comm import all_gather_json
 
         all_gather_json(True)  # every rank has mapped them (rank 0 created them: only it has names to remove)
-        for path in self.shm_files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.shm_files = []
-
-    def _shared_files(self, plan: RoutePlan) -> list[str]:
-        """Rank 0, ``shm``: one ``/dev/shm`` file per group of engines with the same chunks."""
-        for path in self.shm_files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.shm_files = []
-        by_layout: dict[str, str] = {}
-        paths = []
-        for e in range(len(self.engines)):
-            signature = repr([(r.name, r.offsets, r.shape, r.src, r.offset) for r in plan.for_engine(e)])
-            if signature not in by_layout:
-                path = f"/dev/shm/{self.session_id}-{plan.plan_id}-{len(by_layout)}"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.ftruncate(fd, max(plan.buffer_bytes[e], 1))
-                finally:
-                    os.close(fd)
-                by_layout[signature] = path
-                self.shm_files.append(path)
-            paths.append(by_layout[signature])
-        return paths
-
-    async def _send_plan(self, plan: RoutePlan) -> dict[str, Any]:
-        assert self.client is not None
-        client = self.client
-        staged_shm = self.settings.datapath == "shm" and not self.settings.write_into_weights
-        paths = self._shared_files(plan) if staged_shm else [None] * len(self.urls)
-
-        async def one(e: int, url: str) -> dict[str, Any]:
-            body: dict[str, Any] = {
-                "session_id": self.session_id,
-                "plan_id": plan.plan_id,
-                "chunks": [r.chunk() for r in plan.for_engine(e)],
-            }
-            if paths[e] is not None:
-                body["buffer_path"] = paths[e]
-            if self.settings.write_into_weights:
-                body["direct"] = True
-            try:
-                answer = await client.call(url, "/p2p/plan", body)
-            except Exception as exc:
-                raise EngineError(f"p2p transport: engine {url} refused the plan: {exc}") from exc
-            return answer if paths[e] is None else {**answer, "buffer_path": paths[e]}
-
-        try:
-            return {"answers": list(await asyncio.gather(*(one(e, url) for e, url in enumerate(self.urls))))}
-        except EngineError as exc:
-            return {"error": str(exc)}
+        if self.sessions is not None:
+            self.sessions.unlink_shared_files()
 
     # -- a push --------------------------------------------------------------------------------------
     def _sources(self, routes: list[Route], shards: list[WeightShard]) -> list[torch.Tensor]:
@@ -443,14 +347,14 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         sources = self._sources(routes, shards)
         moved = time.perf_counter()
         if self.settings.write_into_weights:  # the engines pause before any rank writes into their weights
-            began = await self._begin(version) if dist.rank == 0 else None
+            began = await self._rank0().begin(plan, version) if dist.rank == 0 else None
             began = broadcast_json(began)
             if "error" in began:
                 raise EngineError(began["error"])
             metrics["weight_sync/begin_seconds"] = time.perf_counter() - moved
             moved = time.perf_counter()
         two_sided = self.settings.datapath == "torch"
-        receives = self._start_receives(version) if dist.rank == 0 and two_sided else []
+        receives = self._rank0().start_receives(plan, version) if dist.rank == 0 and two_sided else []
         outcome = await to_thread(self._send, routes, sources)
         sent = time.perf_counter()
         outcomes = all_gather_json(
@@ -460,8 +364,8 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             }
         )
         if dist.rank == 0 and not two_sided:
-            receives = self._start_receives(version)
-        decision = await self._finish(version, outcomes, receives, metrics) if dist.rank == 0 else None
+            receives = self._rank0().start_receives(plan, version)
+        decision = await self._rank0().finish(plan, version, outcomes, receives, metrics) if dist.rank == 0 else None
         decision = broadcast_json(decision)
         if "error" in decision:
             raise EngineError(decision["error"])
@@ -478,96 +382,6 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         metrics["weight_sync/chunks"] = float(len(plan.routes))
         report.metrics.update(metrics)
         return report
-
-    async def _begin(self, version: str) -> dict[str, Any]:
-        """Rank 0, direct writes: every engine pauses (``/p2p/begin``); if one cannot, the others resume."""
-        assert self.client is not None and self.plan is not None
-        client = self.client
-        body = {"session_id": self.session_id, "plan_id": self.plan.plan_id, "version": version}
-        results = await asyncio.gather(
-            *(client.call(url, "/p2p/begin", body) for url in self.urls), return_exceptions=True
-        )
-        failed = [(url, r) for url, r in zip(self.urls, results, strict=True) if isinstance(r, BaseException)]
-        if not failed:
-            return {"ok": True}
-        begun = [url for url, r in zip(self.urls, results, strict=True) if not isinstance(r, BaseException)]
-        await asyncio.gather(
-            *(client.call(url, "/p2p/abort", {"session_id": self.session_id, "resume": True}) for url in begun),
-            return_exceptions=True,
-        )
-        url, error = failed[0]
-        return {"error": f"p2p transport: engine {url} could not begin version {version}: {error}"}
-
-    def _start_receives(self, version: str) -> list[asyncio.Task[Any]]:
-        """Rank 0: every engine's ``/p2p/receive``, the first phase (``torch``: they post the receives the
-        ranks send to, so before the sends; one-sided data paths: after them, each engine confirms it is
-        alive and ready before any engine commits)."""
-        if self.client is None or self.plan is None:
-            return []
-        body = {"session_id": self.session_id, "plan_id": self.plan.plan_id, "version": version}
-        return [asyncio.create_task(self.client.call(url, "/p2p/receive", body)) for url in self.urls]
-
-    async def _finish(
-        self, version: str, outcomes: list[dict[str, Any]], receives: list[asyncio.Task[Any]], metrics: dict[str, float]
-    ) -> dict[str, Any]:
-        """Rank 0: commit on every engine if every chunk arrived everywhere, else abort (names the engine)."""
-        assert self.client is not None and self.plan is not None
-        client = self.client
-        errors: dict[int, str] = {}
-        written: dict[int, list[int]] = {}
-        for o in outcomes:
-            for e, message in o["errors"].items():
-                errors.setdefault(int(e), message)
-            for e, ids in o["written"].items():
-                written.setdefault(int(e), []).extend(ids)
-        ready = time.perf_counter()
-        for e in errors:  # a rank saw it fail (a dead engine): no need to wait for its answer
-            if e < len(receives):
-                receives[e].cancel()
-        for e, result in enumerate(await asyncio.gather(*receives, return_exceptions=True)):
-            if isinstance(result, BaseException):
-                errors.setdefault(e, str(result))
-        transfer = time.perf_counter()
-        if errors:
-            self.failed = {self.urls[e] for e in errors}
-            alive = [url for e, url in enumerate(self.urls) if e not in errors]
-            body = {"session_id": self.session_id, "resume": False}
-            await asyncio.gather(*(client.call(url, "/p2p/abort", body) for url in alive), return_exceptions=True)
-            e = min(errors)
-            others = (
-                "the other engines stay paused on partial weights until a push completes (write_into_weights)"
-                if self.settings.write_into_weights
-                else "the other engines keep serving their version"
-            )
-            return {
-                "error": f"p2p transport: version {version} did not reach engine {self.urls[e]}: {errors[e]}; {others}"
-                + (f" ({len(errors) - 1} more engine(s) failed)" if len(errors) > 1 else "")
-            }
-        one_sided = self.settings.datapath != "torch"
-
-        async def commit(e: int, url: str) -> Any:
-            body = {
-                "session_id": self.session_id,
-                "plan_id": self.plan.plan_id if self.plan else "",
-                "version": version,
-                "written": sorted(written.get(e, [])) if one_sided else None,
-                "flush_cache": True,
-            }
-            try:
-                return await client.call(url, "/p2p/commit", body)
-            except Exception as exc:
-                raise EngineError(f"p2p transport: engine {url} did not load version {version}: {exc}") from exc
-
-        results = await asyncio.gather(*(commit(e, url) for e, url in enumerate(self.urls)), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            return {"error": str(failed[0])}
-        metrics["weight_sync/commit_seconds"] = time.perf_counter() - transfer
-        metrics["weight_sync/engine_commit_seconds"] = max(
-            float(r.get("seconds", 0.0)) for r in results if not isinstance(r, BaseException)
-        )
-        metrics["weight_sync/ready_seconds"] = transfer - ready
-        return {"ok": True}
 
     async def _verify(
         self, routes: list[Route], sources: list[torch.Tensor], plan: RoutePlan, version: str
@@ -594,15 +408,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         result: dict[str, Any] | None = None
         full: dict[str, str] = {}
         if dist.rank == 0:
-            assert self.client is not None
-            client = self.client
-            answers = await asyncio.gather(
-                *(
-                    client.call(url, "/p2p/checksums", {"session_id": self.session_id, "full": e == 0})
-                    for e, url in enumerate(self.urls)
-                ),
-                return_exceptions=True,
-            )
+            answers = await self._rank0().checksums()
             result = {}
             failed = [(url, a) for url, a in zip(self.urls, answers, strict=True) if isinstance(a, BaseException)]
             if failed:  # (an engine died after its commit: every rank raises, none waits in the broadcast)
@@ -639,22 +445,9 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
 
     # -- teardown ------------------------------------------------------------------------------------
     async def _close_sessions(self) -> None:
-        if self.dist is not None and self.dist.rank == 0 and self.client is not None and self.session_id:
-            client = self.client
-            # (a dead engine has nothing to close; a restarted one never had it)
-            reachable = set(client.urls) - self.failed
-            body = {"session_id": self.session_id}
-            await asyncio.gather(
-                *(client.call(url, "/p2p/close_session", body) for url in self.urls if url in reachable),
-                return_exceptions=True,
-            )
-        self.failed = set()
-        for path in self.shm_files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.shm_files = []
+        if self.sessions is not None:
+            await self.sessions.close()
+        self.sessions = None
         if self.sender is not None:
             self.sender.close()
         self.sender = None

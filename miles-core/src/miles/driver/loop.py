@@ -33,6 +33,7 @@ from miles.driver.checkpoint import (
     read_driver_state,
     write_driver_state,
 )
+from miles.driver.colocate import LOADED_FILE, Colocation
 from miles.driver.fidelity import mismatch_metrics, optimizer_step_metrics, scoring_temperature_of, warn_on_mismatch
 from miles.driver.publish import WeightPublisher, make_publisher
 from miles.driver.records import SampleRecords
@@ -99,6 +100,8 @@ class TrainingLoop:
         self.trainer = run.trainer(dist)
         self.transport = run.transport() if self.has_engines else None
         self.publisher: WeightPublisher = make_publisher(self, run)
+        self.colocation = Colocation(settings, self.trainer, engines=self.has_engines, is_driver=self.is_driver)
+        self.publisher.colocation = self.colocation
         self.records = SampleRecords(self.run_dir, is_driver=self.is_driver)
         self.client: EngineClient | None = None
         self.data: DataSource | None = None
@@ -117,10 +120,17 @@ class TrainingLoop:
     async def setup(self) -> None:
         needs = self.algorithm.needs
         self.trainer.setup(need_ref=needs.ref_logprobs or needs.ref_logprobs_for_advantages, need_values=needs.values)
+        if self.resume is not None:
+            self.trainer.load_checkpoint(str(find_checkpoint(self.resume) / "trainer"))
+        if self.colocation.active:  # the trainer's memory goes before the engines start (they wait for it)
+            self.colocation.after_load()
+            if self.is_driver:
+                (self.run_dir / LOADED_FILE).write_text("loaded\n")
         if self.is_driver:
             if self._announced is not None:  # the engines started while the ranks loaded their models
                 self.fleet = await self._announced()
             self._setup_driver()
+            self.colocation.client = self.client
             if self.client is not None:
                 await self.client.wait_until_healthy(self.settings.cluster.engine_startup_timeout)
                 if self._announced is not None:  # launched by miles train: the fleet may change (miles fleet)
@@ -206,7 +216,8 @@ class TrainingLoop:
             if self.settings.checkpoint.save_final:
                 await self.save()
             if self.settings.checkpoint.export_hf:
-                self.trainer.export_hf(str(self.run_dir / "hf"))
+                with self.colocation.trainer_back("the HF export"):
+                    self.trainer.export_hf(str(self.run_dir / "hf"))
             await self.publisher.flush()
         finally:
             if self.source is not None:
@@ -219,16 +230,12 @@ class TrainingLoop:
         metrics: dict[str, float] = {}
         # (a restarted engine takes the current weights while rank 0 waits for it to roll out)
         groups = await self.publisher.during_rollout(lambda: self.obtain_groups(metrics), metrics)
-        colocated = self.client if self.is_driver and self.settings.cluster.colocate else None
-        if colocated is not None:  # the engines free their KV cache and weights while the trainer trains
-            await colocated.release_memory()
+        await self.colocation.after_rollout()  # (colocated: the engines' memory goes, the trainer's comes back)
         metrics.update(await self.compute.run(lambda: self.train_on(groups)))
         self.step += 1
-        if colocated is not None:
-            await colocated.resume_memory()
-        report = await self.publisher.publish(self.step)
-        if colocated is not None:
-            await colocated.continue_generation()
+        report = await self.publisher.publish(self.step)  # (colocated: the phases around the push)
+        if self.colocation.active and self.client is not None:
+            await self.client.continue_generation()  # (the engines paused when they released their memory)
         if self.is_driver:
             metrics.update(self.publisher.metrics(report))
             if self.client is not None:
@@ -299,7 +306,8 @@ class TrainingLoop:
         path = checkpoint_dir(self.ckpt_root, self.step)
         if (path / "driver.json").exists():  # the final save right after an interval save
             return
-        self.trainer.save_checkpoint(str(path / "trainer"))
+        with self.colocation.trainer_back("the checkpoint"):
+            self.trainer.save_checkpoint(str(path / "trainer"))
         if self.is_driver:
             assert self.data is not None
             state = DriverState.capture(
@@ -312,8 +320,9 @@ class TrainingLoop:
                 prune_checkpoints(self.ckpt_root, self.settings.checkpoint.keep_last)
 
     async def _load(self, path: Path) -> None:
+        """The driver's state of the checkpoint at ``path`` (the trainer loaded it in :meth:`setup`, before the
+        engines started), and its weights pushed to the engines."""
         state = read_driver_state(path)
-        self.trainer.load_checkpoint(str(path / "trainer"))
         self.step = state.step
         if self.is_driver:
             assert self.data is not None

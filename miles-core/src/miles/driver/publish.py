@@ -35,6 +35,7 @@ from miles.transport.base import StagedTransport
 
 if TYPE_CHECKING:
     from miles.compose import Run
+    from miles.driver.colocate import Colocation
     from miles.driver.sources import GroupSource
     from miles.plugins.manager import PluginManager
     from miles.precision.base import PrecisionRecipe
@@ -98,6 +99,8 @@ class WeightPublisher(ABC):
         """``logprobs`` verification: the probe's tokens (:data:`~miles.transport.verify.PROBE_TEXT`)."""
         self._probe_expected: dict[str, list[float]] = {}
         """Rank 0: the trainer's logprobs of the probe, by the version they were computed for."""
+        self.colocation: Colocation | None = None
+        """A colocated run's phases around each push (:mod:`miles.driver.colocate`; set by the loop)."""
 
     @property
     def is_driver(self) -> bool:
@@ -356,6 +359,8 @@ class InlinePublisher(WeightPublisher):
             return None
         transport = loop.transport
         version = str(step)
+        if self.colocation is not None:  # (the probe's logprobs read the trainer's weights too)
+            await self.colocation.before_push()
         self.probe_expected(version)
 
         async def push() -> PushReport:
@@ -373,6 +378,8 @@ class InlinePublisher(WeightPublisher):
             if retries:
                 report.metrics["weight_sync/retries"] = float(retries)
             self.weight_version = version
+            if self.colocation is not None:
+                await self.colocation.after_push()
             await self.verify(report, step=step)
             self._weights_reached(version)
             return report

@@ -148,11 +148,12 @@ class MemoryOccupation:
     ``kv_cache``: running requests are retracted (recomputed after resume), the prefix cache is flushed
     and the KV buffers are freed. ``weights``: every parameter storage is shrunk to zero bytes (the
     tensors and the fused views over them stay valid objects); resume re-allocates them zero-filled, and
-    the next weight push fills them (weight verification then proves every tensor arrived).
-    Generation stays paused from release until ``/continue_generation``.
+    the next weight push fills them (weight verification then proves every tensor arrived). ``cuda_graph``:
+    SGLang's third tag, taken so that one call serves both engines; this engine captures no CUDA graphs, so
+    it holds nothing under it. Generation stays paused from release until ``/continue_generation``.
     """
 
-    TAGS = ("kv_cache", "weights")
+    TAGS = ("kv_cache", "weights", "cuda_graph")
 
     def __init__(self) -> None:
         self.released_weights: list[tuple[torch.UntypedStorage, int]] = []
@@ -168,6 +169,8 @@ class MemoryOccupation:
     def release(self, scheduler: Any, tags: list[str] | None) -> dict[str, float]:
         tags = self._tags(tags)
         runner = scheduler.runner
+        on_cuda = torch.cuda.is_available() and runner.device.type == "cuda"
+        held = torch.cuda.memory_allocated(runner.device) if on_cuda else 0
         if scheduler.paused is None:
             scheduler.pause("retract")
         freed = 0
@@ -188,9 +191,12 @@ class MemoryOccupation:
                 self.released_weights.append((storage, storage.nbytes()))
                 freed += storage.nbytes()
                 storage.resize_(0)
-        if freed and torch.cuda.is_available() and runner.device.type == "cuda":
-            torch.cuda.empty_cache()  # back to the device (the caching allocator would keep it)
-        log.info("released %s (%.1f MB)", ", ".join(tags), freed / 1e6)
+        cuda = ""
+        if on_cuda:
+            if freed:
+                torch.cuda.empty_cache()  # back to the device (the caching allocator would keep it)
+            cuda = f"; cuda allocated {held / 1e6:.1f} -> {torch.cuda.memory_allocated(runner.device) / 1e6:.1f} MB"
+        log.info("released %s (%.1f MB%s)", ", ".join(tags), freed / 1e6, cuda)
         return {"freed_bytes": float(freed)}
 
     def resume(self, scheduler: Any, tags: list[str] | None) -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from miles.driver.colocate import LOADED_FILE
 from miles.host.progress import follow_metrics
 from miles.host.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
 from miles.rollout.router import FLEET_FILE
@@ -351,9 +352,13 @@ def run_training(
         refuse_unshared_dirs(run, launcher, run_dir, engines=engines)
         keys = run_keys(settings, launcher)  # (before anything starts: every process of the run gets them)
         # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
-        # rank 0 waits for the fleet (fleet.json, written here once every engine and the router answer)
+        # rank 0 waits for the fleet (fleet.json, written here once every engine and the router answer).
+        # Colocated, they share the trainer's devices: they start once every rank has loaded and offloaded
+        # (rank 0 writes LOADED_FILE), so an engine's memory profile never races the trainer's load
+        after_trainers = engines and cluster.colocate
         (run_dir / FLEET_FILE).unlink(missing_ok=True)  # a resumed run's old engines are gone
-        if engines:
+        (run_dir / LOADED_FILE).unlink(missing_ok=True)
+        if engines and not after_trainers:
             launch_engines(run, launcher, wait=False)
         (run_dir / "launch.json").write_text(json.dumps({"engines": engines, "resume": resume}))
         env = {**_child_env(settings), **keys.env()}
@@ -362,6 +367,15 @@ def run_training(
         )
         launcher.start_trainers(specs)
         controller = None
+        if after_trainers:
+            loaded = run_dir / LOADED_FILE
+            launcher.wait_until(
+                loaded.exists,
+                timeout=cluster.trainer_startup_timeout,
+                waiting_for="colocated: trainer ranks not loaded",
+            )
+            log.info("colocated: the trainer ranks have loaded and offloaded; starting the engines")
+            launch_engines(run, launcher, wait=False)
         if engines:
             # fleet.json, announced now; from here on engines may join and leave (``miles fleet add|remove``)
             controller = FleetController(

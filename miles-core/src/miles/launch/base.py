@@ -209,6 +209,15 @@ class Launcher(Component[SettingsT], ABC):
         """
 
     @abstractmethod
+    def wait_until(self, condition: Callable[[], bool], *, timeout: float, waiting_for: str) -> None:
+        """Supervise the trainer ranks (as :meth:`wait_trainers`) until ``condition()`` holds or every rank
+        finished: a colocated run starts its engines once the ranks have loaded. A rank that fails, or
+        ``timeout`` passing (:class:`~miles.errors.LaunchError` says ``waiting_for``), shuts everything down.
+
+        .. versionadded:: 0.1
+        """
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Terminate and reap everything started (idempotent)."""
 

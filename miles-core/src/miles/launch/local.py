@@ -264,6 +264,26 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
     def wait_trainers(self, *, timeout: float | None = None, tick: Callable[[], None] | None = None) -> int:
         if not self.trainers:
             raise LaunchError("wait_trainers: no trainer ranks were started")
+        self._supervise(lambda: False, timeout=timeout, waiting_for="trainer ranks still running", tick=tick)
+        for trainer in self.trainers:
+            trainer.reap()
+        log.info("all %d trainer ranks finished", len(self.trainers))
+        return 0
+
+    def wait_until(self, condition: Callable[[], bool], *, timeout: float, waiting_for: str) -> None:
+        self._supervise(condition, timeout=timeout, waiting_for=waiting_for)
+
+    def _supervise(
+        self,
+        condition: Callable[[], bool],
+        *,
+        timeout: float | None,
+        waiting_for: str,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
+        """Watch the processes until ``condition()`` holds or every trainer rank finished: a rank that fails
+        or ``timeout`` passing shuts everything down (:class:`LaunchError`); engine deaths go to
+        :attr:`engine_deaths`; ``tick`` is called at every check (:meth:`wait_trainers`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if tick is not None:
@@ -281,14 +301,11 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
                     raise self._abort(
                         trainer, f"trainer rank {rank} ({trainer.name}) failed: {describe_exit(code)}", code
                     )
-            if done:
-                for trainer in self.trainers:
-                    trainer.reap()
-                log.info("all %d trainer ranks finished", len(self.trainers))
-                return 0
+            if done or condition():
+                return
             if deadline is not None and time.monotonic() >= deadline:
                 waiting = [t.name for t in self.trainers if t.exit_status() is None]
-                raise self._abort(None, f"trainer ranks {', '.join(waiting)} still running after {timeout:g} s", None)
+                raise self._abort(None, f"{waiting_for} ({', '.join(waiting)}) after {timeout:g} s", None)
             time.sleep(self.settings.poll_interval)
 
     def _engine_died(self, engine: SupervisedProcess, code: int) -> None:

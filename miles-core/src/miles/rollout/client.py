@@ -13,7 +13,12 @@ from typing import Any
 
 from miles.rollout.protocol import GenerateOutput, PauseMode, SamplingParams
 
-__all__ = ["EngineClient"]
+__all__ = ["MEMORY_TAGS", "EngineClient"]
+
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""What an engine gives back while a colocated trainer trains: SGLang's memory tags (its
+``GPU_MEMORY_TYPE_*``), which Miles' own engine takes too."""
 
 
 class EngineClient(ABC):
@@ -103,16 +108,16 @@ class EngineClient(ABC):
         for url in self.urls:
             await self.call(url, "/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
 
-    async def release_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
-        """Make every engine free the memory of ``tags`` (SGLang's ``/release_memory_occupation``: its KV cache
-        and weights while a colocated trainer trains).
+    async def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Make every engine free the memory of ``tags`` (SGLang's ``/release_memory_occupation``: its KV cache,
+        weights and CUDA graphs while a colocated trainer trains).
 
         .. versionadded:: 0.1 (not abstract: the default posts through :meth:`call`)
         """
         for url in self.urls:
             await self.call(url, "/release_memory_occupation", {"tags": list(tags)})
 
-    async def resume_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+    async def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Make every engine take back the memory of ``tags`` (``/resume_memory_occupation``).
 
         .. versionadded:: 0.1 (not abstract: the default posts through :meth:`call`)

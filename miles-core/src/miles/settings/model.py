@@ -120,7 +120,12 @@ class ClusterSettings(_Section):
     num_engines: int = Field(1, ge=0)
     """Number of rollout-engine servers (0 for SFT, which needs none)."""
     colocate: bool = False
-    """Engines and trainer share devices: engines release memory while the trainer trains."""
+    """Engines and trainer share devices: each side gives its memory back while the other works, in one
+    phase order (:mod:`miles.driver.colocate`)."""
+    offload_trainer: bool | None = None
+    """Colocated: move the trainer's optimizer state, gradients, reference model and then its weights to host
+    memory while the engines roll out. Default: on CUDA (where the GPU is shared); on a CPU it frees nothing
+    (the copies are host memory too) and runs only when set, to exercise the path."""
     host: str = "127.0.0.1"
     """Address services bind to."""
     api_key: SecretStr | None = Field(None, exclude=True)
@@ -137,6 +142,9 @@ class ClusterSettings(_Section):
     ``MILES_ADMIN_API_KEY``; unset: ``api_key`` opens every route."""
     engine_startup_timeout: float = Field(300.0, gt=0)
     """Seconds to wait for an engine to answer ``/health``."""
+    trainer_startup_timeout: float = Field(600.0, gt=0)
+    """Seconds the trainer ranks may take to load their models before a colocated run's engines start (they
+    start after the trainer, on the same devices)."""
     trainer_malloc: Literal["keep", "system"] = "keep"
     """On CPU, how the trainer processes' glibc malloc treats freed memory. ``keep``: every block comes from
     the heap and freed memory stays mapped for the next step (``GLIBC_TUNABLES`` with

@@ -7,7 +7,7 @@ and every rank calls the same methods in the same order with its share of the ba
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from miles.settings.model import TrainSettings
     from miles.training.adapter import ModelAdapter
     from miles.training.batch import TrainBatch
+    from miles.training.offload import ParkedMemory
 
 __all__ = ["DistContext", "LogprobOutput", "Trainer", "WeightBucket", "WeightShard"]
 
@@ -93,6 +94,7 @@ class Trainer(Component[SettingsT], ABC):
         self.train_settings = train
         self.precision = precision
         self.dist = dist
+        self._parked: ParkedMemory | None = None
 
     @property
     def options(self) -> SettingsT:
@@ -166,6 +168,47 @@ class Trainer(Component[SettingsT], ABC):
     @abstractmethod
     def export_hf(self, path: str) -> None:
         """Write a Hugging Face safetensors directory that ``transformers`` loads with strict keys."""
+
+    def offloadable(self, part: Literal["state", "weights"]) -> Iterable[torch.Tensor]:
+        """The tensors :meth:`offload` moves off the device for ``part``: ``"state"``, what only training
+        reads (optimizer state, gradients, the reference and critic models); ``"weights"``, the trained
+        model's parameters (the weight push reads them, so they leave after it). The default is none: a
+        backend that names nothing keeps its memory while colocated engines roll out.
+
+        .. versionadded:: 0.1
+        """
+        return ()
+
+    def offload(self, part: Literal["state", "weights"]) -> int:
+        """Move :meth:`offloadable` ``part``'s storages to host memory (:class:`~miles.training.offload.
+        ParkedMemory`: the tensor objects stay, holding no bytes, until :meth:`onload`); return the bytes
+        moved. A colocated run calls it between training and rollout (:mod:`miles.driver.colocate`).
+
+        .. versionadded:: 0.1
+        """
+        from miles.training.offload import ParkedMemory
+
+        if self._parked is None:
+            self._parked = ParkedMemory()
+        return self._parked.park(part, self.offloadable(part), device=self.dist.device)
+
+    def onload(self, part: Literal["state", "weights"] | None = None) -> int:
+        """Bring back what :meth:`offload` moved (of ``part``, or all), exactly as it was; return the bytes
+        moved.
+
+        .. versionadded:: 0.1
+        """
+        return 0 if self._parked is None else self._parked.restore(part)
+
+    def offloaded(self, part: Literal["state", "weights"]) -> bool:
+        """Whether ``part`` is offloaded now."""
+        return self._parked is not None and self._parked.holds(part)
+
+    def resident_bytes(self) -> int:
+        """Bytes the storages of :meth:`offloadable` (both parts) hold on their device now."""
+        from miles.training.offload import device_bytes
+
+        return device_bytes([*self.offloadable("state"), *self.offloadable("weights")])
 
     def close(self) -> None:
         """Release resources; the launcher destroys the process group afterwards."""

@@ -280,3 +280,54 @@ def test_a_router_this_process_cannot_reach_is_an_error_naming_it_and_routed_req
         return metrics
 
     assert asyncio.run(reachable())["rollout/routed_requests"] == 3.0
+
+
+class ClosingServer:
+    """A real HTTP server on a socket that closes its first ``closes`` connections as soon as a request arrives
+    on them, without an answer (as uvicorn closes a kept-alive connection idle for 5 s just as the client
+    reuses it), and answers ``200`` on the others."""
+
+    def __init__(self, closes: int) -> None:
+        import socket
+        import threading
+
+        self.closes = closes
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                self.connections += 1
+                conn.recv(65536)
+                if self.connections > self.closes:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_connection_closed_under_a_health_probe_is_no_death() -> None:
+    """The probe is sent again on a new connection: an engine whose connection closed under the first (or the
+    second) is up; one that closes every connection does not answer."""
+    from miles.rollout.http_client import HEALTH_ATTEMPTS
+
+    async def scenario() -> None:
+        flaky, dead = ClosingServer(closes=HEALTH_ATTEMPTS - 1), ClosingServer(closes=1000)
+        try:
+            async with HttpEngineClient([flaky.url, dead.url]) as client:
+                assert await client.health() == [True, False]
+                assert flaky.connections == HEALTH_ATTEMPTS and dead.connections == HEALTH_ATTEMPTS
+                await client.check_engines()
+                assert flaky.url not in client.health_state.down and dead.url in client.health_state.down
+        finally:
+            flaky.close()
+            dead.close()
+
+    asyncio.run(scenario())

@@ -54,6 +54,9 @@ __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routi
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {502, 503, 504}
+HEALTH_ATTEMPTS = 3
+"""Connections a ``/health`` probe tries before the engine counts as not answering (:meth:`HttpEngineClient.
+_health`: closed kept-alive connections are no death); a probe that times out is not sent again."""
 
 ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
 """Response header in which the router (smg) names the engine, by URL, that served a request."""
@@ -676,13 +679,23 @@ class HttpEngineClient(EngineClient):
         return await self._health(self.health_state.engines)
 
     async def _health(self, urls: Sequence[str]) -> list[bool]:
-        """``/health`` of each of ``urls``; records the process each names (:data:`INSTANCE_HEADER`)."""
+        """``/health`` of each of ``urls``; records the process each names (:data:`INSTANCE_HEADER`). A probe
+        whose connection failed is sent again (up to :data:`HEALTH_ATTEMPTS` in all) before the engine counts
+        as not answering: a kept-alive connection the engine closed as it was reused (uvicorn closes one idle
+        for 5 s, about the time between two pushes when generation goes through a router) is dropped from the
+        pool, and is no death."""
 
         async def one(url: str) -> bool:
-            try:
-                resp = await self._http.get(url + "/health", timeout=10)
-            except httpx.HTTPError:
-                return False
+            for attempt in range(1, HEALTH_ATTEMPTS + 1):
+                try:
+                    resp = await self._http.get(url + "/health", timeout=10)
+                    break
+                except httpx.TimeoutException:  # (it had 10 s to answer)
+                    return False
+                except httpx.HTTPError as exc:
+                    if attempt == HEALTH_ATTEMPTS:
+                        return False
+                    log.debug("%s/health: %s; asking again", url, exc or type(exc).__name__)
             instance = resp.headers.get(INSTANCE_HEADER)
             if resp.status_code == 200 and instance:
                 self._instances[url] = instance

@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from miles.errors import SettingsError
 
 __all__ = [
     "CACHE_ENV",
+    "CONVERSION_STAGES",
     "RoutedLayout",
     "check_model_source",
     "convert_gguf",
@@ -205,14 +207,28 @@ def materialize(value: str, *, where: str = "train.model_path") -> Path:
     target = _cache_root() / f"{gguf.stem}-{_content_key(gguf)}"
     if (target / "config.json").is_file() and (target / "model.safetensors").exists():
         return target
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s into %s (once: later runs use the cache)", gguf, target)
     start = time.monotonic()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:
-        bar.add_task(f"converting {gguf.name} to a safetensors checkpoint (once; cached in {target.parent})")
-        convert_gguf(gguf, target)
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task(f"converting {gguf.name} (once)", total=len(CONVERSION_STAGES))
+
+        def stage(index: int, what: str) -> None:  # on a terminal the bar, in a log one line per stage
+            log.info("converting %s: %d/%d %s (%.0f s)", gguf.name, index + 1, len(CONVERSION_STAGES), what,
+                     time.monotonic() - start)  # fmt: skip
+            bar.update(task, completed=index, description=f"converting {gguf.name}: {what}")
+
+        convert_gguf(gguf, target, on_stage=stage)
+        bar.update(task, completed=len(CONVERSION_STAGES), description=f"converted {gguf.name}")
     log.info("converted %s in %.0f s", gguf.name, time.monotonic() - start)
     return target
 
@@ -231,31 +247,57 @@ def smollm2_gguf() -> Path:
     return found
 
 
-def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+CONVERSION_STAGES = (
+    "reading the tokenizer",
+    "dequantising the weights",
+    "copying them into a fresh model",
+    "writing model.safetensors",
+    "writing the tokenizer",
+)
+"""What :func:`convert_gguf` does, in order (``on_stage`` is told each as it starts)."""
+
+
+def convert_gguf(
+    gguf: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    on_stage: Callable[[int, str], object] | None = None,
+) -> Path:
     """Convert a GGUF file to a plain fp32 HF checkpoint (safetensors + tokenizer + chat template).
 
     transformers dequantises the GGUF tensors; the weights are copied into a fresh model of the same
     config (``save_pretrained`` refuses a GGUF-loaded model). Written to a temporary folder and renamed,
     so an interrupted conversion leaves nothing half-written at ``out``.
+
+    :param on_stage: called with the index and name of each of :data:`CONVERSION_STAGES` as it starts.
     """
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    def stage(index: int) -> None:
+        if on_stage is not None:
+            on_stage(index, CONVERSION_STAGES[index])
+
     source, target = Path(gguf), Path(out)
+    stage(0)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    stage(1)
     loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     config = loaded.config
     # the weights are dequantised: the GGUF quantization record would make other tools (TRL, PEFT) treat
     # the checkpoint as a quantized one
     config.__dict__.pop("quantization_config", None)
+    stage(2)
     fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict(), strict=True)
     fresh.generation_config = loaded.generation_config
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    stage(3)
     fresh.save_pretrained(tmp, safe_serialization=True)
+    stage(4)
     tokenizer.save_pretrained(tmp)
     if target.exists():
         shutil.rmtree(target)

@@ -132,7 +132,7 @@ def test_plugins_add_commands_and_a_broken_one_is_reported(fake_distribution: An
     assert plugins["tools"]["status"] == "ok" and plugins["tools"]["commands"] == ["example-tools"]
     assert plugins["clash"]["status"] == "failed" and "command 'train' is already taken" in plugins["clash"]["error"]
     assert plugins["raising"]["status"] == "failed" and "RuntimeError: no such tool" in plugins["raising"]["error"]
-    table = miles("plugins", "list")
+    table = miles("plugins", "list", env={"COLUMNS": "300"})  # (a narrow table wraps the cell)
     assert "command: miles example-tools" in table.stdout
     # the built-in command the clashing plugin tried to replace is still the real one
     assert "Train a policy" in miles("train", "--help").stdout
@@ -282,3 +282,88 @@ def test_plugins_add_commands_to_a_built_in_group(fake_distribution: Any) -> Non
     assert "command 'convert gguf' is already taken" in plugins["gclash"]["error"]
     assert miles("convert", "whisper").returncode == 2  # rolled back with the clash
     assert "Dequantise a GGUF model" in miles("convert", "gguf", "--help").stdout
+
+
+STAND_IN_TRAINER = """
+import miles
+from miles.training.trainer import Trainer
+
+
+class StandInTrainer(Trainer):
+    \"\"\"A trainer a dry run resolves and never builds (miles-core's tests install no backend).\"\"\"
+
+    name = "stand_in"
+
+
+@miles.hookimpl
+def miles_register_trainers(register):
+    register(StandInTrainer)
+"""
+
+
+def test_dry_run_says_where_each_value_came_from_and_warns_of_a_used_run_dir(
+    tmp_path: Path, tiny: Path, fake_distribution: Any
+) -> None:
+    fake_distribution(
+        "miles-stand-in", {"stand_in": "miles_stand_in_plugin"}, {"miles_stand_in_plugin": STAND_IN_TRAINER}
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = _config(tmp_path, tiny, _data(tmp_path, ['{"prompt": "1+1?", "label": "2"}']), run_dir)
+    out = miles(
+        "train", "--dry-run", str(config), "--set", "train.lr=0.5", "--set", "train.backend=stand_in",
+        env={"COLUMNS": "300", "MILES_TRAIN__SEED": "7"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines() if line.startswith("  ")}
+    assert rows["train.lr"] == ["0.5", "--set", "train.lr=0.5"]
+    assert rows["train.seed"] == ["7", "env", "MILES_TRAIN__SEED"]
+    assert rows["data.path"][1] == f"{config}:2"
+    assert rows["train.steps_per_rollout"][1] == "derived"
+    # a component's own settings are listed with their defaults
+    assert rows["algorithm.name"][1] == "default" and rows["algorithm.clip_eps_low"][1] == "default"
+    said = " ".join(out.stderr.split())
+    assert f"warning: log.run_dir ({config}:8): {run_dir} already holds a run (metrics.jsonl)" in said
+    assert "--overwrite" in said
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["sessions", "--help"], ["plugins", "--help"]])
+def test_help_shows_no_rest_markup(args: list[str]) -> None:
+    out = miles(*args, env={"COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    for markup in ("``", ":class:", ":func:", ":meth:"):
+        assert markup not in out.stdout, out.stdout
+    if args == ["--help"]:
+        assert "`miles serve --help` lists the flags" in " ".join(out.stdout.split())
+
+
+def test_plain_help_reads_rest_roles() -> None:
+    from miles.cli.app import plain_help
+
+    text = "See :class:`~miles.engine.options.ServeOptions` and :func:`miles.run` (``miles serve --help``)."
+    assert plain_help(text) == "See ServeOptions and run (`miles serve --help`)."
+
+
+def test_log_lines_print_above_a_progress_bar_not_into_it() -> None:
+    """The CLI's log handler writes to ``sys.stderr`` as it is at the time: a rich progress bar redirects it
+    and prints each line on its own above the bar."""
+    import io
+    import logging
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from miles.cli.app import _StderrNow
+
+    screen = io.StringIO()
+    logger = logging.getLogger("miles.test_progress_bar")
+    handler = _StderrNow()
+    logger.addHandler(handler)
+    try:
+        with Progress(console=Console(file=screen, force_terminal=True, width=80), redirect_stderr=True) as bar:
+            bar.add_task("train", total=2)
+            logger.warning("a line from the log")
+    finally:
+        logger.removeHandler(handler)
+    assert "a line from the log\n" in screen.getvalue()

@@ -180,6 +180,18 @@ def test_bad_row_names_file_and_line(tmp_path: Path, bad_line: str, message: str
     assert isinstance(info.value, MilesError) and info.value.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("bad_line", "column"),
+    [('{"prompt": "ok"', 16), ('{"prompt": "ok",}', 17), ('{"prompt" "ok"}', 11), ('{"prompt": "ok"}x', 17)],
+)
+def test_invalid_json_names_the_column_of_the_row(tmp_path: Path, bad_line: str, column: int) -> None:
+    """The column is counted in the row as written (its newline is not read as a second line)."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n' + bad_line + "\r\n", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"prompts.jsonl:2: invalid JSON \(.* at column {column}\)$"):
+        jsonl(path)
+
+
 def test_bad_parquet_row_and_missing_path(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from miles.engine.kernel_cache import BUILD_TIMEOUT_ENV, CACHE_ENV, KernelBuildError, extension_key, load_extension
+from miles.engine.kernel_cache import (
+    BUILD_TIMEOUT_ENV,
+    CACHE_ENV,
+    KernelBuildError,
+    build_progress,
+    extension_key,
+    last_build_seconds,
+    load_extension,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -44,6 +52,12 @@ def source(tmp_path: Path) -> Path:
     path.parent.mkdir()
     path.write_text(SOURCE)
     return path
+
+
+def last_build_seconds_in(cache: Path, what: str) -> float:
+    import json
+
+    return float(json.loads((cache / "build-times.json").read_text())[what])
 
 
 def _env(cache: Path, **extra: str) -> dict[str, str]:
@@ -85,6 +99,9 @@ def test_killed_build_leaves_no_wedge_and_one_build_serves_other_environments(so
     assert "result 5" in done.stdout
     assert "left by an interrupted build" in done.stderr
     assert (directory / "COMPLETE").exists() and not (directory / "lock").exists()
+    # the build said what a first build costs, and recorded what this one took for the next
+    assert "a first build takes" in done.stderr
+    assert last_build_seconds_in(cache, "the test extension") > 0
 
     # 3. another checkout of the same sources (another path) in another process imports the build as it is:
     # with no working compiler, any rebuild would fail
@@ -121,3 +138,40 @@ def test_a_compile_error_is_reported_with_the_directory(tmp_path: Path, monkeypa
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     with pytest.raises(KernelBuildError, match="failed"):
         load_extension("miles_test_bad", [bad], what="the test extension")
+
+
+def test_a_build_says_how_far_it_is_and_what_the_last_one_took(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No silent minute: every interval a line with the sources compiled so far, the time spent and the
+    last build's time on this machine (its object files are what has been compiled)."""
+    import logging
+    import threading
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assert last_build_seconds("the CPU kernels") is None
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "build-times.json").write_text('{"the CPU kernels": 78.4}')
+    assert last_build_seconds("the CPU kernels") == 78.4
+    directory = tmp_path / "build"
+    directory.mkdir()
+
+    def compile_two() -> None:
+        time.sleep(0.35)
+        (directory / "a.o").write_bytes(b"")
+        time.sleep(0.3)
+        (directory / "b.o").write_bytes(b"")
+
+    compiler = threading.Thread(target=compile_two)
+    with (
+        caplog.at_level(logging.INFO, logger="miles.engine.kernel_cache"),
+        build_progress("the CPU kernels", directory, 3, expected=78.4, interval=0.1),
+    ):
+        compiler.start()
+        compiler.join()
+        time.sleep(0.25)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(line.startswith("building the CPU kernels: ") for line in lines)
+    assert all(line.endswith("(the last build here took 78 s)") for line in lines)
+    assert any(" 0 of 3 sources compiled" in line for line in lines)
+    assert " 2 of 3 sources compiled" in lines[-1]

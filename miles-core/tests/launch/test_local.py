@@ -201,6 +201,21 @@ def test_starting_engines_say_what_they_are_doing(tmp_path: Path, caplog: pytest
     assert notes and all("building the CPU kernels" in n for n in notes), notes
 
 
+def test_a_status_line_keeps_the_head_of_the_message() -> None:
+    from miles.launch.local import status_of
+
+    line = (
+        "2026-12-06 01:24:07,512 INFO miles.engine.kernel_cache: building the CPU kernels in "
+        "/root/.cache/miles/kernels/miles_cpu_kernels_0123456789abcdef (once per machine and source version; "
+        "the last build here took 78 s) " + "x" * 80
+    )
+    status = status_of(line)
+    assert status.startswith("building the CPU kernels in /root/.cache/miles/kernels/")
+    assert len(status) == 160 and status.endswith("...")
+    assert status_of("2026-12-06 01:24:07,512 rank0 INFO miles.driver.loop: step 1") == "step 1"
+    assert status_of("  Loading weights  ") == "Loading weights"
+
+
 def test_two_gloo_ranks_all_reduce(tmp_path: Path, script: Script) -> None:
     argv = [*script("all_reduce", ALL_REDUCE), str(tmp_path)]
     with launcher(tmp_path) as lau:

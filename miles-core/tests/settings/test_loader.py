@@ -6,7 +6,7 @@ import pytest
 
 from miles.errors import SettingsError
 from miles.settings import MilesSettings, load_settings
-from miles.settings.loader import parse_override
+from miles.settings.loader import parse_override, sources_of
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -69,7 +69,13 @@ def test_batch_invariant(tmp_path: Path) -> None:
     ("text", "expected"),
     [
         ("[train]\nlr = -1.0\n", "train.lr ({path}:2): Input should be greater than 0 (got -1.0)"),
-        ("[train]\n\nlrr = 0.1\n", "train.lrr ({path}:3): unknown key"),
+        ("[train]\n\nlrr = 0.1\n", "train.lrr ({path}:3): unknown key (did you mean 'lr'?)"),
+        ("[train]\nnum_rolouts = 3\n", "train.num_rolouts ({path}:2): unknown key (did you mean 'num_rollouts'?)"),
+        (
+            "[rollout.sessions]\nmax_sesions = 3\n",
+            "rollout.sessions.max_sesions ({path}:2): unknown key (did you mean 'max_sessions'?)",
+        ),
+        ("[train]\nzzz = 3\n", "train.zzz ({path}:2): unknown key\n"),
         (
             '[rollout]\nmode = "async"\n',
             "rollout.mode ({path}:2): Input should be 'sync', 'one_step_off' or 'fully_async'",
@@ -79,14 +85,15 @@ def test_batch_invariant(tmp_path: Path) -> None:
             '[[reward.functions]]\nname = "math"\n\n[[reward.functions]]\nname = "regex"\nweight = "x"\n',
             "reward.functions[1].weight ({path}:6): Input should be a valid number",
         ),
-        ("[sections]\na = 1\n", "sections ({path}:1): unknown key"),
+        ("[sections]\na = 1\n", "sections ({path}:1): unknown key\n"),
+        ("[trian]\nlr = 1\n", "trian ({path}:1): unknown key (did you mean 'train'?)"),
     ],
 )
 def test_file_errors_name_field_and_line(tmp_path: Path, text: str, expected: str) -> None:
     config = _write(tmp_path, "run.toml", text)
     with pytest.raises(SettingsError) as info:
         load_settings(config, env={})
-    assert expected.format(path=config) in str(info.value)
+    assert expected.format(path=config) in str(info.value) + "\n"
 
 
 def test_yaml_errors_name_line(tmp_path: Path) -> None:
@@ -109,6 +116,38 @@ def test_env_and_set_errors_name_their_source() -> None:
         load_settings(env={}, overrides=["rollout.top_k=many"])
     with pytest.raises(SettingsError, match=r"train.nope \(--set train.nope=1\): unknown key"):
         load_settings(env={}, overrides=["train.nope=1"])
+    # a misspelt section given only through --set: its error names the --set it came from
+    with pytest.raises(SettingsError, match=r"trian \(--set trian.lr=1\): unknown key \(did you mean 'train'\?\)"):
+        load_settings(env={}, overrides=["trian.lr=1"])
+
+
+def test_env_sources_are_the_variables_that_were_set() -> None:
+    """A table filled by one field's variable is not itself from the environment: its other fields'
+    errors name no variable (was ``train.backend (env MILES_TRAIN)`` for ``MILES_TRAIN__SEED``)."""
+    settings = load_settings(
+        env={"MILES_TRAIN__SEED": "7", "MILES_REWARD__FUNCTIONS": '[{"name": "math"}]', "miles_rollout__top_k": "3"}
+    )
+    sources = sources_of(settings)
+    assert sources.of("train.seed") == "env MILES_TRAIN__SEED"
+    assert sources.of("train.backend") is None and sources.of("train.lr") is None
+    assert sources.of("reward.functions[0].name") == "env MILES_REWARD__FUNCTIONS"
+    assert sources.of("rollout.top_k") == "env miles_rollout__top_k"
+
+
+def test_json_errors_name_the_variable_and_the_column() -> None:
+    """A list or table given as JSON in an environment variable or a --set: the error names where, and the
+    column in the value as written (a trailing newline is not a line of its own)."""
+    with pytest.raises(SettingsError, match=r"^env MILES_REWARD__FUNCTIONS: invalid JSON \(.* at column 18\)$"):
+        load_settings(env={"MILES_REWARD__FUNCTIONS": '[{"name": "math",}]\n'})
+    with pytest.raises(SettingsError, match=r"^env MILES_REWARD__FUNCTIONS: invalid JSON \(.* at line 2 column 1\)$"):
+        load_settings(env={"MILES_REWARD__FUNCTIONS": '[{"name": "math"},\n]'})
+    with pytest.raises(
+        SettingsError,
+        match=r"^--set 'reward.functions=\[\{\"name\": \"math\",\}\]': the value is not valid JSON \(.* at column 18\)$",
+    ):
+        load_settings(env={}, overrides=['reward.functions=[{"name": "math",}]'])
+    settings = load_settings(env={}, overrides=['reward.functions=[{"name": "math"}]', 'rollout.stop=["</a>"]'])
+    assert settings.rollout.stop == ["</a>"]
 
 
 def test_bad_files() -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import logging
+import re
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -44,6 +46,19 @@ def _version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
+class _StderrNow(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a record is logged: while a rich progress bar is shown (it
+    redirects ``sys.stderr``), log lines print above the bar instead of into it."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 @app.callback()
 def _root(
     version: Annotated[
@@ -55,6 +70,7 @@ def _root(
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[_StderrNow()],
     )
     if not verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -77,10 +93,31 @@ def _register_commands() -> None:
     plugin_manager().register_commands(app)
 
 
+_ROLE = re.compile(r":(?:func|class|meth|attr|data|mod|obj|exc):`~?(?:[\w.]+\.)?([\w]+)`")
+
+
+def plain_help(text: str | None) -> str | None:
+    """A docstring as terminal help: reST's ``code`` and :role:`~a.b.name` read as `code` and name."""
+    if not text:
+        return text
+    return _ROLE.sub(r"\1", text).replace("``", "`")
+
+
+def _plain_helps(typer_app: typer.Typer) -> None:
+    """Every command's help (its docstring unless given) as :func:`plain_help`, in the groups too."""
+    for command in typer_app.registered_commands:
+        if command.callback is not None:
+            command.help = plain_help(command.help or inspect.getdoc(command.callback))
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _plain_helps(group.typer_instance)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors are typer's (exit 2); a :class:`MilesError` prints its message,
     no traceback, and exits with its code."""
     _register_commands()
+    _plain_helps(app)
     try:
         app(args=argv)
     except MilesError as exc:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from miles.cli.app import app, plugin_manager
 from miles.cli.render import render_resolved
@@ -41,7 +42,8 @@ def resolve_run(
     if check is not None:
         check(settings)
     run = build_run(settings, plugin_manager(), kinds=kinds)
-    render_resolved(Console(stderr=to_stderr), settings, run.registrations(), full=full)
+    options = {field: resolved.options for field, resolved in run.resolved.items()}
+    render_resolved(Console(stderr=to_stderr), settings, run.registrations(), full=full, options=options)
     return run
 
 
@@ -80,6 +82,10 @@ def train(
         check=None if dry_run else (lambda s: check_run_dir(s, resume=resume, overwrite=overwrite)),
     )
     if dry_run:
+        try:  # what the real command would refuse, as a warning
+            check_run_dir(run.settings, resume=resume, overwrite=overwrite)
+        except SettingsError as exc:
+            Console(stderr=True).print(f"[yellow]warning:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return
     if debug:
         from miles.host.debug import run_debug

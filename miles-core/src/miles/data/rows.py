@@ -58,8 +58,8 @@ def iter_jsonl_rows(path: str) -> Iterator[Row]:
                 if not line.strip():
                     continue
                 where = f"{name}:{lineno}"
-                try:
-                    row = json.loads(line)
+                try:  # without its newline: an error at the end of the row is at its last column, not on "line 2"
+                    row = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
                 if not isinstance(row, dict):

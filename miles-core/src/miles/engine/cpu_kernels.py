@@ -16,7 +16,8 @@ squares in another order). Together they took a SmolLM2 bfloat16 decode step at 
 26-28 ms on the development machine.
 
 They are built with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``) for this CPU
-(``-O3 -march=native``, OpenMP through torch's runtime) on first use, ~40 s on 2 cores, and cached in
+(``-O3 -march=native``, OpenMP through torch's runtime) on first use (45 s on 2 idle cores, 75-98 s sharing them
+with one other job; the build says how far it is every 10 s and records its time), and cached in
 ``$MILES_KERNEL_CACHE`` (default ``~/.cache/miles/kernels``) by :mod:`miles.engine.kernel_cache`: built at
 most once per machine and source version (every virtual environment with the same torch reuses the build),
 safe against a build killed half-way, with a bounded, logged wait for another process's build. The

@@ -19,16 +19,27 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["BUILD_TIMEOUT_ENV", "CACHE_ENV", "KernelBuildError", "cache_root", "extension_key", "load_extension"]
+__all__ = [
+    "BUILD_TIMEOUT_ENV",
+    "CACHE_ENV",
+    "KernelBuildError",
+    "build_progress",
+    "cache_root",
+    "extension_key",
+    "last_build_seconds",
+    "load_extension",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +48,13 @@ CACHE_ENV = "MILES_KERNEL_CACHE"
 BUILD_TIMEOUT_ENV = "MILES_KERNEL_BUILD_TIMEOUT"
 """Seconds to wait for another process's build of the same kernels (default 1800)."""
 COMPLETE = "COMPLETE"
+BUILD_TIMES = "build-times.json"
+"""``{what: seconds}`` of the last build of each extension on this machine, in :func:`cache_root`."""
+FIRST_BUILD = "45 s on 2 idle cores, 75-98 s sharing them with one other job, minutes on a busier machine"
+"""What a first build costs, as measured (the three Miles CPU kernels, g++ 12, -O3 -march=native, on the
+2-core development machine; 680 s there at a load average of 10-18)."""
+PROGRESS_INTERVAL = 10.0
+"""Seconds between the progress lines of a build."""
 
 
 class KernelBuildError(RuntimeError):
@@ -103,6 +121,54 @@ def _exclusive(path: Path, *, timeout: float, what: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def last_build_seconds(what: str) -> float | None:
+    """How long the last build of ``what`` took on this machine (``None``: never built here)."""
+    try:
+        value = json.loads((cache_root() / BUILD_TIMES).read_text()).get(what)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _record_build_seconds(what: str, seconds: float) -> None:
+    path = cache_root() / BUILD_TIMES
+    try:
+        times = json.loads(path.read_text())
+        times = times if isinstance(times, dict) else {}
+    except (OSError, ValueError):
+        times = {}
+    times[what] = round(seconds, 1)
+    scratch = path.with_name(f"{path.name}.{os.getpid()}")
+    scratch.write_text(json.dumps(times, indent=1))
+    scratch.replace(path)
+
+
+@contextlib.contextmanager
+def build_progress(
+    what: str, directory: Path, sources: int, *, expected: float | None, interval: float | None = None
+) -> Iterator[None]:
+    """Log every ``interval`` seconds while the block builds: the sources compiled so far (their object
+    files in ``directory``), the time spent and what the last build here took."""
+    stop = threading.Event()
+    start = time.monotonic()
+    last = f" (the last build here took {expected:.0f} s)" if expected else f" (a first build takes {FIRST_BUILD})"
+
+    def beat() -> None:
+        while not stop.wait(interval or PROGRESS_INTERVAL):
+            done = min(sources, len(list(directory.glob("*.o"))))
+            log.info(
+                "building %s: %d of %d sources compiled, %.0f s%s", what, done, sources, time.monotonic() - start, last
+            )
+
+    thread = threading.Thread(target=beat, name="miles-kernel-build", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def load_extension(
     name: str,
     sources: Sequence[Path],
@@ -144,19 +210,28 @@ def load_extension(
                 leftover.unlink()
         from torch.utils.cpp_extension import load
 
-        log.info("building %s in %s (once per machine and source version; ~40 s on 2 cores)", what, directory)
+        expected = last_build_seconds(what)
+        log.info(
+            "building %s in %s (once per machine and source version; %s)",
+            what,
+            directory,
+            f"the last build here took {expected:.0f} s" if expected else f"a first build takes {FIRST_BUILD}",
+        )
         start = time.monotonic()
         try:
-            module = load(
-                name=module_name,
-                sources=[str(path) for path in sources],
-                extra_cflags=list(extra_cflags),
-                extra_ldflags=list(extra_ldflags),
-                build_directory=str(directory),
-                verbose=False,
-            )
+            with build_progress(what, directory, len(sources), expected=expected):
+                module = load(
+                    name=module_name,
+                    sources=[str(path) for path in sources],
+                    extra_cflags=list(extra_cflags),
+                    extra_ldflags=list(extra_ldflags),
+                    build_directory=str(directory),
+                    verbose=False,
+                )
         except Exception as exc:
             raise KernelBuildError(f"building {what} in {directory} failed: {exc}") from exc
         complete.write_text(f"{key}\n")
-        log.info("built %s in %.0f s", what, time.monotonic() - start)
+        seconds = time.monotonic() - start
+        _record_build_seconds(what, seconds)
+        log.info("built %s in %.0f s (cached: later starts skip this)", what, seconds)
         return module

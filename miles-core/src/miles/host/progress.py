@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["follow_metrics", "step_summary"]
+__all__ = ["ZeroRewardNote", "follow_metrics", "step_summary"]
 
 
 def step_summary(row: dict[str, Any]) -> str:
@@ -33,6 +33,33 @@ def step_summary(row: dict[str, Any]) -> str:
     if "rollout/tokens_per_second" in row:
         parts.append(f"{row['rollout/tokens_per_second']:.0f} tok/s")
     return "  ".join(parts)
+
+
+class ZeroRewardNote:
+    """Says once, when the first ``after`` steps scored every sample 0, what that means: no learning
+    signal (what a random model shows: it writes nothing a reward recognises)."""
+
+    def __init__(self, after: int = 2) -> None:
+        self.after = after
+        self.zero_steps = 0
+        self.done = False
+
+    def see(self, row: dict[str, Any]) -> str | None:
+        if self.done or "rollout/reward_mean" not in row:
+            return None
+        if row["rollout/reward_mean"] != 0 or row.get("rollout/reward_std", 0) != 0:
+            self.done = True
+            return None
+        self.zero_steps += 1
+        if self.zero_steps < self.after:
+            return None
+        self.done = True
+        return (
+            f"note: every sample of the first {self.zero_steps} steps scored 0, so the group-relative advantages "
+            "are 0 and nothing is learned yet. A random model (the tiny smoke run's) writes nothing the reward "
+            "recognises, so this is expected there; on a real model, check the reward's settings and the labels "
+            "(miles view RUN_DIR shows each sample with its reward)."
+        )
 
 
 class _Reader:
@@ -56,18 +83,30 @@ class _Reader:
 
 @contextmanager
 def follow_metrics(
-    console: Console | None, metrics_path: Path, total: int, *, interval: float = 1.0, after_step: int = 0
+    console: Console | None,
+    metrics_path: Path,
+    total: int,
+    *,
+    interval: float = 1.0,
+    after_step: int = 0,
+    on_step: Callable[[int], object] | None = None,
 ) -> Iterator[None]:
     """Show the run's progress while the block runs (nothing without a console); ``after_step``: a resumed
-    run's rows up to its checkpoint are not shown again."""
-    if console is None:
+    run's rows up to its checkpoint are not shown again; ``on_step`` is called with each new step."""
+    if console is None and on_step is None:
         yield
         return
     reader = _Reader(metrics_path)
     for _ in reader.rows():  # (rows already there: a resumed run's earlier steps)
         pass
     stop = threading.Event()
-    if console.is_terminal:
+    zero_rewards = ZeroRewardNote()
+    if console is None:
+
+        def show(row: dict[str, Any]) -> None:
+            pass
+
+    elif console.is_terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         bar = Progress(
@@ -87,13 +126,18 @@ def follow_metrics(
     def poll() -> None:
         for row in reader.rows():
             show(row)
+            note = zero_rewards.see(row)
+            if note and console is not None:
+                console.print(note, highlight=False, soft_wrap=True)
+            if on_step is not None and isinstance(row.get("step"), (int, float)):
+                on_step(int(row["step"]))
 
     def follow() -> None:
         while not stop.wait(interval):
             poll()
 
     follower = threading.Thread(target=follow, name="miles-progress", daemon=True)
-    if console.is_terminal:
+    if console is not None and console.is_terminal:
         bar.start()
     follower.start()
     try:
@@ -102,5 +146,5 @@ def follow_metrics(
         stop.set()
         follower.join()
         poll()
-        if console.is_terminal:
+        if console is not None and console.is_terminal:
             bar.stop()  # before anything else prints: no log line runs into the bar

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from miles.auth import ServiceKeys
     from miles.compose import Run
     from miles.launch.base import Launcher, ProcessHandle
+    from miles.launch.contention import ContentionWatch
     from miles.launch.engine_restarts import EngineDeathPolicy
     from miles.rollout.backend import EngineLaunch, RolloutEngine
     from miles.rollout.router import EngineFleet
@@ -38,13 +39,22 @@ tunables it does not know, and other C libraries ignore the variable)."""
 
 
 def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, str]:
-    """Environment of a child process, with its torch thread count on CPU.
+    """Environment of a child process, with its torch thread count and OpenMP's wait policy on CPU.
 
     In ``sync`` mode engines and trainer ranks take turns, so each side may use every core (the trainer
-    ranks split them); in the async modes they run at once and every process gets its own share.
-    ``OMP_NUM_THREADS`` / ``MILES_TORCH_THREADS`` set by the user win.
+    ranks split them); in the async modes they run at once and every process gets its own share. The cores
+    are those other processes left free when the run started (:func:`miles.launch.contention.free_cores`).
+    OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``): a thread that spins at a barrier takes a
+    core from the thread it waits for whenever another process competes for the cores.
+    ``OMP_NUM_THREADS`` / ``MILES_TORCH_THREADS`` / ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` set by the user
+    win.
     """
+    from miles.launch.contention import free_cores
+
     cores = os.cpu_count() or 1
+    free = free_cores()  # what other processes left when the run started (None: not measured)
+    if free is not None:
+        cores = max(1, min(cores, round(free)))
     ranks, engines = settings.cluster.trainer_ranks, settings.cluster.num_engines
     if settings.rollout.mode == "sync":
         share = cores if role == "engine" else cores // ranks
@@ -61,6 +71,8 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
             MILES_TORCH_THREADS=os.environ.get("MILES_TORCH_THREADS", threads),
         )
+        if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         user_malloc = any(k == "GLIBC_TUNABLES" or k.startswith("MALLOC_") for k in os.environ)
         malloc = settings.cluster.engine_malloc if role == "engine" else settings.cluster.trainer_malloc
         if malloc == "keep" and not user_malloc:
@@ -333,6 +345,7 @@ def run_training(
     run_dir = prepare_run_dir(run.settings, resume=resume, overwrite=overwrite)
     resumed_at = _resume_step(run_dir, resume, console)
     model_path = run.materialize_model()
+    watch = _contention_watch(run.settings)
     settings = run.settings.model_copy(deep=True)
     settings.log.run_dir = str(run_dir)
     write_resolved_settings(settings, run_dir / "settings.json")
@@ -387,7 +400,13 @@ def run_training(
                 host=cluster.host,
             )
         try:
-            with follow_metrics(console, run_dir / "metrics.jsonl", settings.train.num_rollouts, after_step=resumed_at):
+            with follow_metrics(
+                console,
+                run_dir / "metrics.jsonl",
+                settings.train.num_rollouts,
+                after_step=resumed_at,
+                on_step=watch.step if watch is not None else None,
+            ):
                 return launcher.wait_trainers(tick=None if controller is None else controller.tick)
         finally:
             if controller is not None:
@@ -396,6 +415,17 @@ def run_training(
             transport = run.resolved.get("transport")
             if transport is None or not getattr(transport.options, "keep_after_run", False):
                 remove_scratch(run_dir)
+
+
+def _contention_watch(settings: MilesSettings) -> ContentionWatch | None:
+    """On CPU with the ``local`` launcher: measure the machine before the children start (the cores left
+    free set their thread counts) and follow the run's share of it every few steps."""
+    from miles.launch.contention import ContentionWatch, check_start
+
+    if settings.cluster.device != "cpu" or settings.cluster.launcher.name != "local":
+        return None
+    start = check_start()
+    return ContentionWatch(warned=start is not None and start.starved)
 
 
 def _resume_step(run_dir: Path, resume: str | None, console: Console | None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import signal
 import tempfile
 import time
@@ -35,6 +36,16 @@ if TYPE_CHECKING:
 __all__ = ["LocalLauncher", "LocalLauncherSettings"]
 
 log = logging.getLogger(__name__)
+
+
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:.,]+\s+(?:rank\d+\s+)?[A-Z]+\s+[\w.]+:\s*")
+
+
+def status_of(line: str, width: int = 160) -> str:
+    """A child's log line as a status: without its time, level and logger, its head kept (``building the
+    CPU kernels ...``), cut at ``width`` characters with ``...``."""
+    text = _LOG_PREFIX.sub("", line.strip())
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
 
 
 class LocalLauncherSettings(ComponentSettings):
@@ -239,9 +250,7 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
             return next_note
         for name, (process, _) in pending.items():
             last = next((line for line in reversed(process.log_tail(5).splitlines()) if line.strip()), "")
-            log.info(
-                "%s is starting (%.0f s): %s", name, now - process.started_at, last.strip()[-160:] or "no output yet"
-            )
+            log.info("%s is starting (%.0f s): %s", name, now - process.started_at, status_of(last) or "no output yet")
         return now + self.settings.progress_interval
 
     def start_trainers(self, specs: list[ProcessSpec]) -> None:

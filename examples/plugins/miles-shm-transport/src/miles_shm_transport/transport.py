@@ -11,6 +11,7 @@ Uses only Miles' public interfaces: :class:`~miles.transport.base.WeightTranspor
 :func:`~miles.transport.verify.tensor_checksum`.
 """
 
+# --8<-- [start:imports]
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from miles.training.trainer import DistContext, WeightBucket
 
 __all__ = ["ShmTransport", "ShmTransportSettings", "write_bucket"]
+# --8<-- [end:imports]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ _COPIED = (
 )
 
 
+# --8<-- [start:settings]
 class ShmTransportSettings(ComponentSettings):
     """Settings of the ``shm`` transport."""
 
@@ -59,6 +62,9 @@ class ShmTransportSettings(ComponentSettings):
     """Shared-memory folder the versions are written under (every engine must run on this host)."""
     keep_versions: int = Field(1, ge=1)
     """How many pushed versions stay in memory."""
+
+
+# --8<-- [end:settings]
 
 
 def write_bucket(path: Path, bucket: WeightBucket, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -97,6 +103,7 @@ def write_bucket(path: Path, bucket: WeightBucket, dtype: torch.dtype) -> dict[s
     return written
 
 
+# --8<-- [start:transport]
 class ShmTransport(WeightTransport[ShmTransportSettings]):
     """Safetensors in ``/dev/shm`` written without copies; engines load them from memory."""
 
@@ -156,3 +163,6 @@ class ShmTransport(WeightTransport[ShmTransportSettings]):
     async def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         self.versions = []
+
+
+# --8<-- [end:transport]

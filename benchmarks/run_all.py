@@ -32,6 +32,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
     "engine": {"full": [], "quick": ["--models", "tiny", "--batches", "1,8", "--repeats", "2"]},
     "engine_http": {"full": [], "quick": ["--quick"]},
     "weight_sync": {"full": [], "quick": ["--quick"]},
+    "weight_sync_multinode": {"full": [], "quick": ["--quick"]},  # (root: namespace hosts; else skipped)
     "disk_delta": {"full": [], "quick": ["--quick"]},
     "scaling": {"full": [], "quick": ["--quick"]},
     "router": {"full": [], "quick": ["--quick"]},
@@ -61,6 +62,7 @@ OWN_JSON = {
     "grpo_same_batch",
     "engine_http",
     "weight_sync",
+    "weight_sync_multinode",
     "disk_delta",
     "scaling",
     "router",

@@ -160,6 +160,7 @@ async def measure(rank: int, args: dict[str, Any], urls: list[str], model: Any) 
     import torch
     import torch.distributed as dist
 
+    from miles.auth import ServiceKeys
     from miles.rollout.http_client import HttpEngineClient
     from miles.training.comm import all_gather_json
     from miles.training.trainer import DistContext
@@ -179,7 +180,12 @@ async def measure(rank: int, args: dict[str, Any], urls: list[str], model: Any) 
                 local.add_(1e-5 * torch.randn(local.shape, generator=generator).sign())
 
     for engines in args["engines"]:
-        client = HttpEngineClient(urls[:engines], timeout=1800.0) if rank == 0 else None
+        keys = ServiceKeys.from_env()  # (engines beyond loopback have the run's keys: weight_sync_multinode)
+        client = (
+            HttpEngineClient(urls[:engines], timeout=1800.0, api_key=keys.api_key, admin_api_key=keys.admin_api_key)
+            if rank == 0
+            else None
+        )
         for name in args["transports"]:
             key = f"{name}/{engines}"
             try:

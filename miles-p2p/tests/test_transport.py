@@ -134,3 +134,32 @@ def test_the_next_push_follows_the_engines_to_the_one_left(job: Any) -> None:
     assert again["report_checksums"] == again["expected"]
     assert again["served"]["weight_version"] == "6" and again["served"]["checksums"] == again["expected"]
     assert again["paused"] is None  # shm-direct: the pause on the partial weights ended with version 6
+
+
+@pytest.mark.parametrize(
+    ("setting", "p2p_env", "node_env", "expected"),
+    [
+        (None, None, None, "127.0.0.1"),  # one host: the local launcher sets no node address
+        (None, None, "10.0.0.7", "10.0.0.7"),  # the ray launcher: this process's node
+        ("10.9.9.9", None, "10.0.0.7", "10.9.9.9"),  # the setting over the node
+        ("10.9.9.9", "10.1.1.1", "10.0.0.7", "10.1.1.1"),  # the per-process variable over all
+    ],
+)
+def test_the_address_defaults_to_the_processs_node_address(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, p2p_env: str | None, node_env: str | None, expected: str
+) -> None:
+    """Across nodes the store (rank 0) and each rank's Mooncake endpoint must be reachable from the engines'
+    nodes: the default comes from ``MILES_NODE_ADDRESS``, never loopback where a launcher says otherwise."""
+    from miles.node_address import NODE_ADDRESS_ENV
+    from miles_p2p.settings import P2PTransportSettings
+    from miles_p2p.transport import P2PTransport
+
+    for name, value in (("MILES_P2P_ADDRESS", p2p_env), (NODE_ADDRESS_ENV, node_env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    transport = P2PTransport(
+        P2PTransportSettings(address=setting), run_dir=".", model_path=None, engine_dtype="float32"
+    )
+    assert transport.address == expected

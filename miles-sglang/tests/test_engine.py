@@ -188,6 +188,94 @@ def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyP
     assert placed(colocate=True) == [("0", "2", "7", "bfloat16"), ("2", "2", "8", "bfloat16")]
 
 
+def test_ray_gives_each_engine_its_actors_own_gpus_on_two_nodes_of_four(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two nodes x 4 GPUs under the ``ray`` launcher, 2 trainer ranks and 3 engines of ``tp_size`` 2: Ray shows
+    each engine's process only its actor's two GPUs (``CUDA_VISIBLE_DEVICES``), so every command names GPU 0
+    (a host-wide index, 2 / 4 / 6, would point past what the process sees), listens on its own node's address
+    and is seeded by its rank."""
+    import miles_sglang.engine as engine_module
+    from miles.compose import build_run
+    from miles.host.train import launch_engines
+    from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
+    from miles.rollout.backend import EngineLaunch
+
+    monkeypatch.setattr(engine_module, "host_problems", lambda options, settings: [])  # SGLang is not here
+    nodes = {0: "10.0.0.1", 1: "10.0.0.2", 2: "10.0.0.2"}  # engine 0 beside the trainer ranks, 1 and 2 on node 2
+    seen: list[EngineLaunch] = []
+
+    class Recording(RayLauncher):  # Ray's own numbering, its placement answered here (no cluster)
+        def engine_address(self, index: int, host: str) -> tuple[str, int]:
+            return nodes[index], 30000 + index
+
+        def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
+            seen.extend(launches)
+            return []
+
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    ray = {"name": "ray", "address": "10.0.0.1:6379"}
+    base = {
+        "cluster": {"device": "cuda", "num_engines": 3, "trainer_ranks": 2},
+        "rollout": {"engine": {"name": "sglang", "tp_size": 2}},
+        "train": {"model_path": str(model), "seed": 7},
+        "precision": "bf16",
+    }
+    settings = MilesSettings.model_validate({**base, "cluster": {**base["cluster"], "launcher": ray}})
+    # (the run is built with the local launcher: this env has no Ray, which build_run would ask for)
+    run = build_run(MilesSettings.model_validate(base))
+    launcher = Recording(RayLauncherSettings(address=ray["address"]), run_dir=str(tmp_path))
+    assert launch_engines(run, launcher) == []
+    flags = [dict(zip(x.argv[3::2], x.argv[4::2], strict=False)) for x in seen]
+    assert [(f["--host"], f["--base-gpu-id"], f["--tp-size"], f["--random-seed"]) for f in flags] == [
+        ("10.0.0.1", "0", "2", "7"),
+        ("10.0.0.2", "0", "2", "8"),
+        ("10.0.0.2", "0", "2", "9"),
+    ]
+    assert all(launch.env.get("CUDA_VISIBLE_DEVICES") is None for launch in seen)  # Ray's to set, per actor
+    # engines on other nodes listen beyond loopback: the run made a key, in their environment, not on a command line
+    keys = {launch.env.get("MILES_API_KEY") for launch in seen}
+    assert len(keys) == 1 and None not in keys and not any(k in " ".join(x.argv) for k in keys for x in seen)
+    # the per-node check accepts this fleet on 2 x 4 GPUs (node 1: 2 ranks + 1 engine, node 2: 2 engines)
+    four = [{"GPU": 4.0, "CPU": 16.0}, {"GPU": 4.0, "CPU": 16.0}]
+    assert run.rollout_engine().placement_problems(four, settings) == []
+
+
+def test_node_problems_check_each_node_not_the_drivers_host() -> None:
+    """On a cluster this host's GPUs do not count (the driver may have none); each node's do: ``tp_size`` GPUs
+    on one node per engine, one per trainer rank, on the nodes offering the launcher's custom resources."""
+    from miles_sglang.checks import node_problems, places_on_nodes
+
+    def on_ray(**cluster: Any) -> MilesSettings:
+        launcher = {"name": "ray", "address": "auto", **cluster.pop("launcher", {})}
+        return MilesSettings.model_validate(
+            {"cluster": {"device": "cuda", "launcher": launcher, **cluster}, "rollout": {"engine": {"name": "sglang"}}}
+        )
+
+    two = SGLangEngineSettings(tp_size=2)
+    four = [{"GPU": 4.0}, {"GPU": 4.0}]
+    fleet = on_ray(num_engines=3, trainer_ranks=2)
+    assert places_on_nodes(fleet) and not places_on_nodes(settings_for(device="cuda"))
+    assert host_problems(two, fleet, installed=True, gpus=0) == []  # no GPU on the driver's host: fine
+    assert node_problems(two, fleet, four) == []
+    (few,) = node_problems(two, on_ray(num_engines=4, trainer_ranks=2), four)
+    assert few == (
+        "cluster.num_engines: 4 engines x rollout.engine.tp_size 2 (on one node each) + 2 trainer ranks need 10 "
+        "GPUs; the Ray cluster's nodes have 4, 4 GPUs: 4 engines and 0 trainer ranks fit"
+    )
+    (wide,) = node_problems(SGLangEngineSettings(tp_size=8), fleet, four)
+    assert wide.startswith("rollout.engine.tp_size: each engine needs 8 GPUs on one node;") and "at most 4" in wide
+    # engines only where engine_resources are offered: one 4-GPU node holds 2 engines of tp 2, not 3
+    labelled = [{"GPU": 4.0, "engine_node": 1.0}, {"GPU": 4.0, "trainer_node": 1.0}]
+    pinned = on_ray(num_engines=3, trainer_ranks=2, launcher={"engine_resources": {"engine_node": 1}})
+    (pin,) = node_problems(two, pinned, labelled)
+    assert pin.endswith("2 engines and 2 trainer ranks fit"), pin
+    # colocated: each engine shares its trainer rank's GPU
+    assert node_problems(SGLangEngineSettings(), on_ray(num_engines=2, trainer_ranks=8, colocate=True), four) == []
+
+
 def settings_for(**cluster: Any) -> MilesSettings:
     return MilesSettings.model_validate({"cluster": cluster, "rollout": {"engine": {"name": "sglang"}}})
 

@@ -46,7 +46,7 @@ CLIENT = textwrap.dedent(
 
 
 def test_a_host_reaches_another_by_its_address_never_through_loopback(namespace_hosts: NamespaceHosts) -> None:
-    a, b, c = namespace_hosts
+    a, b, c, *_ = namespace_hosts
     assert len({a.address, b.address, c.address}) == 3
     server = a.popen([sys.executable, "-c", SERVER, "7000"], stdout=subprocess.PIPE, text=True)
     try:
@@ -127,6 +127,8 @@ OWNER = textwrap.dedent(
     from miles.testing.hosts import NamespaceHosts
     hosts = NamespaceHosts(2, janitor=sys.argv[1] == "janitor").open()
     hosts[1].popen(["sleep", "1000"])
+    while not hosts[1].pids():  # (`ip netns exec` enters the namespace a moment after it starts)
+        time.sleep(0.01)
     print(hosts.prefix, hosts[1].pids()[0], flush=True)
     time.sleep(1000)
     """

@@ -543,3 +543,74 @@ def test_second_ctrl_c_does_not_interrupt_the_teardown(tmp_path: Path, script: S
         if driver.stdout is not None:
             driver.stdout.close()
     assert driver.returncode == -signal.SIGINT
+
+
+def test_an_engine_added_while_the_trainers_run_is_watched_not_waited_for_and_retired_is_no_death(
+    tmp_path: Path,
+) -> None:
+    """``add_engine`` returns at once (``engines_up`` says when it answers, one look each tick); a retired
+    engine is stopped and reaped, and ``wait_trainers`` does not take it for a death (nothing restarts it);
+    ``tick`` runs at every check."""
+    from miles.launch.engine_restarts import EngineDeathPolicy
+
+    def make(index: int, host: str, port: int) -> EngineLaunch:
+        launch = http_engine(tmp_path)
+        argv = [*launch.argv[:3], str(port), *launch.argv[4:]]  # on the address the launcher chose
+        return EngineLaunch(argv=argv, url=f"http://{host}:{port}", env=CHILD_ENV, health_path="/")
+
+    with launcher(tmp_path) as lau:
+        lau.engine_deaths = EngineDeathPolicy(restarts=3)
+        (first,) = lau.start_engines([http_engine(tmp_path)], timeout=60)
+        started = time.monotonic()
+        url = lau.add_engine(make, host="127.0.0.1")
+        assert time.monotonic() - started < 5 and lau.engine_urls == [first, url]
+        deadline = time.monotonic() + 60
+        while not lau.engines_up():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(url + "/", trust_env=False).status_code == 200
+        added = lau.engines[1]
+        assert added.name == "engine-1" and alive(added.pid)
+        lau.retire_engine(first)
+        assert gone(lau.engines[0].pid) and alive(added.pid)
+        ticks: list[float] = []
+        lau.start_trainers(trainer_specs([sys.executable, "-c", "import time; time.sleep(1)"], 1, env=CHILD_ENV))
+        assert lau.wait_trainers(timeout=60, tick=lambda: ticks.append(time.monotonic())) == 0
+        assert len(ticks) > 3  # called at each check
+        assert len(lau.engines) == 2 and lau.engines[0].reaped and alive(added.pid)  # not restarted
+
+
+KEYED_ENGINE = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Keyed(BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = self.headers.get("authorization") == "Bearer " + sys.argv[2]
+        self.send_response(200 if ok else 401)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Keyed).serve_forever()
+"""
+
+
+def test_an_engine_added_to_a_keyed_run_is_looked_at_with_the_runs_key(tmp_path: Path) -> None:
+    """Issue 46: an engine whose health path needs the run's API key (SGLang's ``/health_generate``) and
+    answers 401 without it is up for ``engines_up`` once it answers the run's key, as for ``wait_engines``."""
+    from miles.auth import ServiceKeys
+
+    def make(index: int, host: str, port: int) -> EngineLaunch:
+        argv = [sys.executable, "-c", KEYED_ENGINE, str(port), "run-key-7f3a"]
+        return EngineLaunch(argv=argv, url=f"http://{host}:{port}", env=CHILD_ENV, health_path="/health_generate")
+
+    with launcher(tmp_path) as lau:
+        lau.keys = ServiceKeys("run-key-7f3a")
+        url = lau.add_engine(make, host="127.0.0.1")
+        deadline = time.monotonic() + 60
+        while not lau.engines_up():
+            assert time.monotonic() < deadline, lau.engines[0].log_tail(20)
+            time.sleep(0.1)
+        assert httpx.get(url + "/health_generate", trust_env=False).status_code == 401  # (it does check)

@@ -242,3 +242,92 @@ def test_with_no_engine_left_generation_waits_only_while_a_restart_may_come() ->
             assert asyncio.get_running_loop().time() - start < 0.6
 
     asyncio.run(run())
+
+
+def test_a_router_this_process_cannot_reach_is_an_error_naming_it_and_routed_requests_are_counted() -> None:
+    """On another host, a router bound to its loopback cannot be reached: trainer rank 0 stops at start with
+    an error naming ``rollout.router`` (it never routes around it in silence). One it reaches counts the
+    requests it served (``rollout/routed_requests``)."""
+    import httpx
+
+    def engines_only(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "router":
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={})
+
+    async def unreachable() -> None:
+        client = HttpEngineClient(["http://engine:1"], router_url="http://router:2")
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(engines_only))
+        with pytest.raises(EngineError, match=r"rollout.router: trainer rank 0 \(on .*\) cannot reach the router"):
+            await client.wait_until_healthy(0.5, interval=0.1)
+        await client.close()
+
+    asyncio.run(unreachable())
+
+    def routed(request: httpx.Request) -> httpx.Response:
+        body = {"output_ids": [1], "meta_info": {"output_token_logprobs": [[-0.5, 1, None]], "finish_reason": None}}
+        return httpx.Response(200, json=body, headers={"x-smg-routed-worker-id": "http://engine:1"})
+
+    async def reachable() -> dict[str, float]:
+        client = HttpEngineClient(["http://engine:1"], router_url="http://router:2")
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(routed))
+        await client.wait_until_healthy(5)
+        for key in ("a", "b", "c"):
+            (out,) = await client.generate([1, 2], SamplingParams(max_new_tokens=1), routing_key=key)
+            assert out.meta_info["engine_url"] == "http://engine:1"
+        metrics = client.failover_metrics()
+        await client.close()
+        return metrics
+
+    assert asyncio.run(reachable())["rollout/routed_requests"] == 3.0
+
+
+class ClosingServer:
+    """A real HTTP server on a socket that closes its first ``closes`` connections as soon as a request arrives
+    on them, without an answer (as uvicorn closes a kept-alive connection idle for 5 s just as the client
+    reuses it), and answers ``200`` on the others."""
+
+    def __init__(self, closes: int) -> None:
+        import socket
+        import threading
+
+        self.closes = closes
+        self.connections = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                self.connections += 1
+                conn.recv(65536)
+                if self.connections > self.closes:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_connection_closed_under_a_health_probe_is_no_death() -> None:
+    """The probe is sent again on a new connection: an engine whose connection closed under the first (or the
+    second) is up; one that closes every connection does not answer."""
+    from miles.rollout.http_client import HEALTH_ATTEMPTS
+
+    async def scenario() -> None:
+        flaky, dead = ClosingServer(closes=HEALTH_ATTEMPTS - 1), ClosingServer(closes=1000)
+        try:
+            async with HttpEngineClient([flaky.url, dead.url]) as client:
+                assert await client.health() == [True, False]
+                assert flaky.connections == HEALTH_ATTEMPTS and dead.connections == HEALTH_ATTEMPTS
+                await client.check_engines()
+                assert flaky.url not in client.health_state.down and dead.url in client.health_state.down
+        finally:
+            flaky.close()
+            dead.close()
+
+    asyncio.run(scenario())

@@ -58,6 +58,11 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
 
     name: ClassVar[str] = "lora"
 
+    @classmethod
+    def shared_dirs(cls, options: LoraTransportSettings, *, run_dir: str) -> dict[str, str]:
+        """``delivery = "disk"``: the engines load each adapter from ``<run_dir>/lora`` (``tensors``: none)."""
+        return {"transport.delivery": str(Path(run_dir) / "lora")} if options.delivery == "disk" else {}
+
     def __init__(self, settings: LoraTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str):
         super().__init__(settings, run_dir=run_dir, model_path=model_path, engine_dtype=engine_dtype)
         self.root = Path(run_dir) / "lora"

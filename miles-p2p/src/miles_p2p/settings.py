@@ -18,10 +18,12 @@ class P2PTransportSettings(ComponentSettings):
     """How chunks move: ``torch`` (``torch.distributed`` point-to-point sends: gloo on CPU, NCCL on GPU),
     ``mooncake`` (the Mooncake Transfer Engine: TCP, or RDMA with ``mooncake_protocol = "rdma"``), or
     ``shm`` (shared memory: trainer ranks and engines on one host)."""
-    address: str = "127.0.0.1"
-    """This host's address as the engines reach it: the ``torch`` group's store (on trainer rank 0) and
-    what Mooncake advertises. Keep loopback on one host; on a cluster, the cluster-network address (the
-    ``MILES_P2P_ADDRESS`` environment variable overrides it per process)."""
+    address: str | None = None
+    """This process's address as the others reach it: trainer rank 0's is the ``torch`` group's store, each
+    rank's own is what Mooncake advertises to the engines. Unset: the process's node address as its launcher
+    tells it (``MILES_NODE_ADDRESS``: the ``ray`` launcher gives every process its node's IP), else
+    ``127.0.0.1`` (the ``local`` launcher: one host). ``MILES_P2P_ADDRESS`` overrides both per process (a
+    node with several networks: the one the engines reach)."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the ``torch`` group's store (0: one the OS picks as trainer rank 0 binds it)."""
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"

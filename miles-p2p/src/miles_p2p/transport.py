@@ -120,7 +120,12 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
 
     @property
     def address(self) -> str:
-        return os.environ.get("MILES_P2P_ADDRESS", self.settings.address)
+        """Where the engines reach this process: ``MILES_P2P_ADDRESS``, else ``transport.address``, else its
+        node's address (:func:`miles.node_address.node_address`: trainer rank 0's node hosts the ``torch``
+        group's store; each rank's own node is what its Mooncake endpoint advertises)."""
+        from miles.node_address import node_address
+
+        return os.environ.get("MILES_P2P_ADDRESS") or self.settings.address or node_address()
 
     # -- setup -------------------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> None:

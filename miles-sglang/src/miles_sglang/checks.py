@@ -1,10 +1,13 @@
-"""What an SGLang run needs from its host, checked before anything starts: SGLang installed and CUDA GPUs
-for every engine, or, on a CPU, SGLang with its CPU kernels and a CPU they run on. Each problem names the
-field to change and the install line (or how to build the CPU environment)."""
+"""What an SGLang run needs, checked before anything starts: SGLang installed and CUDA GPUs for every engine
+— on this host (:func:`host_problems`), or on a cluster's nodes when the launcher places the engines across
+nodes (:func:`node_problems`, from the nodes' resources) — or, on a CPU, SGLang with its CPU kernels and a CPU
+they run on. Each problem names the field to change and the install line (or how to build the CPU
+environment)."""
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from miles_sglang import cpu_host
@@ -14,7 +17,15 @@ if TYPE_CHECKING:
     from miles.settings.model import MilesSettings
     from miles_sglang.settings import SGLangEngineSettings
 
-__all__ = ["INSTALL_LINE", "cpu_problems", "host_problems", "sglang_installed", "visible_gpus"]
+__all__ = [
+    "INSTALL_LINE",
+    "cpu_problems",
+    "host_problems",
+    "node_problems",
+    "places_on_nodes",
+    "sglang_installed",
+    "visible_gpus",
+]
 
 INSTALL_LINE = f'pip install "miles-sglang[sglang]"  (SGLang {SGLANG_VERSION} with its CUDA torch; GPU hosts only)'
 
@@ -92,6 +103,8 @@ def host_problems(
     problems = []
     if not (sglang_installed() if installed is None else installed):
         problems.append(f"rollout.engine: 'sglang' is selected but SGLang is not installed: {INSTALL_LINE}")
+    if places_on_nodes(settings):
+        return problems  # the GPUs are the nodes', checked per node once the launcher lists them (node_problems)
     count = visible_gpus() if gpus is None else gpus
     engines = cluster.num_engines * options.tp_size
     # trainer rank r uses GPU r; engines share those GPUs when colocated and follow them otherwise
@@ -108,3 +121,69 @@ def host_problems(
             f"{trainers} need {need} GPUs; this host has {count}"
         )
     return problems
+
+
+def places_on_nodes(settings: MilesSettings) -> bool:
+    """Whether the launcher places the engines on the nodes of a cluster it joins (``ray`` with an
+    ``address``), not on this host: this host's GPUs are then not the engines'."""
+    launcher = settings.cluster.launcher
+    return launcher.name == "ray" and launcher.options.get("address") is not None
+
+
+def node_problems(
+    options: SGLangEngineSettings, settings: MilesSettings, nodes: Sequence[Mapping[str, float]]
+) -> list[str]:
+    """Why the fleet cannot be placed on ``nodes`` (each node's resources: ``GPU``, custom ones), empty when
+    it can. Every engine needs ``tp_size`` GPUs on one node (SGLang's tensor parallelism stays within a
+    node) on a node offering the launcher's ``engine_resources``; each trainer rank one GPU on a node offering
+    ``trainer_resources`` (colocated: engine ``i`` shares rank ``i``'s GPU). Engines are placed first,
+    largest first, each on the node with the fewest GPUs left that fits it; then the trainer ranks."""
+    cluster = settings.cluster
+    if cluster.device != "cuda":
+        return []
+    launcher = cluster.launcher.options
+    tp = options.tp_size
+
+    def offers(node: Mapping[str, float], wanted: object) -> bool:
+        wanted = wanted if isinstance(wanted, Mapping) else {}
+        return all(float(node.get(str(k), 0.0)) >= float(v) for k, v in wanted.items())
+
+    gpus = [int(node.get("GPU", 0.0)) for node in nodes]
+    engine_nodes = [i for i, node in enumerate(nodes) if offers(node, launcher.get("engine_resources"))]
+    trainer_nodes = [i for i, node in enumerate(nodes) if offers(node, launcher.get("trainer_resources"))]
+    listed = ", ".join(f"{g}" for g in gpus) or "none"
+    largest = max((gpus[i] for i in engine_nodes), default=0)
+    if not cluster.colocate and largest < tp:
+        return [
+            f"rollout.engine.tp_size: each engine needs {tp} GPUs on one node; the Ray cluster's nodes that may "
+            f"hold engines have at most {largest} (GPUs per node: {listed})"
+        ]
+    free = list(gpus)
+    engines = 0 if cluster.colocate else cluster.num_engines
+    placed = 0
+    for _ in range(engines):
+        fits = [i for i in engine_nodes if free[i] >= tp]
+        if not fits:
+            break
+        best = min(fits, key=lambda i: free[i])
+        free[best] -= tp
+        placed += 1
+    ranks = 0
+    for _ in range(cluster.trainer_ranks):
+        fits = [i for i in trainer_nodes if free[i] >= 1]
+        if not fits:
+            break
+        free[min(fits, key=lambda i: free[i])] -= 1
+        ranks += 1
+    if placed == engines and ranks == cluster.trainer_ranks:
+        return []
+    if cluster.colocate:
+        return [
+            f"cluster.trainer_ranks: {cluster.trainer_ranks} trainer ranks (each sharing its GPU with an engine) "
+            f"need {cluster.trainer_ranks} GPUs; the Ray cluster's nodes have {listed}"
+        ]
+    return [
+        f"cluster.num_engines: {cluster.num_engines} engines x rollout.engine.tp_size {tp} (on one node each) + "
+        f"{cluster.trainer_ranks} trainer ranks need {cluster.num_engines * tp + cluster.trainer_ranks} GPUs; the "
+        f"Ray cluster's nodes have {listed} GPUs: {placed} engines and {ranks} trainer ranks fit"
+    ]

@@ -32,7 +32,8 @@ class EnginePlacement:
     host: str
     port: int
     base_gpu_id: int | None
-    """First GPU of the engine (the launcher's placement: ``rank x tp_size``); ``None`` on a CPU."""
+    """First GPU of the engine, as its process numbers them (the launcher's placement: host-wide with the
+    ``local`` launcher, 0 with ``ray``, whose actors see only their own GPUs); ``None`` on a CPU."""
     seed: int
     """``train.seed + rank``: engines sample differently, reproducibly."""
     dtype: str

@@ -18,11 +18,12 @@ kernels, which no package index carries: ``scripts/sglang/cpu_env.py`` builds th
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from miles.errors import SettingsError
 from miles.rollout.backend import EngineCapabilities, EngineLaunch, RolloutEngine
-from miles_sglang.checks import host_problems
+from miles_sglang.checks import host_problems, node_problems
 from miles_sglang.command import CPU_ENV, EnginePlacement, launch_argv
 from miles_sglang.serve import keyed_launch
 from miles_sglang.settings import SGLangEngineSettings
@@ -50,10 +51,15 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
     @classmethod
     def check_settings(cls, options: SGLangEngineSettings, settings: MilesSettings) -> None:
         """Refuse a run this host cannot serve (SGLang or its CPU kernels missing, no or too few GPUs, a CPU
-        without AVX-512 BF16), before anything starts."""
+        without AVX-512 BF16), before anything starts; on a cluster the GPUs are checked per node instead
+        (:meth:`placement_problems`)."""
         problems = host_problems(options, settings)
         if problems:
             raise SettingsError("\n".join(problems))
+
+    def placement_problems(self, nodes: Sequence[Mapping[str, float]], settings: MilesSettings) -> list[str]:
+        """On a cluster: ``tp_size`` GPUs on one node per engine, one per trainer rank (:func:`node_problems`)."""
+        return node_problems(self.settings, settings, nodes)
 
     @property
     def gpus_per_engine(self) -> int:
@@ -74,7 +80,8 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
     ) -> EngineLaunch:
         """``sglang.launch_server`` on ``devices`` (the first is ``--base-gpu-id``; SGLang takes ``tp_size``
         consecutive GPUs from there) or, with ``device="cpu"``, on the CPU; seeded ``seed + rank``, ready when
-        ``/health_generate`` answers."""
+        ``/health_generate`` answers. GPU ids are as the engine's process sees them: host-wide with the
+        ``local`` launcher, from 0 with ``ray`` (each actor sees its own GPUs only)."""
         if device not in ("cuda", "cpu"):
             raise SettingsError(f"cluster.device: rollout.engine 'sglang' serves on 'cuda' or 'cpu', got {device!r}")
         on_cpu = device == "cpu"

@@ -88,7 +88,7 @@ def plugin_manager() -> PluginManager:
 def _register_commands() -> None:
     """The built-in commands, then every plugin's (``miles_register_commands``), once per process."""
     # imported here so that each command module can import `app` from this one
-    from miles.cli import bench, convert, generate, plot, plugins, serve, sessions, train, view  # noqa: F401
+    from miles.cli import bench, convert, fleet, generate, plot, plugins, serve, sessions, train, view  # noqa: F401
 
     plugin_manager().register_commands(app)
 

@@ -18,6 +18,7 @@ In the async modes training and staging run on a dedicated thread (:mod:`miles.d
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -109,6 +110,8 @@ class TrainingLoop:
         self.scorer: RewardScorer | None = None
         self.tokenizer: Any = None
         self.loggers: list[MetricsLogger] = []
+        self.follower: asyncio.Task[None] | None = None
+        """Rank 0 of a launched run: follows engines joining and leaving (:class:`~miles.driver.fleet.FleetFollower`)."""
         self.step = 0
         self.completed = False
         """Whether :func:`run_to_completion` finished the run."""
@@ -130,6 +133,8 @@ class TrainingLoop:
             self.colocation.client = self.client
             if self.client is not None:
                 await self.client.wait_until_healthy(self.settings.cluster.engine_startup_timeout)
+                if self._announced is not None:  # launched by miles train: the fleet may change (miles fleet)
+                    self._follow_fleet()
                 if self.publisher.waits_for_restarts:
                     self.client.wait_for_restarts(
                         restarts=self.settings.rollout.engine_restarts,
@@ -161,7 +166,19 @@ class TrainingLoop:
             needs_rollout=self.algorithm.needs.rollout,
         )
 
+    def _follow_fleet(self) -> None:
+        """Rank 0: a task that applies ``fleet.json``'s changes to the engine client (:mod:`miles.driver.fleet`)."""
+        from miles.driver.fleet import FleetFollower
+        from miles.rollout.http_client import HttpEngineClient
+
+        if isinstance(self.client, HttpEngineClient):
+            follower = FleetFollower(self.client, self.run_dir)
+            self.follower = asyncio.create_task(follower.run(), name="fleet-follower")
+
     async def close(self) -> None:
+        if self.follower is not None:
+            self.follower.cancel()
+            await asyncio.gather(self.follower, return_exceptions=True)
         try:
             if self.transport is not None:
                 await self.transport.close()

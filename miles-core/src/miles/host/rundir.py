@@ -31,7 +31,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RUN_OUTPUTS = (
-    "metrics.jsonl", "samples", "checkpoints", "hf", "logs", "launch.json", "fleet.json", "settings.json", "tensorboard", "weights",
+    "metrics.jsonl", "samples", "checkpoints", "hf", "logs", "launch.json", "fleet.json", "fleet", "settings.json", "tensorboard",
+    "weights",
 )  # fmt: skip
 """What a run writes into its directory."""
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from miles.launch.base import Launcher, ProcessHandle
     from miles.launch.contention import ContentionWatch
     from miles.launch.engine_restarts import EngineDeathPolicy
-    from miles.rollout.backend import EngineLaunch
+    from miles.rollout.backend import EngineLaunch, RolloutEngine
     from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 
@@ -80,6 +80,24 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
     return env
 
 
+def _weight_dirs_env(run: Run) -> dict[str, str]:
+    """``MILES_ALLOWED_WEIGHT_DIRS`` for the run's engines: the run directory and the transport's ``dir``
+    (the local engine loads weights from nowhere else; see :mod:`miles.engine.weight_paths`)."""
+    return {"MILES_ALLOWED_WEIGHT_DIRS": os.pathsep.join(allowed_weight_dirs(run))}
+
+
+def allowed_weight_dirs(run: Run) -> list[str]:
+    """Where the run's engines may load weights from: the run directory and the transport's ``dir`` (a run
+    without a transport, such as ``miles generate``: the run directory)."""
+    from miles.transport.base import weight_dirs
+
+    try:
+        options = run["transport"].options
+    except KeyError:  # no transport in this run
+        options = None
+    return weight_dirs(run.settings.log.run_dir, options)
+
+
 def services_leave_loopback(settings: MilesSettings, launcher: Launcher) -> bool:
     """Whether a service of the run listens beyond loopback: ``cluster.host`` or ``rollout.sessions.host`` is
     not loopback, or the launcher places engines on other hosts (they listen on their node's address)."""
@@ -107,32 +125,16 @@ def run_keys(settings: MilesSettings, launcher: Launcher) -> ServiceKeys:
     return launcher.keys
 
 
-def _weight_dirs_env(run: Run) -> dict[str, str]:
-    """``MILES_ALLOWED_WEIGHT_DIRS`` for the run's engines: the run directory and the transport's ``dir``
-    (the local engine loads weights from nowhere else; see :mod:`miles.engine.weight_paths`)."""
-    return {"MILES_ALLOWED_WEIGHT_DIRS": os.pathsep.join(allowed_weight_dirs(run))}
-
-
-def allowed_weight_dirs(run: Run) -> list[str]:
-    """Where the run's engines may load weights from: the run directory and the transport's ``dir`` (a run
-    without a transport, such as ``miles generate``: the run directory)."""
-    from miles.transport.base import weight_dirs
-
-    try:
-        options = run["transport"].options
-    except KeyError:  # no transport in this run
-        options = None
-    return weight_dirs(run.settings.log.run_dir, options)
-
-
 def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = None, wait: bool = True) -> list[str]:
     """Start ``cluster.num_engines`` engine servers serving the policy; return their URLs. With ``wait`` (the
     default) their prefix caches are flushed once they are up; ``wait=False`` returns without waiting for
     them (see :meth:`Launcher.wait_engines`).
 
-    On CUDA engine ``i`` gets ``gpus_per_engine`` GPUs from ``first + i x gpus_per_engine``: ``first`` is 0
-    when colocated (engines share the trainer ranks' GPUs) and ``cluster.trainer_ranks`` otherwise (trainer
-    rank ``r`` uses GPU ``r``)."""
+    On CUDA engine ``i`` gets ``gpus_per_engine`` GPUs as the launcher numbers them for its process
+    (:meth:`~miles.launch.base.Launcher.engine_devices`): on one host from ``first + i x gpus_per_engine``,
+    ``first`` being 0 when colocated (engines share the trainer ranks' GPUs) and ``cluster.trainer_ranks``
+    otherwise (trainer rank ``r`` uses GPU ``r``); with the ``ray`` launcher ``0 .. gpus_per_engine - 1``, the
+    actor's own GPUs."""
     settings = run.settings
     if settings.cluster.num_engines == 0:
         return []
@@ -142,34 +144,40 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
         from miles.errors import SettingsError
 
         raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
-    gpus = engine.gpus_per_engine
-    keys = run_keys(settings, launcher)
-    # colocated engines share the trainer's GPUs; the others take the GPUs after the trainer ranks'
-    first = 0 if settings.cluster.colocate else settings.cluster.trainer_ranks
-
-    def launch_at(i: int, host: str, port: int) -> EngineLaunch:
-        launch = engine.launch(
-            model_path=path,
-            host=host,
-            port=port,
-            device=settings.cluster.device,
-            dtype=run.engine_dtype,
-            devices=list(range(first + i * gpus, first + (i + 1) * gpus)) if settings.cluster.device == "cuda" else [],
-            rank=i,
-            seed=settings.train.seed,
-            colocate=settings.cluster.colocate,
-        )
-        launch.env = {**_child_env(settings, role="engine"), **_weight_dirs_env(run), **keys.env(), **launch.env}
-        launch.rebind = functools.partial(launch_at, i)
-        return launch
-
+    launch_at = functools.partial(engine_launch, run, launcher, engine, path)
     launches = [
         launch_at(i, *launcher.engine_address(i, settings.cluster.host)) for i in range(settings.cluster.num_engines)
     ]
     urls = launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout, wait=wait)
     if wait:
-        _flush(urls, keys)
+        _flush(urls, run_keys(settings, launcher))
     return urls
+
+
+def engine_launch(
+    run: Run, launcher: Launcher, engine: RolloutEngine, model_path: str, index: int, host: str, port: int
+) -> EngineLaunch:
+    """Engine ``index``'s launch, listening on ``host:port`` (see :func:`launch_engines`); its ``rebind`` is the
+    same engine on another address."""
+    settings = run.settings
+    # colocated engines share the trainer's GPUs; the others take the GPUs after the trainer ranks'
+    first = 0 if settings.cluster.colocate else settings.cluster.trainer_ranks
+    gpus = engine.gpus_per_engine
+    launch = engine.launch(
+        model_path=model_path,
+        host=host,
+        port=port,
+        device=settings.cluster.device,
+        dtype=run.engine_dtype,
+        devices=launcher.engine_devices(index, first=first, gpus=gpus) if settings.cluster.device == "cuda" else [],
+        rank=index,
+        seed=settings.train.seed,
+        colocate=settings.cluster.colocate,
+    )
+    keys = run_keys(settings, launcher)
+    launch.env = {**_child_env(settings, role="engine"), **_weight_dirs_env(run), **keys.env(), **launch.env}
+    launch.rebind = functools.partial(engine_launch, run, launcher, engine, model_path, index)
+    return launch
 
 
 def _flush(urls: list[str], keys: ServiceKeys) -> None:
@@ -190,22 +198,23 @@ ROUTER_BIND_ATTEMPTS = 3
 
 
 def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
-    """Start the ``rollout.router`` (smg) in front of ``engine_urls`` through the launcher, which owns it;
-    return its URL once it reports every engine healthy and registered. A router whose ports were taken before
-    it bound them is started again on others (said once in the log)."""
+    """Start the ``rollout.router`` (smg) in front of ``engine_urls`` through the launcher, which owns it and
+    says where it listens (:meth:`~miles.launch.base.Launcher.service_address`: ``cluster.host`` on this
+    machine, or a node of the cluster); return its URL once it reports every engine healthy and registered.
+    A router whose ports were taken before it bound them is started again on others (said once in the log)."""
     from miles.auth import check_bind
     from miles.errors import LaunchError
     from miles.launch.base import ProcessSpec
     from miles.launch.process import describe_exit
-    from miles.net import address_in_use, free_port
+    from miles.net import address_in_use
     from miles.rollout.router import smg_argv, smg_command, wait_for_router
 
     settings = run.settings
-    host = settings.cluster.host
     keys = run_keys(settings, launcher)
-    check_bind(host, keys, service="the router (smg)", setting="cluster.api_key")
     for attempt in range(1, ROUTER_BIND_ATTEMPTS + 1):
-        port, metrics_port = free_port(host), free_port("127.0.0.1")
+        # (the metrics port: free on the router's node, where smg serves its metrics on loopback)
+        host, (port, metrics_port) = launcher.service_address("router", settings.cluster.host, ports=2)
+        check_bind(host, keys, service="the router (smg)", setting="cluster.api_key")
         argv = smg_argv(settings.rollout.router, engine_urls, host=host, port=port, prometheus_port=metrics_port)
         spec = ProcessSpec(name="router", argv=smg_command(argv, keys), env=keys.env())
         process = launcher.start_process(spec)
@@ -274,6 +283,53 @@ def _engine_death_policy(settings: MilesSettings) -> EngineDeathPolicy:
     return EngineDeathPolicy(restarts)
 
 
+def refuse_unplaceable_engines(run: Run, launcher: Launcher) -> None:
+    """On a cluster (:meth:`~miles.launch.base.Launcher.nodes`), the rollout engine's own check of its
+    placement (:meth:`~miles.rollout.backend.RolloutEngine.placement_problems`: SGLang's GPUs per node), before
+    anything is reserved. Raises :class:`~miles.errors.SettingsError` with every problem."""
+    from miles.errors import SettingsError
+
+    nodes = launcher.nodes()
+    if nodes is None:
+        return
+    problems = run.rollout_engine().placement_problems(nodes, run.settings)
+    if problems:
+        raise SettingsError("\n".join(problems))
+
+
+def refuse_unshared_dirs(run: Run, launcher: Launcher, run_dir: Path, *, engines: bool) -> None:
+    """Refuse, before anything starts, a run whose processes would not see the directories they share: the
+    run directory (the driver writes the settings, every trainer rank reads them, rank 0 writes the metrics
+    the driver follows) and the transport's :meth:`~miles.transport.base.WeightTransport.shared_dirs` (rank 0
+    writes, every engine reads). The launcher tells (:meth:`~miles.launch.base.Launcher.unshared`: on one
+    host every path is shared). Raises :class:`~miles.errors.SettingsError` naming each field."""
+    from miles.errors import SettingsError
+
+    checks: list[tuple[str, str, tuple[str, ...]]] = [("log.run_dir", str(run_dir), ("driver", "trainer"))]
+    if engines and "transport" in run.resolved:
+        entry = run["transport"]
+        shared_dirs = getattr(entry.registration.component, "shared_dirs", None)
+        if shared_dirs is not None:
+            for field, path in shared_dirs(entry.options, run_dir=str(run_dir)).items():
+                checks.append((field, path, ("engine",)))
+    problems = []
+    for field, path, roles in checks:
+        missing = launcher.unshared(path, roles=roles)
+        if missing:
+            problems.append(
+                f"{field}: {path} is not a directory every node of the run shares: {'; '.join(missing)} "
+                "do(es) not see what trainer rank 0 writes there. Use a path on a file system every node mounts at "
+                "the same place (NFS, Lustre ...)"
+                + (
+                    ", or a transport that moves weights over the network (broadcast, p2p)"
+                    if field != "log.run_dir"
+                    else ""
+                )
+            )
+    if problems:
+        raise SettingsError("\n".join(problems))
+
+
 def run_training(
     run: Run, *, resume: str | None = None, overwrite: bool = False, console: Console | None = None
 ) -> int:
@@ -283,17 +339,21 @@ def run_training(
     :param overwrite: replace what an earlier run left in ``log.run_dir``; without it (or ``resume``) a
         run directory that holds a run is refused, so nothing an earlier run produced is lost.
     """
+    from miles.host.fleet import FleetController
     from miles.launch.rendezvous import trainer_specs
 
     run_dir = prepare_run_dir(run.settings, resume=resume, overwrite=overwrite)
     resumed_at = _resume_step(run_dir, resume, console)
-    run.materialize_model()
+    model_path = run.materialize_model()
     watch = _contention_watch(run.settings)
     settings = run.settings.model_copy(deep=True)
     settings.log.run_dir = str(run_dir)
     write_resolved_settings(settings, run_dir / "settings.json")
     with run.launcher(run_dir=str(run_dir)) as launcher:
         cluster = settings.cluster
+        engines = run.algorithm.needs.rollout and cluster.num_engines > 0
+        if engines:
+            refuse_unplaceable_engines(run, launcher)
         launcher.reserve(
             trainer_ranks=cluster.trainer_ranks,
             num_engines=cluster.num_engines if run.algorithm.needs.rollout else 0,
@@ -302,12 +362,12 @@ def run_training(
             gpus_per_engine=run.rollout_engine().gpus_per_engine if run.algorithm.needs.rollout else 0,
         )
         launcher.engine_deaths = _engine_death_policy(settings)
+        refuse_unshared_dirs(run, launcher, run_dir, engines=engines)
         keys = run_keys(settings, launcher)  # (before anything starts: every process of the run gets them)
         # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
         # rank 0 waits for the fleet (fleet.json, written here once every engine and the router answer).
         # Colocated, they share the trainer's devices: they start once every rank has loaded and offloaded
         # (rank 0 writes LOADED_FILE), so an engine's memory profile never races the trainer's load
-        engines = run.algorithm.needs.rollout and cluster.num_engines > 0
         after_trainers = engines and cluster.colocate
         (run_dir / FLEET_FILE).unlink(missing_ok=True)  # a resumed run's old engines are gone
         (run_dir / LOADED_FILE).unlink(missing_ok=True)
@@ -319,6 +379,7 @@ def run_training(
             [sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env
         )
         launcher.start_trainers(specs)
+        controller = None
         if after_trainers:
             loaded = run_dir / LOADED_FILE
             launcher.wait_until(
@@ -329,7 +390,15 @@ def run_training(
             log.info("colocated: the trainer ranks have loaded and offloaded; starting the engines")
             launch_engines(run, launcher, wait=False)
         if engines:
-            finish_fleet(run, launcher).announce(run_dir / FLEET_FILE)
+            # fleet.json, announced now; from here on engines may join and leave (``miles fleet add|remove``)
+            controller = FleetController(
+                run,
+                launcher,
+                run_dir,
+                finish_fleet(run, launcher),
+                launch=functools.partial(engine_launch, run, launcher, run.rollout_engine(), model_path),
+                host=cluster.host,
+            )
         try:
             with follow_metrics(
                 console,
@@ -338,8 +407,10 @@ def run_training(
                 after_step=resumed_at,
                 on_step=watch.step if watch is not None else None,
             ):
-                return launcher.wait_trainers()
+                return launcher.wait_trainers(tick=None if controller is None else controller.tick)
         finally:
+            if controller is not None:
+                controller.close()
             launcher.shutdown()  # (every process reaped before its files go)
             transport = run.resolved.get("transport")
             if transport is None or not getattr(transport.options, "keep_after_run", False):

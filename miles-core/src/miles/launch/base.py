@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
 from miles.auth import ServiceKeys
 from miles.components import Component, SettingsT
+from miles.errors import LaunchError
 from miles.launch.engine_restarts import EngineDeathPolicy
 from miles.rollout.backend import EngineLaunch
 
@@ -78,6 +79,27 @@ class Launcher(Component[SettingsT], ABC):
         """The run's shape, told before anything starts: a launcher that places processes on a cluster
         reserves their resources here (the ``ray`` launcher makes its placement group). Default: nothing."""
 
+    def nodes(self) -> list[dict[str, float]] | None:
+        """The machines this launcher places processes on, each as the resources it offers (``GPU``, ``CPU``,
+        custom ones), for the checks a rollout engine makes before the run starts
+        (:meth:`~miles.rollout.backend.RolloutEngine.placement_problems`); ``None``: this host only (the
+        engine checks what this host has).
+
+        .. versionadded:: 0.1
+        """
+        return None
+
+    def engine_devices(self, index: int, *, first: int, gpus: int) -> list[int]:
+        """The CUDA device ids engine ``index`` uses, as its process numbers them. Default (every GPU of this
+        host visible to every process): ``gpus`` from ``first + index x gpus``, ``first`` being where the
+        engines' GPUs start (after the trainer ranks', or 0 when colocated). A launcher that shows each
+        process only its own GPUs (``CUDA_VISIBLE_DEVICES``) answers ``0 .. gpus - 1``.
+
+        .. versionadded:: 0.1
+        """
+        start = first + index * gpus
+        return list(range(start, start + gpus))
+
     def engine_address(self, index: int, host: str) -> tuple[str, int]:
         """Host and port engine ``index`` will listen on (default: :func:`miles.net.free_port` on ``host``,
         this machine).
@@ -87,9 +109,37 @@ class Launcher(Component[SettingsT], ABC):
 
         return host, free_port(host)
 
+    def unshared(self, directory: str, *, roles: Sequence[str]) -> list[str]:
+        """The run's processes that would not see what trainer rank 0 writes under ``directory`` (created if
+        missing), among ``roles`` (``driver``: this process; ``trainer``; ``engine``), each named with where it
+        runs. Called after :meth:`reserve`, before anything starts.
+
+        A launcher that places processes on several machines checks it (the ``ray`` launcher: a marker file
+        written on rank 0's node, read on each other node); the default, every process on this host, sees
+        every path.
+
+        .. versionadded:: 0.1
+        """
+        return []
+
+    def service_address(self, name: str, host: str, *, ports: int = 1) -> tuple[str, list[int]]:
+        """Where helper service ``name`` (the ``router``) will listen: a host and ``ports`` free ports there
+        (default: ``host`` on this machine, :func:`miles.net.free_port`). :meth:`start_process` then starts a
+        process of that name where the address is.
+
+        A launcher that places services on a cluster answers with an address on the service's node, one that
+        every node reaches.
+
+        .. versionadded:: 0.1
+        """
+        from miles.net import free_port
+
+        return host, [free_port(host) for _ in range(ports)]
+
     @abstractmethod
     def start_process(self, spec: ProcessSpec) -> ProcessHandle:
-        """Start one process (a router, a reward server ...) that the launcher then owns."""
+        """Start one process (a router, a reward server ...) that the launcher then owns; a service placed by
+        :meth:`service_address` under ``spec.name`` starts where its address is."""
 
     @abstractmethod
     def start_engines(self, launches: list[EngineLaunch], *, timeout: float, wait: bool = True) -> list[str]:
@@ -116,13 +166,46 @@ class Launcher(Component[SettingsT], ABC):
         hosts on rank 0's host (:func:`miles.net.host_store`, bound before the ranks are told its port), which
         the ranks join as clients (``TORCHELASTIC_USE_AGENT_STORE``)."""
 
+    def add_engine(
+        self, make: Callable[[int, str, int], EngineLaunch], *, host: str, resources: dict[str, float] | None = None
+    ) -> str:
+        """Start one more engine while the run goes on (``miles fleet add``), without waiting for it: ``make(index,
+        host, port)`` builds its launch for the address this launcher gives engine ``index`` (the next one);
+        ``resources`` are custom resources its node must offer, in place of the launcher's engine defaults (a
+        node that joined the cluster for it). Returns its URL; :meth:`engines_up` says when it answers.
+
+        .. versionadded:: 0.1
+        """
+        raise LaunchError(f"the {type(self).__name__} launcher cannot add engines while a run goes on")
+
+    def engines_up(self) -> bool:
+        """Whether the engines started without waiting (:meth:`add_engine`) all answer, without blocking; raises
+        :class:`~miles.errors.LaunchError` as :meth:`wait_engines` would when one exits first. Default: waits
+        (:meth:`wait_engines`, five minutes at most).
+
+        .. versionadded:: 0.1
+        """
+        self.wait_engines(timeout=300.0)
+        return True
+
+    def retire_engine(self, url: str) -> None:
+        """Stop the engine at ``url`` for good (``miles fleet remove``, once no traffic goes to it): terminated
+        and reaped, and not an engine death (nothing restarts it).
+
+        .. versionadded:: 0.1
+        """
+        raise LaunchError(f"the {type(self).__name__} launcher cannot remove engines while a run goes on")
+
     @abstractmethod
-    def wait_trainers(self, *, timeout: float | None = None) -> int:
+    def wait_trainers(self, *, timeout: float | None = None, tick: Callable[[], None] | None = None) -> int:
         """Block until every trainer rank exits successfully; return 0.
 
         When a rank fails (or ``timeout`` passes), everything is shut down and
         :class:`~miles.errors.LaunchError` names the process, its exit code and its log tail. An engine that
         dies is restarted, left out or ends the run as :attr:`engine_deaths` decides.
+
+        :param tick: called on the launcher's thread at every check of the processes (the fleet's changes:
+            :class:`~miles.host.fleet.FleetController`); it must not block for long.
         """
 
     @abstractmethod

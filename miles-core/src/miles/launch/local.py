@@ -8,6 +8,7 @@ SIGTERM to each child's process group, a grace period, then SIGKILL. The same co
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -15,6 +16,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from pydantic import Field
@@ -27,6 +29,9 @@ from miles.launch.process import LocalProcess, SupervisedProcess, describe_exit
 from miles.launch.rendezvous import RendezvousStore
 from miles.net import address_in_use
 from miles.rollout.backend import EngineLaunch
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["LocalLauncher", "LocalLauncherSettings"]
 
@@ -88,7 +93,7 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         self._stopped = False
 
     # -- starting ----------------------------------------------------------------------------------
-    def start_process(self, spec: ProcessSpec) -> LocalProcess:
+    def start_process(self, spec: ProcessSpec) -> SupervisedProcess:
         if self._closed:
             raise LaunchError(f"cannot start {spec.name!r}: the launcher was shut down")
         if any(p.name == spec.name and not p.reaped and p.exit_status() is None for p in self.processes):
@@ -149,6 +154,27 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         self.engine_urls[index] = moved.url
         return again, moved.url.rstrip("/") + moved.health_path
 
+    def _probe(self, pending: dict[str, tuple[SupervisedProcess, str]], client: httpx.Client) -> None:
+        """One look at each engine of ``pending`` (name -> process, health URL): those that answer leave it, one
+        whose port was taken is started again elsewhere, one that exited raises."""
+        import httpx
+
+        for name, (process, url) in list(pending.items()):
+            code = process.exit_status()
+            if code is not None and address_in_use(code, process.log_tail(self.settings.log_tail_lines)):
+                moved = self._rebind(process)
+                if moved is not None:
+                    pending[name] = moved
+                    continue
+            if code is not None:
+                raise self._failure(process, f"{name} exited ({describe_exit(code)}) before answering {url}", code)
+            try:
+                if client.get(url).status_code == 200:
+                    log.info("%s is up at %s (%.1f s)", name, url, time.monotonic() - process.started_at)
+                    del pending[name]
+            except httpx.TransportError:
+                pass
+
     def wait_engines(self, *, timeout: float) -> list[str]:
         import httpx
 
@@ -161,23 +187,7 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
             headers = self.keys.headers() if self.keys is not None else {}
             with httpx.Client(timeout=min(5.0, timeout), trust_env=False, headers=headers) as client:
                 while pending:
-                    for name, (process, url) in list(pending.items()):
-                        code = process.exit_status()
-                        if code is not None and address_in_use(code, process.log_tail(self.settings.log_tail_lines)):
-                            moved = self._rebind(process)
-                            if moved is not None:
-                                pending[name] = moved
-                                continue
-                        if code is not None:
-                            raise self._failure(
-                                process, f"{name} exited ({describe_exit(code)}) before answering {url}", code
-                            )
-                        try:
-                            if client.get(url).status_code == 200:
-                                log.info("%s is up at %s (%.1f s)", name, url, time.monotonic() - process.started_at)
-                                del pending[name]
-                        except httpx.TransportError:
-                            pass
+                    self._probe(pending, client)
                     if pending and time.monotonic() >= deadline:
                         process, url = next(iter(pending.values()))
                         raise self._failure(
@@ -192,6 +202,45 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         finally:
             self._starting = []
         return list(self.engine_urls)
+
+    def add_engine(
+        self, make: Callable[[int, str, int], EngineLaunch], *, host: str, resources: dict[str, float] | None = None
+    ) -> str:
+        """Engine ``len(engines)`` on this host (``resources`` do not apply here), started without waiting."""
+        index = len(self.engines)
+        self._place_engine(index, resources)
+        launch = make(index, *self.engine_address(index, host))
+        launch.rebind = functools.partial(make, index)
+        (url,) = self.start_engines([launch], timeout=0.0, wait=False)
+        return url
+
+    def _place_engine(self, index: int, resources: dict[str, float] | None) -> None:
+        """Reserve what engine ``index`` (one more while the run goes on) needs; here nothing."""
+
+    def engines_up(self) -> bool:
+        """One look at the engines started without waiting (:meth:`wait_engines` without blocking; the health
+        path asked with the run's API key, as there: SGLang's ``/health_generate`` needs it)."""
+        import httpx
+
+        pending = {p.name: (p, url) for p, url in self._starting}
+        headers = self.keys.headers() if self.keys is not None else {}
+        try:
+            with httpx.Client(timeout=2.0, trust_env=False, headers=headers) as client:
+                self._probe(pending, client)
+        except BaseException:
+            self._stop([p for p, _ in self._starting] + [p for p, _ in pending.values()])
+            self._starting = []
+            raise
+        self._starting = [(p, url) for p, url in pending.values()]
+        return not self._starting
+
+    def retire_engine(self, url: str) -> None:
+        """Terminate and reap the engine at ``url``; a reaped engine is no death (nothing restarts it)."""
+        index = self.engine_urls.index(url.rstrip("/"))
+        engine = self.engines[index]
+        self._stop([engine])
+        self._starting = [(p, u) for p, u in self._starting if p is not engine]
+        log.info("%s (%s) was removed from the fleet and stopped", engine.name, url)
 
     def _note_progress(self, pending: dict[str, tuple[SupervisedProcess, str]], next_note: float) -> float:
         """Every ``progress_interval`` seconds, say which engines are still starting and what each is doing
@@ -221,10 +270,10 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         self.trainers = trainers
 
     # -- waiting -----------------------------------------------------------------------------------
-    def wait_trainers(self, *, timeout: float | None = None) -> int:
+    def wait_trainers(self, *, timeout: float | None = None, tick: Callable[[], None] | None = None) -> int:
         if not self.trainers:
             raise LaunchError("wait_trainers: no trainer ranks were started")
-        self._supervise(lambda: False, timeout=timeout, waiting_for="trainer ranks still running")
+        self._supervise(lambda: False, timeout=timeout, waiting_for="trainer ranks still running", tick=tick)
         for trainer in self.trainers:
             trainer.reap()
         log.info("all %d trainer ranks finished", len(self.trainers))
@@ -233,12 +282,21 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
     def wait_until(self, condition: Callable[[], bool], *, timeout: float, waiting_for: str) -> None:
         self._supervise(condition, timeout=timeout, waiting_for=waiting_for)
 
-    def _supervise(self, condition: Callable[[], bool], *, timeout: float | None, waiting_for: str) -> None:
+    def _supervise(
+        self,
+        condition: Callable[[], bool],
+        *,
+        timeout: float | None,
+        waiting_for: str,
+        tick: Callable[[], None] | None = None,
+    ) -> None:
         """Watch the processes until ``condition()`` holds or every trainer rank finished: a rank that fails
         or ``timeout`` passing shuts everything down (:class:`LaunchError`); engine deaths go to
-        :attr:`engine_deaths`."""
+        :attr:`engine_deaths`; ``tick`` is called at every check (:meth:`wait_trainers`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if tick is not None:
+                tick()
             for engine in list(self.engines):
                 code = engine.exit_status()
                 if code is not None and not engine.reaped:

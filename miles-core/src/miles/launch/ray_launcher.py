@@ -8,7 +8,8 @@ trainer rank 0's actor hosts the ``torch.distributed`` store (its node IP, a por
 each engine listens on its own node's IP. Every process gets its node's IP in ``MILES_NODE_ADDRESS``
 (:mod:`miles.node_address`): trainer rank 0 hosts the ``broadcast`` transport's store there. The driver
 (rollout manager included, in trainer rank 0) is the same code as with ``local``; helpers such as the
-router run on the driver's host. Supervision, error messages and the stop order are the ``local``
+router run on the driver's host unless ``router_resources`` places the router on a node of the cluster
+(:meth:`RayLauncher.service_address`). Supervision, error messages and the stop order are the ``local``
 launcher's, with the actor and its node named; a dead actor reads as a process killed by SIGKILL. Shutdown
 reaps every process through its actor, ends the actors, removes the placement group and leaves the cluster
 (stopping it when this launcher started it).
@@ -22,8 +23,11 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
+import socket
 import sys
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import Field
@@ -60,6 +64,13 @@ class RayLauncherSettings(LocalLauncherSettings):
     """Custom Ray resources in each trainer bundle (``{trainer_node = 1}`` pins ranks to nodes offering it)."""
     engine_resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources in each engine bundle."""
+    router_resources: dict[str, float] | None = None
+    """Custom Ray resources of the router's bundle (``rollout.router = "smg"``): it then runs on a node that
+    offers them (``{router_node = 1}``: a node of its own), listening on that node's IP. Unset: on the
+    driver's host, listening on ``cluster.host`` — or, when that is loopback and the run joined a cluster
+    (``address``), on the driver's node IP, so that trainer rank 0 reaches it from any node."""
+    router_cpus: float = Field(0.5, gt=0)
+    """CPUs in the router's bundle (with ``router_resources``)."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy across nodes."""
     placement_timeout: float = Field(120.0, gt=0)
@@ -97,6 +108,7 @@ class RayLauncher(LocalLauncher):
         self._owners: dict[tuple[str, int], tuple[Any, dict[str, Any], str]] = {}
         """(role, index) -> (actor, its node, its name), created on first use."""
         self._device = "cpu"
+        self._gpus_per_engine = 1
         self.placement: dict[str, dict[str, Any]] = {}
         """Process name -> its actor's node (also written to ``<run_dir>/logs/placement.json``)."""
 
@@ -135,6 +147,7 @@ class RayLauncher(LocalLauncher):
         """One placement group: a bundle per trainer rank, then (disaggregated) one per engine."""
         s = self.ray_settings
         self._device = device
+        self._gpus_per_engine = gpus_per_engine
         cuda = device == "cuda"
         trainer = {"CPU": s.trainer_cpus, **s.trainer_resources, **({"GPU": 1.0} if cuda else {})}
         engine = {"CPU": s.engine_cpus, **s.engine_resources, **({"GPU": float(gpus_per_engine)} if cuda else {})}
@@ -203,11 +216,7 @@ class RayLauncher(LocalLauncher):
         if (role, index) in self._owners:
             return self._owners[role, index]
         if (role, index) not in self._slots:  # not reserved (``miles generate`` starts engines only): one bundle
-            s = self.ray_settings
-            cpus, extra = (
-                (s.engine_cpus, s.engine_resources) if role == "engine" else (s.trainer_cpus, s.trainer_resources)
-            )
-            alone = {"CPU": cpus, **extra, **({"GPU": 1.0} if self._device == "cuda" else {})}
+            alone = self._service_bundle(role) or self._alone_bundle(role)
             self._place([alone], {(role, index): (0, alone)})
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -239,7 +248,143 @@ class RayLauncher(LocalLauncher):
         self._owners[role, index] = (actor, node, name)
         return self._owners[role, index]
 
+    def _place_engine(self, index: int, resources: dict[str, float] | None) -> None:
+        """Engine ``index``, one more while the run goes on, in a placement group of its own: ``engine_cpus``
+        (and its GPUs) with ``resources`` in place of ``engine_resources`` (a node that joined the cluster for
+        it); its group goes when the engine is retired."""
+        if resources is None or ("engine", index) in self._slots:
+            return
+        s = self.ray_settings
+        bundle = {
+            "CPU": s.engine_cpus,
+            **resources,
+            **({"GPU": float(self._gpus_per_engine)} if self._device == "cuda" else {}),
+        }
+        self._place([bundle], {("engine", index): (0, bundle)})
+
+    def retire_engine(self, url: str) -> None:
+        """Stop the engine (through its actor), then give its placement group back when it held only that
+        engine (one added while the run went on)."""
+        from ray.util.placement_group import remove_placement_group
+
+        index = self.engine_urls.index(url.rstrip("/"))
+        super().retire_engine(url)
+        slot = self._slots.get(("engine", index))
+        if slot is not None and sum(1 for g, _, _ in self._slots.values() if g is slot[0]) == 1:
+            remove_placement_group(slot[0])
+            self._groups.remove(slot[0])
+            del self._slots["engine", index]
+
+    def _alone_bundle(self, role: str) -> dict[str, float]:
+        """The bundle of one engine or trainer rank placed on its own (not in the run's placement group)."""
+        s = self.ray_settings
+        if role == "engine":
+            gpus = {"GPU": float(self._gpus_per_engine)} if self._device == "cuda" else {}
+            return {"CPU": s.engine_cpus, **s.engine_resources, **gpus}
+        return {"CPU": s.trainer_cpus, **s.trainer_resources, **({"GPU": 1.0} if self._device == "cuda" else {})}
+
+    def _service_bundle(self, name: str) -> dict[str, float] | None:
+        """The bundle of helper service ``name`` when the settings place it on a node (the router with
+        ``router_resources``), else ``None`` (it runs on the driver's host)."""
+        s = self.ray_settings
+        if name == "router" and s.router_resources is not None:
+            return {"CPU": s.router_cpus, **s.router_resources}
+        return None
+
+    def _driver_address(self, host: str) -> str:
+        """Where a service on the driver's host listens: ``host``, unless it is loopback while the run joined a
+        cluster (``address``): then the driver's node IP, which the other nodes reach."""
+        import ray
+
+        if self.ray_settings.address is None or not host.startswith("127."):
+            return host
+        self._connect(0.0, {})
+        ip = str(ray.util.get_node_ip_address())
+        if ip != host:
+            log.info("services on the driver's host listen on its node IP %s (cluster.host is %s)", ip, host)
+        return ip
+
+    # -- what the nodes offer and share -------------------------------------------------------------
+    def nodes(self) -> list[dict[str, float]] | None:
+        """The alive nodes' resources, of a cluster this run joined (``address``); ``None`` for the one-node
+        cluster this launcher starts on this host."""
+        import ray
+
+        if self.ray_settings.address is None:
+            return None
+        self._connect(0.0, {})
+        return [
+            {str(k): float(v) for k, v in node.get("Resources", {}).items()}
+            for node in ray.nodes()
+            if node.get("Alive")
+        ]
+
+    def engine_devices(self, index: int, *, first: int, gpus: int) -> list[int]:
+        """Each engine's process sees only its actor's GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``): ``0 .. gpus - 1``,
+        wherever the engine lands."""
+        return list(range(gpus))
+
+    def unshared(self, directory: str, *, roles: Sequence[str]) -> list[str]:
+        """Trainer rank 0's actor writes a marker file under ``directory``; the driver (role ``driver``) and
+        the actor of every other reserved process of ``roles`` read it where they run. A one-node cluster this
+        launcher started (no ``address``) shares every path."""
+        import ray
+
+        if self.ray_settings.address is None or ("trainer", 0) not in self._slots:
+            return []
+        timeout = self.ray_settings.call_timeout
+        writer, node0, _ = self._owner("trainer", 0)
+        token = secrets.token_hex(8)
+        marker = str(ray.get(writer.write_marker.remote(os.path.abspath(directory), token), timeout=timeout))
+        if marker.startswith("error: "):
+            return [f"trainer rank 0 (node {node0['ip']}) cannot write there ({marker[7:]})"]
+        missing: list[str] = []
+        try:
+            if "driver" in roles:
+                try:
+                    with open(marker) as fh:
+                        seen: str | None = fh.read()
+                except OSError:
+                    seen = None
+                if seen != token:
+                    missing.append(f"the driver (miles train, on {socket.gethostname()})")
+            for role, index in sorted(self._slots):
+                if role not in roles or (role, index) == ("trainer", 0):
+                    continue
+                actor, node, _ = self._owner(role, index)
+                if ray.get(actor.read_marker.remote(marker), timeout=timeout) != token:
+                    who = f"trainer rank {index}" if role == "trainer" else f"{role}-{index}"
+                    missing.append(f"{who} (node {node['ip']}, {node['hostname']})")
+        finally:
+            ray.get(writer.remove_marker.remote(marker), timeout=timeout)
+        return missing
+
     # -- starting ----------------------------------------------------------------------------------
+    def service_address(self, name: str, host: str, *, ports: int = 1) -> tuple[str, list[int]]:
+        """A service placed on a node (:meth:`_service_bundle`) listens on that node's IP; others on the
+        driver's host (:meth:`_driver_address`). A process of that name that exited (its port was taken) is
+        released first, so its actor gives the bundle back."""
+        import ray
+
+        from miles.net import free_port
+
+        for process in self.processes:
+            if process.name == name and not process.reaped and process.exit_status() is not None:
+                process.reap()
+        if self._service_bundle(name) is None:
+            address = self._driver_address(host)
+            return address, [free_port(address) for _ in range(ports)]
+        actor, node, _ = self._owner(name, 0)
+        ip = str(node["ip"])
+        timeout = self.ray_settings.call_timeout
+        return ip, [int(ray.get(actor.free_port.remote(ip), timeout=timeout)) for _ in range(ports)]
+
+    def start_process(self, spec: ProcessSpec) -> SupervisedProcess:
+        """A service placed on a node (:meth:`service_address`) starts in its actor there; others on this host."""
+        if self._service_bundle(spec.name) is not None and (spec.name, 0) in self._slots:
+            return self._start_member(spec, spec.name, 0)
+        return super().start_process(spec)
+
     def engine_address(self, index: int, host: str) -> tuple[str, int]:
         """Engine ``index`` listens on its actor's node IP, on a port free there."""
         import ray

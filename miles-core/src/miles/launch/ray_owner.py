@@ -58,6 +58,32 @@ class ProcessOwner:
         self.rendezvous = RendezvousStore(host)
         return self.rendezvous.env()
 
+    def write_marker(self, directory: str, token: str) -> str:
+        """Create ``directory`` (with parents) and a marker file holding ``token`` in it; return its path, or
+        ``error: ...`` when this node cannot write there."""
+        try:
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f".miles-shared-{token}")
+            with open(path, "w") as fh:
+                fh.write(token)
+        except OSError as exc:
+            return f"error: {exc}"
+        return path
+
+    def read_marker(self, path: str) -> str | None:
+        """What the marker file at ``path`` holds as this node sees it (``None``: it is not there)."""
+        try:
+            with open(path) as fh:
+                return fh.read()
+        except OSError:
+            return None
+
+    def remove_marker(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
     def start(self, spec: ProcessSpec, driver_python: str) -> int:
         """Start ``spec`` here (the driver's Python replaced by this node's; this actor's GPUs visible)."""
         if self.process is not None and not self.process.reaped:

@@ -8,7 +8,7 @@ goes through the HTTP protocol and the :class:`~miles.rollout.client.EngineClien
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -17,6 +17,7 @@ from miles.components import Component, SettingsT
 from miles.errors import SettingsError
 
 if TYPE_CHECKING:
+    from miles.settings.model import MilesSettings
     from miles.training.adapter import LowRankSpec
 
 __all__ = ["EngineCapabilities", "EngineLaunch", "RolloutEngine"]
@@ -75,6 +76,17 @@ class RolloutEngine(Component[SettingsT], ABC):
     """Whether the run asks every ``/generate`` for the routed experts (MoE routing replay), set by the
     composition root before :meth:`launch`: an engine that must be told at launch (SGLang's
     ``--enable-return-routed-experts``) reads it."""
+
+    def placement_problems(self, nodes: Sequence[Mapping[str, float]], settings: MilesSettings) -> list[str]:
+        """Why the run's engines cannot be placed on ``nodes`` (the cluster's machines, each as the resources it
+        offers: ``GPU``, ``CPU``, custom ones; :meth:`~miles.launch.base.Launcher.nodes`), each problem naming
+        the field to change; empty when they can. Asked before anything starts when the launcher places
+        processes on a cluster (on one host, :meth:`check_settings`-style checks of this host apply).
+        Default: no constraint beyond the launcher's own.
+
+        .. versionadded:: 0.1
+        """
+        return []
 
     @property
     def gpus_per_engine(self) -> int:

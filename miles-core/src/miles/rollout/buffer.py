@@ -64,7 +64,7 @@ def pending_group(group: SampleGroup) -> SampleGroup:
             prompt=s.prompt,
             prompt_messages=s.prompt_messages,
             label=s.label,
-            metadata={k: v for k, v in s.metadata.items() if k not in ("cached_tokens", "prompt_tokens")},
+            metadata={k: v for k, v in s.metadata.items() if k not in ("cached_tokens", "prompt_tokens", "engine")},
         )
         for s in group.samples
     ]

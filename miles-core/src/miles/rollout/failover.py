@@ -14,6 +14,12 @@ generation raises :class:`NoEngineLeftError` and the run stops (fail-stop) — u
 still be restarted (:attr:`EngineHealth.restarts`, ``rollout.engine_restarts``, in ``sync`` runs): then
 generation waits for an engine to serve again, while the training loop has the trainer's current weights
 pushed to the restarted engine (:meth:`miles.driver.loop.TrainingLoop.obtain_groups_or_republish`).
+
+The fleet may also change on purpose while the run goes on (``miles fleet add|remove``,
+:mod:`miles.driver.fleet`): an engine that joins (:meth:`EngineHealth.add`) is rejoining from the start — it
+takes the next weight push and serves once that push is verified; an engine that leaves is first
+*draining* (:meth:`EngineHealth.drain`: no new generation, its requests in flight finish, it still takes
+control calls) and then removed (:meth:`EngineHealth.remove`).
 """
 
 from __future__ import annotations
@@ -51,10 +57,49 @@ class EngineHealth:
         """Times each engine was marked down."""
         self.restarts = 0
         """Times the launcher may restart each engine (``rollout.engine_restarts``, where a run waits for it)."""
+        self.draining: set[str] = set()
+        """Engines leaving the fleet: no new generation; removed once their requests in flight are done."""
+        self.added = 0
+        """Engines that joined the fleet since the last :meth:`take_metrics`."""
+        self.removed = 0
+        """Engines removed from the fleet since the last :meth:`take_metrics`."""
 
     def serving(self) -> list[str]:
         """Engines that take generation."""
-        return [u for u in self.engines if u not in self.down and u not in self.rejoining]
+        return [u for u in self.engines if u not in self.down and u not in self.rejoining and u not in self.draining]
+
+    def add(self, url: str) -> bool:
+        """``url`` joins the fleet: it takes control calls from now on and generation once a verified weight
+        push has reached it (it rejoins, as a restarted engine does). Whether it was new."""
+        if url in self.engines:
+            return False
+        self.engines.append(url)
+        self.rejoining.add(url)
+        self.added += 1
+        log.warning("engine %s joins the fleet; it serves once the next weight push has reached it", url)
+        return True
+
+    def drain(self, url: str) -> bool:
+        """``url`` leaves the fleet: it takes no new generation (its requests in flight finish) until it is
+        removed. Whether it was news."""
+        if url not in self.engines or url in self.draining:
+            return False
+        self.draining.add(url)
+        self.rejoining.discard(url)
+        log.warning("engine %s is draining: no new requests go to it; it leaves once those in flight are done", url)
+        return True
+
+    def remove(self, url: str) -> bool:
+        """``url`` is no longer part of the fleet (no traffic, no control calls). Whether it was."""
+        if url not in self.engines:
+            return False
+        self.engines.remove(url)
+        for state in (self.rejoining, self.draining):
+            state.discard(url)
+        self.down.pop(url, None)
+        self.removed += 1
+        log.warning("engine %s left the fleet; %d engine(s) serve", url, len(self.serving()))
+        return True
 
     def reachable(self) -> list[str]:
         """Engines that take control calls (pause, weights, verification): serving and rejoining ones."""
@@ -102,11 +147,20 @@ class EngineHealth:
 
     def take_metrics(self) -> dict[str, float]:
         """``rollout/engine_failures``, ``rollout/requests_retried`` (since the last call) and
-        ``rollout/engines_serving`` (now)."""
+        ``rollout/engines_serving`` (now); once the fleet changed, ``fleet/engines_added``,
+        ``fleet/engines_removed`` (since the last call) and ``fleet/engines_draining`` (now)."""
         out = {
             "rollout/engine_failures": float(self.engine_failures),
             "rollout/requests_retried": float(self.requests_retried),
             "rollout/engines_serving": float(len(self.serving())),
         }
-        self.engine_failures = self.requests_retried = 0
+        if self.added or self.removed or self.draining:
+            out.update(
+                {
+                    "fleet/engines_added": float(self.added),
+                    "fleet/engines_removed": float(self.removed),
+                    "fleet/engines_draining": float(len(self.draining)),
+                }
+            )
+        self.engine_failures = self.requests_retried = self.added = self.removed = 0
         return out

@@ -54,6 +54,9 @@ __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routi
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {502, 503, 504}
+HEALTH_ATTEMPTS = 3
+"""Connections a ``/health`` probe tries before the engine counts as not answering (:meth:`HttpEngineClient.
+_health`: closed kept-alive connections are no death); a probe that times out is not sent again."""
 
 ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
 """Response header in which the router (smg) names the engine, by URL, that served a request."""
@@ -148,13 +151,18 @@ class HttpEngineClient(EngineClient):
         self.max_retries = max_retries
         self.backoff = backoff
         self.max_backoff = max_backoff
-        self._ring = sorted((_hash(f"{url}#{i}"), url) for url in self._urls for i in range(virtual_nodes))
-        self._ring_keys = [h for h, _ in self._ring]
+        self.virtual_nodes = virtual_nodes
+        self._ring: list[tuple[int, str]] = []
+        self._ring_keys: list[int] = []
+        self._rebuild_ring(self._urls)
         self.outstanding: dict[str, int] = {url: 0 for url in self._urls}
         """Requests in flight per engine (from this client)."""
         self._rid_url: dict[str, str] = {}
         self.router_url = router_url.rstrip("/") if router_url else None
-        """The router generation goes through, if any."""
+        """The router generation goes through, if any (``None`` once it gave no answer: routed here)."""
+        self._has_router = self.router_url is not None
+        self.routed_requests = 0
+        """``/generate`` requests the router served since the last :meth:`failover_metrics`."""
         self.routing_key_header = routing_key_header
         self.health_state = EngineHealth(self._urls)
         """Which engines serve, are down or rejoin (:mod:`miles.rollout.failover`)."""
@@ -165,11 +173,27 @@ class HttpEngineClient(EngineClient):
         """The process each engine's last ``/health`` named (engines that name one: the local engine)."""
         self._verified_version: str | None = None
         """The weight version the last verified push brought every serving engine (:meth:`weights_reached`)."""
+        self._arriving: list[str] = []
+        """Engines that join the fleet at the next :meth:`check_engines` (:meth:`add_engine`)."""
+        self._new: set[str] = set()
+        """Engines that joined and have not served yet (they wait for a verified push, then the router)."""
+        self._unrouted: set[str] = set()
+        """Joined engines that have the weights and wait to be registered with the router."""
+        self.departed: list[str] = []
+        """Engines that left the fleet (:meth:`drain_engine`, then removed), in order."""
+        self.drained_requests = 0
+        """Requests that were in flight on an engine when its drain began (they finished there), since the
+        last :meth:`failover_metrics`."""
 
     @property
     def urls(self) -> Sequence[str]:
         """The engines that take control calls: every engine but those down."""
         return tuple(self.health_state.reachable())
+
+    def _rebuild_ring(self, urls: Sequence[str]) -> None:
+        """The consistent-hash ring over ``urls``: an engine that joins or leaves moves only its own keys."""
+        self._ring = sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(self.virtual_nodes))
+        self._ring_keys = [h for h, _ in self._ring]
 
     # ----------------------------------------------------------------- routing
     def route(self, routing_key: str | None, exclude: Sequence[str] = ()) -> str:
@@ -266,6 +290,7 @@ class HttpEngineClient(EngineClient):
         than before (:data:`INSTANCE_HEADER`: it was restarted before a request saw it die). Returns the
         rejoining engines."""
         state = self.health_state
+        await self._change_fleet()
         known = dict(self._instances)
         answers = await self._health(state.engines)
         anonymous = [url for url, ok in zip(state.engines, answers, strict=True) if ok and url not in self._instances]
@@ -273,7 +298,7 @@ class HttpEngineClient(EngineClient):
         for url, ok in zip(state.engines, answers, strict=True):
             if ok:
                 before, now = known.get(url), self._instances.get(url)
-                if url not in state.down:  # it died unseen
+                if url not in state.down and url not in state.rejoining:  # it died unseen
                     if before is not None and now != before:
                         state.mark_down(url, "restarted: another process answers at its URL")
                     elif url in relaunched:
@@ -282,6 +307,129 @@ class HttpEngineClient(EngineClient):
             elif url not in state.down:
                 state.mark_down(url, "no answer to /health")
         return sorted(state.rejoining)
+
+    # ------------------------------------------------------------- fleet changes
+    def add_engine(self, url: str) -> None:
+        """Engine ``url`` joins the fleet (``miles fleet add``): from the next :meth:`check_engines` — the start
+        of a weight push, so that it takes that push whole — it takes control calls; it serves once the push is
+        verified (:meth:`weights_reached`) and, with a router, once the router has it (:meth:`route_joined`)."""
+        url = url.rstrip("/")
+        if url not in self.health_state.engines and url not in self._arriving:
+            self._arriving.append(url)
+
+    async def drain_engine(self, url: str) -> None:
+        """Engine ``url`` leaves the fleet (``miles fleet remove``): no new generation goes to it from now on —
+        a router is told first (it stops routing to it and lets its requests finish) — and at the first
+        :meth:`check_engines` after its requests in flight are done it is removed (:attr:`departed`)."""
+        url = url.rstrip("/")
+        if url in self._arriving:  # (never joined)
+            self._arriving.remove(url)
+            self.departed.append(url)
+            return
+        if not self.health_state.drain(url):
+            return
+        self._new.discard(url)
+        self._unrouted.discard(url)
+        self.drained_requests += self.outstanding.get(url, 0)
+        if self.router_url is not None:
+            await self._router_call("DELETE", url)
+
+    async def _change_fleet(self) -> None:
+        """At :meth:`check_engines`: engines that arrived join (rejoining); draining ones whose requests are
+        done (or that died) leave."""
+        state = self.health_state
+        changed = False
+        for url in self._arriving:
+            if state.add(url):
+                self.outstanding.setdefault(url, 0)
+                self._new.add(url)
+                changed = True
+        self._arriving = []
+        for url in [u for u in state.engines if u in state.draining]:
+            if url not in state.down and (self.outstanding.get(url, 0) > 0 or await self._router_has(url)):
+                continue
+            state.remove(url)
+            self.departed.append(url)
+            changed = True
+        if changed:
+            self._rebuild_ring(state.engines)
+
+    async def route_joined(self, timeout: float = 60.0) -> list[str]:
+        """Register with the router the joined engines that have the weights (:meth:`weights_reached`) and
+        wait until it routes to them; returns the engines that serve from now on. Without a router they serve
+        at once."""
+        joined = sorted(self._unrouted)
+        if self.router_url is not None:
+            for url in joined:
+                await self._router_call("POST", url)
+            deadline = time.monotonic() + timeout
+            while not all(await asyncio.gather(*(self._router_has(url, ready=True) for url in joined))):
+                if time.monotonic() >= deadline:
+                    raise EngineError(
+                        f"the router at {self.router_url} did not take {', '.join(joined)} in {timeout:g} s"
+                    )
+                await asyncio.sleep(0.2)
+        self._unrouted.difference_update(joined)
+        return joined
+
+    def fleet_state(self) -> dict[str, str]:
+        """Each engine this client knows of, by URL: ``joining`` (until it serves), ``serving``, ``draining``,
+        ``down`` or ``removed``."""
+        state = self.health_state
+        out = {url: "joining" for url in self._arriving}
+        for url in state.engines:
+            if url in state.draining:
+                out[url] = "draining"
+            elif url in state.down:
+                out[url] = "down"
+            elif url in self._new or url in self._unrouted or url in state.rejoining:
+                out[url] = "joining"
+            else:
+                out[url] = "serving"
+        out.update({url: "removed" for url in self.departed})
+        return out
+
+    async def _router_workers(self) -> dict[str, dict[str, Any]]:
+        """The router's workers by URL (smg's ``GET /workers``)."""
+        assert self.router_url is not None
+        resp = await self._http.get(self.router_url + "/workers", headers=self._keys.headers(control=True), timeout=10)
+        if resp.status_code >= 400:
+            raise EngineHTTPError(
+                f"{self.router_url}/workers: HTTP {resp.status_code}: {_message(resp)}", resp.status_code
+            )
+        workers = resp.json().get("workers", [])
+        return {str(w.get("url", "")).rstrip("/"): w for w in workers if isinstance(w, dict)}
+
+    async def _router_has(self, url: str, *, ready: bool = False) -> bool:
+        """Whether the router still lists ``url`` (``ready``: and routes to it). No router: ``False``."""
+        if self.router_url is None:
+            return False
+        worker = (await self._router_workers()).get(url)
+        if worker is None:
+            return False
+        return not ready or (bool(worker.get("is_healthy")) and worker.get("status", "ready") == "ready")
+
+    async def _router_call(self, method: str, url: str) -> None:
+        """Register (``POST /workers``, with the run's API key, which smg then sends the engine) or remove
+        (``DELETE /workers/{id}``: smg drains it first) engine ``url`` at the router: control routes of smg, sent
+        with the run's admin key (or its API key)."""
+        assert self.router_url is not None
+        admin = self._keys.headers(control=True)
+        if method == "POST":
+            # (smg talks to the engine with the key given here: without it, a keyed engine refuses smg)
+            spec = {"url": url, **({"api_key": self._keys.api_key} if self._keys.api_key else {})}
+            resp = await self._http.post(self.router_url + "/workers", json=spec, headers=admin, timeout=30)
+        else:
+            worker = (await self._router_workers()).get(url)
+            if worker is None:
+                return
+            resp = await self._http.delete(f"{self.router_url}/workers/{worker['id']}", headers=admin, timeout=30)
+        if resp.status_code >= 400:
+            raise EngineHTTPError(
+                f"{self.router_url}/workers ({method} {url}): HTTP {resp.status_code}: {_message(resp)}",
+                resp.status_code,
+            )
+        log.info("router %s: %s %s", self.router_url, "registered" if method == "POST" else "draining", url)
 
     async def _relaunched(self, urls: Sequence[str]) -> dict[str, str]:
         """Of ``urls`` (engines whose ``/health`` names no process: SGLang), those that report their launch
@@ -354,12 +502,53 @@ class HttpEngineClient(EngineClient):
         return [url for url in state.engines if url in state.rejoining]
 
     def weights_reached(self, version: str) -> list[str]:
-        """The weight push of ``version`` reached every reachable engine: rejoining ones serve again."""
+        """The weight push of ``version`` reached every reachable engine: rejoining ones serve again; engines
+        that joined the fleet serve too, or, with a router, wait to be registered (:meth:`route_joined`)."""
         self._verified_version = version
-        return self.health_state.rejoined(version)
+        back = self.health_state.rejoined(version)
+        joined = self._new.intersection(back)
+        self._new -= joined
+        if self.router_url is not None:
+            self._unrouted |= joined
+        return back
 
     def failover_metrics(self) -> dict[str, float]:
-        return self.health_state.take_metrics()
+        """The failover metrics (:meth:`EngineHealth.take_metrics`) and, with a router, ``rollout/routed_requests``
+        (requests it served since the last call: 0 while generation bypasses it)."""
+        out = self.health_state.take_metrics()
+        if self.drained_requests or "fleet/engines_removed" in out:
+            out["fleet/drained_requests"] = float(self.drained_requests)
+            self.drained_requests = 0
+        if self._has_router:
+            out["rollout/routed_requests"] = float(self.routed_requests)
+            self.routed_requests = 0
+        return out
+
+    async def wait_until_healthy(self, timeout: float, *, interval: float = 0.5) -> None:
+        """Every engine answers ``/health`` (:meth:`EngineClient.wait_until_healthy`) and the router, if any,
+        answers ``/readiness`` from this process: a router this process cannot reach (it listens on another
+        host's loopback) is an error naming ``rollout.router``, not a run that quietly routes around it."""
+        await super().wait_until_healthy(timeout, interval=interval)
+        if self.router_url is None:
+            return
+        deadline = time.monotonic() + min(timeout, 30.0)
+        while True:
+            try:
+                resp = await self._http.get(self.router_url + "/readiness", timeout=5)
+                if resp.status_code < 500:
+                    return
+                why = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as exc:
+                why = f"{type(exc).__name__}: {exc or 'no answer'}"
+            if time.monotonic() >= deadline:
+                from miles.node_address import node_address
+
+                raise EngineError(
+                    f"rollout.router: trainer rank 0 (on {node_address()}) cannot reach the router at "
+                    f"{self.router_url} ({why}); the launcher places it (cluster.host on the driver's host, or "
+                    "cluster.launcher.router_resources with the ray launcher): give it an address this node reaches"
+                )
+            await asyncio.sleep(interval)
 
     # ---------------------------------------------------------------- generate
     async def generate(
@@ -431,8 +620,9 @@ class HttpEngineClient(EngineClient):
         assert self.router_url is not None
         headers = {self.routing_key_header: routing_header_value(routing_key)} if routing_key is not None else None
         resp = await self._send("POST", self.router_url, "/generate", payload, headers=headers)
+        self.routed_requests += 1
         served_by = resp.headers.get(ROUTED_WORKER_HEADER, "").rstrip("/")
-        return resp.json(), served_by if served_by in self._urls else self.router_url
+        return resp.json(), served_by if served_by in self.health_state.engines else self.router_url
 
     @staticmethod
     def _outputs(body: Any, url: str) -> list[GenerateOutput]:
@@ -485,17 +675,27 @@ class HttpEngineClient(EngineClient):
         await self._all("POST", "/update_weight_version", {"new_version": weight_version, "abort_all_requests": False})
 
     async def health(self) -> list[bool]:
-        """Whether each engine given to the client answers ``/health`` (down ones included)."""
-        return await self._health(self._urls)
+        """Whether each engine of the client answers ``/health`` (down ones included)."""
+        return await self._health(self.health_state.engines)
 
     async def _health(self, urls: Sequence[str]) -> list[bool]:
-        """``/health`` of each of ``urls``; records the process each names (:data:`INSTANCE_HEADER`)."""
+        """``/health`` of each of ``urls``; records the process each names (:data:`INSTANCE_HEADER`). A probe
+        whose connection failed is sent again (up to :data:`HEALTH_ATTEMPTS` in all) before the engine counts
+        as not answering: a kept-alive connection the engine closed as it was reused (uvicorn closes one idle
+        for 5 s, about the time between two pushes when generation goes through a router) is dropped from the
+        pool, and is no death."""
 
         async def one(url: str) -> bool:
-            try:
-                resp = await self._http.get(url + "/health", timeout=10)
-            except httpx.HTTPError:
-                return False
+            for attempt in range(1, HEALTH_ATTEMPTS + 1):
+                try:
+                    resp = await self._http.get(url + "/health", timeout=10)
+                    break
+                except httpx.TimeoutException:  # (it had 10 s to answer)
+                    return False
+                except httpx.HTTPError as exc:
+                    if attempt == HEALTH_ATTEMPTS:
+                        return False
+                    log.debug("%s/health: %s; asking again", url, exc or type(exc).__name__)
             instance = resp.headers.get(INSTANCE_HEADER)
             if resp.status_code == 200 and instance:
                 self._instances[url] = instance

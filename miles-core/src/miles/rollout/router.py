@@ -184,6 +184,11 @@ class EngineFleet:
     """Header carrying a request's routing key to the router."""
     client_options: dict[str, Any] = field(default_factory=dict)
     """More :class:`~miles.rollout.http_client.HttpEngineClient` keyword arguments."""
+    joining: list[str] = field(default_factory=list)
+    """Engines added while the run goes on (``miles fleet add``) that do not serve yet: trainer rank 0 adds
+    them to its client (:mod:`miles.driver.fleet`); they join :attr:`engine_urls` once they serve."""
+    draining: list[str] = field(default_factory=list)
+    """Engines of :attr:`engine_urls` leaving the fleet (``miles fleet remove``): no new requests go to them."""
     keys: ServiceKeys | None = field(default=None, repr=False, compare=False)
     """The run's keys, which clients send (never written by :meth:`announce`; ``None``: the environment's)."""
 
@@ -192,6 +197,8 @@ class EngineFleet:
             "engine_urls": list(self.engine_urls),
             "router_url": self.router_url,
             "routing_key_header": self.routing_key_header,
+            "joining": list(self.joining),
+            "draining": list(self.draining),
         }
 
     @classmethod
@@ -200,6 +207,8 @@ class EngineFleet:
             engine_urls=list(data.get("engine_urls", [])),
             router_url=data.get("router_url"),
             routing_key_header=str(data.get("routing_key_header") or "x-session-id"),
+            joining=list(data.get("joining", [])),
+            draining=list(data.get("draining", [])),
         )
 
     def announce(self, path: Path) -> None:

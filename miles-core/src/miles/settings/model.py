@@ -217,7 +217,8 @@ class RouterSettings(_Section):
 
     name: Literal["none", "smg"] = "none"
     """``none``: the engine client routes itself (consistent hashing on the routing key); ``smg``: the
-    SGLang Model Gateway (``pip install smg``), started by the launcher on ``cluster.host``."""
+    SGLang Model Gateway (``pip install smg``), started by the launcher: on ``cluster.host`` of the driver's
+    host, or with the ``ray`` launcher on a node of the cluster (``cluster.launcher.router_resources``)."""
     policy: Literal[
         "manual", "consistent_hashing", "cache_aware", "prefix_hash", "round_robin", "power_of_two", "random"
     ] = "manual"

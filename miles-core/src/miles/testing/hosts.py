@@ -52,6 +52,7 @@ __all__ = [
     "NamespacesUnavailable",
     "namespace_hosts",
     "sweep_stale",
+    "unavailable_reason",
 ]
 
 log = logging.getLogger(__name__)
@@ -407,9 +408,9 @@ class NamespaceHosts:
 
 @pytest.fixture(scope="module")
 def namespace_hosts() -> Iterator[NamespaceHosts]:
-    """Three hosts (``a``, ``b``, ``c``) for the module's tests, torn down after its last test; skips the
-    tests where network namespaces cannot be created (with the reason)."""
-    hosts = NamespaceHosts(3)
+    """Four hosts (``a`` to ``d``) for the module's tests, torn down after its last test; skips the tests where
+    network namespaces cannot be created (with the reason)."""
+    hosts = NamespaceHosts(4)
     try:
         hosts.open()
     except NamespacesUnavailable as exc:

@@ -69,6 +69,9 @@ class RayCluster:
     :param object_store_memory: bytes of each node's object store (Ray's minimum is 75 MiB).
     :param temp_dir: root of the nodes' session dirs (default: a new one in the hosts' temp dir).
     :param start_timeout: seconds each ``ray start`` and the wait for every node may take.
+    :param node_local: mount a file system of its own (a small tmpfs) at :attr:`node_local_dir` in every node,
+        as a machine's local scratch disk: what one node writes there, no other node sees (the rest of the
+        file system stays shared by every host).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class RayCluster:
         object_store_memory: int = 100 * 2**20,
         temp_dir: str | os.PathLike[str] | None = None,
         start_timeout: float = 120.0,
+        node_local: bool = False,
     ) -> None:
         if not hosts:
             raise ValueError("a Ray cluster needs at least one host")
@@ -104,6 +108,10 @@ class RayCluster:
         }
         """What a driver of this cluster needs in its environment: the auth token, ``RAY_ADDRESS`` (the nodes
         get the same without ``RAY_ADDRESS``)."""
+        self.node_local = node_local
+        self.node_local_dir = self.temp_dir / "node-local"
+        """With ``node_local``: a path each node sees as its own (a tmpfs mounted there in the node's mount
+        namespace; the driver's host and the test process see the plain, shared directory)."""
         self.node_ids: dict[str, str] = {}
         """Host name -> Ray node id, once started."""
         self.start_seconds = 0.0
@@ -161,6 +169,9 @@ class RayCluster:
             "--object-store-memory",
             str(self.object_store_memory),
         ]
+        if self.node_local:  # `ip netns exec` gives the command a mount namespace of its own: the mount stays there
+            mount = 'mkdir -p "$0" && mount -t tmpfs -o size=64m miles-node-local "$0" && exec "$@"'
+            argv = ["sh", "-c", mount, str(self.node_local_dir), *argv]
         log_path = self.temp_dir / f"ray-start-{host.name}.log"
         # a file, not a pipe: the node's daemons inherit the output of `ray start`, which returns before they end
         with open(log_path, "w") as out:
@@ -171,6 +182,18 @@ class RayCluster:
                 f"`ray start` on host {host.name} ({host.address}) exited with {code}: "
                 + log_path.read_text(errors="replace")[-3000:]
             )
+
+    def add_node(self, host: Host, *, num_cpus: float = 2, resources: Mapping[str, float] | None = None) -> str:
+        """Start a worker node on ``host`` now (a node that joins the running cluster); return its node id once
+        Ray lists it alive. :meth:`stop` ends it with the others."""
+        if not self._started:
+            raise RuntimeError("add_node: the cluster is not running")
+        self.hosts.append(host)
+        self.num_cpus.append(float(num_cpus))
+        self.resources.append(dict(resources or {}))
+        self._start_node(len(self.hosts) - 1, host)
+        self.node_ids = self._wait_for_nodes()
+        return self.node_ids[host.name]
 
     def _wait_for_nodes(self) -> dict[str, str]:
         out = self.driver(NODES, str(len(self.hosts)), self.address, str(self.start_timeout))
@@ -223,13 +246,16 @@ class RayCluster:
 
 @pytest.fixture(scope="module")
 def ray_cluster(namespace_hosts: NamespaceHosts) -> Iterator[RayCluster]:
-    """A two-node Ray cluster for the module's tests: the head on host ``a`` (2 CPUs, ``trainer_node: 2``),
-    a worker node on host ``b`` (2 CPUs, ``engine_node: 2``); host ``c`` has no node. Stopped (every
-    process in ``a`` and ``b`` ended) after the module's last test, which fails if anything of it is left."""
+    """A three-node Ray cluster for the module's tests: the head on host ``a`` (2 CPUs, ``trainer_node: 2``),
+    a worker node on host ``b`` (2 CPUs, ``engine_node: 2``) and one on host ``c`` (1 CPU, ``router_node:
+    1``); host ``d`` has no node (a test may add one: :meth:`RayCluster.add_node`). Each node has its own
+    :attr:`~RayCluster.node_local_dir`. Stopped (every process in the nodes' hosts ended) after the module's
+    last test, which fails if anything of it is left."""
     cluster = RayCluster(
-        namespace_hosts.hosts[:2],
-        num_cpus=2,
-        resources=[{"trainer_node": 2}, {"engine_node": 2}],
+        namespace_hosts.hosts[:3],
+        num_cpus=[2, 2, 1],
+        resources=[{"trainer_node": 2}, {"engine_node": 2}, {"router_node": 1}],
+        node_local=True,
     )
     with cluster:
         yield cluster

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,7 @@ __all__ = [
     "arithmetic_prompts",
     "children_of_run",
     "hf_weights",
+    "paced_reward",
     "read_metrics",
     "run_miles",
     "tiny_model",
@@ -160,3 +162,54 @@ def hf_weights(path: Path) -> dict[str, object]:
     for shard in sorted(path.glob("*.safetensors")):
         out.update(load_file(shard))
     return out
+
+
+PACED_REWARD_SERVER = """
+import json, os, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+gate, port, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+
+class Score(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        if not os.path.exists(gate):
+            time.sleep(delay)
+        body = json.dumps({"reward": 0.0}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", port), Score)
+print("listening", flush=True)
+server.serve_forever()
+"""
+
+
+def paced_reward(
+    gate: Path, *, port: int | None = None, delay: float = 2.0, popen: Any = subprocess.Popen
+) -> tuple[subprocess.Popen[str], str]:
+    """A reward server that paces a run: every score takes ``delay`` seconds more until ``gate`` exists (the
+    test creates it once what it does mid-run is done), so a step lasts at least ``delay`` whatever the
+    machine's load, and the run then finishes at full speed. Returns the process (listening on 127.0.0.1:
+    ``port``; the caller ends it) and the TOML of its ``remote`` reward, to append to a run's settings.
+
+    :param popen: starts it (``Host.popen``: in the host where trainer rank 0 scores).
+    """
+    from miles.net import free_port
+
+    port = port or free_port()
+    process = popen(
+        [sys.executable, "-c", PACED_REWARD_SERVER, str(gate), str(port), str(delay)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    if process.stdout.readline().strip() != "listening":
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"the paced reward server did not start (exit {process.poll()})")
+    toml = f'\n[[reward.functions]]\nname = "remote"\nurl = "http://127.0.0.1:{port}/score"\nrequest_timeout = 30\n'
+    return process, toml

@@ -71,6 +71,18 @@ class WeightTransport(Component[SettingsT], ABC):
         self.model_path = model_path
         self.engine_dtype = engine_dtype
 
+    @classmethod
+    def shared_dirs(cls, options: SettingsT, *, run_dir: str) -> dict[str, str]:
+        """Directories trainer rank 0 writes and the engines read, each under the settings field that names it
+        (``{"transport.dir": "/shared/run/weights"}``). A launcher that places processes on several nodes
+        checks, before anything starts, that every engine's node sees them
+        (:meth:`~miles.launch.base.Launcher.unshared`); a run whose engines would not is refused, naming the
+        field. Default: none (the transport moves weights over the network).
+
+        .. versionadded:: 0.1
+        """
+        return {}
+
     def attach(self, trainer: Trainer) -> None:
         """Called once on every rank, before :meth:`connect`, with this rank's trainer. A transport that
         reads the trainer's own slices (:meth:`~miles.training.trainer.Trainer.iter_weight_shards`, as

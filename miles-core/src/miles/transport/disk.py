@@ -62,6 +62,11 @@ class DiskTransport(VersionFolders, StagedTransport[DiskTransportSettings]):
 
     name = "disk"
 
+    @classmethod
+    def shared_dirs(cls, options: DiskTransportSettings, *, run_dir: str) -> dict[str, str]:
+        """``transport.dir`` (default ``<run_dir>/weights``): every engine loads what rank 0 writes there."""
+        return {"transport.dir": str(options.dir or Path(run_dir) / "weights")}
+
     def __init__(
         self, settings: DiskTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
     ) -> None:

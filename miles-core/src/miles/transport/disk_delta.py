@@ -84,6 +84,11 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
     engine_routes = (ROUTE,)
     requires = (ZSTANDARD,)
 
+    @classmethod
+    def shared_dirs(cls, options: DiskDeltaTransportSettings, *, run_dir: str) -> dict[str, str]:
+        """``transport.dir`` (default ``<run_dir>/weights``): every engine loads what rank 0 writes there."""
+        return {"transport.dir": str(options.dir or Path(run_dir) / "weights")}
+
     def __init__(
         self, settings: DiskDeltaTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
     ) -> None:

@@ -41,6 +41,8 @@ from miles.auth import ServiceKeys, is_control_route
 from miles.errors import EngineError
 from miles.rollout.client import EngineClient
 from miles.rollout.failover import EngineHealth, NoEngineLeftError
+from miles.rollout.fleet_changes import FleetChanges
+from miles.rollout.http_errors import EngineHTTPError, response_message
 from miles.rollout.protocol import (
     INSTANCE_HEADER,
     LAUNCH_WEIGHT_VERSION,
@@ -48,6 +50,7 @@ from miles.rollout.protocol import (
     PauseMode,
     SamplingParams,
 )
+from miles.rollout.smg_workers import SmgWorkers
 
 __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routing_header_value"]
 
@@ -76,33 +79,9 @@ def _without_keys(info: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if k not in ("api_key", "admin_api_key", "launch_command")}
 
 
-class EngineHTTPError(EngineError):
-    """An engine answered HTTP >= 400 (``status``); the message holds the engine's own message."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def _hash(value: str) -> int:
     """A hash stable across processes (Python's ``hash`` is salted)."""
     return int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "big")
-
-
-def _message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:500]
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "message" in body:
-            return str(body["message"])
-        if "detail" in body:
-            return str(body["detail"])
-    return str(body)[:500]
 
 
 class HttpEngineClient(EngineClient):
@@ -173,17 +152,8 @@ class HttpEngineClient(EngineClient):
         """The process each engine's last ``/health`` named (engines that name one: the local engine)."""
         self._verified_version: str | None = None
         """The weight version the last verified push brought every serving engine (:meth:`weights_reached`)."""
-        self._arriving: list[str] = []
-        """Engines that join the fleet at the next :meth:`check_engines` (:meth:`add_engine`)."""
-        self._new: set[str] = set()
-        """Engines that joined and have not served yet (they wait for a verified push, then the router)."""
-        self._unrouted: set[str] = set()
-        """Joined engines that have the weights and wait to be registered with the router."""
-        self.departed: list[str] = []
-        """Engines that left the fleet (:meth:`drain_engine`, then removed), in order."""
-        self.drained_requests = 0
-        """Requests that were in flight on an engine when its drain began (they finished there), since the
-        last :meth:`failover_metrics`."""
+        self.fleet = FleetChanges(self.health_state, self.outstanding)
+        """Engines joining and leaving while the run goes on (:mod:`miles.rollout.fleet_changes`)."""
 
     @property
     def urls(self) -> Sequence[str]:
@@ -249,7 +219,7 @@ class HttpEngineClient(EngineClient):
                     return resp
                 if resp.status_code not in _RETRY_STATUS or last:
                     raise EngineHTTPError(
-                        f"{url}{endpoint}: HTTP {resp.status_code}: {_message(resp)}", resp.status_code
+                        f"{url}{endpoint}: HTTP {resp.status_code}: {response_message(resp)}", resp.status_code
                     )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff)
@@ -290,7 +260,8 @@ class HttpEngineClient(EngineClient):
         than before (:data:`INSTANCE_HEADER`: it was restarted before a request saw it die). Returns the
         rejoining engines."""
         state = self.health_state
-        await self._change_fleet()
+        if await self.fleet.apply(self._router()):
+            self._rebuild_ring(state.engines)
         known = dict(self._instances)
         answers = await self._health(state.engines)
         anonymous = [url for url, ok in zip(state.engines, answers, strict=True) if ok and url not in self._instances]
@@ -310,126 +281,28 @@ class HttpEngineClient(EngineClient):
 
     # ------------------------------------------------------------- fleet changes
     def add_engine(self, url: str) -> None:
-        """Engine ``url`` joins the fleet (``miles fleet add``): from the next :meth:`check_engines` — the start
-        of a weight push, so that it takes that push whole — it takes control calls; it serves once the push is
-        verified (:meth:`weights_reached`) and, with a router, once the router has it (:meth:`route_joined`)."""
-        url = url.rstrip("/")
-        if url not in self.health_state.engines and url not in self._arriving:
-            self._arriving.append(url)
+        """Engine ``url`` joins the fleet (``miles fleet add``; :meth:`FleetChanges.add`)."""
+        self.fleet.add(url)
 
     async def drain_engine(self, url: str) -> None:
-        """Engine ``url`` leaves the fleet (``miles fleet remove``): no new generation goes to it from now on —
-        a router is told first (it stops routing to it and lets its requests finish) — and at the first
-        :meth:`check_engines` after its requests in flight are done it is removed (:attr:`departed`)."""
-        url = url.rstrip("/")
-        if url in self._arriving:  # (never joined)
-            self._arriving.remove(url)
-            self.departed.append(url)
-            return
-        if not self.health_state.drain(url):
-            return
-        self._new.discard(url)
-        self._unrouted.discard(url)
-        self.drained_requests += self.outstanding.get(url, 0)
-        if self.router_url is not None:
-            await self._router_call("DELETE", url)
-
-    async def _change_fleet(self) -> None:
-        """At :meth:`check_engines`: engines that arrived join (rejoining); draining ones whose requests are
-        done (or that died) leave."""
-        state = self.health_state
-        changed = False
-        for url in self._arriving:
-            if state.add(url):
-                self.outstanding.setdefault(url, 0)
-                self._new.add(url)
-                changed = True
-        self._arriving = []
-        for url in [u for u in state.engines if u in state.draining]:
-            if url not in state.down and (self.outstanding.get(url, 0) > 0 or await self._router_has(url)):
-                continue
-            state.remove(url)
-            self.departed.append(url)
-            changed = True
-        if changed:
-            self._rebuild_ring(state.engines)
+        """Engine ``url`` leaves the fleet (``miles fleet remove``; :meth:`FleetChanges.drain`)."""
+        await self.fleet.drain(url, self._router())
 
     async def route_joined(self, timeout: float = 60.0) -> list[str]:
-        """Register with the router the joined engines that have the weights (:meth:`weights_reached`) and
-        wait until it routes to them; returns the engines that serve from now on. Without a router they serve
-        at once."""
-        joined = sorted(self._unrouted)
-        if self.router_url is not None:
-            for url in joined:
-                await self._router_call("POST", url)
-            deadline = time.monotonic() + timeout
-            while not all(await asyncio.gather(*(self._router_has(url, ready=True) for url in joined))):
-                if time.monotonic() >= deadline:
-                    raise EngineError(
-                        f"the router at {self.router_url} did not take {', '.join(joined)} in {timeout:g} s"
-                    )
-                await asyncio.sleep(0.2)
-        self._unrouted.difference_update(joined)
-        return joined
+        """Joined engines that have the weights serve (:meth:`FleetChanges.route_joined`)."""
+        return await self.fleet.route_joined(self._router(), timeout)
 
     def fleet_state(self) -> dict[str, str]:
-        """Each engine this client knows of, by URL: ``joining`` (until it serves), ``serving``, ``draining``,
-        ``down`` or ``removed``."""
-        state = self.health_state
-        out = {url: "joining" for url in self._arriving}
-        for url in state.engines:
-            if url in state.draining:
-                out[url] = "draining"
-            elif url in state.down:
-                out[url] = "down"
-            elif url in self._new or url in self._unrouted or url in state.rejoining:
-                out[url] = "joining"
-            else:
-                out[url] = "serving"
-        out.update({url: "removed" for url in self.departed})
-        return out
+        """Each engine by URL: ``joining``, ``serving``, ``draining``, ``down`` or ``removed``."""
+        return self.fleet.state()
 
-    async def _router_workers(self) -> dict[str, dict[str, Any]]:
-        """The router's workers by URL (smg's ``GET /workers``)."""
-        assert self.router_url is not None
-        resp = await self._http.get(self.router_url + "/workers", headers=self._keys.headers(control=True), timeout=10)
-        if resp.status_code >= 400:
-            raise EngineHTTPError(
-                f"{self.router_url}/workers: HTTP {resp.status_code}: {_message(resp)}", resp.status_code
-            )
-        workers = resp.json().get("workers", [])
-        return {str(w.get("url", "")).rstrip("/"): w for w in workers if isinstance(w, dict)}
+    @property
+    def departed(self) -> list[str]:
+        """Engines that left the fleet, in order."""
+        return self.fleet.departed
 
-    async def _router_has(self, url: str, *, ready: bool = False) -> bool:
-        """Whether the router still lists ``url`` (``ready``: and routes to it). No router: ``False``."""
-        if self.router_url is None:
-            return False
-        worker = (await self._router_workers()).get(url)
-        if worker is None:
-            return False
-        return not ready or (bool(worker.get("is_healthy")) and worker.get("status", "ready") == "ready")
-
-    async def _router_call(self, method: str, url: str) -> None:
-        """Register (``POST /workers``, with the run's API key, which smg then sends the engine) or remove
-        (``DELETE /workers/{id}``: smg drains it first) engine ``url`` at the router: control routes of smg, sent
-        with the run's admin key (or its API key)."""
-        assert self.router_url is not None
-        admin = self._keys.headers(control=True)
-        if method == "POST":
-            # (smg talks to the engine with the key given here: without it, a keyed engine refuses smg)
-            spec = {"url": url, **({"api_key": self._keys.api_key} if self._keys.api_key else {})}
-            resp = await self._http.post(self.router_url + "/workers", json=spec, headers=admin, timeout=30)
-        else:
-            worker = (await self._router_workers()).get(url)
-            if worker is None:
-                return
-            resp = await self._http.delete(f"{self.router_url}/workers/{worker['id']}", headers=admin, timeout=30)
-        if resp.status_code >= 400:
-            raise EngineHTTPError(
-                f"{self.router_url}/workers ({method} {url}): HTTP {resp.status_code}: {_message(resp)}",
-                resp.status_code,
-            )
-        log.info("router %s: %s %s", self.router_url, "registered" if method == "POST" else "draining", url)
+    def _router(self) -> SmgWorkers | None:
+        return None if self.router_url is None else SmgWorkers(self._http, self.router_url, self._keys)
 
     async def _relaunched(self, urls: Sequence[str]) -> dict[str, str]:
         """Of ``urls`` (engines whose ``/health`` names no process: SGLang), those that report their launch
@@ -506,19 +379,16 @@ class HttpEngineClient(EngineClient):
         that joined the fleet serve too, or, with a router, wait to be registered (:meth:`route_joined`)."""
         self._verified_version = version
         back = self.health_state.rejoined(version)
-        joined = self._new.intersection(back)
-        self._new -= joined
-        if self.router_url is not None:
-            self._unrouted |= joined
+        self.fleet.weights_reached(back, routed=self.router_url is not None)
         return back
 
     def failover_metrics(self) -> dict[str, float]:
         """The failover metrics (:meth:`EngineHealth.take_metrics`) and, with a router, ``rollout/routed_requests``
         (requests it served since the last call: 0 while generation bypasses it)."""
         out = self.health_state.take_metrics()
-        if self.drained_requests or "fleet/engines_removed" in out:
-            out["fleet/drained_requests"] = float(self.drained_requests)
-            self.drained_requests = 0
+        if self.fleet.drained_requests or "fleet/engines_removed" in out:
+            out["fleet/drained_requests"] = float(self.fleet.drained_requests)
+            self.fleet.drained_requests = 0
         if self._has_router:
             out["rollout/routed_requests"] = float(self.routed_requests)
             self.routed_requests = 0

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from miles.settings.sessions import SessionSettings
+from miles.settings.signals import SignalSettings
 from miles.types import PauseMode
 
 __all__ = [
@@ -375,6 +376,10 @@ class LogSettings(_Section):
     """Log level."""
     logprob_diff_warn: float = Field(0.05, ge=0.0)
     """Warn when the mean |train - rollout| logprob difference exceeds this."""
+    signals: SignalSettings = Field(default_factory=SignalSettings)
+    """Per-step checks that the run's signals are alive (``[log.signals]``): a uniform or constant teacher
+    or reference, a constant or unrelated reward, a push that left the engines' policy unchanged, a zero
+    gradient with non-zero advantages."""
     trainer_logprobs: Literal["when_computed", "always", "never"] = "when_computed"
     """Keep the trainer's per-token logprobs (before the step's update) next to each step's samples
     (``samples/trainer_logprobs_<step>.jsonl``, shown token by token by ``miles view``): ``when_computed``

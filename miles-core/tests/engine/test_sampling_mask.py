@@ -129,3 +129,34 @@ def test_sample_rows_reports_the_set_it_drew_from() -> None:
             assert k.selected_logprob == pytest.approx(
                 float(torch.log(probs[token] / probs[k.token_ids].sum())), abs=1e-6
             )
+
+
+def test_the_client_carries_kept_sets_onto_the_sample(engine: EngineProcess) -> None:
+    """``EngineClient.return_sampling_mask`` (set by the rollout manager for ``rollout.replay_sampling_mask``):
+    the sample gets the kept sets and the behaviour logprobs as its rollout logprobs; a client that does not
+    ask gets neither."""
+    import asyncio
+
+    from miles.rollout.http_client import HttpEngineClient
+    from miles.rollout.manager import sample_from_output
+    from miles.types import Sample
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20, top_p=0.9, sampling_seed=5)
+
+    async def generate(replay: bool) -> Sample:
+        async with HttpEngineClient([engine.url]) as client:
+            client.return_sampling_mask = replay
+            (out,) = await client.generate(PROMPT, params)
+        sample = sample_from_output(Sample(prompt_ids=PROMPT), out)
+        sample.validate()
+        return sample
+
+    replayed, plain = asyncio.run(generate(True)), asyncio.run(generate(False))
+    assert replayed.response_ids == plain.response_ids  # the same seed: the same tokens
+    assert replayed.sampling_mask is not None and plain.sampling_mask is None
+    assert all(
+        t in kept and len(kept) <= 20 for t, kept in zip(replayed.response_ids, replayed.sampling_mask, strict=True)
+    )
+    # the behaviour logprob is above the untruncated one by the log of the mass the truncation dropped
+    assert all(b >= w for b, w in zip(replayed.rollout_logprobs, plain.rollout_logprobs, strict=True))
+    assert Sample.from_json(replayed.to_json()) == replayed

@@ -103,8 +103,7 @@ def test_planted_faults_fire_their_signal_checks(
         assert m["signals/teacher_logprobs_uniform"] == m["signals/teacher_logprobs_constant"] == 1.0
         assert m["signals/reward_constant"] == 1.0
         assert m["train/grad_norm"] > 0.0
-    assert "signals/probe_unchanged" not in metrics[0]  # the first push has nothing to compare with
-    for m in metrics[1:]:
+    for m in metrics:  # (step 1 against the probe taken before it, of the initial weights)
         assert m["signals/probe_logprob_change"] == 0.0 and m["signals/probe_unchanged"] == 1.0
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     for check in ("teacher_logprobs_uniform", "reward_constant", "probe_unchanged"):

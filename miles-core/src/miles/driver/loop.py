@@ -191,6 +191,8 @@ class TrainingLoop:
     async def run(self) -> None:
         total = self.settings.train.num_rollouts
         await self.publisher.flush()  # a resumed run's first push: generate on the checkpoint's weights
+        if self.is_driver and self.client is not None:
+            await self.probe_signal()  # what the engines serve before the first step: the probe's baseline
         if self.source is not None:
             await self.source.start(self.step)
         if self.is_driver:

@@ -37,6 +37,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
     "scaling": {"full": [], "quick": ["--quick"]},
     "router": {"full": [], "quick": ["--quick"]},
     "sessions": {"full": [], "quick": ["--quick"]},
+    "sampling_mask": {"full": [], "quick": ["--model", "tiny", "--quick"]},
     "async": {
         "full": [
             "--model",
@@ -67,6 +68,7 @@ OWN_JSON = {
     "scaling",
     "router",
     "sessions",
+    "sampling_mask",
 }
 """Benchmarks that take ``--device`` / ``--threads`` / ``--results-dir`` and write their own JSON."""
 

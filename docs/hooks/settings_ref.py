@@ -152,6 +152,12 @@ def render_settings() -> str:
             ]
         out += _fields_table(model, env_prefix=f"MILES_{section.upper()}__")
         out.append("")
+        for name, field in model.model_fields.items():  # nested tables: [rollout.teacher], [log.signals] ...
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel) and not issubclass(sub, PluginSpec):
+                out += [f"#### `{section}.{name}`", "", _prose(field.description), ""]
+                out += _fields_table(sub, env_prefix=f"MILES_{section.upper()}__{name.upper()}__")
+                out.append("")
 
     out += [
         "## Component settings",

@@ -79,6 +79,12 @@ def test_topk_distillation_trains_against_a_teacher_server(
             buffer_length = 4
             mode = "linear"
 
+            # (every response has all 6 tokens: the length reward alone is constant; whether a response has
+            # an "o" varies within each of the three steps of this seeded run)
+            [[reward.functions]]
+            name = "regex"
+            pattern = "o"
+
             [log]
             run_dir = "{run_dir}"
             """
@@ -100,6 +106,12 @@ def test_topk_distillation_trains_against_a_teacher_server(
     assert keys, sorted(metrics[0])
     values = [m[keys[0]] for m in metrics]
     assert all(0.0 < v < 50.0 for v in values)  # a KL between different models, finite
+    # a healthy run: every signal check measured, none fired (test_signals.py plants the faults)
+    for m in metrics:
+        assert m["signals/teacher_logprobs_uniform"] == m["signals/teacher_logprobs_constant"] == 0.0
+        assert m["signals/reward_constant"] == 0.0
+    assert all(m["signals/probe_unchanged"] == 0.0 and m["signals/probe_logprob_change"] > 0.0 for m in metrics)
+    assert "signal check" not in (run_dir / "logs" / "trainer-0.log").read_text()
     norms = [k for k in metrics[0] if k.endswith("grad_norm")]
     assert norms and all(m[norms[0]] > 0.0 for m in metrics)
     # the exported policy moved away from the initial weights

@@ -12,6 +12,7 @@ __all__ = [
     "NonFiniteStepError",
     "PluginLoadError",
     "SettingsError",
+    "SignalCheckError",
     "UnknownComponentError",
     "WeightVerificationError",
 ]
@@ -83,3 +84,8 @@ class LaunchError(MilesError):
 class NonFiniteStepError(MilesError):
     """A training step's loss or gradient norm is NaN or infinite: the optimizer step was refused, so the
     weights (and what the engines serve) stay those of the step before. Names the step and the value."""
+
+
+class SignalCheckError(MilesError):
+    """A signal check fired with ``log.signals.stop`` set (:mod:`miles.driver.signals`): names the check, the
+    step and what it measured."""

@@ -181,6 +181,10 @@ class Sample:
     logit_masks: list[LogitMask] = field(default_factory=list)
     """Token ids the engine masked out of the distribution of some response positions (EOS before
     ``min_new_tokens``); the trainer scores the same masked distribution."""
+    sampling_mask: list[list[int]] | None = None
+    """Sampling-mask replay (``rollout.replay_sampling_mask``): per response token, the token ids the engine
+    kept under top-k / top-p / min-p and drew it from (its ``output_token_sampling_mask``); an empty row
+    (a token the policy did not sample) leaves the distribution whole. The trainer renormalises over it."""
     routed_experts: bytes | None = None
     """MoE routing replay: int32 array (tokens x layers x topk), raw bytes, as the engine returned it: row ``t``
     is the routing of sequence position ``t`` (the prompt's positions, then the response's; the last token,
@@ -240,6 +244,8 @@ class Sample:
                     "response tokens"
                 )
             end = stop
+        if self.sampling_mask is not None and len(self.sampling_mask) != n:
+            raise ValueError(f"Sample.sampling_mask has {len(self.sampling_mask)} rows, response_ids has {n} entries")
         for mask in self.logit_masks:
             if not 0 <= mask.start <= mask.end <= n:
                 raise ValueError(
@@ -327,6 +333,8 @@ class Sample:
             kwargs["rollout_logprobs"] = [float(v) for v in kwargs["rollout_logprobs"]]
         if kwargs.get("teacher_logprobs") is not None:
             kwargs["teacher_logprobs"] = [float(v) for v in kwargs["teacher_logprobs"]]
+        if kwargs.get("sampling_mask") is not None:
+            kwargs["sampling_mask"] = [[int(v) for v in row] for row in kwargs["sampling_mask"]]
         if kwargs.get("teacher_topk_ids") is not None:
             kwargs["teacher_topk_ids"] = [[int(v) for v in row] for row in kwargs["teacher_topk_ids"]]
         if kwargs.get("teacher_topk_logprobs") is not None:

@@ -197,3 +197,17 @@ def test_component_options_without_a_name_keep_the_default_component(tmp_path: P
     assert (settings.transport.name, settings.transport.bucket_bytes) == ("disk", 1024)
     with pytest.raises(SettingsError, match="train.adapter.name"):
         load_settings(path, overrides=["train.adapter.r=4"])
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (["rollout.replay_sampling_mask=true"], "nothing is truncated"),
+        (["rollout.replay_sampling_mask=true", "rollout.top_k=20", "train.true_on_policy=true"], "true_on_policy"),
+        (["rollout.replay_sampling_mask=true", "rollout.top_p=0.9", "train.backend=megatron"], "megatron trainer"),
+    ],
+)
+def test_sampling_mask_replay_is_refused_where_it_cannot_work(sets: list[str], expected: str) -> None:
+    with pytest.raises(SettingsError, match=rf"rollout.replay_sampling_mask.*{expected}"):
+        load_settings(None, overrides=sets, env={})
+    assert load_settings(None, overrides=["rollout.replay_sampling_mask=true", "rollout.top_k=20"], env={})

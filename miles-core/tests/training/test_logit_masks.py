@@ -77,3 +77,42 @@ def test_fidelity_facts_survive_json() -> None:
             loss_mask=[1, 1],
             logit_masks=[LogitMask((0,), 0, 5)],
         ).validate()
+
+
+def test_kept_sets_renormalise_the_trainers_distribution() -> None:
+    """Sampling-mask replay: a sample's kept sets ride in the mask rows (``-2 - id``) next to its EOS mask;
+    the trainer's logprob of each token becomes its logprob under the kept set renormalised, at the
+    temperature, exactly what the engine reports as the behaviour logprob; rows without a kept set stay
+    whole; a kept id outside the vocabulary is refused."""
+    torch.manual_seed(0)
+    vocab = 16
+    sample = Sample(
+        prompt_ids=[1, 2],
+        response_ids=[3, 4, 5],
+        rollout_logprobs=[0.0] * 3,
+        loss_mask=[1, 1, 1],
+        logit_masks=[LogitMask((9,), 0, 1)],
+        sampling_mask=[[3, 7, 2], [4, 1], []],
+    )
+    assert Sample.from_json(sample.to_json()) == sample
+    other = Sample(prompt_ids=[1], response_ids=[6], rollout_logprobs=[0.0], loss_mask=[1])
+    batch = TrainBatch.from_samples([sample, other])
+    rows = batch.response_tensors[LOGIT_MASK_IDS]
+    assert rows.tolist()[0][:4] == [9, -4, -5, -9] and rows.tolist()[2][0] == -1 and rows.tolist()[3][0] == -1
+    logits = torch.randn(4, vocab)
+    targets = torch.tensor([3, 4, 5, 6])
+    scored, _ = token_logprobs(logits, targets, 0.7, False, mask_ids=rows)
+    probs = torch.softmax(logits.double() / 0.7, -1)
+    for row, kept in ((0, [3, 7, 2]), (1, [4, 1])):
+        expected = torch.log(probs[row, targets[row]] / probs[row, kept].sum())
+        assert float(scored[row]) == pytest.approx(float(expected), abs=1e-6)
+    whole = torch.log_softmax(logits / 0.7, -1)
+    assert torch.allclose(scored[2:], whole[[2, 3], targets[2:]])
+    masked = apply_logit_masks(logits, rows)
+    assert torch.isinf(masked[0]).sum() == vocab - 3  # the kept set alone (EOS 9 was outside it anyway)
+    with pytest.raises(ValueError, match="outside the vocabulary of 16"):
+        apply_logit_masks(logits, torch.tensor([[-2 - 16]] * 4))
+    with pytest.raises(ValueError, match="Sample.sampling_mask has 1 rows"):
+        Sample(
+            prompt_ids=[1], response_ids=[6, 7], rollout_logprobs=[0.0] * 2, loss_mask=[1, 1], sampling_mask=[[6]]
+        ).validate()

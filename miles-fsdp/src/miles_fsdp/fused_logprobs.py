@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles.training.logit_masks import apply_logit_masks
+from miles.training.logit_masks import apply_logit_masks, has_masks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -130,10 +130,12 @@ def fused_token_logprobs(
         raise ValueError(f"fused logprobs: chunk_tokens must be >= 1, got {chunk_tokens}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"fused logprobs: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match")
-    if mask_ids is not None and not bool((mask_ids >= 0).any()):
+    if not has_masks(mask_ids):
         mask_ids = None
-    if mask_ids is not None and int(mask_ids.max()) >= weight.shape[0]:
-        raise ValueError(f"logit mask: token id {int(mask_ids.max())} is outside the vocabulary of {weight.shape[0]}")
+    if mask_ids is not None:
+        largest = int(torch.where(mask_ids <= -2, -2 - mask_ids, mask_ids).max())
+        if largest >= weight.shape[0]:
+            raise ValueError(f"logit mask: token id {largest} is outside the vocabulary of {weight.shape[0]}")
     device = hidden.device.type
     if torch.is_autocast_enabled(device):  # the head's GEMM in the autocast dtype, as autocast runs nn.Linear
         dtype = torch.get_autocast_dtype(device)

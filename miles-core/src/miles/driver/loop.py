@@ -37,6 +37,7 @@ from miles.driver.colocate import LOADED_FILE, Colocation
 from miles.driver.fidelity import mismatch_metrics, optimizer_step_metrics, scoring_temperature_of, warn_on_mismatch
 from miles.driver.publish import WeightPublisher, make_publisher
 from miles.driver.records import SampleRecords
+from miles.driver.signals import SignalChecks, logprob_spread
 from miles.driver.threads import ComputeThread
 from miles.types import SampleGroup
 
@@ -112,6 +113,9 @@ class TrainingLoop:
         self.loggers: list[MetricsLogger] = []
         self.follower: asyncio.Task[None] | None = None
         """Rank 0 of a launched run: follows engines joining and leaving (:class:`~miles.driver.fleet.FleetFollower`)."""
+        self.signals = SignalChecks(settings.log.signals, vocab_size=None)
+        """The signal checks (:mod:`miles.driver.signals`; rank 0 judges, every rank measures its batches)."""
+        self._probe: list[int] = []
         self.step = 0
         self.completed = False
         """Whether :func:`run_to_completion` finished the run."""
@@ -151,6 +155,7 @@ class TrainingLoop:
         run = self.run_components
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = run.tokenizer
+        self.signals.vocab_size = len(self.tokenizer) if self.tokenizer is not None else None
         self.data = run.data_source(self.tokenizer)
         self.loggers = run.loggers()
         if self.fleet is not None:
@@ -203,6 +208,8 @@ class TrainingLoop:
     async def run(self) -> None:
         total = self.settings.train.num_rollouts
         await self.publisher.flush()  # a resumed run's first push: generate on the checkpoint's weights
+        if self.is_driver and self.client is not None:
+            await self.probe_signal()  # what the engines serve before the first step: the probe's baseline
         if self.source is not None:
             await self.source.start(self.step)
         if self.is_driver:
@@ -240,6 +247,8 @@ class TrainingLoop:
             metrics.update(self.publisher.metrics(report))
             if self.client is not None:
                 metrics.update(self.client.failover_metrics())
+                if report is not None:
+                    metrics.update(await self.probe_signal())
             metrics["time/step_seconds"] = time.perf_counter() - start
             metrics.update(await self.maybe_evaluate())
             self.log_step(metrics)
@@ -264,7 +273,22 @@ class TrainingLoop:
         if self.source.generates:  # kept on disk, and the plugins told
             self.records.rollout(self.step + 1, groups)
             self.pm.on_rollout_end(step=self.step + 1, groups=groups, metrics=metrics)
+            if self.signals.active("reward_constant") or self.signals.active("reward_uncorrelated"):
+                metrics.update(self.signals.reward_metrics(groups))
         return groups
+
+    async def probe_signal(self) -> dict[str, float]:
+        """Rank 0, after a push in line: the engines' logprobs of the probe sequence against the last push's
+        (the ``probe_unchanged`` check; overlapped commits land after the step and are not probed)."""
+        from miles.driver.publish import InlinePublisher
+        from miles.transport.verify import PROBE_TEXT
+
+        if not self.signals.active("probe_unchanged") or not isinstance(self.publisher, InlinePublisher):
+            return {}
+        assert self.client is not None
+        if not self._probe:
+            self._probe = self.publisher.probe or [int(t) for t in self.tokenizer.encode(PROBE_TEXT)]
+        return await self.signals.probe_metrics(self.client, self._probe)
 
     async def train_on(self, groups: list[SampleGroup] | None) -> dict[str, float]:
         """Every rank (``groups`` on rank 0): advantages, this rank's share of each optimizer step, the
@@ -283,6 +307,8 @@ class TrainingLoop:
             on_policy=settings.rollout.mode == "sync" and settings.log.trainer_logprobs != "always",
         )
         metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
+        if settings.log.signals.enabled:
+            metrics.update(logprob_spread(batches))
         if settings.log.trainer_logprobs != "never":
             self.records.trainer_logprobs(self.step + 1, batches, groups)
         steps_start = time.perf_counter()
@@ -294,11 +320,14 @@ class TrainingLoop:
         return metrics
 
     def log_step(self, metrics: dict[str, float]) -> None:
-        """Rank 0: fidelity warnings, loggers, lifecycle hooks."""
+        """Rank 0: fidelity warnings and signal checks, loggers, lifecycle hooks; then a signal check that fired
+        stops the run when ``log.signals.stop`` says so."""
         warn_on_mismatch(self.step, metrics, self.settings)
+        fired = self.signals.judge(self.step, metrics)
         for logger in self.loggers:
             logger.log(self.step, metrics)
         self.pm.on_step_end(step=self.step, metrics=metrics)
+        self.signals.stop_if_fired(self.step, fired)
 
     # -- checkpoints -------------------------------------------------------------------------------
     async def save(self) -> None:

@@ -8,7 +8,7 @@ bodies from them (valid and invalid) and require a 4xx naming the field, never a
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
@@ -52,6 +52,10 @@ class GenerateBody(_Body):
     top_logprobs_num: int | list[int] | SkipJsonSchema[None] = None
     return_routed_experts: bool | SkipJsonSchema[None] = None
     return_original_logprob: bool | SkipJsonSchema[None] = None
+    return_sampling_mask: bool | list[bool] | SkipJsonSchema[None] = None
+    sampling_logprobs_mode: (
+        Literal["selected", "support"] | list[Literal["selected", "support"] | None] | SkipJsonSchema[None]
+    ) = None
     stream: bool | SkipJsonSchema[None] = None
     rid: str | list[str] | SkipJsonSchema[None] = None
     lora_path: str | list[str | None] | SkipJsonSchema[None] = None

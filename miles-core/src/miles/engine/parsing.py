@@ -104,6 +104,27 @@ def _top_logprobs_nums(raw: Any, count: int, vocab_size: int) -> list[int]:
     return out
 
 
+def _sampling_mask_modes(body: dict[str, Any], count: int) -> list[str | None]:
+    """SGLang's ``return_sampling_mask`` (a bool, or one per prompt) and ``sampling_logprobs_mode``
+    (``selected``, the default, or ``support``; one or one per prompt, only with the former): per prompt,
+    the mode of the kept sets to report, or ``None``."""
+    raw, modes = body.get("return_sampling_mask"), body.get("sampling_logprobs_mode")
+    wants = raw if isinstance(raw, list) else [raw] * count
+    chosen = modes if isinstance(modes, list) else [modes] * count
+    if len(wants) != count or len(chosen) != count:
+        raise RequestError("return_sampling_mask / sampling_logprobs_mode: a list must have one entry per prompt")
+    if not all(w is None or isinstance(w, bool) for w in wants):
+        raise RequestError("return_sampling_mask must be a boolean or a list of booleans (one per prompt)")
+    out: list[str | None] = []
+    for want, mode in zip(wants, chosen, strict=True):
+        if mode is not None and mode not in ("selected", "support"):
+            raise RequestError(f"sampling_logprobs_mode must be 'selected' or 'support', got {mode!r}")
+        if mode is not None and not want:
+            raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask is true")
+        out.append((mode or "selected") if want else None)
+    return out
+
+
 def parse_generate(
     body: Any,
     *,
@@ -159,6 +180,7 @@ def parse_generate(
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in starts):
         raise RequestError("logprob_start_len must be an integer or a list of integers (one per prompt)")
     top_nums = _top_logprobs_nums(body.get("top_logprobs_num"), len(prompts), vocab_size)
+    mask_modes = _sampling_mask_modes(body, len(prompts))
     rid = body.get("rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts):
@@ -168,8 +190,8 @@ def parse_generate(
     if len(loras) != len(prompts) or not all(n is None or (isinstance(n, str) and n) for n in loras):
         raise RequestError("lora_path: an adapter name, or a list with one name (or null) per prompt")
     requests: list[Request] = []
-    for prompt, cfg, parent, top_num, start, lora_name in zip(
-        prompts, configs, rids, top_nums, starts, loras, strict=True
+    for prompt, cfg, parent, top_num, start, lora_name, mask_mode in zip(
+        prompts, configs, rids, top_nums, starts, loras, mask_modes, strict=True
     ):
         parent = str(parent) if parent is not None else uuid.uuid4().hex
         for j in range(cfg.n):
@@ -186,6 +208,7 @@ def parse_generate(
                     return_routed_experts=bool(body.get("return_routed_experts", False)),
                     return_original_logprob=bool(body.get("return_original_logprob", return_original_logprob_default)),
                     top_logprobs_num=top_num if return_logprob else 0,
+                    return_sampling_mask=mask_mode,
                     stream=bool(body.get("stream", False)),
                     lora_name=lora_name,
                 )

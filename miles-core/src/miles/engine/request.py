@@ -12,6 +12,8 @@ from miles.rollout.protocol import FinishReason, SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from miles.engine.sampling import KeptSet
+
 __all__ = ["Request"]
 
 
@@ -47,6 +49,9 @@ class Request:
     top_logprobs_num: int = 0
     """SGLang's ``top_logprobs_num``: report the ``k`` most likely tokens at each position (with
     ``return_logprob``)."""
+    return_sampling_mask: str | None = None
+    """SGLang's ``return_sampling_mask``, as its ``sampling_logprobs_mode``: ``selected`` or ``support`` (report
+    each output token's kept set, :class:`~miles.engine.sampling.KeptSet`), or ``None``."""
     stream: bool = False
     lora_name: str | None = None
     """SGLang's ``lora_path``: the LoRA adapter this request is generated with (``None``: the base model)."""
@@ -55,6 +60,8 @@ class Request:
     raw_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_kept: list[KeptSet] = field(default_factory=list)
+    """Each output token's kept set (with ``return_sampling_mask``)."""
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     cached_tokens: int = 0
     admitted: bool = False
@@ -80,9 +87,11 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def record_token(self, token: int, logprob: float, raw: float, version: str) -> None:
+    def record_token(self, token: int, logprob: float, raw: float, version: str, kept: KeptSet | None = None) -> None:
         position = len(self.output_ids)
         self.output_ids.append(token)
+        if kept is not None:
+            self.output_kept.append(kept)
         self.output_logprobs.append(logprob)
         self.raw_logprobs.append(raw)
         if self.spans and self.spans[-1][2] == version and self.spans[-1][1] == position:
@@ -119,6 +128,13 @@ class Request:
             if self.input_logprobs is not None:
                 tops = self.input_top_logprobs or [None] * len(self.input_logprobs)
                 meta["input_top_logprobs"] = [_with_text(top, decode_each) for top in tops]
+        if self.return_sampling_mask is not None:
+            meta["output_token_sampling_mask"] = [k.token_ids for k in self.output_kept]
+            meta["output_token_sampling_logprobs"] = [
+                k.support_logprobs if self.return_sampling_mask == "support" else k.selected_logprob
+                for k in self.output_kept
+            ]
+            meta["output_token_sampling_mask_length"] = len(self.output_kept)
         if self.return_routed_experts and self.routed:
             import torch
 

@@ -6,6 +6,11 @@ min-p truncation; that is the distribution a trainer recomputes from its own log
 Greedy decoding (``temperature == 0``) reports ``log_softmax(logits)``. The *raw* logprob
 (``log_softmax(logits)`` without temperature, SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``) is offered too.
 
+With ``return_sampling_mask`` (SGLang 0.5.23's field) a row also reports the set it drew from: the token ids
+that top-k / top-p / min-p kept (every id of non-zero probability when none truncates; the sampled id alone
+for greedy decoding), most likely first, and the sampled token's logprob under that set renormalised (the
+behaviour logprob; 0 for greedy), or in ``support`` mode the renormalised logprob of every kept id.
+
 Sampling draws one uniform per token from a per-request ``torch.Generator`` seeded by ``sampling_seed``, row by
 row (inverse transform over the cumulative probabilities), so a seeded request gets the same tokens whatever
 else is in the batch (given the same logits).
@@ -13,11 +18,36 @@ else is in the batch (given the same logits).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from miles.rollout.protocol import SamplingParams
 
-__all__ = ["sample_rows"]
+__all__ = ["KeptSet", "kept_set", "sample_rows"]
+
+
+class KeptSet(NamedTuple):
+    """The distribution one token was drawn from (SGLang's ``output_token_sampling_mask`` entry)."""
+
+    token_ids: list[int]
+    """The kept token ids, most likely first."""
+    selected_logprob: float
+    """The sampled token's logprob under the kept set, renormalised."""
+    support_logprobs: list[float]
+    """The renormalised logprob of each kept id (``support`` mode; empty otherwise)."""
+
+
+def kept_set(truncated: torch.Tensor, token: int, *, support: bool = False) -> KeptSet:
+    """The :class:`KeptSet` of one row from its truncated (not renormalised) probabilities ``[vocab]``."""
+    positive = torch.nonzero(truncated > 0).flatten()
+    weights = truncated[positive].double()
+    order = torch.sort(weights, descending=True, stable=True).indices
+    ids, weights = positive[order], weights[order]
+    mass = weights.sum()
+    selected = float(torch.log(truncated[token].double() / mass))
+    logprobs = torch.log(weights / mass).tolist() if support else []
+    return KeptSet([int(t) for t in ids.tolist()], selected, logprobs)
 
 
 def _truncate(probs: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
@@ -53,10 +83,15 @@ def sample_rows(
     configs: list[SamplingParams],
     generators: list[torch.Generator],
     banned: list[list[int]],
+    *,
+    kept: list[KeptSet | None] | None = None,
+    masks: list[str | None] | None = None,
 ) -> tuple[list[int], list[float], list[float]]:
     """Sample one token per row of fp32 ``logits`` ``[B, vocab]``.
 
     :param banned: per row, token ids masked out (EOS / stop tokens before ``min_new_tokens``).
+    :param masks: per row, ``None`` or the sampling-mask mode asked for (``selected`` or ``support``); each
+        row's :class:`KeptSet` (or ``None``) is appended to ``kept``.
     :returns: token ids, their logprobs under the sampled distribution, and their raw logprobs.
     """
     logits = logits.float()
@@ -72,10 +107,16 @@ def sample_rows(
     greedy_rows = [i for i, cfg in enumerate(configs) if cfg.greedy]
     argmax = scaled.argmax(dim=-1).tolist() if greedy_rows else []
     for row, cfg in enumerate(configs):
+        mode = masks[row] if masks is not None else None
         if cfg.greedy:
             tokens.append(int(argmax[row]))
+            if kept is not None:
+                kept.append(None if mode is None else KeptSet([tokens[-1]], 0.0, [0.0] if mode == "support" else []))
             continue
-        tokens.append(_draw(_truncate(scaled[row].exp(), cfg), generators[row]))
+        truncated = _truncate(scaled[row].exp(), cfg)
+        tokens.append(_draw(truncated, generators[row]))
+        if kept is not None:
+            kept.append(None if mode is None else kept_set(truncated, tokens[-1], support=mode == "support"))
     index = torch.tensor(tokens, device=logits.device)[:, None]
     logprobs = scaled.gather(1, index)[:, 0].tolist()
     raw_logprobs = raw.gather(1, index)[:, 0].tolist()

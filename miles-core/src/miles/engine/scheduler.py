@@ -33,7 +33,7 @@ import torch
 from miles.engine.model_runner import ModelRunner
 from miles.engine.radix_cache import ExactPrefixCache, PrefixCache, PrefixMatch, RadixCache
 from miles.engine.request import Request
-from miles.engine.sampling import sample_rows
+from miles.engine.sampling import KeptSet, sample_rows
 from miles.engine.top_logprobs import record_input_top_logprobs, record_output_top_logprobs
 from miles.rollout.protocol import FinishReason
 from miles.types import PauseMode
@@ -436,18 +436,23 @@ class Scheduler:
 
     def _sample(
         self, logits: torch.Tensor, running: list[Request], banned: list[list[int]]
-    ) -> tuple[list[int], list[float], list[float]]:
+    ) -> tuple[list[int], list[float], list[float], list[KeptSet | None]]:
+        """One token per running request, with its logprobs and, where asked, its kept set."""
+        kept: list[KeptSet | None] = []
+        masks = [r.return_sampling_mask for r in running]
         if not self.config.deterministic:
-            return sample_rows(logits, [r.config for r in running], [r.generator for r in running], banned)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        raws: list[float] = []
+            configs, generators = [r.config for r in running], [r.generator for r in running]
+            ids, logprobs, raws = sample_rows(logits, configs, generators, banned, kept=kept, masks=masks)
+            return ids, logprobs, raws, kept
+        ids, logprobs, raws = [], [], []
         for i, req in enumerate(running):
-            one = sample_rows(logits[i : i + 1].clone(), [req.config], [req.generator], [banned[i]])
+            one = sample_rows(
+                logits[i : i + 1].clone(), [req.config], [req.generator], [banned[i]], kept=kept, masks=masks[i : i + 1]
+            )
             ids += one[0]
             logprobs += one[1]
             raws += one[2]
-        return ids, logprobs, raws
+        return ids, logprobs, raws, kept
 
     def _decode_step(self) -> None:
         running = self.running
@@ -463,11 +468,11 @@ class Scheduler:
             else:
                 banned.append([])
         record_output_top_logprobs(running, logits, banned)
-        ids, logprobs, raws = self._sample(logits, running, banned)
+        ids, logprobs, raws, kept = self._sample(logits, running, banned)
         self.generated_tokens += len(ids)
         done: list[tuple[Request, FinishReason]] = []
-        for req, token, lp, raw in zip(running, ids, logprobs, raws, strict=True):
-            req.record_token(token, lp, raw, self.weight_version)
+        for req, token, lp, raw, mask in zip(running, ids, logprobs, raws, kept, strict=True):
+            req.record_token(token, lp, raw, self.weight_version, mask)
             reason = self._check_stop(req, token)
             if reason is not None:
                 req.finish_reason = reason

@@ -27,6 +27,10 @@ class EngineClient(ABC):
     lora_path: str | None = None
     """SGLang's ``lora_path`` sent with every generate request: the LoRA adapter the rollouts run (set by
     the ``lora`` transport once the engines serve it; ``None``: the base model)."""
+    return_sampling_mask: bool = False
+    """SGLang's ``return_sampling_mask`` sent with every generate request: each output token's kept set under
+    top-k / top-p / min-p and its behaviour logprob (``GenerateOutput.sampling_mask`` and
+    ``sampling_logprobs``; set by the rollout manager for ``rollout.replay_sampling_mask``)."""
 
     @property
     @abstractmethod

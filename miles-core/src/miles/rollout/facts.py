@@ -104,6 +104,15 @@ class RoutedExpertsClient(EngineClient):
     def lora_path(self, value: str | None) -> None:
         self.inner.lora_path = value
 
+    @property
+    def return_sampling_mask(self) -> bool:
+        """The inner client's (sampling-mask replay of an MoE policy)."""
+        return self.inner.return_sampling_mask
+
+    @return_sampling_mask.setter
+    def return_sampling_mask(self, value: bool) -> None:
+        self.inner.return_sampling_mask = value
+
     async def generate(
         self,
         input_ids: Sequence[int],

@@ -443,6 +443,8 @@ class HttpEngineClient(EngineClient):
             payload["rid"] = rid
         if self.lora_path is not None:
             payload["lora_path"] = self.lora_path
+        if self.return_sampling_mask:
+            payload["return_sampling_mask"] = True
         if self.router_url is not None:
             try:
                 body, url = await self._generate_via_router(payload, routing_key)

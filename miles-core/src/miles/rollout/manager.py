@@ -121,10 +121,13 @@ def sample_from_output(sample: Sample, output: GenerateOutput) -> Sample:
     if output.routed_experts is not None:  # (shaped by the client: RoutedExpertsClient)
         shape = shape_routed_experts(output, None).meta_info["routed_experts_shape"]
         routed_shape = (int(shape[0]), int(shape[1]), int(shape[2]))
+    behaviour = output.sampling_logprobs if output.sampling_mask is not None else None
     return replace(
         sample,
         response_ids=list(output.output_ids),
-        rollout_logprobs=list(output.output_logprobs),
+        # with the kept sets: the behaviour logprobs (of the renormalised set each token was drawn from)
+        rollout_logprobs=list(behaviour if behaviour is not None else output.output_logprobs),
+        sampling_mask=output.sampling_mask if behaviour is not None else None,
         loss_mask=[1] * n,
         response=output.text,
         status=status,
@@ -196,6 +199,8 @@ class RolloutManager:
         self._generate_client: EngineClient = (
             RoutedExpertsClient(client, routed_layout) if return_routed_experts else client
         )
+        if settings.replay_sampling_mask:
+            client.return_sampling_mask = True
         self.next_group_id = 0
         self._function_started = False
         self.budget = DropBudget(max_rounds * settings.rollout_batch_size)

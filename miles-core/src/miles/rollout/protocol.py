@@ -103,6 +103,12 @@ class GenerateOutput:
     weight_version_spans: list[tuple[int, int, str]] | None = None
     """``(start, end, version)``: output tokens ``[start, end)`` were sampled under weight ``version``
     (the local engine's ``meta_info.weight_version_spans``; ``None`` from engines that do not report it)."""
+    sampling_mask: list[list[int]] | None = None
+    """Each output token's kept set under top-k / top-p / min-p, most likely first
+    (``meta_info.output_token_sampling_mask``, with ``return_sampling_mask``)."""
+    sampling_logprobs: list[float] | None = None
+    """Each output token's behaviour logprob: under its kept set renormalised
+    (``meta_info.output_token_sampling_logprobs`` in SGLang's default ``selected`` mode)."""
     meta_info: dict[str, Any] = field(default_factory=dict)
     """The raw ``meta_info`` for fields not mapped above."""
 
@@ -116,6 +122,7 @@ class GenerateOutput:
         input_lp = meta.get("input_token_logprobs")
         routed = meta.get("routed_experts")
         spans = meta.get("weight_version_spans")
+        masks, behaviour = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
         return cls(
             text=data.get("text", ""),
             output_ids=[int(t) for t in ids],
@@ -129,5 +136,7 @@ class GenerateOutput:
             routed_experts=None if routed is None else base64.b64decode(routed),
             rid=meta.get("id"),
             weight_version_spans=None if spans is None else [(int(a), int(b), str(v)) for a, b, v in spans],
+            sampling_mask=None if masks is None else [[int(t) for t in row] for row in masks],
+            sampling_logprobs=None if behaviour is None else [float(v) for v in behaviour],
             meta_info=meta,
         )

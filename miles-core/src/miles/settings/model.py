@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from miles.settings.sessions import SessionSettings
+from miles.settings.signals import SignalSettings
 from miles.types import PauseMode
 
 __all__ = [
@@ -275,6 +276,12 @@ class RolloutSettings(_Section):
     """Nucleus sampling."""
     top_k: int = -1
     """Top-k sampling (-1: off)."""
+    replay_sampling_mask: bool = False
+    """Sampling-mask replay: the engines return each token's kept set under ``top_k`` / ``top_p`` (SGLang's
+    ``return_sampling_mask``) and its behaviour logprob (under the kept set, renormalised), which becomes the
+    sample's rollout logprob; the trainer renormalises its own logprobs over the same set (loss, ratio, KL,
+    mismatch metrics). Without it the engine draws from the truncated set while the trainer scores the whole
+    vocabulary."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings."""
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -376,6 +383,10 @@ class LogSettings(_Section):
     """Log level."""
     logprob_diff_warn: float = Field(0.05, ge=0.0)
     """Warn when the mean |train - rollout| logprob difference exceeds this."""
+    signals: SignalSettings = Field(default_factory=SignalSettings)
+    """Per-step checks that the run's signals are alive (``[log.signals]``): a uniform or constant teacher
+    or reference, a constant or unrelated reward, a push that left the engines' policy unchanged, a zero
+    gradient with non-zero advantages."""
     trainer_logprobs: Literal["when_computed", "always", "never"] = "when_computed"
     """Keep the trainer's per-token logprobs (before the step's update) next to each step's samples
     (``samples/trainer_logprobs_<step>.jsonl``, shown token by token by ``miles view``): ``when_computed``
@@ -462,6 +473,21 @@ class MilesSettings(BaseSettings):
         if self.cluster.colocate and rollout.mode != "sync":
             raise ValueError(
                 f"cluster.colocate: engines and trainer cannot share devices in rollout.mode = {rollout.mode!r} (use sync)"
+            )
+        if rollout.replay_sampling_mask and rollout.top_k <= 0 and rollout.top_p >= 1.0:
+            raise ValueError(
+                "rollout.replay_sampling_mask: nothing is truncated (rollout.top_k = -1, rollout.top_p = 1.0): the "
+                "kept set would be the whole vocabulary; set top_k or top_p, or turn replay off"
+            )
+        if rollout.replay_sampling_mask and train.backend.name == "megatron":
+            raise ValueError(
+                "rollout.replay_sampling_mask: the megatron trainer does not apply the engine's logit masks yet "
+                "(use train.backend = 'fsdp')"
+            )
+        if rollout.replay_sampling_mask and train.true_on_policy:
+            raise ValueError(
+                "rollout.replay_sampling_mask: train.true_on_policy replays the engine's untruncated logprobs; "
+                "use one of the two"
             )
         if train.eval_interval is not None and self.data.eval_path is None:
             raise ValueError("train.eval_interval: needs data.eval_path (the eval prompt file)")

@@ -101,8 +101,10 @@ class GenerateOutput:
     """int32 array (tokens x layers x topk) when ``return_routed_experts`` was asked."""
     rid: str | None = None
     weight_version_spans: list[tuple[int, int, str]] | None = None
-    """``(start, end, version)``: output tokens ``[start, end)`` were sampled under weight ``version``
-    (the local engine's ``meta_info.weight_version_spans``; ``None`` from engines that do not report it)."""
+    """``(start, end, version)``: output tokens ``[start, end)`` were sampled under weight ``version`` (the
+    local engine's ``meta_info.weight_version_spans``, or SGLang's ``meta_info.weight_versions``: objects with
+    ``version``, ``start`` and ``end``, sent once the weights changed under a request; ``None`` when neither
+    is sent)."""
     meta_info: dict[str, Any] = field(default_factory=dict)
     """The raw ``meta_info`` for fields not mapped above."""
 
@@ -116,6 +118,8 @@ class GenerateOutput:
         input_lp = meta.get("input_token_logprobs")
         routed = meta.get("routed_experts")
         spans = meta.get("weight_version_spans")
+        if spans is None and meta.get("weight_versions"):  # SGLang (0.5.23: utils/weight_versions.py)
+            spans = [(s["start"], s["end"], s["version"]) for s in meta["weight_versions"]]
         return cls(
             text=data.get("text", ""),
             output_ids=[int(t) for t in ids],

@@ -121,6 +121,22 @@ def test_cpu_launch_command() -> None:
         launch(SGLangEngineSettings(), device="cpu", devices=[], dtype="float32")
 
 
+def test_lora_on_a_cpu_takes_sglangs_torch_kernels() -> None:
+    """SGLang's default LoRA backend (``csgmv``) and its others are Triton GPU kernels: on a CPU the engine
+    asks for ``torch_native`` (``tests/real`` serves adapters with it), unless the settings name a backend."""
+    from miles_sglang.command import EnginePlacement, launch_argv
+
+    where = EnginePlacement("/models/llama", "127.0.0.1", 30003, None, 1, "bfloat16", False, device="cpu")
+    lora = SGLangEngineSettings(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
+    argv = launch_argv(lora, where)
+    assert argv[argv.index("--lora-backend") + 1] == "torch_native"
+    chosen = launch_argv(lora.model_copy(update={"lora_backend": "triton"}), where)
+    assert chosen[chosen.index("--lora-backend") + 1] == "triton"
+    on_gpu = launch_argv(lora, EnginePlacement("/models/llama", "127.0.0.1", 30003, 0, 1, "bfloat16", False))
+    assert "--lora-backend" not in on_gpu  # SGLang's own choice
+    assert "--lora-backend" not in launch_argv(SGLangEngineSettings(), where)  # no LoRA, no LoRA flags
+
+
 def test_cpu_host_problems_name_what_is_missing_and_how_to_build_it() -> None:
     options = SGLangEngineSettings()
     cpu = settings_for(device="cpu")

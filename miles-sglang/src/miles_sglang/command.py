@@ -48,8 +48,10 @@ class EnginePlacement:
         return self.device == "cpu"
 
 
-def lora_argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None) -> list[str]:
+def lora_argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None, *, device: str = "cuda") -> list[str]:
     """SGLang's LoRA flags for an engine that serves the run's ``adapter`` (``None``: the run trains none).
+    On a CPU (``device = "cpu"``) the LoRA kernels default to ``torch_native``: SGLang's default (``csgmv``)
+    and its other backends are Triton kernels for GPUs.
 
     Adapters are loaded at run time, so SGLang needs the largest rank and the target projections up front
     (``--max-lora-rank``, ``--lora-target-modules``): taken from ``adapter`` unless set. Raises
@@ -80,8 +82,9 @@ def lora_argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None) -> li
         argv += ["--max-loras-per-batch", str(settings.max_loras_per_batch)]
     if settings.max_loaded_loras is not None:
         argv += ["--max-loaded-loras", str(settings.max_loaded_loras)]
-    if settings.lora_backend is not None:
-        argv += ["--lora-backend", settings.lora_backend]
+    backend = settings.lora_backend or ("torch_native" if device == "cpu" else None)
+    if backend is not None:
+        argv += ["--lora-backend", backend]
     return argv
 
 
@@ -132,5 +135,5 @@ def launch_argv(
         "--disable-overlap-schedule": where.on_cpu,
     }
     argv += [flag for flag, on in switches.items() if on]
-    argv += lora_argv(settings, adapter)
+    argv += lora_argv(settings, adapter, device=where.device)
     return argv + list(settings.extra_args)

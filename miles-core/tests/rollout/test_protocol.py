@@ -46,3 +46,17 @@ def test_one_version_throughout_is_one_span() -> None:
     out = GenerateOutput.from_json(bare)  # an engine that reports only its current version
     assert out.weight_version_spans is None
     assert sample_from_output(Sample(prompt_ids=[1]), out).weight_versions == [WeightSpan(0, 8, 1)]
+
+
+def test_a_sample_names_the_engine_that_served_it() -> None:
+    """The engine client names the engine in ``meta_info["engine_url"]`` (the router's ``x-smg-routed-worker-id``
+    behind smg); the sample keeps it, so a run's sample dumps show where each group was served."""
+    out = GenerateOutput.from_json(RETRACTED)
+    out.meta_info["engine_url"] = "http://127.0.0.1:30001"
+    sample = sample_from_output(Sample(prompt_ids=[1, 2, 3], metadata={"routing_key": "group-3"}), out)
+    assert sample.metadata == {
+        "routing_key": "group-3",
+        "cached_tokens": 0,
+        "prompt_tokens": 9,
+        "engine_url": "http://127.0.0.1:30001",
+    }

@@ -131,7 +131,12 @@ def sample_from_output(sample: Sample, output: GenerateOutput) -> Sample:
         weight_versions=spans,
         routed_experts=output.routed_experts,
         routed_experts_shape=routed_shape,
-        metadata={**sample.metadata, "cached_tokens": output.cached_tokens, "prompt_tokens": output.prompt_tokens},
+        metadata={
+            **sample.metadata,
+            "cached_tokens": output.cached_tokens,
+            "prompt_tokens": output.prompt_tokens,
+            **({"engine_url": output.meta_info["engine_url"]} if "engine_url" in output.meta_info else {}),
+        },
     )
 
 

@@ -458,6 +458,28 @@ class HttpEngineClient(EngineClient):
         data = result.get("data", []) if isinstance(result, dict) else []
         return [m for m in data if isinstance(m, dict)]
 
+    async def release_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+        """:meth:`EngineClient.release_memory` on every reachable engine; one that gives no answer is marked down
+        and left (a colocated run goes on: the next push takes a restarted engine back), even the last one."""
+        await self._each_answering("/release_memory_occupation", {"tags": list(tags)})
+
+    async def resume_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+        """:meth:`EngineClient.resume_memory`, leaving engines that give no answer as :meth:`release_memory`."""
+        await self._each_answering("/resume_memory_occupation", {"tags": list(tags)})
+
+    async def _each_answering(self, endpoint: str, payload: dict[str, Any]) -> None:
+        """POST ``endpoint`` to every reachable engine; an engine that answers no more is marked down and left
+        (no error, also when none answers: there is nothing to ask of a dead engine), an HTTP error raises."""
+        urls = list(self.urls)
+        results = await asyncio.gather(
+            *(self._request("POST", url, endpoint, payload) for url in urls), return_exceptions=True
+        )
+        for url, result in zip(urls, results, strict=True):
+            if isinstance(result, EngineError) and not isinstance(result, EngineHTTPError):
+                self.health_state.mark_down(url, str(result))
+            elif isinstance(result, BaseException):
+                raise result
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self._all(
             "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version}

@@ -108,7 +108,7 @@ def test_cpu_launch_command() -> None:
         "--weight-version", "0", "--max-total-tokens", "4096",
         "--skip-server-warmup", "--disable-overlap-schedule",
     ]  # fmt: skip
-    assert engine_launch.env == {"SGLANG_USE_CPU_ENGINE": "1"}
+    assert engine_launch.env == {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
     assert engine_launch.health_path == "/health_generate" and engine_launch.url == "http://127.0.0.1:30002"
     # rank 2 of a colocated CPU run: seed + rank, and no memory saver (it pages CUDA memory)
     argv = launch(SGLangEngineSettings(), device="cpu", devices=[], rank=2, seed=5, colocate=True)
@@ -119,6 +119,17 @@ def test_cpu_launch_command() -> None:
     assert "--disable-overlap-schedule" not in launch(SGLangEngineSettings())
     with pytest.raises(SettingsError, match='rollout.engine_dtype: .* no float32 path .* = "bfloat16"'):
         launch(SGLangEngineSettings(), device="cpu", devices=[], dtype="float32")
+
+
+def test_health_does_not_generate() -> None:
+    """SGLang's ``/health`` generated a token by default and answered 503 after 20 s without one: a paused engine
+    (each push of an async run) looked dead to Miles' failover and to smg. Every engine is started with
+    ``/health`` as a liveness check (``/health_generate``, which the launcher waits on, still generates)."""
+    on_gpu = SGLangEngine(SGLangEngineSettings()).launch(
+        model_path="/models/qwen", host="127.0.0.1", port=30004, device="cuda", dtype="bfloat16", devices=[0]
+    )
+    assert on_gpu.env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+    assert on_gpu.health_path == "/health_generate"
 
 
 def test_lora_on_a_cpu_takes_sglangs_torch_kernels() -> None:

@@ -17,11 +17,18 @@ from miles_sglang.settings import SGLangEngineSettings
 if TYPE_CHECKING:
     from miles.training.adapter import LowRankSpec
 
-__all__ = ["CPU_ENV", "EnginePlacement", "launch_argv", "lora_argv"]
+__all__ = ["CPU_ENV", "ENGINE_ENV", "EnginePlacement", "launch_argv", "lora_argv"]
 
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 """The environment in which SGLang takes its CPU path (``sglang.srt.utils.is_cpu``; ``--device cpu`` alone
 leaves it on its CUDA defaults)."""
+
+ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+"""The environment of every SGLang engine Miles starts. SGLang 0.5.23's ``/health`` otherwise generates a token
+and answers only once its detokenizer says something (503 after 20 s): a paused engine (every weight push in
+the async modes), or one whose queue is long on busy cores, looked dead to Miles' failover (``/health``, 10 s)
+and to smg's health checks. With it, ``/health`` says the server process answers; ``/health_generate`` still
+generates (the launcher waits on it at start)."""
 
 
 @dataclass(frozen=True)

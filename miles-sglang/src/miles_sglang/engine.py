@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from miles.errors import SettingsError
 from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
 from miles_sglang.checks import host_problems
-from miles_sglang.command import CPU_ENV, EnginePlacement, launch_argv
+from miles_sglang.command import CPU_ENV, ENGINE_ENV, EnginePlacement, launch_argv
 from miles_sglang.settings import SGLangEngineSettings
 
 if TYPE_CHECKING:
@@ -125,6 +125,6 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
         return EngineLaunch(
             argv=launch_argv(settings, where, self.adapter),
             url=f"http://{host}:{port}",
-            env=dict(CPU_ENV) if on_cpu else {},
+            env={**ENGINE_ENV, **(CPU_ENV if on_cpu else {})},
             health_path="/health_generate",
         )

@@ -75,7 +75,9 @@ def test_every_option_on_the_launch_command() -> None:
         model_path="/m", host="127.0.0.1", port=1, device="cuda", dtype="bfloat16", devices=[0, 1]
     )
     assert engine_launch.health_path == "/health_generate" and engine_launch.url == "http://127.0.0.1:1"
-    assert engine_launch.env == {}  # GPUs are chosen with --base-gpu-id, not CUDA_VISIBLE_DEVICES
+    assert engine_launch.env == {
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"
+    }  # GPUs are chosen with --base-gpu-id, not CUDA_VISIBLE_DEVICES
 
 
 def test_memory_saver_follows_colocation_unless_set() -> None:

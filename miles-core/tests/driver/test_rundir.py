@@ -36,7 +36,10 @@ def test_a_run_with_a_checkpoint_is_offered_a_resume(tmp_path: Path) -> None:
     write_driver_state(step, DriverState(step=2, weight_version="2"))
     with pytest.raises(SettingsError, match=f"pass --resume {tmp_path} to continue it, --overwrite to replace it"):
         check_run_dir(settings_in(tmp_path), resume=None, overwrite=False)
-    assert check_run_dir(settings_in(tmp_path), resume=str(tmp_path), overwrite=False) == ["metrics.jsonl", "checkpoints"]
+    assert check_run_dir(settings_in(tmp_path), resume=str(tmp_path), overwrite=False) == [
+        "metrics.jsonl",
+        "checkpoints",
+    ]
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path: Path) -> None:

@@ -220,6 +220,7 @@ def test_memory_release_leaves_an_engine_that_died(engines: list[EngineProcess])
             await client.release_memory()
             assert list(client.urls) == [engines[0].url] and dead in client.health_state.down
             await client.resume_memory()
+            await client.continue_generation()  # (as the training loop does after the push)
             (out,) = await client.generate([1, 2], SamplingParams(max_new_tokens=2))
             assert out.finish_reason.type in ("length", "stop")
         async with HttpEngineClient([dead], max_retries=1, backoff=0.01) as client:

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from benchmarks.engine import run_hf
     from miles.engine.launch import build_engine
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
 
     levels = [int(c) for c in args.concurrency.split(",")]
     rows: list[tuple[Any, ...]] = []

@@ -5,7 +5,7 @@ each side computes the logprob of every target and the entropy (a detached metri
 and back-propagates a random per-token gradient into the hidden states and the head's weight:
 
 - ``full``: ``hidden @ W.T`` -> ``[T, V]`` logits -> :func:`miles.training.logprobs.token_logprobs`;
-- ``fused``: :func:`miles.training.fused_logprobs.fused_token_logprobs` (``--chunk`` tokens at a time).
+- ``fused``: :func:`miles_fsdp.fused_logprobs.fused_token_logprobs` (``--chunk`` tokens at a time).
 
 Memory is what autograd keeps for backward (bytes of the tensors saved between forward and backward,
 counted with ``saved_tensors_hooks``) plus the peak of one chunk (or the full logits) the forward creates;
@@ -49,8 +49,8 @@ def _saved_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
 def _measure(side: str, tokens: int, chunk: int, repeats: int) -> dict[str, float]:
     import torch
 
-    from miles.training.fused_logprobs import fused_token_logprobs
     from miles.training.logprobs import token_logprobs
+    from miles_fsdp.fused_logprobs import fused_token_logprobs
 
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, HIDDEN, generator=gen).requires_grad_(True)

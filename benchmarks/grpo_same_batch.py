@@ -204,8 +204,8 @@ def _miles_worker(batch_path: str, spec_path: str, out_dir: str) -> None:
     batch = json.loads(Path(batch_path).read_text())
     torch.set_num_threads(spec["threads"])
 
+    from miles.compose import build_run
     from miles.driver.batching import prepare_minibatches
-    from miles.driver.run import build_run
     from miles.settings.loader import load_settings
     from miles.types import Sample, SampleGroup, SampleStatus
     from miles_fsdp.distributed import init_distributed, shutdown_distributed

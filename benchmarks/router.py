@@ -181,7 +181,7 @@ async def measure(urls: list[str], router_url: str | None, args: argparse.Namesp
 
 
 def run_fleet(size: int, model: Path, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
 
     rows = []
     with ExitStack() as stack:

@@ -284,7 +284,7 @@ def main() -> None:
     if args.quick:
         args.episodes, args.turns = 4, 6
     pin_threads(args.threads)
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
 
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(args.model, Path(tmp))

@@ -45,7 +45,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -63,6 +62,7 @@ from benchmarks.common import (
     versions,
     write_result,
 )
+from miles.net import free_port
 
 SIZES: dict[str, dict[str, int]] = {
     "9M": {"hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 512, "num_attention_heads": 4},
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     repeats = args.repeats or (2 if args.quick else 5)
     pin_threads(args.threads)
 
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
 
     memcpy = memcpy_gbps(megabytes=256)
     with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as tmp:
@@ -380,9 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 p.start(wait=False)
             for p in procs:
                 p.wait_ready()
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             job = {
                 "work": str(work),
                 "model": str(model),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from miles.components import ComponentSettings
+from miles.errors import SettingsError
 from miles.types import Sample
 from miles_diffusion.rewards import (
     BrightnessReward,
@@ -48,5 +49,5 @@ def test_brightness_and_colour_match() -> None:
     assert _score(match, _sample(red, [0, 0, 255])) == pytest.approx(1.0 / 3.0)
     with pytest.raises(ValueError, match="label 'mauve' is neither a colour name"):
         _score(match, _sample(red, "mauve"))
-    with pytest.raises(ValueError, match="has no image"):
+    with pytest.raises(SettingsError, match="has no image"):
         _score(bright, Sample([1]))

@@ -97,7 +97,7 @@ def _rank(rank: int, world_size: int, policy: str, out_dir: str, port: int) -> N
     resumed_weights = _weights(resumed_trainer)
     if rank == 0:
         mine = rollout[: share.response_offsets[-1]]  # rank 0's share is the batch's first trajectories
-        diff = max(abs(float(a) - b) for a, b in zip(torch.cat(scored).tolist(), mine, strict=True))
+        diff = max(abs(float(a) - b) for a, b in zip(scored.tolist(), mine, strict=True))
         results = {
             "logprob_max_diff": diff,
             "first": first,

@@ -122,8 +122,9 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     # 1. logprobs of the initial model, iter_weights, then STEPS train steps with a checkpoint in between
     t = new_trainer(need_ref=True)
     lp = t.compute_logprobs(my_eval, temperature=EVAL_TEMPERATURE, with_entropy=True)
-    _save_logprobs(out / f"lp0_rank{rank}.safetensors", eval_idx, lp.logprobs)
-    _save_logprobs(out / f"ent0_rank{rank}.safetensors", eval_idx, lp.entropy)  # type: ignore[arg-type]
+    assert lp.entropy is not None
+    _save_logprobs(out / f"lp0_rank{rank}.safetensors", eval_idx, lp.logprobs.split(my_eval.response_lengths))
+    _save_logprobs(out / f"ent0_rank{rank}.safetensors", eval_idx, lp.entropy.split(my_eval.response_lengths))
     buckets = [[(name, list(t_.shape)) for name, t_ in bucket] for bucket in t.iter_weights(bucket_bytes=20_000)]
     results["weight_buckets"] = buckets
     metrics = []
@@ -137,7 +138,7 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     t.export_hf(str(out / "hf_full"), bucket_bytes=50_000)
     _save_shards(t, out / f"shards_rank{rank}")
     ref = t.compute_logprobs(my_eval, model="ref", temperature=EVAL_TEMPERATURE)
-    _save_logprobs(out / f"ref_rank{rank}.safetensors", eval_idx, ref.logprobs)
+    _save_logprobs(out / f"ref_rank{rank}.safetensors", eval_idx, ref.logprobs.split(my_eval.response_lengths))
     t.close()
 
     # 2. resume from the sharded checkpoint and finish the run
@@ -155,13 +156,13 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     t = new_trainer()
     t.load_checkpoint(str(out / "hf_full"))
     lp = t.compute_logprobs(my_eval, temperature=EVAL_TEMPERATURE)
-    _save_logprobs(out / f"lp_hf_rank{rank}.safetensors", eval_idx, lp.logprobs)
+    _save_logprobs(out / f"lp_hf_rank{rank}.safetensors", eval_idx, lp.logprobs.split(my_eval.response_lengths))
     t.close()
 
     # 4. bf16 parameters / fp32 reduction: close to fp32 logprobs, trains, master weights stay fp32
     t = new_trainer(BF16(None))
     lp = t.compute_logprobs(my_eval, temperature=EVAL_TEMPERATURE)
-    _save_logprobs(out / f"lp_bf16_rank{rank}.safetensors", eval_idx, lp.logprobs)
+    _save_logprobs(out / f"lp_bf16_rank{rank}.safetensors", eval_idx, lp.logprobs.split(my_eval.response_lengths))
     results["bf16_metrics"] = t.train_step(
         batches[0].shard(rank, world_size), PolicyGradient(), temperature=TEMPERATURE
     )
@@ -173,7 +174,7 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     data = batches[0].shard(rank, world_size)
     mse = []
     for _ in range(4):
-        values = t.compute_values(data)
+        values = t.compute_values(data).split(data.response_lengths)
         returns = data.rows("returns")
         assert returns is not None
         err = sum(float(((v - r) ** 2).sum()) for v, r in zip(values, returns, strict=True))

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
+from miles.testing.engine import EngineProcess
 from miles.training.batch import TrainBatch
 from miles.training.logit_masks import LOGIT_MASK_IDS
 from miles.training.logprobs import scoring_temperature
@@ -113,7 +113,7 @@ def differences(trainer: Any, samples: Sequence[Sample], temperature: float, *, 
     batch = TrainBatch.from_samples(samples)
     if not masks:
         batch.response_tensors.pop(LOGIT_MASK_IDS, None)
-    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs
+    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs.split(batch.response_lengths)
     want = batch.rows("rollout_logprobs")
     return torch.cat([(g - w).abs() for g, w in zip(got, want, strict=True)])
 

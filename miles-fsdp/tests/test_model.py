@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles.testing.models import build_tiny_model
-from miles_fsdp.model import ValueModel, decoder_layers, load_causal_lm, load_value_model, torch_dtype
+from miles_fsdp.model import ValueModel, decoder_layers, load_causal_lm, load_value_model
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +51,3 @@ def test_value_model_scores_every_position(model_dir: Path) -> None:
     assert values.shape == (1, 9) and values.dtype == torch.float32 and values.abs().sum() > 0
     zero = load_value_model(str(model_dir), seed=0, attn_implementation="sdpa", init_std=0.0)
     assert torch.equal(zero(ids, torch.arange(9)[None]), torch.zeros(1, 9))
-
-
-def test_torch_dtype_rejects_non_float_names() -> None:
-    assert torch_dtype("bfloat16") is torch.bfloat16
-    with pytest.raises(ValueError, match="precision: 'int8'"):
-        torch_dtype("int8")

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
 from miles.testing.algorithms import RatioPG
+from miles.testing.engine import EngineProcess
 from miles.training.batch import TrainBatch
 from miles.training.routing import ROUTED_EXPERTS
 from miles.types import Sample
@@ -106,7 +106,7 @@ def rollout(url: str) -> list[Sample]:
 
 
 def differences(trainer: Any, batch: TrainBatch) -> torch.Tensor:
-    got = trainer.compute_logprobs(batch, temperature=1.0).logprobs
+    got = trainer.compute_logprobs(batch, temperature=1.0).logprobs.split(batch.response_lengths)
     want = batch.rows("rollout_logprobs")
     assert want is not None
     return torch.cat([(g - w).abs() for g, w in zip(got, want, strict=True)])

@@ -102,11 +102,9 @@ def test_plain_and_fused_train_the_wrapped_full_logits_weights(model: Path, worl
             assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
             assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
             assert m["entropy"] == pytest.approx(r["entropy"], rel=1e-5)
-    for out in (plain_lp, fused_lp):
-        for a, b in zip(out.logprobs, ref_lp.logprobs, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        for a, b in zip(out.entropy, ref_lp.entropy, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for out in (plain_lp, fused_lp):  # every token's, packed as the batch's per-token fields
+        torch.testing.assert_close(out.logprobs, ref_lp.logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.entropy, ref_lp.entropy, rtol=1e-5, atol=1e-5)
 
     # the plain trainer's DCP checkpoint resumes in an FSDP-wrapped trainer, and continues as the plain one did
     resumed = _trainer(model, world, wrap_single_rank=True)
@@ -246,10 +244,8 @@ def test_shared_prompts_train_what_whole_sequences_train(model: Path, world: Any
         trainer.close()
     (whole_rows, whole_lp, whole_metrics, whole_w), (rows, lp, metrics, w) = out["sdpa"], out["packed_sdpa"]
     assert sum(rows) < sum(whole_rows)  # the prompts were held once per micro-batch
-    for a, b in zip(lp.logprobs, whole_lp.logprobs, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    for a, b in zip(lp.entropy, whole_lp.entropy, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp.logprobs, whole_lp.logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp.entropy, whole_lp.entropy, rtol=1e-5, atol=1e-5)
     for m, r in zip(metrics, whole_metrics, strict=True):
         assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
         assert m["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)

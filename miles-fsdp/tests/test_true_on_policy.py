@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
+from miles.errors import SettingsError
 from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
 from miles.testing.algorithms import RatioPG
+from miles.testing.engine import EngineProcess
 from miles.training.batch import TrainBatch
 from miles.types import Sample
 
@@ -114,7 +115,7 @@ def push(trainer: Any, url: str, path: Path, version: str) -> None:
 def compare(trainer: Any, samples: Sequence[Sample], temperature: float) -> tuple[bool, float]:
     """(every sequence's logprobs ``torch.equal`` to the rollout's, max |difference|)."""
     batch = TrainBatch.from_samples(samples)
-    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs
+    got = trainer.compute_logprobs(batch, temperature=temperature).logprobs.split(batch.response_lengths)
     want = batch.rows("rollout_logprobs")
     assert want is not None
     equal = all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
@@ -220,8 +221,8 @@ def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_w
     plain = new_trainer(model, dist_world, true_on_policy=False)
     try:
         batch = TrainBatch.from_samples(samples)
-        got = exact.compute_logprobs(batch, temperature=0.9).logprobs
-        own = plain.compute_logprobs(batch, temperature=0.9).logprobs
+        got = exact.compute_logprobs(batch, temperature=0.9).logprobs.split(batch.response_lengths)
+        own = plain.compute_logprobs(batch, temperature=0.9).logprobs.split(batch.response_lengths)
         for g, o, s in zip(got, own, samples, strict=True):
             assert g is not None and o is not None
             policy = torch.tensor(s.loss_mask, dtype=torch.bool)
@@ -233,7 +234,7 @@ def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_w
         assert metrics["train_rollout_logprob_abs_diff"] == 0.0
 
         bare = [replace(s, request_spans=[]) for s in samples]
-        with pytest.raises(ValueError, match="no request_spans"):
+        with pytest.raises(SettingsError, match="no request_spans"):
             exact.compute_logprobs(TrainBatch.from_samples(bare), temperature=0.9)
     finally:
         exact.close()
@@ -241,8 +242,7 @@ def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_w
 
 
 def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: Path) -> None:
-    from miles.driver.run import build_run
-    from miles.errors import SettingsError
+    from miles.compose import build_run
     from miles.settings.loader import load_settings
     from miles.testing.models import build_tiny_model
 

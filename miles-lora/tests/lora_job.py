@@ -91,19 +91,19 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     optimizer = t._parts["actor"][1]
     results["optimizer_params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     results["trainable_names"] = sorted(n for n, p in t.actor.named_parameters() if p.requires_grad)
-    ref0 = t.compute_logprobs(evals, model="ref").logprobs
-    lp0 = t.compute_logprobs(evals).logprobs
+    ref0 = t.compute_logprobs(evals, model="ref").logprobs.split(evals.response_lengths)
+    lp0 = t.compute_logprobs(evals).logprobs.split(evals.response_lengths)
     for step in range(STEPS):
         algo = RatioPG(RatioPGSettings())
         t.train_step(make_batch(100 + step, 4, vocab).shard(rank, world_size), algo)
         if step == 0:
             t.save_checkpoint(str(out / "ckpt"))
-            resume_lp = t.compute_logprobs(evals).logprobs
+            resume_lp = t.compute_logprobs(evals).logprobs.split(evals.response_lengths)
     results["optimizer_state_numel"] = sum(
         v.numel() for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")
     )
-    lp = t.compute_logprobs(evals).logprobs
-    ref = t.compute_logprobs(evals, model="ref").logprobs
+    lp = t.compute_logprobs(evals).logprobs.split(evals.response_lengths)
+    ref = t.compute_logprobs(evals, model="ref").logprobs.split(evals.response_lengths)
     pushed = [pair for bucket in t.iter_weights(bucket_bytes=4096) for pair in bucket]
     t.export_hf(str(out / "export"))
     if rank == 0:
@@ -119,7 +119,7 @@ def _rank(rank: int, world_size: int, model: str, out_dir: str, port: int) -> No
     t2 = new_trainer()
     t2.load_checkpoint(str(out / "ckpt"))
     results["resumed_step"] = t2.step
-    resumed = t2.compute_logprobs(evals).logprobs
+    resumed = t2.compute_logprobs(evals).logprobs.split(evals.response_lengths)
     results["resume_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(resumed, resume_lp, strict=True))
     t2.close()
     (out / f"results_rank{rank}.json").write_text(json.dumps(results))

@@ -36,8 +36,9 @@ def _save(path: Path, tensors: dict[str, Any]) -> None:
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(path))
 
 
-def _logprobs(values: Sequence[Any]) -> dict[str, Any]:
-    return {str(i): v for i, v in enumerate(values)}
+def _logprobs(values: Any, batch: Any) -> dict[str, Any]:
+    """Each sequence's logprobs of ``batch`` (``values`` packed as its per-token fields), by index."""
+    return {str(i): v for i, v in enumerate(values.split(batch.response_lengths))}
 
 
 def _adapter(trainer: Any) -> dict[str, Any]:
@@ -111,7 +112,7 @@ def _megatron_rank(rank: int, world: int, model: str, out_dir: str, port: int) -
             logprobs["resumed"] = t.compute_logprobs(evals).logprobs
             t.close()
         for name, values in logprobs.items():  # each rank its own sequences
-            _save(out / f"{name}_rank{rank}.safetensors", _logprobs(values))
+            _save(out / f"{name}_rank{rank}.safetensors", _logprobs(values, evals))
         if rank == 0:
             for name, adapter in tensors.items():
                 _save(out / f"{name}.safetensors", adapter)
@@ -158,7 +159,8 @@ def run_fsdp_reference(model: str, adapter_file: str, out_dir: str, port: int) -
     if copied != len(adapter):
         raise RuntimeError(f"set {copied} of the adapter's {len(adapter)} tensors")
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    _save(out / "lp.safetensors", _logprobs(t.compute_logprobs(make_batch(7, 4, vocab)).logprobs))
+    evals = make_batch(7, 4, vocab)
+    _save(out / "lp.safetensors", _logprobs(t.compute_logprobs(evals).logprobs, evals))
     t.close()
     shutdown_distributed()
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -30,7 +30,7 @@ def test_adapter_and_transport_are_registered_with_typed_settings() -> None:
 def test_build_run_gives_the_fsdp_trainer_its_adapter(tmp_path: Path) -> None:
     from miles_lora.adapter import LoraAdapter
 
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.testing.models import build_tiny_model
     from miles.training.trainer import DistContext
 
@@ -48,7 +48,7 @@ def test_build_run_gives_the_fsdp_trainer_its_adapter(tmp_path: Path) -> None:
 def test_build_run_gives_the_megatron_trainer_its_adapter(tmp_path: Path) -> None:
     from miles_lora.adapter import LoraAdapter
 
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.testing.models import build_tiny_model
     from miles.training.trainer import DistContext
 

@@ -116,7 +116,8 @@ def distill_batch(vocab: int) -> TrainBatch:
 
 def _critic_and_distill(trainer: Any, batch_of: Any, vocab: int) -> dict[str, Any]:
     """After the run: the trained critic's values of the eval batch, then one top-k distillation step."""
-    values = trainer.compute_values(batch_of(eval_batch(vocab)))
+    evals = batch_of(eval_batch(vocab))
+    values = trainer.compute_values(evals).split(evals.response_lengths)
     distill = RecordingDistill()
     metrics = trainer.train_step(batch_of(distill_batch(vocab)), distill, temperature=DISTILL_TEMPERATURE)
     return {"values": [v.tolist() for v in values], "distill_metrics": metrics, "distill_seen": distill.seen}
@@ -215,9 +216,10 @@ def _run_layout(trainer: Any, rank: int, world: int, model: str, out: Path) -> d
     evals = eval_batch(vocab)
     my_eval = evals.shard(rank, world)
     lp = trainer.compute_logprobs(my_eval, temperature=EVAL_TEMPERATURE, with_entropy=True)
+    assert lp.entropy is not None
     results: dict[str, Any] = {
-        "logprobs": [t.tolist() for t in lp.logprobs],
-        "entropy": [t.tolist() for t in lp.entropy],
+        "logprobs": [t.tolist() for t in lp.logprobs.split(my_eval.response_lengths)],
+        "entropy": [t.tolist() for t in lp.entropy.split(my_eval.response_lengths)],
         "eval_indices": list(range(rank * len(my_eval), (rank + 1) * len(my_eval))),
     }
     results["buckets"] = [[(n, list(t.shape)) for n, t in b] for b in trainer.iter_weights(bucket_bytes=20_000)]
@@ -261,10 +263,9 @@ def _megatron_rank(
         else:
             results = _run_layout(trainer, rank, world, model, out)
         if layout == "tp2":
-            ref = trainer.compute_logprobs(
-                eval_batch(vocab).shard(rank, world), model="ref", temperature=EVAL_TEMPERATURE
-            )
-            results["ref_logprobs"] = [t.tolist() for t in ref.logprobs]
+            my_eval = eval_batch(vocab).shard(rank, world)
+            ref = trainer.compute_logprobs(my_eval, model="ref", temperature=EVAL_TEMPERATURE)
+            results["ref_logprobs"] = [t.tolist() for t in ref.logprobs.split(my_eval.response_lengths)]
         trainer.close()
         # resume from the checkpoint and finish the run
         trainer = MegatronTrainer(train, options, FP32(None), ctx)
@@ -289,7 +290,7 @@ def _megatron_rank(
         trainer.setup()
         evals = eval_batch(_vocab(moe_model))
         lp = trainer.compute_logprobs(evals.shard(rank, world), temperature=EVAL_TEMPERATURE)
-        results = {"logprobs": [t.tolist() for t in lp.logprobs]}
+        results = {"logprobs": [t.tolist() for t in lp.logprobs.split(evals.shard(rank, world).response_lengths)]}
         results["buckets"] = [[(n, list(t.shape)) for n, t in b] for b in trainer.iter_weights(bucket_bytes=1 << 20)]
         results["metrics"] = [
             trainer.train_step(b.shard(rank, world), PolicyGradient(AGGREGATIONS[s]), temperature=TEMPERATURE)
@@ -302,8 +303,9 @@ def _megatron_rank(
         trainer = MegatronTrainer(_train_settings(moe_model, routing_replay=True), options, FP32(None), ctx)
         trainer.setup()
         forced = with_forced_routing(evals, moe_model)
-        lp = trainer.compute_logprobs(forced.shard(rank, world), temperature=EVAL_TEMPERATURE)
-        results["r3_logprobs"] = [t.tolist() for t in lp.logprobs]
+        mine = forced.shard(rank, world)
+        lp = trainer.compute_logprobs(mine, temperature=EVAL_TEMPERATURE)
+        results["r3_logprobs"] = [t.tolist() for t in lp.logprobs.split(mine.response_lengths)]
         step = with_forced_routing(step_batches(_vocab(moe_model))[0], moe_model)
         results["r3_metrics"] = trainer.train_step(step.shard(rank, world), PolicyGradient(), temperature=TEMPERATURE)
         trainer.close()
@@ -312,8 +314,8 @@ def _megatron_rank(
                 _train_settings(moe_model, routing_replay=True), MegatronSettings(**layout), FP32(None), ctx
             )
             trainer.setup()
-            lp = trainer.compute_logprobs(forced.shard(rank, world), temperature=EVAL_TEMPERATURE)
-            results[f"{name}_logprobs"] = [t.tolist() for t in lp.logprobs]
+            lp = trainer.compute_logprobs(mine, temperature=EVAL_TEMPERATURE)
+            results[f"{name}_logprobs"] = [t.tolist() for t in lp.logprobs.split(mine.response_lengths)]
             trainer.close()
         (out / f"results_rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
@@ -336,10 +338,12 @@ def run_fsdp_reference(model: str, out_dir: str, port: int) -> None:
     trainer = FSDPTrainer(_train_settings(model), FSDPSettings(**CRITIC), FP32(None), ctx)  # type: ignore[arg-type]
     trainer.setup(need_values=True)
     vocab = _vocab(model)
-    lp = trainer.compute_logprobs(eval_batch(vocab), temperature=EVAL_TEMPERATURE, with_entropy=True)
+    evals = eval_batch(vocab)
+    lp = trainer.compute_logprobs(evals, temperature=EVAL_TEMPERATURE, with_entropy=True)
+    assert lp.entropy is not None
     results: dict[str, Any] = {
-        "logprobs": [t.tolist() for t in lp.logprobs],
-        "entropy": [t.tolist() for t in lp.entropy],
+        "logprobs": [t.tolist() for t in lp.logprobs.split(evals.response_lengths)],
+        "entropy": [t.tolist() for t in lp.entropy.split(evals.response_lengths)],
     }
     results["metrics"] = [
         trainer.train_step(b, algorithm_of(s), temperature=TEMPERATURE) for s, b in enumerate(step_batches(vocab))

@@ -101,8 +101,7 @@ def test_without_transformer_engine_the_bridge_fills_the_moe_names_on_gpu_too(tm
     """Megatron's MoE router reads ``moe_utils.te_general_gemm``, defined only when TransformerEngine imports:
     on a GPU without TransformerEngine the MoE forward raised ``NameError`` (seen on an H200) until the bridge
     filled the names for every device, not only for CPU ranks."""
-    from helpers import free_port
-
+    from miles.net import free_port
     from miles.testing.models import build_tiny_model
 
     model = build_tiny_model(tmp_path / "moe", "qwen2_moe", seed=1)

@@ -18,7 +18,9 @@ from typing import Any
 import megatron_job as job
 import pytest
 import torch
-from helpers import free_port, load_dir, run_script
+from helpers import load_dir, run_script
+
+from miles.net import free_port
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from miles.errors import SettingsError
 from miles.training.adapter import LowRankSpec
 
 
@@ -69,5 +70,5 @@ def test_targets_map_hf_projections_to_megatrons_fused_ones() -> None:
 def test_target_errors_name_the_field(targets: tuple[str, ...], config: object, message: str) -> None:
     from miles_megatron.lora import megatron_targets
 
-    with pytest.raises(ValueError, match=rf"train\.adapter\.target_modules: .*{message}"):
+    with pytest.raises(SettingsError, match=rf"train\.adapter\.target_modules: .*{message}"):
         megatron_targets(_spec(*targets), config)

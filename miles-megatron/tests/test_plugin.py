@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.errors import SettingsError
 from miles.testing.conformance import check_entry_point, check_light_import, check_plugin
 
 
@@ -104,7 +105,7 @@ CONFIG = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads"
 def test_layout_errors_name_the_field(options: dict, world: int, config: dict, message: str) -> None:  # type: ignore[type-arg]
     from miles_megatron.settings import MegatronSettings, check_parallel_layout
 
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_parallel_layout(MegatronSettings(**options), world, config)
 
 
@@ -116,8 +117,7 @@ def test_layout_ok_gives_the_data_parallel_size() -> None:
 
 
 def test_the_settings_pass_checks_the_layout_before_anything_starts(tmp_path: Path) -> None:
-    from miles.driver.run import build_run
-    from miles.errors import SettingsError
+    from miles.compose import build_run
     from miles.settings.loader import load_settings
     from miles.testing.models import build_tiny_model
 

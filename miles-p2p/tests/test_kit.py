@@ -31,7 +31,7 @@ def test_build_run_refuses_direct_writes_without_shared_memory() -> None:
     """``check_settings``: the composition root refuses ``write_into_weights`` over another data path, naming
     the field, before anything starts; the same settings over ``shm`` resolve."""
     from miles.components import ComponentKind
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.errors import SettingsError
     from miles.plugins.manager import PluginManager
     from miles.settings.model import MilesSettings, TransportSpec

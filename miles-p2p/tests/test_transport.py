@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from miles.engine.process import EngineProcess
 from miles.net import free_port
+from miles.testing.engine import EngineProcess
 
 pytestmark = pytest.mark.slow  # two engine processes and one two-rank launch per data path
 

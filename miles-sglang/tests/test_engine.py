@@ -38,7 +38,7 @@ def launch(settings: SGLangEngineSettings, **where: Any) -> list[str]:
 
 def test_default_launch_command() -> None:
     assert launch(SGLangEngineSettings(), seed=1234) == [
-        PY, "-m", "sglang.launch_server",
+        PY, "-m", "miles_sglang.serve",
         "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30001",
         "--tp-size", "1", "--base-gpu-id", "0", "--random-seed", "1234", "--dtype", "bfloat16",
         "--weight-version", "0",
@@ -61,7 +61,7 @@ def test_every_option_on_the_launch_command() -> None:
     # engine rank 3 of a colocated run: GPUs 6 and 7, seed 1234 + 3, memory saver on
     argv = launch(settings, devices=[6, 7], rank=3, seed=1234, colocate=True, port=30007)
     assert argv == [
-        PY, "-m", "sglang.launch_server",
+        PY, "-m", "miles_sglang.serve",
         "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30007",
         "--tp-size", "2", "--base-gpu-id", "6", "--random-seed", "1237", "--dtype", "bfloat16",
         "--weight-version", "0",
@@ -104,7 +104,7 @@ def test_cpu_launch_command() -> None:
         model_path="/models/llama", host="127.0.0.1", port=30002, device="cpu", dtype="bfloat16", devices=[], seed=7
     )
     assert engine_launch.argv == [
-        PY, "-m", "sglang.launch_server",
+        PY, "-m", "miles_sglang.serve",
         "--model-path", "/models/llama", "--host", "127.0.0.1", "--port", "30002",
         "--tp-size", "1", "--device", "cpu", "--random-seed", "7", "--dtype", "bfloat16",
         "--weight-version", "0", "--max-total-tokens", "4096",
@@ -180,10 +180,10 @@ def test_the_launcher_places_tp_size_gpus_per_engine(monkeypatch: pytest.MonkeyP
     """``launch_engines`` gives engine ``i`` ``tp`` GPUs after the trainer ranks' (from GPU 0 when colocated),
     its rank and seed."""
     import miles_sglang.engine as engine_module
-    from miles.driver.launch import launch_engines
-    from miles.driver.run import build_run
+    from miles.compose import build_run
+    from miles.host.train import launch_engines
     from miles.launch.local import LocalLauncher
-    from miles.rollout.engine import EngineLaunch
+    from miles.rollout.backend import EngineLaunch
 
     monkeypatch.setattr(engine_module, "host_problems", lambda options, settings: [])  # pretend an 8-GPU host
     seen: list[EngineLaunch] = []
@@ -242,7 +242,7 @@ def test_host_problems_name_the_field_and_the_install_line() -> None:
 
 def test_build_run_refuses_sglang_on_this_host() -> None:
     """What this host really has: no CUDA GPU (and SGLang only in the protocol env)."""
-    from miles.driver.run import build_run
+    from miles.compose import build_run
 
     with pytest.raises(SettingsError) as info:
         build_run(settings_for(device="cuda", num_engines=1))
@@ -270,3 +270,33 @@ def test_miles_train_stops_before_anything_starts(tmp_path: Path) -> None:
     assert "this host has no CUDA GPU" in proc.stdout + proc.stderr
     assert ('pip install "miles-sglang[sglang]"' in proc.stderr) is (not sglang_installed())  # printed as written
     assert not (run_dir / "logs").exists()  # no process was started
+
+
+def test_the_run_keys_reach_sglang_through_the_environment_only() -> None:
+    """``miles_sglang.serve`` runs ``sglang.launch_server`` with ``--api-key`` / ``--admin-api-key`` from
+    ``MILES_API_KEY`` / ``MILES_ADMIN_API_KEY`` (issue 46): the launch command holds no key, and what the
+    process logs has the keys redacted (SGLang 0.5.23 logs its arguments, keys included)."""
+    import logging
+
+    from miles.auth import ServiceKeys
+    from miles_sglang.serve import _redact_records, key_argv, keyed_launch
+
+    argv = launch(SGLangEngineSettings())
+    assert argv[1:3] == ["-m", "miles_sglang.serve"] and "--api-key" not in argv
+    assert keyed_launch([PY, "-m", "sglang.launch_server", "--port", "1"]) == [
+        PY,
+        "-m",
+        "miles_sglang.serve",
+        "--port",
+        "1",
+    ]
+    assert key_argv(ServiceKeys("k1")) == ["--api-key", "k1"] and key_argv(ServiceKeys()) == []
+    before = logging.getLogRecordFactory()
+    try:
+        _redact_records(["k1", "a2"])
+        record = logging.getLogger("sglang").makeRecord(
+            "sglang", logging.INFO, "f", 1, "server_args=%s", ({"api_key": "k1", "admin_api_key": "a2"},), None
+        )
+        assert record.getMessage() == "server_args={'api_key': '<redacted>', 'admin_api_key': '<redacted>'}"
+    finally:
+        logging.setLogRecordFactory(before)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.driver.run import build_run
+from miles.compose import build_run
 from miles.errors import SettingsError
 from miles.settings.model import MilesSettings
 

@@ -51,7 +51,7 @@ def main() -> None:
                 TrainSettings(model_path=str(policy), lr=1e-3), DiffusionTrainerSettings(), recipe, dist
             )
             trainer.setup()
-            scored = torch.cat(trainer.compute_logprobs(batch).logprobs)
+            scored = trainer.compute_logprobs(batch).logprobs
             gap = float((scored - torch.tensor(rollout)).abs().max())
             print(
                 f"{recipe.name}: max |trainer - sampler| log-prob gap {gap:.2e} (the sampler ran in float32 on the CPU)"

@@ -31,8 +31,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "miles-fsdp" / "tests"))
     import test_routing_replay as r3
 
-    from miles.engine.process import EngineProcess
     from miles.testing.algorithms import RatioPG
+    from miles.testing.engine import EngineProcess
     from miles.training.batch import TrainBatch
     from miles_fsdp.distributed import init_distributed, shutdown_distributed
 

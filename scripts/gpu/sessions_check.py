@@ -56,12 +56,12 @@ async def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miles.engine.process import EngineProcess
     from miles.rollout.http_client import HttpEngineClient
     from miles.sessions.append_only import CALCULATOR_TOOL
     from miles.sessions.server import SessionServer
     from miles.sessions.session import SessionSampling
     from miles.settings.sessions import SessionSettings
+    from miles.testing.engine import EngineProcess
     from miles.testing.tool_model import tool_model_for
 
     assert DEVICE != "cuda" or torch.cuda.is_available(), "needs a CUDA GPU"

@@ -160,8 +160,8 @@ def test_sessions_behind_smg_keep_each_session_on_one_engine(tmp_path: Path) -> 
 
     import httpx
 
-    from miles.driver.launch import launch_fleet
-    from miles.driver.run import build_run
+    from miles.compose import build_run
+    from miles.host.train import launch_fleet
     from miles.rollout.router import smg_executable
     from miles.sessions.server import SessionServer
     from miles.settings.model import MilesSettings

@@ -5,37 +5,17 @@ reward / mismatch / staleness metrics are logged, and a resumed run trains on th
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from miles.testing.run_faults import engine_pid, gated, kill_in_push_then_hold_until_restarted, train_injecting
+from miles.testing.runs import children_of_run, read_metrics, run_miles, write_run_config
+
 pytestmark = pytest.mark.slow
 
-
-def _train_helpers() -> ModuleType:
-    """``test_train.py``'s helpers and fixtures (the suite imports test files by path: importlib mode)."""
-    name = "miles_integration_test_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_train.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_helpers = _train_helpers()
-children_of_run, metrics, miles, write_config = (
-    _helpers.children_of_run,
-    _helpers.metrics,
-    _helpers.miles,
-    _helpers.write_config,
-)
-tiny_model, prompts = _helpers.tiny_model, _helpers.prompts  # module-scoped fixtures
 
 REWARD = """
 [[reward.functions]]
@@ -47,7 +27,7 @@ pattern = '\\d'
 def async_config(
     tmp_path: Path, model: Path, data: Path, run_dir: Path, rollout: str, *, ranks: int = 1, rollouts: int = 4
 ) -> Path:
-    config = write_config(tmp_path, model, data, run_dir, ranks=ranks, transport="disk", rollouts=rollouts)
+    config = write_run_config(tmp_path, model, data, run_dir, ranks=ranks, transport="disk", rollouts=rollouts)
     text = config.read_text()
     # a reward that varies between samples of a random tiny model (a digit in the response), so the
     # policy really moves and trained-on samples really are off-policy
@@ -89,9 +69,9 @@ def test_fully_async_run_and_resume_from_its_buffer(tmp_path: Path, tiny_model: 
     config = async_config(
         tmp_path, tiny_model, prompts, run_dir, rollout + "\n[checkpoint]\nsave_interval = 2\n", rollouts=3
     )
-    out = miles("train", str(config))
+    out = run_miles("train", str(config))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # the disk transport's pushes are committed (loaded, verified) while the next step trains: a step
     # logs the commit of the previous version, the last step its own
@@ -122,11 +102,11 @@ def test_fully_async_run_and_resume_from_its_buffer(tmp_path: Path, tiny_model: 
 
     resumed_dir = tmp_path / "resumed"
     config = async_config(tmp_path, tiny_model, prompts, resumed_dir, rollout, rollouts=3)
-    out = miles("train", str(config), "--resume", str(ckpt))
+    out = run_miles("train", str(config), "--resume", str(ckpt))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = (resumed_dir / "logs" / "trainer-0.log").read_text()
     assert f"restored the rollout buffer: {len(ready)} groups ready" in log
-    assert [r["step"] for r in metrics(resumed_dir)] == [3]
+    assert [r["step"] for r in read_metrics(resumed_dir)] == [3]
     trained = samples_by_step(resumed_dir)
     step3 = {s["group_id"] for s in trained[3]}
     # the checkpointed groups are step 3's batch: ready ones as they were, those in flight regenerated
@@ -145,9 +125,9 @@ def test_one_step_off_two_ranks_in_place_pause(tmp_path: Path, tiny_model: Path,
     run_dir = tmp_path / "one"
     rollout = 'mode = "one_step_off"\npause_mode = "in_place"\noverlap_weight_commit = false\n'
     config = async_config(tmp_path, tiny_model, prompts, run_dir, rollout, ranks=2, rollouts=2)
-    out = miles("train", str(config))
+    out = run_miles("train", str(config))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["weight_sync/verified"] == 1.0 and "train/loss" in r for r in rows)  # pushed in line
     assert not any("weight_sync/committed_version" in r for r in rows)
@@ -175,11 +155,11 @@ def test_an_engine_sigkilled_midway_through_an_overlapped_commit_is_survived(
     config = async_config(tmp_path, tiny_model, prompts, run_dir, rollout, rollouts=OVERLAP_STEPS)
     text = config.read_text().replace("num_engines = 1", "num_engines = 2")
     config.write_text(text.replace('name = "disk"', 'name = "disk_delta"'))
-    gate, env = _helpers.gated(tmp_path, config)
+    gate, env = gated(tmp_path, config)
     trigger = tmp_path / "die-in-push"
-    inject = _helpers.kill_in_push_then_hold_until_restarted(run_dir, trigger, gate)
+    inject = kill_in_push_then_hold_until_restarted(run_dir, trigger, gate)
     env["MILES_TEST_SIGKILL_IN_PUSH"] = str(trigger)
-    done, returncode, stderr = _helpers.train_injecting(config, run_dir, inject, env)
+    done, returncode, stderr = train_injecting(config, run_dir, inject, env)
     assert done, stderr[-3000:]
     assert returncode == 0, stderr[-4000:]
     engine_logs = {i: (run_dir / "logs" / f"engine-{i}.log").read_text() for i in (0, 1)}
@@ -188,7 +168,7 @@ def test_an_engine_sigkilled_midway_through_an_overlapped_commit_is_survived(
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "did not load version" in trainer_log and "committing weight version" in trainer_log, trainer_log[-3000:]
     assert "rejoined at weight version" in trainer_log, trainer_log[-3000:]
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, OVERLAP_STEPS + 1))
     assert len([r for r in rows if r.get("weight_sync/retries")]) == 1, rows
     # each step logs the verification of the commit it waited for (the last step, its own as well)
@@ -203,4 +183,4 @@ def test_an_engine_sigkilled_midway_through_an_overlapped_commit_is_survived(
         seen |= ids
         assert all(s["status"] != "failed" for s in samples)
     assert children_of_run(run_dir) == []
-    assert _helpers.engine_pid(run_dir, 0) is None and _helpers.engine_pid(run_dir, 1) is None
+    assert engine_pid(run_dir, 0) is None and engine_pid(run_dir, 1) is None

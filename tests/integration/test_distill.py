@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 pytestmark = pytest.mark.slow
 

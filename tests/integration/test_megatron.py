@@ -5,37 +5,15 @@ and the HF export reloaded with strict keys."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from miles.testing.runs import children_of_run, hf_weights, read_metrics, run_miles, write_run_config
+
 pytestmark = pytest.mark.slow
 
-
-def _train_helpers() -> ModuleType:
-    """``test_train.py``'s helpers and fixtures (the suite imports test files by path: importlib mode)."""
-    name = "miles_integration_test_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_train.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_helpers = _train_helpers()
-children_of_run, hf_weights, metrics, miles, write_config = (
-    _helpers.children_of_run,
-    _helpers.hf_weights,
-    _helpers.metrics,
-    _helpers.miles,
-    _helpers.write_config,
-)
-tiny_model, prompts = _helpers.tiny_model, _helpers.prompts  # module-scoped fixtures
 
 MEGATRON = """
 [train.backend]
@@ -59,7 +37,7 @@ TIMINGS = ("time/", "seconds", "per_second")
 
 
 def megatron_config(tmp_path: Path, model: Path, data: Path, run_dir: Path, *, transport: str) -> Path:
-    config = write_config(tmp_path, model, data, run_dir, MEGATRON, ranks=2, transport=transport, rollouts=3)
+    config = write_run_config(tmp_path, model, data, run_dir, MEGATRON, ranks=2, transport=transport, rollouts=3)
     # a reward that varies between the samples of a random tiny model (a digit in the response), so the
     # advantages are not all zero and every step really trains
     text = config.read_text().replace(
@@ -77,9 +55,9 @@ def test_megatron_broadcast_checkpoint_and_exact_resume_over_disk(
     from transformers import AutoModelForCausalLM
 
     full_dir = tmp_path / "full"
-    out = miles("train", str(megatron_config(tmp_path, tiny_model, prompts, full_dir, transport="broadcast")))
+    out = run_miles("train", str(megatron_config(tmp_path, tiny_model, prompts, full_dir, transport="broadcast")))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = metrics(full_dir)
+    rows = read_metrics(full_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert row["weight_sync/verified"] == 1.0 and row["weight_sync/verified_tensors"] > 0
@@ -103,9 +81,9 @@ def test_megatron_broadcast_checkpoint_and_exact_resume_over_disk(
     # deterministic inference every metric but the timings and the final weights are bit for bit the same
     part_dir = tmp_path / "part"
     config = megatron_config(tmp_path, tiny_model, prompts, part_dir, transport="disk")
-    out = miles("train", str(config), "--resume", str(full_dir / "checkpoints" / "step_000002"))
+    out = run_miles("train", str(config), "--resume", str(full_dir / "checkpoints" / "step_000002"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    resumed = metrics(part_dir)
+    resumed = read_metrics(part_dir)
     assert [r["step"] for r in resumed] == [3]
     assert resumed[0]["weight_sync/verified"] == 1.0
     compared = [key for key in rows[-1] if not any(s in key for s in TIMINGS)]

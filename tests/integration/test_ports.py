@@ -35,8 +35,8 @@ def test_a_run_starts_when_its_ports_are_taken_before_the_services_bind(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from miles import net
-    from miles.driver.launch import run_training
-    from miles.driver.run import build_run
+    from miles.compose import build_run
+    from miles.host.train import run_training
     from miles.settings.loader import load_settings
 
     choose = net.free_port

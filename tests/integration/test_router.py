@@ -5,39 +5,18 @@ while control calls reach both engines directly."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
+from miles.testing.runs import children_of_run, read_metrics, run_miles, write_run_config
+
 pytestmark = pytest.mark.slow
 
-
-def _train_helpers() -> ModuleType:
-    """``test_train.py``'s helpers and fixtures (the suite imports test files by path: importlib mode)."""
-    name = "miles_integration_test_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_train.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_helpers = _train_helpers()
-children_of_run, metrics, miles, write_config = (
-    _helpers.children_of_run,
-    _helpers.metrics,
-    _helpers.miles,
-    _helpers.write_config,
-)
-tiny_model, prompts = _helpers.tiny_model, _helpers.prompts  # module-scoped fixtures
 
 ROUTER = """
 [rollout.router]
@@ -50,13 +29,13 @@ def test_grpo_through_smg_with_two_engines(tmp_path: Path, tiny_model: Path, pro
     """``miles train`` with 2 engines behind smg: trains, broadcasts to both engines, verifies, and each
     group's samples share one engine's prefix cache (only a group's first sample computes its prompt)."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path, tiny_model, prompts, run_dir, ROUTER, ranks=1, rollouts=2)
-    out = miles("train", str(config), "--set", "cluster.num_engines=2")
+    config = write_run_config(tmp_path, tiny_model, prompts, run_dir, ROUTER, ranks=1, rollouts=2)
+    out = run_miles("train", str(config), "--set", "cluster.num_engines=2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     launch = json.loads((run_dir / "fleet.json").read_text())
     assert len(launch["engine_urls"]) == 2 and launch["router_url"] not in launch["engine_urls"]
     assert (run_dir / "logs" / "router.log").exists()
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["weight_sync/verified"] == 1.0
@@ -77,8 +56,8 @@ def test_grpo_through_smg_with_two_engines(tmp_path: Path, tiny_model: Path, pro
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Any]:
     """Two local engines and smg, launched the way ``miles train`` does (``launch_fleet``)."""
-    from miles.driver.launch import launch_fleet
-    from miles.driver.run import build_run
+    from miles.compose import build_run
+    from miles.host.train import launch_fleet
     from miles.settings.model import MilesSettings
 
     settings = MilesSettings.model_validate(
@@ -174,11 +153,11 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
     import subprocess
     import time
 
-    from miles.engine.process import EngineProcess
     from miles.net import free_port
     from miles.rollout.http_client import EngineError, HttpEngineClient
     from miles.rollout.router import smg_argv, wait_for_router
     from miles.settings.model import RouterSettings
+    from miles.testing.engine import EngineProcess
     from miles.testing.failover import assert_same_answers, generate_keyed
 
     keys = [f"group-{i}" for i in range(8)]

@@ -111,7 +111,7 @@ SEAM = """
 import json, logging, sys
 from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
 from miles.launch.rendezvous import trainer_specs
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 
 logging.basicConfig(level=logging.INFO)
 RANK = (
@@ -172,3 +172,74 @@ def test_broadcast_transport_rendezvouses_on_trainer_rank_0s_node(
     check_run(ray_cluster, run_dir, out)
     trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
     assert f"with 1 engines at {ray_cluster.head.address}:" in trainer_log, trainer_log[-3000:]
+
+
+def test_keyed_run_across_hosts_with_the_router_on_a_routable_address(
+    ray_cluster: RayCluster, tmp_path: Path, tiny_model: Path, arithmetic_prompts: Path
+) -> None:
+    """Issue 46: a run whose services all listen beyond loopback — the engine on host b's address, smg on host
+    a's (``cluster.host``) — with an API key and an admin key given in the environment of ``miles train``.
+    The run trains and verifies every push through them; while it runs no process of this machine has a key
+    on its command line; afterwards nothing in the run directory (settings.json, logs, metrics, samples,
+    checkpoints) holds a key."""
+    import threading
+
+    from miles.auth import ServiceKeys
+
+    keys = ServiceKeys("train-api-key-0c4f1d92", "train-admin-key-7be3a016")
+    run_dir = tmp_path / "keyed"
+    a = ray_cluster.hosts[0]
+    # (actor calls get more time than the default 30 s: this run starts the most processes on a shared machine)
+    extra = LAUNCHER.format(address=ray_cluster.address).replace(
+        "terminate_timeout = 5", "terminate_timeout = 5\ncall_timeout = 120"
+    )
+    extra += '\n[rollout.router]\nname = "smg"\nstartup_timeout = 120\n'
+    config = write_run_config(
+        tmp_path, tiny_model, arithmetic_prompts, run_dir, extra, ranks=2, transport="disk", rollouts=2
+    )
+    seen: list[str] = []
+    done = threading.Event()
+
+    def scan_command_lines() -> None:
+        while not done.wait(0.5):
+            for entry in Path("/proc").iterdir():
+                try:
+                    cmdline = (entry / "cmdline").read_bytes().decode(errors="replace") if entry.name.isdigit() else ""
+                except OSError:
+                    continue
+                seen.extend(cmdline.replace("\0", " ") for key in keys.secrets() if key in cmdline)
+
+    scanner = threading.Thread(target=scan_command_lines, daemon=True)
+    scanner.start()
+    env = {**ray_cluster.environ(), **keys.env(), "OMP_NUM_THREADS": "1"}
+    proc = ray_cluster.head.popen(
+        [sys.executable, "-m", "miles", "train", str(config), "--set", f"cluster.host={a.address}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=500)
+    finally:
+        done.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    scanner.join()
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    check_run(ray_cluster, run_dir, out)
+    fleet = json.loads((run_dir / "fleet.json").read_text())
+    assert fleet["router_url"].startswith(f"http://{a.address}:"), fleet
+    assert not seen, seen[:3]
+    assert not any(key in stdout + stderr for key in keys.secrets())
+    holding = [
+        str(path.relative_to(run_dir))
+        for path in run_dir.rglob("*")
+        if path.is_file() and any(key.encode() in path.read_bytes() for key in keys.secrets())
+    ]
+    assert not holding, holding
+    files = {p.name for p in run_dir.rglob("*") if p.is_file()}
+    assert {"settings.json", "metrics.jsonl", "router.log", "engine-0.log", "trainer-0.log"} <= files, files
+    assert any(p.parent.name == "samples" for p in run_dir.rglob("*") if p.is_file())

@@ -433,7 +433,7 @@ def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, t
     from miles.errors import LaunchError
     from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
     from miles.launch.rendezvous import trainer_specs
-    from miles.rollout.engine import EngineLaunch
+    from miles.rollout.backend import EngineLaunch
 
     settings = RayLauncherSettings(
         address=ray_cluster.address,

@@ -15,6 +15,14 @@ an instance of exactly that model::
 
 ``Settings`` is derived from the parameter (it may also be set explicitly, to a subclass of it).
 
+A component that imports a package beyond miles-core's own dependencies declares it in ``requires`` (a
+:class:`Requirement`: the import name and the extra that installs it); the composition root checks every
+selected component's before anything starts and names the extra of each that is missing::
+
+    class WandbLogger(MetricsLogger[WandbSettings]):
+        name = "wandb"
+        requires = (Requirement("wandb", extra="wandb"),)
+
 :class:`ComponentKind` is the table of the kinds of component: for each, the registry's name, the hook
 that fills it, the settings field that selects it and the interface its components implement. A new
 kind of component is one row here plus its hook specification in :mod:`miles.hookspecs`.
@@ -23,17 +31,25 @@ kind of component is one row here plus its hook specification in :mod:`miles.hoo
 from __future__ import annotations
 
 import enum
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict
+
+from miles.errors import MissingExtraError
 
 __all__ = [
     "Component",
     "ComponentKind",
     "ComponentSettings",
     "Register",
+    "Requirement",
     "SettingsT",
     "component_settings_model",
+    "missing_requirements",
 ]
 
 
@@ -84,7 +100,7 @@ class ComponentKind(str, enum.Enum):
         "rollout_engine",
         "miles_register_rollout_engines",
         "rollout.engine",
-        "miles.rollout.engine:RolloutEngine",
+        "miles.rollout.backend:RolloutEngine",
     )
     ROLLOUT_FUNCTION = ("rollout_function", "miles_register_rollout_functions", "rollout.function", "")
     TRAINER = ("trainer", "miles_register_trainers", "train.backend", "miles.training.trainer:Trainer")
@@ -104,6 +120,57 @@ class ComponentKind(str, enum.Enum):
     def of_hook(cls, hook: str) -> ComponentKind | None:
         """The kind a registration hook fills (``None`` for any other hook)."""
         return next((kind for kind in cls if kind.hook == hook), None)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A package a component imports beyond miles-core's own dependencies, and the extra that installs it.
+
+    ``Requirement("math_verify", extra="math", package="math-verify")`` reads: the component imports
+    ``math_verify``, which ``pip install "miles-core[math]"`` installs.
+    """
+
+    module: str
+    """The top-level import name (located, not imported, when checked)."""
+    extra: str
+    """The extra of :attr:`distribution` that installs it."""
+    distribution: str = "miles-core"
+    """The distribution whose extra it is."""
+    package: str = ""
+    """The package's name when it differs from :attr:`module` (``math-verify``)."""
+
+    @property
+    def install(self) -> str:
+        """The install line: ``pip install "miles-core[math]"``."""
+        return f'pip install "{self.distribution}[{self.extra}]"'
+
+    def installed(self) -> bool:
+        """Whether :attr:`module` is there to import (found without importing it: checking costs nothing)."""
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def missing_error(self, what: str) -> MissingExtraError:
+        """The error for ``what`` (``"precision: precision 'fp8'"``) needing the package, which is missing."""
+        return MissingExtraError(f"{what} needs {self.package or self.module}, which is not installed: {self.install}")
+
+    def load(self, what: str, module: str | None = None) -> ModuleType:
+        """Import ``module`` (default :attr:`module`; a module that imports the package, say), or raise
+        :meth:`missing_error` for ``what`` (with the import's own error when the package is there)."""
+        try:
+            return importlib.import_module(module or self.module)
+        except ImportError as exc:
+            if not self.installed():
+                raise self.missing_error(what) from None
+            raise MissingExtraError(f"{what} cannot import {module or self.module}: {exc} ({self.install})") from exc
+
+
+def missing_requirements(component: Any, options: BaseModel) -> list[Requirement]:
+    """The requirements of a registered component with its settings ``options`` that are not installed (a
+    class's :meth:`Component.requirements`; a plain factory declares none)."""
+    requirements = getattr(component, "requirements", None)  # a registered factory need not be a Component
+    return [r for r in (requirements(options) if requirements is not None else ()) if not r.installed()]
 
 
 def component_settings_model(component: Any) -> type[BaseModel]:
@@ -136,6 +203,9 @@ class Component(Generic[SettingsT]):
 
     name: ClassVar[str] = ""
     Settings: ClassVar[type[BaseModel]] = ComponentSettings
+    requires: ClassVar[tuple[Requirement, ...]] = ()
+    """Packages beyond miles-core's dependencies that this component imports: the composition root refuses
+    a run that selects it while one is missing, naming its extra, before anything starts."""
     settings: SettingsT
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -150,6 +220,12 @@ class Component(Generic[SettingsT]):
                 f"{cls.__qualname__}.Settings is {cls.Settings!r}, but the class is parametrised with "
                 f"{declared.__qualname__}: Settings must be that model or a subclass of it"
             )
+
+    @classmethod
+    def requirements(cls, options: Any) -> tuple[Requirement, ...]:
+        """What this component imports with its settings ``options``: :attr:`requires`, and more where a
+        setting selects what is imported (a data path, a library)."""
+        return cls.requires
 
     def __init__(self, settings: SettingsT) -> None:
         self.settings = settings

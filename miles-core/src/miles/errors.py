@@ -8,6 +8,7 @@ __all__ = [
     "EngineError",
     "LaunchError",
     "MilesError",
+    "MissingExtraError",
     "NonFiniteStepError",
     "PluginLoadError",
     "SettingsError",
@@ -26,6 +27,11 @@ class SettingsError(MilesError):
     """A configuration mistake: names the field path and where the value came from."""
 
     exit_code = 2
+
+
+class MissingExtraError(SettingsError):
+    """A selected component needs a package that is not installed: names the component, its field and the
+    extra that installs the package (``pip install "miles-core[wandb]"``)."""
 
 
 class DuplicateComponentError(MilesError):

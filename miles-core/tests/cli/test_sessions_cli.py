@@ -46,7 +46,7 @@ def test_check_names_bad_options(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_serve_answers_chat_requests_and_stops_on_sigterm(tmp_path: Path) -> None:
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
     from miles.testing.models import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", "qwen2", seed=0)

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from miles.components import ComponentKind
+from miles.compose import build_run
 from miles.data.base import Prompt
 from miles.data.factory import create_data_source
 from miles.data.pipeline import PromptPipeline
 from miles.data.sources import JsonlDataSource
-from miles.driver.run import build_run
 from miles.errors import DataError, SettingsError
 from miles.plugins.manager import PluginManager
 from miles.settings.model import DataSettings, MilesSettings

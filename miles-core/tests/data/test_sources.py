@@ -103,10 +103,10 @@ def test_hf_source_reads_save_to_disk_directory_and_loose_files(tmp_path: Path) 
 def test_missing_optional_package_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import now raises ImportError
     (tmp_path / "x.parquet").write_bytes(b"")
-    with pytest.raises(DataError, match=r"needs the 'pyarrow' package: pip install pyarrow$"):
+    with pytest.raises(DataError, match=r"needs the 'pyarrow' package: pip install \"miles-core\[parquet\]\"$"):
         ParquetDataSource(ComponentSettings(), path=str(tmp_path / "x.parquet"), seed=0, shuffle=False)
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(DataError, match=r"needs the 'datasets' package: pip install 'miles-core\[hf\]'"):
+    with pytest.raises(DataError, match=r"needs the 'datasets' package: pip install \"miles-core\[hf\]\""):
         HFDataSource(HFSourceSettings(), path=str(tmp_path), seed=0, shuffle=False)
 
 

@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.engine.process import EngineProcess
 from miles.errors import SettingsError
 from miles.rollout.buffer import StalenessBuffer
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.rollout.producer import RolloutProducer, buffer_for
 from miles.settings.model import MilesSettings, RolloutSettings
+from miles.testing.engine import EngineProcess
 from miles.testing.models import serve_tiny_model
 from miles.types import Sample, SampleStatus, WeightSpan
 
@@ -111,7 +111,7 @@ def test_producer_never_hands_out_groups_past_the_staleness_bound(
     from transformers import AutoTokenizer
 
     from miles.components import ComponentKind
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.plugins.manager import PluginManager
 
     run = build_run(
@@ -188,7 +188,7 @@ def test_sync_rollout_and_producer_share_the_drop_budget(engine: EngineProcess, 
     from miles.algorithms.builtin import DAPO
     from miles.algorithms.settings import DAPOSettings
     from miles.components import ComponentKind
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.plugins.manager import PluginManager
 
     run = build_run(

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from miles.driver.launch import KEEP_MALLOC_TUNABLES, _child_env
+from miles.host.train import KEEP_MALLOC_TUNABLES, _child_env
 from miles.settings.model import MilesSettings
 
 # RSS growth of a process that allocates 64 MiB, writes it, frees it: kept (the heap holds it for the next

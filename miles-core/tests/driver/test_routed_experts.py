@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from miles.driver.run import ROLLOUT_KINDS, build_run
+from miles.compose import ROLLOUT_KINDS, build_run
 from miles.engine.plugin import LocalEngine
 from miles.plugins.manager import PluginManager
-from miles.rollout.engine import EngineCapabilities
+from miles.rollout.backend import EngineCapabilities
 from miles.settings.loader import load_settings
 from miles.settings.model import MilesSettings
 from miles.testing.models import build_tiny_model

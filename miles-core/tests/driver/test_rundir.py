@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from miles.driver.checkpoint import DriverState, checkpoint_dir, write_driver_state
-from miles.driver.rundir import check_run_dir, rewind_metrics
 from miles.errors import SettingsError
+from miles.host.rundir import check_run_dir, rewind_metrics
 from miles.settings.model import MilesSettings
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 
 @pytest.fixture(scope="session")

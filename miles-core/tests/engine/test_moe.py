@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 from .conftest import hf_logprobs, start_engine
 

@@ -12,7 +12,7 @@ import torch
 
 from miles.engine.launch import build_engine
 from miles.engine.request import Request
-from miles.rollout.protocol import SamplingParams
+from miles.rollout.protocol import FinishReason, SamplingParams
 
 from .conftest import hf_greedy
 
@@ -97,10 +97,10 @@ def test_kv_budget_bounds_the_batch_and_rejects_what_can_never_fit(engine_models
         reqs.append(make("huge", [1, 2, 3], 5000, col))  # capped at the context (1024): 8 x 1024 > budget
         sched.add(reqs)
         assert col.event.wait(300)
-        assert all(col.done[f"r{i}"].finish_reason == {"type": "length", "length": 300} for i in range(12))
+        assert all(col.done[f"r{i}"].finish_reason == FinishReason("length", length=300) for i in range(12))
         assert sched.peak_running == 8
         huge = col.done["huge"].finish_reason
-        assert huge is not None and huge["type"] == "abort" and "budget" in huge["message"]
+        assert huge is not None and huge.type == "abort" and huge.message is not None and "budget" in huge.message
         assert sched.runner.slots * sched.runner.capacity <= 8 * 512
     finally:
         sched.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 from .conftest import hf_greedy, hf_logprobs, start_engine
 

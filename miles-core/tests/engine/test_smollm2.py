@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 from .conftest import hf_logprobs
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 from .conftest import hf_logprobs, start_engine
 

@@ -1,5 +1,5 @@
 """Weight updates while serving: version bump, new weights in effect, per-span versions of requests in
-flight (retract / in_place) and aborts (abort); the API key guards every route (one server)."""
+flight (retract / in_place) and aborts (abort); the API key guards every route (but ``/health``, the liveness probe; one server)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 
 from .conftest import hf_greedy, start_engine
 
@@ -35,11 +35,14 @@ def greedy(engine: EngineProcess, n: int = 12) -> dict:
 
 
 def test_api_key_is_checked_on_every_route(engine: EngineProcess) -> None:
-    for method, path in (("GET", "/health"), ("GET", "/model_info"), ("POST", "/generate"), ("POST", "/flush_cache")):
+    for method, path in (("GET", "/model_info"), ("POST", "/generate"), ("POST", "/flush_cache")):
         assert httpx.request(method, engine.url + path, timeout=30).status_code == 401
         wrong = {"Authorization": "Bearer nope"}
         assert httpx.request(method, engine.url + path, headers=wrong, timeout=30).status_code == 401
-    assert httpx.get(engine.url + "/health", headers=H, timeout=30).status_code == 200
+    assert httpx.get(engine.url + "/model_info", headers=H, timeout=30).status_code == 200
+    # the liveness probe answers without a key, as SGLang's do (smg probes it without one), and says nothing
+    health = httpx.get(engine.url + "/health", timeout=30)
+    assert health.status_code == 200 and health.content == b""
 
 
 def test_update_weights_from_disk_switches_models_and_versions(

@@ -26,7 +26,7 @@ from miles.launch.rendezvous import trainer_specs
 from miles.net import free_port
 from miles.plugins.builtin import BUILTIN_PLUGINS
 from miles.plugins.manager import PluginManager
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 from miles.settings.model import PluginSpec
 
 Script = Callable[[str, str], list[str]]
@@ -327,7 +327,7 @@ import json, logging, sys, time
 from miles.launch.local import LocalLauncher, LocalLauncherSettings
 from miles.launch.rendezvous import trainer_specs
 from miles.net import free_port
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 logging.basicConfig(level=logging.INFO)
 out, engine_argv, url, sleeper = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 with LocalLauncher(LocalLauncherSettings(poll_interval=0.05), run_dir=out) as launcher:

@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("torchao", reason="torchao (miles-core[quant]) is not installed")
 
-from miles.engine.process import EngineProcess
 from miles.precision.quantized import NVFP4
 from miles.rollout.http_client import HttpEngineClient
+from miles.testing.engine import EngineProcess
 from miles.training.trainer import DistContext
 from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings
 from miles.transport.disk import DiskTransport, DiskTransportSettings

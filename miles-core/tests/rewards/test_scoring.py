@@ -157,7 +157,7 @@ def test_truncated_samples_are_scored() -> None:
 
 def test_build_rewards_from_settings() -> None:
     from miles.components import ComponentKind
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.settings.model import MilesSettings
 
     manager = PluginManager(entry_points=False, disabled=(), only=())

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.rollout.failover import NoEngineLeftError
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.protocol import GenerateOutput
+from miles.testing.engine import EngineProcess
 from miles.testing.failover import assert_same_answers, generate_keyed
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.errors import EngineError
 from miles.net import free_port
 from miles.rollout.http_client import EngineHTTPError, HttpEngineClient
 from miles.rollout.protocol import SamplingParams
+from miles.testing.engine import EngineProcess
 
 
 @pytest.fixture(scope="module")

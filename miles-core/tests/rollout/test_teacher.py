@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from miles.algorithms.base import AlgorithmNeeds
-from miles.engine.process import EngineProcess
+from miles.errors import SettingsError
 from miles.net import free_port
 from miles.rollout.teacher import TeacherError, TeacherScorer, teacher_for
 from miles.settings.model import TeacherSettings
+from miles.testing.engine import EngineProcess
 from miles.testing.models import serve_tiny_model
 from miles.types import Sample
 
@@ -89,9 +90,9 @@ def test_a_wrong_answer_is_an_error_naming_the_sample() -> None:
 def test_teacher_for_checks_the_algorithm_needs() -> None:
     assert teacher_for(TeacherSettings(), AlgorithmNeeds()) is None
     assert teacher_for(TeacherSettings(url="http://127.0.0.1:9"), None) is None  # evaluation: no teacher
-    with pytest.raises(ValueError, match="set rollout.teacher.url"):
+    with pytest.raises(SettingsError, match="set rollout.teacher.url"):
         teacher_for(TeacherSettings(), AlgorithmNeeds(teacher_logprobs=True))
-    with pytest.raises(ValueError, match=r"rollout.teacher.top_k >= 8 \(it is 4\)"):
+    with pytest.raises(SettingsError, match=r"rollout.teacher.top_k >= 8 \(it is 4\)"):
         teacher_for(TeacherSettings(url="http://127.0.0.1:9", top_k=4), AlgorithmNeeds(teacher_topk=8))
     scorer = teacher_for(TeacherSettings(url="http://127.0.0.1:9/", top_k=8), AlgorithmNeeds(teacher_topk=8))
     assert scorer is not None and scorer.url == "http://127.0.0.1:9"

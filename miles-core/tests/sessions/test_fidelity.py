@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.rollout.http_client import HttpEngineClient
 from miles.sessions.append_only import CALCULATOR_TOOL
 from miles.sessions.messages import template_messages
 from miles.sessions.server import SessionServer
 from miles.sessions.session import SessionSampling
 from miles.settings.sessions import SessionSettings
+from miles.testing.engine import EngineProcess
 from miles.types import Sample
 
 from .conftest import HAS_SMOLLM2, expected_suffix

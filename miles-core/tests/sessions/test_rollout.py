@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from miles.data.base import Prompt
-from miles.engine.process import EngineProcess
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.sessions.rollout import EpisodeContext, SessionRollout
@@ -19,6 +18,7 @@ from miles.sessions.server import SessionServer
 from miles.settings.model import RolloutSettings
 from miles.settings.sessions import SessionSettings
 from miles.testing import check_rollout_function
+from miles.testing.engine import EngineProcess
 from miles.types import Sample, SampleStatus
 
 pytestmark = pytest.mark.slow

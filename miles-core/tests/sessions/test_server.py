@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.engine.process import EngineProcess
 from miles.rollout.http_client import HttpEngineClient
 from miles.sessions.server import SessionServer, TemplateNotAppendOnly
 from miles.settings.sessions import SessionSettings
 from miles.testing.chat_templates import build_chat_tokenizer
+from miles.testing.engine import EngineProcess
 from miles.types import Sample, SampleStatus
 
 pytestmark = pytest.mark.slow

@@ -4,11 +4,12 @@ any dtype and shape), control values as JSON."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from miles.net import free_port
 
 JOB = textwrap.dedent(
     """
@@ -16,7 +17,10 @@ JOB = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from miles.training.batch import TrainBatch
-    from miles.training.comm import all_gather_json, all_gather_rows, all_gather_tensors, broadcast_json, broadcast_tensors
+    from miles.training.comm import (
+        all_gather_json, all_gather_rows, all_gather_tensors, all_reduce_sum, broadcast_json, broadcast_tensors,
+    )
+    from miles.training.step_metrics import StepMetrics, count_step
 
     def main(rank: int, port: int, out: str) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -41,6 +45,11 @@ JOB = textwrap.dedent(
         pooled = TrainBatch.concat([TrainBatch.from_tensors(t) for t in all_gather_tensors(mine.to_tensors())])
         pooled_same = all(torch.equal(getattr(pooled, k), v) for k, v in batch.to_tensors().items())
         rows = all_gather_rows(torch.arange(rank + 2, dtype=torch.float64) + 10 * rank, [2, 3])
+        cpu = torch.device("cpu")
+        counts = count_step(mine.loss_mask, len(mine), mine.num_tokens, seq_len_norm=1.0, device=cpu)
+        sums = StepMetrics(cpu)  # each rank logs a metric the other does not
+        sums.add_loss(torch.tensor(1.5 + rank))
+        sums.add("kl" if rank == 0 else "entropy", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.0]))
         result = {
             "broadcast_exact": same,
             "int16_exact": int16_exact,
@@ -48,6 +57,9 @@ JOB = textwrap.dedent(
             "rows": rows.tolist(),
             "json": broadcast_json({"step": 3, "rank": rank}),
             "gathered": all_gather_json(rank * 2),
+            "summed": all_reduce_sum(torch.tensor([rank + 1.0])).tolist(),
+            "counts": [counts.denominators.num_tokens, counts.denominators.num_sequences, counts.tokens],
+            "metrics": sums.reduce(counts.denominators.num_tokens, cpu),
         }
         with open(f"{out}.{rank}", "w") as f:
             json.dump(result, f)
@@ -63,9 +75,7 @@ JOB = textwrap.dedent(
 
 
 def test_tensors_and_json_cross_two_gloo_ranks_exactly(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "job.py"
     script.write_text(JOB)
     out = tmp_path / "result"
@@ -79,3 +89,6 @@ def test_tensors_and_json_cross_two_gloo_ranks_exactly(tmp_path: Path) -> None:
         assert result["rows"] == [0.0, 1.0, 10.0, 11.0, 12.0]
         assert result["json"] == {"step": 3, "rank": 0}
         assert result["gathered"] == [0, 2]
+        assert result["summed"] == [3.0]
+        assert result["counts"] == [3, 2, 7.0]  # trained tokens, sequences, tokens of both ranks
+        assert result["metrics"] == {"loss": 4.0, "entropy": 1 / 3, "kl": 1 / 3}

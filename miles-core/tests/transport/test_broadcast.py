@@ -16,9 +16,9 @@ import httpx
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
+from miles.testing.engine import EngineProcess
 from miles.training.trainer import DistContext
 from miles.transport.broadcast import BroadcastTransport, BroadcastTransportSettings, group_ranks
 from miles.transport.verify import verify_engines
@@ -115,7 +115,7 @@ def test_the_store_address_defaults_to_the_node_address_the_launcher_hands_rank_
 def test_colocation_on_cuda_is_refused_naming_both_fields() -> None:
     """Trainer rank 0 and engine 0 on one GPU would be two NCCL ranks on one device: refused before anything
     starts (it was accepted and the docs recommended it)."""
-    from miles.driver.run import build_run
+    from miles.compose import build_run
     from miles.errors import SettingsError
     from miles.settings.model import MilesSettings
 

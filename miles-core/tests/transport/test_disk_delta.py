@@ -15,9 +15,9 @@ import httpx
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.errors import EngineError
 from miles.rollout.http_client import HttpEngineClient
+from miles.testing.engine import EngineProcess
 from miles.training.trainer import DistContext
 from miles.transport.disk_delta import DiskDeltaTransport, DiskDeltaTransportSettings
 from miles.transport.verify import verify_engines

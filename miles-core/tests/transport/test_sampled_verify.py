@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
 from miles.errors import WeightVerificationError
 from miles.rollout.http_client import HttpEngineClient
+from miles.testing.engine import EngineProcess
 from miles.transport.verify import WeightSampler, reference_rows, rows_problem, verify_sampled
 
 

@@ -16,8 +16,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.precision.dtypes import torch_dtype
+
 if TYPE_CHECKING:
-    import torch
     from diffusers import StableDiffusion3Pipeline
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "load_transformer",
     "quiet_loading",
     "set_rgb_decoder",
-    "torch_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -39,16 +39,6 @@ TINY_WORDS = (
 """Words the tiny tokenizer has whole tokens for (anything else still tokenises, byte by byte)."""
 
 _OPTIONAL = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error for anything that is not a floating dtype."""
-    import torch
-
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{name!r} is not a floating-point torch dtype")
-    return dtype
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -248,7 +238,7 @@ def load_pipeline(
         skip["transformer"] = None
     if not vae:
         skip["vae"] = None
-    pipe = StableDiffusion3Pipeline.from_pretrained(folder, dtype=torch_dtype(dtype), **skip)
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, dtype=torch_dtype(dtype, field=None), **skip)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -261,7 +251,7 @@ def load_transformer(path: str | Path, *, dtype: str = "float32") -> Any:
     folder = Path(path) / "transformer"
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"{path}: no transformer/config.json (train.model_path must be a pipeline directory)")
-    return SD3Transformer2DModel.from_pretrained(folder, dtype=torch_dtype(dtype))
+    return SD3Transformer2DModel.from_pretrained(folder, dtype=torch_dtype(dtype, field=None))
 
 
 def quiet_loading() -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field
 
 from miles.components import ComponentSettings
+from miles.errors import SettingsError
 from miles.rewards.base import Reward, RewardOutput
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def sample_image(sample: Sample) -> np.ndarray:
 
     data = sample.metadata.get("image")
     if not isinstance(data, str):
-        raise ValueError(
+        raise SettingsError(
             f"sample {sample.group_id}/{sample.index} has no image (metadata['image']); "
             'image rewards need rollout.function = "diffusion"'
         )

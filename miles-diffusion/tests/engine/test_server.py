@@ -136,3 +136,31 @@ def test_pause_holds_requests_and_abort_aborts_them(engine: ImageEngineProcess, 
             await http.post("/continue_generation", json={})
 
     asyncio.run(go())
+
+
+def test_the_keys_guard_the_image_engine(policy_dir: Path, pipe: Any) -> None:
+    """The run's keys on the image engine (issue 46): the local engine's two levels, ``/health`` open, and
+    beyond loopback no start without a key."""
+    from starlette.testclient import TestClient
+
+    from miles.auth import ServiceKeys
+    from miles_diffusion.engine.launch import create_engine_app
+    from miles_diffusion.engine.options import ImageServeOptions, to_argv
+
+    keys = ServiceKeys("img-api-key-1f2e", "img-admin-key-8c9d")
+    opts = ImageServeOptions(model=policy_dir, num_steps=2, max_sequence_length=16, api_key=keys.api_key,
+                             admin_api_key=keys.admin_api_key)  # fmt: skip
+    assert keys.api_key not in to_argv(opts) and keys.api_key not in str(opts.server_info())
+    app, scheduler = create_engine_app(opts)
+    try:
+        with TestClient(app) as client:
+            body = {"input_ids": _ids(pipe, "a red square"), "sampling_params": {"sampling_seed": 1}}
+            assert client.get("/health").status_code == 200
+            for headers in ({}, keys.headers(control=True)):
+                assert client.post("/generate", json=body, headers=headers).status_code == 401
+            assert client.post("/generate", json=body, headers=keys.headers()).status_code == 200
+            assert client.post("/flush_cache", json={}, headers=keys.headers()).status_code == 401
+            assert client.post("/flush_cache", json={}, headers=keys.headers(control=True)).status_code == 200
+            assert keys.api_key not in client.get("/server_info", headers=keys.headers()).text
+    finally:
+        scheduler.stop()

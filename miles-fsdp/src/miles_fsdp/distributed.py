@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from miles.errors import SettingsError
 from miles.training.trainer import DistContext
 
 __all__ = ["init_distributed", "shutdown_distributed"]
@@ -34,7 +35,7 @@ def init_distributed(
     ``device="cuda"`` selects NCCL and binds this rank to GPU ``local_rank``; ``cpu`` selects gloo.
     """
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"cluster.device: expected 'cpu' or 'cuda', got {device!r}")
+        raise SettingsError(f"cluster.device: expected 'cpu' or 'cuda', got {device!r}")
     local = rank if local_rank is None else local_rank
     if master_port is not None:
         os.environ["MASTER_ADDR"] = master_addr

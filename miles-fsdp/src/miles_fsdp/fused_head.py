@@ -2,7 +2,7 @@
 
 :class:`FusedHead` gives the model's output embedding (``lm_head``) a forward that, while a request is
 open (:meth:`FusedHead.scoring`), returns ``[1, T, 2]`` = (logprob of each target, entropy) computed by
-:func:`miles.training.fused_logprobs.fused_token_logprobs` from the hidden states the model hands its head,
+:func:`miles_fsdp.fused_logprobs.fused_token_logprobs` from the hidden states the model hands its head,
 instead of the ``[1, T, V]`` logits. The model's own forward runs unchanged around it (so FSDP gathers and
 reduces the head's weight, tied to the embedding or not, as it does for the logits); outside a request the
 head is the plain linear. Parameter names and the state dict are untouched.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles.training.fused_logprobs import fused_token_logprobs
+from miles_fsdp.fused_logprobs import fused_token_logprobs
 
 if TYPE_CHECKING:
     from torch import nn

@@ -58,7 +58,7 @@ def pack(
     """Pack the sequences ``indices`` of ``batch`` into one row (a one-token dummy row when empty).
 
     ``share_prefixes``: sequences with the same prompt (a GRPO group's samples) hold it once, each response a
-    branch whose positions continue the prompt's (:mod:`miles.training.packed_attention`; the model must attend
+    branch whose positions continue the prompt's (:mod:`miles_fsdp.packed_attention`; the model must attend
     with ``packed_sdpa``). The first response token of each is predicted by the shared prompt's last position.
     Not with per-token routed experts (their prompt rows are each sample's own).
     """

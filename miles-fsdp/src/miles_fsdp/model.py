@@ -26,7 +26,6 @@ __all__ = [
     "load_causal_lm",
     "load_value_model",
     "shard_model",
-    "torch_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -37,14 +36,6 @@ _WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error for anything that is not a floating dtype."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"precision: {name!r} is not a floating-point torch dtype")
-    return dtype
 
 
 def _has_weights(path: Path) -> bool:

@@ -3,35 +3,15 @@ gradient-norm clipping over sharded (DTensor) gradients."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from miles.settings.model import TrainSettings
+from miles.training.lr_schedule import lr_factor
 
-__all__ = ["build_optimizer", "build_scheduler", "clip_grad_norm", "lr_factor"]
-
-
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, lr: float, min_lr: float) -> float:
-    """Multiplier of the peak ``lr`` for optimizer step ``step`` (0-based).
-
-    Warm-up rises linearly to 1 over ``warmup_steps`` (step 0 already trains at ``lr / warmup_steps``);
-    afterwards ``constant`` stays at 1, ``cosine`` / ``linear`` decay to ``min_lr / lr`` at ``total_steps``.
-    """
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    floor = min_lr / lr
-    span = max(total_steps - warmup_steps, 1)
-    progress = min(max(step - warmup_steps, 0) / span, 1.0)
-    if schedule == "cosine":
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return floor + (1.0 - floor) * (1.0 - progress)
-    raise ValueError(f"train.lr_schedule: unknown schedule {schedule!r} (expected constant, cosine or linear)")
+__all__ = ["build_optimizer", "build_scheduler", "clip_grad_norm"]
 
 
 def build_optimizer(params: Iterable[nn.Parameter], train: TrainSettings) -> torch.optim.AdamW:
@@ -63,14 +43,14 @@ def build_optimizer(params: Iterable[nn.Parameter], train: TrainSettings) -> tor
 def _bump_versions(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     """The fused kernel updates the parameters in place without moving their version counters (PyTorch 2.13),
     which every other in-place update does: move them, so what keys on a parameter's version (autograd's
-    saved-tensor check, :mod:`miles.training.onednn_linear`'s bf16 copies) sees the step."""
+    saved-tensor check, :mod:`miles_fsdp.onednn_linear`'s bf16 copies) sees the step."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             torch.autograd.graph.increment_version(param)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSettings) -> torch.optim.lr_scheduler.LambdaLR:
-    """``LambdaLR`` applying :func:`lr_factor`; its total length is ``num_rollouts x steps_per_rollout``."""
+    """``LambdaLR`` applying :func:`~miles.training.lr_schedule.lr_factor`; its total length is ``num_rollouts x steps_per_rollout``."""
     total = train.num_rollouts * train.steps_per_rollout
 
     def factor(step: int) -> float:

@@ -24,7 +24,7 @@ class FSDPSettings(ComponentSettings):
     backward (ZeRO-2 like: more memory, fewer all-gathers)."""
     attn_implementation: Literal["auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2"] = "auto"
     """Attention kernel of the Hugging Face model. Packed micro-batches rely on ``position_ids`` restarting
-    at 0 for each sequence. ``packed_sdpa`` (:mod:`miles.training.packed_attention`) runs SDPA on each
+    at 0 for each sequence. ``packed_sdpa`` (:mod:`miles_fsdp.packed_attention`) runs SDPA on each
     sequence of the packed row alone, where ``sdpa`` computes the whole row against a block-diagonal mask (the
     same values to float32 rounding; on 8 sequences of 64 tokens, an eighth of the attention arithmetic), and
     lets sequences share their prompt (``share_prefixes``); ``auto``: ``packed_sdpa`` unless the model uses
@@ -52,11 +52,11 @@ class FSDPSettings(ComponentSettings):
     by autocast with float32 master weights)."""
     onednn_linear: bool = True
     """CPU ranks: every ``nn.Linear``'s forward and backward GEMMs run on oneDNN
-    (:mod:`miles.training.onednn_linear`): float32 at oneDNN's speed instead of MKL's sgemm (2-2.5x on this
+    (:mod:`miles_fsdp.onednn_linear`): float32 at oneDNN's speed instead of MKL's sgemm (2-2.5x on this
     project's AMD hosts), and under bf16 autocast the weights cast once per optimizer step instead of once per
     forward. Equal to ``F.linear`` to float32 rounding. Ignored on CUDA."""
     share_prefixes: bool = True
     """With ``attn_implementation = "packed_sdpa"``: sequences of a micro-batch with the same prompt (a GRPO
     group's samples) hold it once in the packed row, each response attending to it as its own copy would
-    (:mod:`miles.training.packed_attention`): the same logprobs and gradients to float32 rounding, the prompt's
+    (:mod:`miles_fsdp.packed_attention`): the same logprobs and gradients to float32 rounding, the prompt's
     forward and backward computed once per group instead of once per sample. Off: every sequence whole."""

@@ -15,15 +15,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from miles.algorithms.aggregation import StepDenominators, aggregate_loss
+from miles.algorithms.aggregation import aggregate_loss
 from miles.algorithms.base import LossInputs
 from miles.errors import NonFiniteStepError
 from miles.training.batch import TOKEN_FIELDS
-from miles.training.comm import all_gather_json
 from miles.training.guards import refuse_non_finite
 from miles.training.logprobs import token_logprobs, topk_logprobs
+from miles.training.step_metrics import StepMetrics, count_step
 from miles_fsdp.microbatch import PackedMicroBatch
 from miles_fsdp.optim import clip_grad_norm
 from miles_fsdp.true_on_policy import with_exact_values
@@ -66,19 +65,6 @@ class StepContext:
     the gradient of the trainer's own forward: :func:`miles_fsdp.true_on_policy.with_exact_values`)."""
 
 
-def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
-def _agreed_metric_names(local: set[str]) -> list[str]:
-    """Metric names over all ranks (a rank with only empty micro-batches saw none)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return sorted(local)
-    return sorted({name for names in all_gather_json(sorted(local)) for name in names})
-
-
 def run_train_step(
     ctx: StepContext, batch: TrainBatch, algorithm: Algorithm, *, temperature: float
 ) -> dict[str, float]:
@@ -87,7 +73,7 @@ def run_train_step(
         raise ValueError(f"algorithm {algorithm.name!r}: TrainBatch.advantages is None; compute advantages first")
     device = ctx.device
     needs_values = algorithm.needs.values
-    topk = getattr(algorithm.needs, "teacher_topk", 0)
+    topk = algorithm.needs.teacher_topk
     if topk > 0 and (batch.teacher_topk_ids is None or batch.teacher_topk < topk):
         have = "none" if batch.teacher_topk_ids is None else f"top-{batch.teacher_topk}"
         raise ValueError(
@@ -97,28 +83,18 @@ def run_train_step(
     if needs_values and ctx.critic is None:
         raise RuntimeError(f"algorithm {algorithm.name!r} needs values: call setup(need_values=True)")
 
-    counts = torch.tensor(
-        [float(batch.loss_mask.sum()), float(len(batch)), float(batch.num_tokens)],
-        dtype=torch.float64,
-        device=device,
+    counts = count_step(
+        batch.loss_mask, len(batch), batch.num_tokens, seq_len_norm=algorithm.seq_len_norm, device=device
     )
-    _all_reduce_sum(counts)
-    denominators = StepDenominators(
-        num_tokens=int(counts[0].item()), num_sequences=int(counts[1].item()), seq_len_norm=algorithm.seq_len_norm
-    )
+    denominators = counts.denominators
 
     actor, critic = ctx.actor, ctx.critic
     actor.train()
     if critic is not None:
         critic.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    masked_sums: dict[str, torch.Tensor] = {}
+    sums = StepMetrics(device)
 
-    def add(name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
-        value = (per_token.detach().double() * mask.double()).sum()
-        masked_sums[name] = masked_sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) + value
-
-    entropy_grad = bool(getattr(algorithm.needs, "entropy", False))
+    entropy_grad = algorithm.needs.entropy
     fused = ctx.fused_logprobs if topk == 0 and ctx.exact_logprobs is None else None
     for mb in ctx.micro_batches(batch):
         scored = fused(actor, mb, temperature, True, entropy_grad) if fused is not None else None
@@ -158,13 +134,13 @@ def run_train_step(
         output = algorithm.loss(inputs)
         loss = aggregate_loss(output.per_token_loss, mask, mb.response_lengths, algorithm.aggregation, denominators)
         loss.backward()
-        loss_sum += loss.detach().double()
+        sums.add_loss(loss)
         for name, per_token in output.metrics.items():
-            add(name, per_token, mask)
+            sums.add(name, per_token, mask)
         assert entropy is not None
-        add("entropy", entropy, mask)
+        sums.add("entropy", entropy, mask)
         if fields["rollout_logprobs"] is not None:
-            add("train_rollout_logprob_abs_diff", (logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
+            sums.add("train_rollout_logprob_abs_diff", (logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
 
     train = ctx.train
     parts = ctx.parts
@@ -187,13 +163,8 @@ def run_train_step(
     if ctx.empty_cache and device.type == "cuda":
         torch.cuda.empty_cache()
 
-    names = _agreed_metric_names(set(masked_sums))
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    reduced = _all_reduce_sum(torch.stack([loss_sum, *[masked_sums.get(n, zero) for n in names]]))
-    metrics["loss"] = float(reduced[0].item())
-    for i, name in enumerate(names):
-        metrics[name] = float(reduced[i + 1].item()) / max(denominators.num_tokens, 1)
-    metrics["tokens"] = float(counts[2].item())
+    metrics.update(sums.reduce(denominators.num_tokens, device))
+    metrics["tokens"] = counts.tokens
     metrics["trained_tokens"] = float(denominators.num_tokens)
     metrics["sequences"] = float(denominators.num_sequences)
     return metrics

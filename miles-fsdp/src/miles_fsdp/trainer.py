@@ -9,22 +9,31 @@ methods (and the sibling modules they use), so registering the plugin stays chea
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from miles.errors import SettingsError
 from miles.training.trainer import DistContext, LogprobOutput, Trainer, WeightBucket, WeightShard
 from miles_fsdp.settings import FSDPSettings
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PretrainedConfig
 
     from miles.algorithms.base import Algorithm
     from miles.precision.base import PrecisionRecipe
     from miles.settings.model import MilesSettings, TrainSettings
     from miles.training.batch import TrainBatch
+    from miles.training.routing import RouterReplay
+    from miles_fsdp.fused_head import FusedHead
     from miles_fsdp.microbatch import PackedMicroBatch
+    from miles_fsdp.true_on_policy import EngineReplica
+
+    Part = tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
+    """A trained model with its optimizer and learning-rate scheduler."""
 
 __all__ = ["FSDPTrainer"]
 
@@ -43,21 +52,30 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         super().__init__(train, options if options is not None else FSDPSettings(), precision, dist)
         self.step = 0
         """Optimizer steps taken (restored by :meth:`load_checkpoint`)."""
-        self.actor: Any = None
-        self.ref: Any = None
-        self.critic: Any = None
-        self._parts: dict[str, tuple[Any, Any, Any]] = {}
-        self._config: Any = None
-        self._replica: Any = None
-        self._routing: Any = None
-        self._precision_context: Any = None
-        """A fresh context for each forward (:func:`miles_fsdp.wrap.forward_precision`)."""
-        self._heads: dict[int, Any] = {}
+        self.actor: nn.Module | None = None
+        """The policy (FSDP2-wrapped, or the plain module at world size 1), after :meth:`setup`."""
+        self.ref: nn.Module | None = None
+        """The frozen reference (``setup(need_ref=True)`` without an adapter: the adapter off is the reference)."""
+        self.critic: nn.Module | None = None
+        """The value model (``setup(need_values=True)``)."""
+        self._parts: dict[str, Part] = {}
+        """``{"actor": (model, optimizer, scheduler), "critic": ...}``: what steps and checkpoints."""
+        self._config: PretrainedConfig | None = None
+        """The actor's Hugging Face config."""
+        self._pad_token_id = 0
+        """What pads the rows of a micro-batch: the config's pad token, else its EOS."""
+        self._onednn = False
+        """``onednn_linear`` on a CPU rank: the models' linears run on oneDNN (:mod:`miles_fsdp.onednn_linear`)."""
         self._share_prefixes = False
         """Micro-batches hold a shared prompt once (``share_prefixes`` with ``packed_sdpa``)."""
+        self._precision_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        """A fresh context for each forward (:func:`miles_fsdp.wrap.forward_precision`)."""
+        self._heads: dict[int, FusedHead] = {}
         """``id(module)`` -> its :class:`~miles_fsdp.fused_head.FusedHead` (``fused_logprobs``)."""
+        self._routing: RouterReplay | None = None
         """MoE actors: the :class:`~miles.training.routing.RouterReplay` its routers go through (R3 and the
         routing-agreement metric; :mod:`miles_fsdp.routing`)."""
+        self._replica: EngineReplica | None = None
         """``train.true_on_policy``: the engine's model runner at the actor's weights (:mod:`miles_fsdp.true_on_policy`)."""
 
     @classmethod
@@ -80,14 +98,15 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
-        from miles.training.onednn_linear import install_onednn_linears
-        from miles_fsdp.model import load_causal_lm, load_config, load_value_model, torch_dtype
+        from miles.precision.dtypes import torch_dtype
+        from miles_fsdp.model import load_causal_lm, load_config, load_value_model
+        from miles_fsdp.onednn_linear import install_onednn_linears
         from miles_fsdp.optim import build_optimizer, build_scheduler
         from miles_fsdp.wrap import forward_precision, stays_plain, wrap_model
 
         train, opts = self.train_settings, self.options
         if not train.model_path:
-            raise ValueError("train.model_path: the fsdp trainer needs a Hugging Face model directory or .gguf file")
+            raise SettingsError("train.model_path: the fsdp trainer needs a Hugging Face model directory or .gguf file")
         if self.dist.device == "cuda":
             torch.cuda.set_device(self.device)
         mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
@@ -107,15 +126,15 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             param_dtype=param_dtype,
             reduce_dtype=torch_dtype(self.precision.reduce_dtype),
         )
-        from miles.training.packed_attention import PACKED_SDPA
+        from miles_fsdp.packed_attention import PACKED_SDPA
 
         attn: str = opts.attn_implementation
         if attn in ("auto", "packed_sdpa"):
-            from miles.training.packed_attention import packed_unsupported, register_packed_attention
+            from miles_fsdp.packed_attention import packed_unsupported, register_packed_attention
 
             reason = packed_unsupported(load_config(train.model_path))
             if reason is not None and attn == "packed_sdpa":
-                raise ValueError(f"[train.backend] attn_implementation 'packed_sdpa': {reason}; use 'sdpa'")
+                raise SettingsError(f"[train.backend] attn_implementation 'packed_sdpa': {reason}; use 'sdpa'")
             if reason is not None:
                 log.info("attention: sdpa (%s, which packed_sdpa does not implement)", reason)
             attn = "sdpa" if reason is not None else register_packed_attention()
@@ -130,7 +149,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._routing = patch_routers(actor, replay=train.routing_replay)
         if self.adapter is not None:  # the base frozen; the reference is this model with its adapters off
             if train.true_on_policy:
-                raise ValueError("train.true_on_policy: not supported with train.adapter")
+                raise SettingsError("train.true_on_policy: not supported with train.adapter")
             actor = self.adapter.apply(actor)
         if self._onednn:
             install_onednn_linears(actor)
@@ -249,6 +268,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         return out[:, 0], (out[:, 1] if with_entropy else None)
 
     def _values(self, mb: PackedMicroBatch) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("values need setup(need_values=True)")
         with self._precision_context():
             values = self.critic(mb.input_ids, mb.position_ids)
         return values.squeeze(0).index_select(0, mb.keep_index)
@@ -262,7 +283,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> LogprobOutput:
-        """Per-response-token logprobs (and entropy) of this rank's sequences, packed by the token budget."""
+        """Per-response-token logprobs (and entropy) of this rank's sequences (micro-batches packed by the
+        token budget), packed as the batch's per-token fields."""
         import torch
 
         from miles.training.logprobs import token_logprobs
@@ -274,8 +296,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         module = self.actor if model == "actor" else self.ref
         if module is None:
             raise RuntimeError("compute_logprobs(model='ref') needs setup(need_ref=True)")
-        logprobs: list[torch.Tensor | None] = [None] * len(batch)
-        entropy: list[torch.Tensor | None] = [None] * len(batch)
+        offsets = batch.response_offsets
+        logprobs = torch.zeros(batch.num_response_tokens, dtype=torch.float32)
+        entropy = torch.zeros(batch.num_response_tokens, dtype=torch.float32)
         if model == "actor" and self._replica is not None:
             self._replica.sync(self.actor, self.step)
         if self._routing is not None:  # agreement is counted once per step, by the train step's forwards
@@ -294,35 +317,35 @@ class FSDPTrainer(Trainer[FSDPSettings]):
                 if mb.is_empty:
                     continue
                 lp, ent = scored
-                for i, part in zip(mb.indices, lp.split(mb.response_lengths), strict=True):
-                    logprobs[i] = part.float().cpu()
+                own = [part.float().cpu() for part in lp.split(mb.response_lengths)]
                 if model == "actor" and self._replica is not None:  # the engine's values, bit for bit
                     from miles_fsdp.true_on_policy import exact_or_own
 
                     exact = self._replica.logprobs(batch, mb.indices, temperature)
-                    for i, values in zip(mb.indices, exact, strict=True):
-                        own = logprobs[i]
-                        assert own is not None
-                        logprobs[i] = exact_or_own(own, values)
+                    own = [exact_or_own(o, values) for o, values in zip(own, exact, strict=True)]
+                for i, part in zip(mb.indices, own, strict=True):
+                    logprobs[offsets[i] : offsets[i + 1]] = part
                 if ent is not None:
                     for i, part in zip(mb.indices, ent.split(mb.response_lengths), strict=True):
-                        entropy[i] = part.float().cpu()
+                        entropy[offsets[i] : offsets[i + 1]] = part.float().cpu()
         module.train(was_training)
         return LogprobOutput(logprobs=logprobs, entropy=entropy if with_entropy else None)
 
-    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
-        """Critic values at the positions that predict each response token (needs ``need_values``)."""
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic values at the positions that predict each response token (needs ``need_values``), packed
+        as the batch's per-token fields."""
         import torch
 
         if self.critic is None:
             raise RuntimeError("compute_values needs setup(need_values=True)")
-        values: list[torch.Tensor | None] = [None] * len(batch)
+        offsets = batch.response_offsets
+        values = torch.zeros(batch.num_response_tokens, dtype=torch.float32)
         self.critic.eval()
         with torch.no_grad():
             for mb in self._micro_batches(batch):
                 v = self._values(mb)
                 for i, part in zip(mb.indices, v.split(mb.response_lengths), strict=True):
-                    values[i] = part.float().cpu()
+                    values[offsets[i] : offsets[i + 1]] = part.float().cpu()
         return values
 
     def train_step(self, batch: TrainBatch, algorithm: Algorithm, *, temperature: float = 1.0) -> dict[str, float]:

@@ -8,7 +8,7 @@ sampling temperature). A trainer's packed full-sequence forward sums in other or
 token, a causal attention kernel over the whole sequence), which changes the last bits of every logprob:
 ~1e-6 in float32, ~1e-2 in bfloat16.
 
-:class:`EngineReplica` runs the engine's own :class:`~miles.engine.model_runner.ModelRunner` in the trainer
+:class:`EngineReplica` runs the engine's own model runner (:func:`miles.engine.replay.load_runner`) in the trainer
 process on the trainer's current weights (loaded as the engine loads a weight update, so the dtype cast is
 the engine's), and replays that schedule for each request (:mod:`miles.engine.replay`): the same kernels
 (packed oneDNN GEMMs, Miles' CPU kernels or SDPA, as the engine resolved them on this machine), the same
@@ -98,9 +98,9 @@ class EngineReplica:
     """
 
     def __init__(self, model_path: str, *, dtype: str, attention_backend: str = "auto") -> None:
-        from miles.engine.model_runner import ModelRunner
+        from miles.engine.replay import load_runner
 
-        self.runner = ModelRunner(model_path, device="cpu", dtype=dtype, attention_backend=attention_backend)
+        self.runner = load_runner(model_path, device="cpu", dtype=dtype, attention_backend=attention_backend)
         self.synced_step: int | None = None
         """The trainer step whose weights the runner holds (``None``: not loaded yet)."""
 
@@ -143,7 +143,7 @@ def _check_one_request(batch: TrainBatch, i: int) -> None:
     trained = (mask > 0).tolist()
     first_gap = next((t for t in range(1, len(trained)) if trained[t - 1] and not trained[t]), None)
     if first_gap is not None and any(trained[first_gap:]):
-        raise ValueError(
+        raise SettingsError(
             f"train.true_on_policy: sequence {i} of the batch trains on tokens after untrained ones (a multi-turn "
             "response) but its sample has no request_spans, so the trainer cannot replay the engine requests that "
             "sampled it; a rollout function that makes several requests per sample must set Sample.request_spans "

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from miles.errors import SettingsError
 from miles.training.adapter import LowRankSpec, ModelAdapter
 from miles_lora.settings import LoraSettings
 
@@ -72,7 +73,9 @@ class LoraAdapter(ModelAdapter[LoraSettings]):
         present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         missing = [t for t in self.settings.target_modules if t not in present]
         if missing:
-            raise ValueError(f"train.adapter.target_modules: {', '.join(missing)} not found in {type(model).__name__}")
+            raise SettingsError(
+                f"train.adapter.target_modules: {', '.join(missing)} not found in {type(model).__name__}"
+            )
         peft_model = get_peft_model(model, self.peft_config())
         trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in peft_model.parameters())

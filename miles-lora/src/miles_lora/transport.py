@@ -72,7 +72,7 @@ class LoraTransport(WeightTransport[LoraTransportSettings]):
 
     def attach(self, trainer: Trainer) -> None:
         if trainer.adapter is None:
-            raise ValueError("transport 'lora' pushes adapters only: set train.adapter (name = \"lora\")")
+            raise SettingsError("transport 'lora' pushes adapters only: set train.adapter (name = \"lora\")")
         self.adapter = trainer.adapter
 
     @property

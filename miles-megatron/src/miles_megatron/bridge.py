@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from miles.errors import SettingsError
 from miles_megatron.cpu_patches import SHIMS, disabled_patches
 
 __all__ = ["SHIMS", "SUPPORTED_MODEL_TYPES", "build_bridge", "check_model_type", "rope_theta", "te_available"]
@@ -37,9 +38,9 @@ _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12
 
 
 def check_model_type(model_type: str) -> None:
-    """Raise ``ValueError`` naming ``model_type`` and the supported list when the family is not supported."""
+    """Raise :class:`~miles.errors.SettingsError` naming ``model_type`` and the supported list when the family is not supported."""
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise SettingsError(
             f"train.model_path: model_type {model_type!r} is not supported by the megatron trainer; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -59,12 +60,12 @@ def rope_theta(hf_config: Any) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
     if rope_type not in ("default", None):
-        raise ValueError(f"train.model_path: rope_type {rope_type!r} is not supported by the megatron trainer")
+        raise SettingsError(f"train.model_path: rope_type {rope_type!r} is not supported by the megatron trainer")
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     if theta is None:
         theta = getattr(hf_config, "rope_theta", None)
     if theta is None:
-        raise ValueError("train.model_path: the config has no rope_theta")
+        raise SettingsError("train.model_path: the config has no rope_theta")
     return float(theta)
 
 

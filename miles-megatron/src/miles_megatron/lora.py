@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.errors import SettingsError
 from miles_megatron.modules import unwrap
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ _ATTENTION = ("linear_qkv", "linear_proj")
 def megatron_targets(spec: LowRankSpec, hf_config: Any) -> tuple[str, ...]:
     """The Megatron projections that get adapters for ``spec.target_modules`` (HF names).
 
-    Raises ``ValueError`` naming ``train.adapter.target_modules`` for a name the trainer cannot adapt, a
+    Raises :class:`~miles.errors.SettingsError` naming ``train.adapter.target_modules`` for a name the trainer cannot adapt, a
     fused group targeted in part (``q_proj`` without ``k_proj`` ...), or MLP projections of a
     mixture-of-experts model.
     """
@@ -75,14 +76,14 @@ def megatron_targets(spec: LowRankSpec, hf_config: Any) -> tuple[str, ...]:
     known = [hf for names in FUSED.values() for hf in names]
     unknown = [t for t in spec.target_modules if t not in known]
     if unknown:
-        raise ValueError(
+        raise SettingsError(
             f"{field}: {', '.join(unknown)} cannot be adapted by the megatron trainer (it adapts {', '.join(known)})"
         )
     targets: list[str] = []
     for megatron, names in FUSED.items():
         chosen = [n for n in names if n in spec.target_modules]
         if chosen and len(chosen) < len(names):
-            raise ValueError(
+            raise SettingsError(
                 f"{field}: the megatron trainer fuses {', '.join(names)} into one projection ({megatron}) with "
                 f"one adapter; target all of them or none (got {', '.join(chosen)})"
             )
@@ -92,12 +93,12 @@ def megatron_targets(spec: LowRankSpec, hf_config: Any) -> tuple[str, ...]:
     mlp = [t for t in targets if t not in _ATTENTION]
     if experts and mlp:
         adapted = [n for t in mlp for n in FUSED[t]]
-        raise ValueError(
+        raise SettingsError(
             f"{field}: {', '.join(adapted)} of a mixture-of-experts model: the megatron trainer adapts its attention "
             "projections only (q_proj, k_proj, v_proj, o_proj)"
         )
     if not targets:
-        raise ValueError(f"{field}: empty; name the projections that get adapters")
+        raise SettingsError(f"{field}: empty; name the projections that get adapters")
     return tuple(targets)
 
 

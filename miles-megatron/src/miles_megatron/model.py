@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles.errors import SettingsError
 from miles_megatron.modules import unwrap
 from miles_megatron.settings import MegatronSettings
 
@@ -28,20 +29,11 @@ __all__ = [
     "build_optimizer",
     "init_parallel",
     "load_hf_config",
-    "torch_dtype",
     "unwrap",
     "wrap_for_training",
 ]
 
 log = logging.getLogger(__name__)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error for anything that is not a floating dtype."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"precision: {name!r} is not a floating-point torch dtype")
-    return dtype
 
 
 def load_hf_config(model_path: str) -> Any:
@@ -50,7 +42,7 @@ def load_hf_config(model_path: str) -> Any:
 
     path = Path(model_path)
     if path.suffix == ".gguf":
-        raise ValueError(
+        raise SettingsError(
             f"train.model_path: {model_path!r} is a .gguf file; the megatron trainer needs a HF safetensors "
             "directory (convert it first: miles convert gguf FILE OUT)"
         )

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from miles.components import ComponentSettings
+from miles.errors import SettingsError
 
 __all__ = ["MegatronSettings", "check_parallel_layout", "read_hf_config"]
 
@@ -63,26 +64,26 @@ def read_hf_config(model_path: str) -> dict[str, Any] | None:
 def check_parallel_layout(options: MegatronSettings, world_size: int, hf_config: dict[str, Any] | None) -> int:
     """Check that the parallel sizes fit the world and the model; return the data-parallel size.
 
-    Raises ``ValueError`` whose message names the field (``train.backend.tensor_parallel`` ...).
+    Raises :class:`~miles.errors.SettingsError` whose message names the field (``train.backend.tensor_parallel`` ...).
     """
     tp, pp, ep = options.tensor_parallel, options.pipeline_parallel, options.expert_parallel
     if world_size % (tp * pp):
-        raise ValueError(
+        raise SettingsError(
             f"{_FIELD}.tensor_parallel x {_FIELD}.pipeline_parallel = {tp} x {pp} = {tp * pp} does not divide "
             f"cluster.trainer_ranks = {world_size}"
         )
     if (world_size // pp) % ep:
-        raise ValueError(
+        raise SettingsError(
             f"{_FIELD}.expert_parallel = {ep} does not divide cluster.trainer_ranks / pipeline_parallel = "
             f"{world_size // pp}"
         )
     if ep > 1 and tp > 1:
-        raise ValueError(
+        raise SettingsError(
             f"{_FIELD}.expert_parallel = {ep} with {_FIELD}.tensor_parallel = {tp}: expert parallel together with "
             "tensor parallel is not supported yet (use one of them for MoE models)"
         )
     if options.sequence_parallel and tp == 1:
-        raise ValueError(f"{_FIELD}.sequence_parallel needs {_FIELD}.tensor_parallel > 1")
+        raise SettingsError(f"{_FIELD}.sequence_parallel needs {_FIELD}.tensor_parallel > 1")
     if hf_config is not None:
         from miles_megatron.bridge import check_model_type
 
@@ -91,19 +92,19 @@ def check_parallel_layout(options: MegatronSettings, world_size: int, hf_config:
         kv_heads = int(hf_config.get("num_key_value_heads") or heads)
         layers = int(hf_config["num_hidden_layers"])
         if heads % tp or kv_heads % tp:
-            raise ValueError(
+            raise SettingsError(
                 f"{_FIELD}.tensor_parallel = {tp} does not divide the model's attention heads "
                 f"(num_attention_heads = {heads}, num_key_value_heads = {kv_heads})"
             )
         if layers % pp:
-            raise ValueError(
+            raise SettingsError(
                 f"{_FIELD}.pipeline_parallel = {pp} does not divide the model's layers (num_hidden_layers = {layers})"
             )
         experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
         if ep > 1 and not experts:
-            raise ValueError(f"{_FIELD}.expert_parallel = {ep} needs a mixture-of-experts model (no num_experts)")
+            raise SettingsError(f"{_FIELD}.expert_parallel = {ep} needs a mixture-of-experts model (no num_experts)")
         if experts and int(experts) % ep:
-            raise ValueError(
+            raise SettingsError(
                 f"{_FIELD}.expert_parallel = {ep} does not divide the model's experts (num_experts = {experts})"
             )
     return world_size // (tp * pp)

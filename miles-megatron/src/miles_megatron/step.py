@@ -13,21 +13,20 @@ the whole batch in one process.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.distributed as dist
 
-from miles.algorithms.aggregation import StepDenominators, aggregate_loss
+from miles.algorithms.aggregation import aggregate_loss
 from miles.algorithms.base import LossInputs, LossOutput
 from miles.training.batch import TOKEN_FIELDS
-from miles.training.comm import all_gather_json
+from miles.training.comm import all_reduce_sum
 from miles.training.guards import refuse_non_finite
 from miles.training.logprobs import token_logprobs, topk_logprobs
+from miles.training.step_metrics import StepMetrics, count_step
 from miles_megatron.microbatch import MicroBatch
 
 if TYPE_CHECKING:
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
     from miles.training.routing import RouterReplay
     from miles_megatron.model import ModelParts
 
-__all__ = ["StepTrainer", "forward_per_token", "lr_factor", "run_micro_batches", "run_train_step"]
+__all__ = ["StepTrainer", "forward_per_token", "run_micro_batches", "run_train_step"]
 
 
 class StepTrainer(Protocol):
@@ -68,22 +67,6 @@ class StepTrainer(Protocol):
 OnOutput = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
 """Called on the last stage with a micro-batch and the model's output at its response positions (``[T, V]``
 logits, or ``[T]`` values for the critic); returns the loss."""
-
-
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, lr: float, min_lr: float) -> float:
-    """Multiplier of the peak ``lr`` at optimizer step ``step`` (0-based), as miles-fsdp's schedule:
-    linear warm-up to 1 over ``warmup_steps``, then constant / cosine / linear to ``min_lr / lr``."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    floor = min_lr / lr
-    progress = min(max(step - warmup_steps, 0) / max(total_steps - warmup_steps, 1), 1.0)
-    if schedule == "cosine":
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return floor + (1.0 - floor) * (1.0 - progress)
-    raise ValueError(f"train.lr_schedule: unknown schedule {schedule!r} (expected constant, cosine or linear)")
 
 
 def run_micro_batches(
@@ -173,16 +156,6 @@ def forward_per_token(
     return filled
 
 
-def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
-def _agreed_names(local: set[str]) -> list[str]:
-    return sorted({n for names in all_gather_json(sorted(local)) for n in names})
-
-
 @dataclass
 class _ActorTerms:
     """The policy's side of one micro-batch's loss inputs, kept (detached) for the critic's pass."""
@@ -196,7 +169,7 @@ def _check_inputs(batch: TrainBatch, algorithm: Algorithm, *, has_critic: bool) 
     """Clear errors for what the algorithm needs and the batch or the trainer lacks; the top-k it needs."""
     if batch.advantages is None and algorithm.needs.rollout:
         raise ValueError(f"algorithm {algorithm.name!r}: TrainBatch.advantages is None; compute advantages first")
-    topk: int = getattr(algorithm.needs, "teacher_topk", 0)
+    topk = algorithm.needs.teacher_topk
     if topk > 0 and (batch.teacher_topk_ids is None or batch.teacher_topk < topk):
         have = "none" if batch.teacher_topk_ids is None else f"top-{batch.teacher_topk}"
         raise ValueError(
@@ -225,31 +198,18 @@ def run_train_step(
     device = trainer.device
     critic = trainer.critic_parts() if algorithm.needs.values else None
     topk = _check_inputs(own, algorithm, has_critic=critic is not None)
-    counts = torch.tensor(
-        [float(own.loss_mask.sum()), float(len(own)), float(own.num_tokens)],
-        dtype=torch.float64,
-        device=device,
-    )
-    _all_reduce_sum(counts)  # every rank's own share is distinct: the sums are the step's
-    denominators = StepDenominators(
-        num_tokens=int(counts[0].item()), num_sequences=int(counts[1].item()), seq_len_norm=algorithm.seq_len_norm
-    )
+    # every rank's own share is distinct: the sums are the step's
+    counts = count_step(own.loss_mask, len(own), own.num_tokens, seq_len_norm=algorithm.seq_len_norm, device=device)
+    denominators = counts.denominators
     batch = trainer.data_parallel_batch(own)
     micro_batches = trainer.micro_batches(batch)
-    reports = trainer.reports_metrics
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    sums: dict[str, torch.Tensor] = {}
+    sums = StepMetrics(torch.device("cpu"), record=trainer.reports_metrics)
     fixed_values: torch.Tensor | None = None
     if critic is not None:
         fixed_values = forward_per_token(
             critic, batch, micro_batches, lambda mb, out: {"values": out}, ["values"], values=True
         )["values"]
     kept: dict[tuple[int, ...], _ActorTerms] = {}
-
-    def add(name: str, per_token: torch.Tensor, mask: torch.Tensor) -> None:
-        if reports:
-            value = (per_token.detach().double() * mask.double()).sum().cpu()
-            sums[name] = sums.get(name, torch.zeros((), dtype=torch.float64)) + value
 
     def loss_of(mb: MicroBatch, terms: _ActorTerms, values: torch.Tensor | None) -> tuple[torch.Tensor, LossOutput]:
         mask = batch.token_field("loss_mask", mb.indices, device)
@@ -271,13 +231,12 @@ def run_train_step(
         return loss, output
 
     def on_logits(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-        nonlocal loss_sum
         logprobs, entropy = token_logprobs(
             logits,
             mb.targets,
             temperature,
             with_entropy=True,
-            entropy_grad=getattr(algorithm.needs, "entropy", False),
+            entropy_grad=algorithm.needs.entropy,
             mask_ids=mb.mask_ids,
         )
         assert entropy is not None
@@ -295,14 +254,13 @@ def run_train_step(
         loss, output = loss_of(mb, terms, values)
         mask = batch.token_field("loss_mask", mb.indices, device)
         assert mask is not None
-        if reports:
-            loss_sum = loss_sum + loss.detach().double().cpu()
+        sums.add_loss(loss)
         for name, per_token in output.metrics.items():
-            add(name, per_token, mask)
-        add("entropy", entropy, mask)
+            sums.add(name, per_token, mask)
+        sums.add("entropy", entropy, mask)
         rollout = batch.token_field("rollout_logprobs", mb.indices, device)
         if rollout is not None:
-            add("train_rollout_logprob_abs_diff", (logprobs.detach() - rollout).abs(), mask)
+            sums.add("train_rollout_logprob_abs_diff", (logprobs.detach() - rollout).abs(), mask)
         return loss
 
     def on_values(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
@@ -322,7 +280,7 @@ def run_train_step(
     if critic is not None:
         run_micro_batches(critic.module, micro_batches, on_values, vocab_size=None, forward_only=False)
     # the loss summed over every rank (pipeline stages without a loss add 0): a NaN anywhere refuses the step
-    refuse_non_finite(trainer.step + 1, loss=float(_all_reduce_sum(loss_sum.reshape(1).to(device).clone())[0].item()))
+    refuse_non_finite(trainer.step + 1, loss=float(all_reduce_sum(sums.loss.reshape(1).to(device).clone())[0].item()))
     metrics: dict[str, float] = {}
     for parts, optimizer, is_critic in trained:
         finalize_model_grads([parts.module])
@@ -333,13 +291,8 @@ def run_train_step(
         prefix = "critic_" if is_critic else ""
         metrics[f"{prefix}grad_norm"], metrics[f"{prefix}lr"] = float(grad_norm or 0.0), lr
 
-    names = _agreed_names(set(sums))
-    zero = torch.zeros((), dtype=torch.float64)
-    reduced = _all_reduce_sum(torch.stack([loss_sum, *[sums.get(n, zero) for n in names]]).to(device))
-    metrics["loss"] = float(reduced[0].item())
-    for i, name in enumerate(names):
-        metrics[name] = float(reduced[i + 1].item()) / max(denominators.num_tokens, 1)
-    metrics["tokens"] = float(counts[2].item())
+    metrics.update(sums.reduce(denominators.num_tokens, device))
+    metrics["tokens"] = counts.tokens
     metrics["trained_tokens"] = float(denominators.num_tokens)
     metrics["sequences"] = float(denominators.num_sequences)
     return metrics

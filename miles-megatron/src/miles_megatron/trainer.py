@@ -84,10 +84,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
                 "pipeline_parallel = 1"
             )
         config = read_hf_config(settings.train.model_path) if settings.train.model_path else None
-        try:
-            check_parallel_layout(options, settings.cluster.trainer_ranks, config)
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
+        check_parallel_layout(options, settings.cluster.trainer_ranks, config)
 
     # -- setup -------------------------------------------------------------------------------------
     @property
@@ -103,11 +100,12 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         With an adapter the actor's base is frozen and gets the adapter's layers before the DDP wrap (the
         optimizer holds the adapter alone), and no reference model is built (the actor with its adapters
         off is the reference)."""
-        from miles_megatron.model import build_model, build_optimizer, init_parallel, load_hf_config, torch_dtype
+        from miles.precision.dtypes import torch_dtype
+        from miles_megatron.model import build_model, build_optimizer, init_parallel, load_hf_config
 
         train, opts = self.train_settings, self.options
         if not train.model_path:
-            raise ValueError("train.model_path: the megatron trainer needs a Hugging Face model directory")
+            raise SettingsError("train.model_path: the megatron trainer needs a Hugging Face model directory")
         config = read_hf_config(train.model_path)
         check_parallel_layout(opts, self.dist.world_size, config)
         init_parallel(opts, device=self.dist.device, seed=train.seed)
@@ -158,12 +156,12 @@ class MegatronTrainer(Trainer[MegatronSettings]):
             return None
         spec = self.adapter.low_rank()
         if spec is None:
-            raise ValueError(
+            raise SettingsError(
                 f"train.adapter: adapter {self.adapter.name!r} gives no low-rank spec; the megatron trainer builds "
                 "LoRA adapters only"
             )
         if self.train_settings.true_on_policy:
-            raise ValueError("train.true_on_policy: not supported with train.adapter")
+            raise SettingsError("train.true_on_policy: not supported with train.adapter")
         from miles_megatron.lora import apply_lora, megatron_targets
 
         targets = megatron_targets(spec, self._hf_config)
@@ -273,7 +271,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
     def lr_at(self, step: int, *, critic: bool = False) -> float:
         """The learning rate of optimizer step ``step`` (warm-up, then the schedule), of the actor or of
         the critic (the same schedule from its own peak, down to ``train.min_lr``, as miles-fsdp's)."""
-        from miles_megatron.step import lr_factor
+        from miles.training.lr_schedule import lr_factor
 
         train = self.train_settings
         peak = self.critic_peak_lr if critic else train.lr
@@ -291,8 +289,9 @@ class MegatronTrainer(Trainer[MegatronSettings]):
     # -- trainer interface -------------------------------------------------------------------------
     def _per_token(
         self, parts: ModelParts, batch: TrainBatch, compute: Any, names: list[str], *, values: bool = False
-    ) -> dict[str, list[torch.Tensor]]:
-        """A forward-only pass over the replica's pooled batch; this rank's sequences of each result."""
+    ) -> dict[str, torch.Tensor]:
+        """A forward-only pass over the replica's pooled batch; each result of this rank's sequences, packed
+        as ``batch``'s per-token fields (``[R]`` float32)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
@@ -307,8 +306,8 @@ class MegatronTrainer(Trainer[MegatronSettings]):
                 dist.broadcast(on_device, src=src, group=group)
                 tensor.copy_(on_device.cpu())
         offsets = pooled.response_offsets
-        mine = range(start, start + len(batch))
-        return {name: [tensor[offsets[i] : offsets[i + 1]].clone() for i in mine] for name, tensor in filled.items()}
+        first, end = offsets[start], offsets[start + len(batch)]  # this rank's sequences: a contiguous range
+        return {name: tensor[first:end].clone() for name, tensor in filled.items()}
 
     def compute_logprobs(
         self,
@@ -318,7 +317,8 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> LogprobOutput:
-        """Per-response-token logprobs (and entropy) of this rank's sequences."""
+        """Per-response-token logprobs (and entropy) of this rank's sequences, packed as the batch's per-token
+        fields."""
         from miles.training.logprobs import token_logprobs
 
         self._require_setup()
@@ -339,8 +339,9 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         out = self._per_token(parts, batch, compute, names)
         return LogprobOutput(logprobs=out["logprobs"], entropy=out.get("entropy"))
 
-    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
-        """Critic values at the positions that predict each response token (needs ``need_values``)."""
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic values at the positions that predict each response token (needs ``need_values``), packed as
+        the batch's per-token fields."""
         self._require_setup()
         if self.critic is None:
             raise RuntimeError("compute_values needs setup(need_values=True)")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from miles.engine.p2p_receiver import MooncakeEndpoint
+    from miles_p2p.endpoint import MooncakeEndpoint
     from miles_p2p.plan import Route
 
 __all__ = ["MooncakeSender", "Outcome", "Sender", "ShmSender", "TorchSender", "map_shared"]

@@ -29,7 +29,8 @@ rank 0 compares them with the engines of the sessions, and when one left (it die
 restarted engine has no session: it needs a new one and a full push) every rank closes the sessions and
 opens new ones, on the engines there are now; the plan is made again for them.
 
-The engine side is the local engine's ``/p2p/*`` routes (:mod:`miles.engine.p2p_routes`).
+The engine side is the local engine's ``/p2p/*`` routes (:mod:`miles_p2p.routes`), which this package's
+plugin adds to every local engine (``miles_engine_routes``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from miles.components import Requirement
 from miles.errors import EngineError, SettingsError, WeightVerificationError
 from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, WeightTransport
@@ -52,13 +54,18 @@ from miles_p2p.settings import P2PTransportSettings
 if TYPE_CHECKING:
     import torch
 
-    from miles.engine.p2p_receiver import MooncakeEndpoint
     from miles.rollout.client import EngineClient
     from miles.settings.model import MilesSettings
     from miles.training.trainer import DistContext, Trainer, WeightBucket, WeightShard
     from miles_p2p.datapaths import Outcome, Sender
+    from miles_p2p.endpoint import MooncakeEndpoint
 
-__all__ = ["P2PTransport"]
+__all__ = ["MOONCAKE", "P2PTransport"]
+
+MOONCAKE = Requirement(
+    "mooncake", extra="mooncake", distribution="miles-p2p", package="the Mooncake Transfer Engine (mooncake)"
+)
+"""What ``datapath = "mooncake"`` sends with (and the engines receive with)."""
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +108,11 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         """Engines whose part of the last push failed (not asked to close their session)."""
 
     @classmethod
+    def requirements(cls, options: P2PTransportSettings) -> tuple[Requirement, ...]:
+        """The Mooncake Transfer Engine when ``datapath = "mooncake"`` (``build_run`` checks it is installed)."""
+        return (MOONCAKE,) if options.datapath == "mooncake" else ()
+
+    @classmethod
     def check_settings(cls, options: P2PTransportSettings, settings: MilesSettings) -> None:
         """Before anything starts (``build_run`` calls it): ``write_into_weights`` needs the ``shm`` data
         path. Raises :class:`~miles.errors.SettingsError` naming the field."""
@@ -115,7 +127,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         """Keep the trainer: its :meth:`~miles.training.trainer.Trainer.iter_weight_shards`, converted by its
         precision recipe's :meth:`~miles.precision.base.PrecisionRecipe.rollout_shards` (FP8, MXFP8, NVFP4
         values and scales made from each rank's rows), is what is sent."""
-        precision = getattr(trainer, "precision", None)
+        precision = trainer.precision
         if precision is not None and not precision.converts_shards():
             raise SettingsError(
                 f"transport p2p sends slices of the trainer ranks' weights; precision {precision.name!r} converts "
@@ -139,11 +151,11 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
 
     async def _open(self) -> None:
         """Open a session on every engine and set the data path up (a collective over the trainer ranks)."""
-        from miles.engine.p2p_receiver import MooncakeEndpoint, host_id
         from miles.net import host_store
         from miles.training.comm import all_gather_json, broadcast_json
         from miles.transport.broadcast import make_process_group, run_in_daemon_thread
         from miles_p2p.datapaths import MooncakeSender, ShmSender, TorchSender
+        from miles_p2p.endpoint import MooncakeEndpoint, host_id
 
         dist = self._dist()
         datapath = self.settings.datapath
@@ -243,7 +255,10 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
             try:
                 return await client.call(url, "/p2p/open_session", body)
             except Exception as exc:
-                raise EngineError(f"p2p transport: opening a session on engine {url} failed: {exc}") from exc
+                hint = ""
+                if getattr(exc, "status", None) == 404:  # the routes come with miles-p2p, in the engine's environment
+                    hint = " (the engine serves no /p2p routes: install miles-p2p where the engine runs)"
+                raise EngineError(f"p2p transport: opening a session on engine {url} failed: {exc}{hint}") from exc
 
         tasks = [asyncio.ensure_future(open_one(i, url)) for i, url in enumerate(meta["urls"])]
         pending: set[asyncio.Future[Any]] = set(tasks)
@@ -404,7 +419,7 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
         metrics: dict[str, float] = {}
         assert self.trainer is not None
         shards = list(self.trainer.iter_weight_shards())
-        precision = getattr(self.trainer, "precision", None)
+        precision = self.trainer.precision
         if precision is not None:  # a collective: every rank converts its slices (quantized values, scales)
             try:
                 shards = precision.rollout_shards(shards, all_gather_json)

@@ -21,9 +21,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.errors import SettingsError
-from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
+from miles.rollout.backend import EngineCapabilities, EngineLaunch, RolloutEngine
 from miles_sglang.checks import host_problems
 from miles_sglang.command import CPU_ENV, ENGINE_ENV, EnginePlacement, launch_argv
+from miles_sglang.serve import keyed_launch
 from miles_sglang.settings import SGLangEngineSettings
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
         if self.records_routed_experts and not settings.enable_return_routed_experts:  # routing replay needs it
             settings = settings.model_copy(update={"enable_return_routed_experts": True})
         return EngineLaunch(
-            argv=launch_argv(settings, where, self.adapter),
+            argv=keyed_launch(launch_argv(settings, where, self.adapter)),  # the run's keys: miles_sglang.serve
             url=f"http://{host}:{port}",
             env={**ENGINE_ENV, **(CPU_ENV if on_cpu else {})},
             health_path="/health_generate",

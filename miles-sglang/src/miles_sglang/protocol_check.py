@@ -51,11 +51,13 @@ def _value_problem(flag: str, kind: str, value: str, choices: tuple[str, ...] | 
 
 
 def argv_problems(argv: Sequence[str], source: SGLangSource, *, skip: Iterable[str] = ()) -> list[str]:
-    """Problems of the flags in ``argv`` (after ``-m sglang.launch_server``); ``skip`` flags are not checked
-    (free-form ``extra_args``)."""
+    """Problems of the flags in ``argv`` (after ``-m sglang.launch_server`` or ``-m miles_sglang.serve``, which
+    runs it); ``skip`` flags are not checked (free-form ``extra_args``)."""
     args = list(argv)
-    if "sglang.launch_server" in args:
-        args = args[args.index("sglang.launch_server") + 1 :]
+    for module in ("sglang.launch_server", "miles_sglang.serve"):
+        if module in args:
+            args = args[args.index(module) + 1 :]
+            break
     skipped = set(skip)
     problems = []
     i = 0

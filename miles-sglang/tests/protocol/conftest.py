@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.engine.process import EngineProcess
 from miles.rollout.http_client import HttpEngineClient
+from miles.testing.engine import EngineProcess
 from miles.testing.fixtures import engines_may_load_test_weights  # noqa: F401  (autouse)
 from miles_sglang.protocol_check import Call
 from miles_sglang.sglang_source import SGLangSource

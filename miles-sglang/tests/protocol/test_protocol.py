@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from miles.engine.process import EngineProcess
 from miles.errors import SettingsError, WeightVerificationError
 from miles.rollout.protocol import SamplingParams
+from miles.testing.engine import EngineProcess
 from miles.training.adapter import LowRankSpec
 from miles.training.trainer import DistContext
 from miles.types import PauseMode
@@ -56,6 +56,12 @@ def test_every_launch_flag_is_an_sglang_flag(source: SGLangSource) -> None:
         assert argv_problems(argv, source) == []
     # the user's extra_args are SGLang flags too (checked here for the example the docs give)
     assert argv_problems(extra, source) == []
+    # and so are the flags miles_sglang.serve adds from the environment (the run's keys)
+    from miles.auth import ServiceKeys
+    from miles_sglang.serve import key_argv
+
+    assert key_argv(ServiceKeys("k", "a")) == ["--api-key", "k", "--admin-api-key", "a"]
+    assert argv_problems(key_argv(ServiceKeys("k", "a")), source) == []
 
 
 def test_renamed_flags_and_fields_are_caught(source: SGLangSource) -> None:

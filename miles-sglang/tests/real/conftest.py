@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from miles.launch.local import LocalLauncher
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 from miles_sglang import cpu_host
 
 

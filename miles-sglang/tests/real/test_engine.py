@@ -18,11 +18,12 @@ STEPS = 12
 
 def test_the_server_runs_sglangs_cpu_command(server: Any, tiny_llamas: Any) -> None:
     """What the engine launched is SGLang's documented CPU command (``SGLANG_USE_CPU_ENGINE=1 python -m
-    sglang.launch_server --device cpu --disable-overlap-schedule --max-total-tokens N ...``) plus Miles'
-    flags; the server reports the launch weight version."""
+    sglang.launch_server --device cpu --disable-overlap-schedule --max-total-tokens N ...``, run through
+    ``miles_sglang.serve``, which adds the run's keys from the environment) plus Miles' flags; the server
+    reports the launch weight version."""
     spec = server.launcher.engines[0].spec
     argv, env = spec.argv, spec.env
-    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"] and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert argv[:3] == [sys.executable, "-m", "miles_sglang.serve"] and env["SGLANG_USE_CPU_ENGINE"] == "1"
     flags = dict(zip(argv[3::2], argv[4::2], strict=False))
     assert flags["--device"] == "cpu" and flags["--model-path"] == str(tiny_llamas.first)
     assert "--disable-overlap-schedule" in argv and "--base-gpu-id" not in argv

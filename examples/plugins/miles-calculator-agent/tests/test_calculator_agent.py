@@ -73,7 +73,7 @@ def test_plugin_conforms_and_imports_cheaply() -> None:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
     from miles.testing.tool_model import tool_model_for
 
     model = tool_model_for("qwen2.5")  # a tiny model fine-tuned to call the calculator (cached)

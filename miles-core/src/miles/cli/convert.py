@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Annotated
 
@@ -17,20 +16,18 @@ app.add_typer(convert_app, name="convert")
 
 
 def _find_gguf(source: str) -> Path:
+    """The file ``source`` names (any file: transformers reads what it can), else :func:`miles.models.find_gguf`'s
+    answer; a :class:`MilesError` saying what was looked for when there is none."""
+    from miles.models import find_gguf
+
     path = Path(source).expanduser()
     if path.is_file():
         return path
+    found = find_gguf(source)
+    if found is not None:
+        return found
     if path.is_dir():
-        found = sorted(path.rglob("*.gguf"))
-        if found:
-            return found[0]
         raise MilesError(f"{source}: no .gguf file in this directory")
-    spec = importlib.util.find_spec(source.replace("-", "_"))  # an installed package holding a .gguf
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            found = sorted(Path(location).rglob("*.gguf"))
-            if found:
-                return found[0]
     raise MilesError(f"{source}: not a .gguf file, a directory holding one, or an installed package holding one")
 
 

@@ -13,10 +13,10 @@ from rich.console import Console
 
 from miles.cli.app import app
 from miles.cli.train import resolve_run
-from miles.driver.run import ROLLOUT_KINDS
+from miles.compose import ROLLOUT_KINDS
 
 if TYPE_CHECKING:
-    from miles.driver.run import Run
+    from miles.compose import Run
     from miles.rollout.client import EngineClient
 
 T = TypeVar("T")
@@ -73,7 +73,7 @@ def evaluate(
 
 def _run_against_engines(run: Run, job: Callable[[EngineClient], Awaitable[T]]) -> T:
     """Launch the engines the settings describe, run ``job(client)``, tear everything down."""
-    from miles.driver.launch import launch_fleet
+    from miles.host.train import launch_fleet
 
     run.materialize_model()
     with run.launcher() as launcher:

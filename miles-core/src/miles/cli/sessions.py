@@ -88,6 +88,7 @@ def serve(
 
 
 async def _serve(urls: list[str], settings: Any, *, router_url: str | None = None) -> None:
+    from miles.auth import ServiceKeys
     from miles.rollout.http_client import HttpEngineClient
     from miles.sessions.server import SessionServer
 
@@ -95,7 +96,10 @@ async def _serve(urls: list[str], settings: Any, *, router_url: str | None = Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with HttpEngineClient(urls, router_url=router_url) as client:
+    keys = ServiceKeys.from_env()
+    async with HttpEngineClient(
+        urls, router_url=router_url, api_key=keys.api_key, admin_api_key=keys.admin_api_key
+    ) as client:
         server = await SessionServer.for_engines(client, settings)
         url = await server.start()
         typer.echo(f"sessions on {url} ({server.report.summary()})", err=True)

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from miles.cli.app import app, plugin_manager
 from miles.cli.render import render_resolved
-from miles.driver.run import Run, build_run
+from miles.compose import Run, build_run
 from miles.errors import SettingsError
 from miles.settings.loader import load_settings
 
@@ -71,7 +71,7 @@ def train(
     ] = False,
 ) -> None:
     """Train a policy with RL (or SFT) as the settings describe."""
-    from miles.driver.rundir import check_run_dir
+    from miles.host.rundir import check_run_dir
 
     run = resolve_run(
         config,
@@ -82,11 +82,11 @@ def train(
     if dry_run:
         return
     if debug:
-        from miles.driver.debug import run_debug
+        from miles.host.debug import run_debug
 
         code = run_debug(run, resume=resume, overwrite=overwrite)
     else:
-        from miles.driver.launch import run_training
+        from miles.host.train import run_training
 
         code = run_training(run, resume=resume, overwrite=overwrite, console=Console())
     if code:

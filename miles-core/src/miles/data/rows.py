@@ -13,10 +13,24 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from miles.components import Requirement
 from miles.data.base import Prompt
 from miles.errors import DataError
 
-__all__ = ["expand_paths", "iter_hf_rows", "iter_jsonl_rows", "iter_parquet_rows", "row_to_prompt"]
+__all__ = [
+    "DATASETS",
+    "PYARROW",
+    "expand_paths",
+    "iter_hf_rows",
+    "iter_jsonl_rows",
+    "iter_parquet_rows",
+    "row_to_prompt",
+]
+
+PYARROW = Requirement("pyarrow", extra="parquet")
+"""What the ``parquet`` source reads with."""
+DATASETS = Requirement("datasets", extra="hf")
+"""What the ``hf`` source reads with."""
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +67,20 @@ def iter_jsonl_rows(path: str) -> Iterator[Row]:
                 yield row, where
 
 
-def _require(module: str, source: str, *, extra: str | None = None) -> Any:
+def _require(requirement: Requirement, module: str, source: str) -> Any:
     import importlib
 
-    package = module.split(".")[0]
     try:
         return importlib.import_module(module)
     except ImportError:
-        how = f"pip install 'miles-core[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
-        raise DataError(f"data source {source!r} needs the {package!r} package: {how}") from None
+        raise DataError(
+            f"data source {source!r} needs the {requirement.module!r} package: {requirement.install}"
+        ) from None
 
 
 def iter_parquet_rows(path: str, batch_size: int = 4096) -> Iterator[Row]:
     """Rows of a Parquet file (or a directory of them), read in record batches with ``pyarrow``."""
-    pq = _require("pyarrow.parquet", "parquet")
+    pq = _require(PYARROW, "pyarrow.parquet", "parquet")
     for file in expand_paths(path, (".parquet",)):
         name = os.path.basename(file)
         try:
@@ -86,7 +100,7 @@ def iter_hf_rows(path: str, *, split: str, cache_dir: str | None) -> Iterator[Ro
     Never touches the hub: directories are read with ``load_from_disk`` and files with the packaged
     builders (``json``, ``csv``, ``parquet``) over ``data_files``.
     """
-    datasets = _require("datasets", "hf", extra="hf")
+    datasets = _require(DATASETS, "datasets", "hf")
     if os.path.isdir(path) and any(
         os.path.exists(os.path.join(path, marker)) for marker in ("dataset_dict.json", "state.json")
     ):

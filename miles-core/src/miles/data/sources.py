@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.components import ComponentSettings, SettingsT
 from miles.data.base import DataSource, Prompt
-from miles.data.rows import Row, iter_hf_rows, iter_jsonl_rows, iter_parquet_rows, row_to_prompt
+from miles.data.rows import DATASETS, PYARROW, Row, iter_hf_rows, iter_jsonl_rows, iter_parquet_rows, row_to_prompt
 from miles.errors import DataError, SettingsError
 
 if TYPE_CHECKING:
@@ -148,6 +148,7 @@ class ParquetDataSource(FileDataSource[ComponentSettings]):
     """Prompts from a Parquet file (or a directory of them), read with ``pyarrow``."""
 
     name = "parquet"
+    requires = (PYARROW,)
 
     def rows(self) -> Iterator[Row]:
         return iter_parquet_rows(self.path)
@@ -166,6 +167,7 @@ class HFDataSource(FileDataSource[HFSourceSettings]):
     """Prompts from a local Hugging Face data set (``save_to_disk`` directory or files); never the hub."""
 
     name = "hf"
+    requires = (DATASETS,)
 
     def rows(self) -> Iterator[Row]:
         settings = self.settings

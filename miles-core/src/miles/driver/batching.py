@@ -44,12 +44,9 @@ def _rank_sizes(batch: TrainBatch, world_size: int) -> list[int]:
     return [offsets[(r + 1) * per] - offsets[r * per] for r in range(world_size)]
 
 
-def _gathered(local: list[torch.Tensor], batch: TrainBatch, dist: DistContext) -> torch.Tensor:
-    """Each rank's per-sequence tensors of its share, as one ``[R]`` tensor of the whole batch."""
-    import torch
-
-    flat = torch.cat([t.reshape(-1).float().cpu() for t in local]) if local else torch.zeros(0)
-    return all_gather_rows(flat, _rank_sizes(batch, dist.world_size))
+def _gathered(local: torch.Tensor, batch: TrainBatch, dist: DistContext) -> torch.Tensor:
+    """Each rank's packed ``[R]`` values of its share, as one ``[R]`` tensor of the whole batch."""
+    return all_gather_rows(local.reshape(-1).float().cpu(), _rank_sizes(batch, dist.world_size))
 
 
 def _per_group(packed: torch.Tensor, batch: TrainBatch, groups: Sequence[SampleGroup]) -> list[list[torch.Tensor]]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from miles.types import SampleGroup, SampleStatus
 
 if TYPE_CHECKING:
-    from miles.driver.run import Run
+    from miles.compose import Run
     from miles.rewards.scoring import Scorer
     from miles.rollout.client import EngineClient
     from miles.settings.model import MilesSettings

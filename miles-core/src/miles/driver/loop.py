@@ -41,8 +41,8 @@ from miles.types import SampleGroup
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from miles.compose import Run
     from miles.data.base import DataSource
-    from miles.driver.run import Run
     from miles.driver.sources import GroupSource
     from miles.metrics.base import MetricsLogger
     from miles.rewards.scoring import RewardScorer

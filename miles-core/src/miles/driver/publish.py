@@ -34,7 +34,7 @@ from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
 from miles.transport.base import StagedTransport
 
 if TYPE_CHECKING:
-    from miles.driver.run import Run
+    from miles.compose import Run
     from miles.driver.sources import GroupSource
     from miles.plugins.manager import PluginManager
     from miles.precision.base import PrecisionRecipe
@@ -155,7 +155,7 @@ class WeightPublisher(ABC):
         sample = Sample(prompt_ids=probe[:1], response_ids=probe[1:], rollout_logprobs=[0.0] * n, loss_mask=[1] * n)
         out = self.loop.trainer.compute_logprobs(TrainBatch.from_samples([sample]), temperature=1.0)
         if self.is_driver:
-            self._probe_expected = {version: [float(v) for v in out.logprobs[0].tolist()]}
+            self._probe_expected = {version: [float(v) for v in out.logprobs.tolist()]}  # its one sequence
 
     @abstractmethod
     async def publish(self, step: int) -> PushReport | None:

@@ -40,11 +40,11 @@ def _dist_context() -> object:
 async def _run(run_dir: Path) -> None:
     import torch.distributed as dist
 
+    from miles.compose import build_run
     from miles.driver.loop import TrainingLoop, run_to_completion
-    from miles.driver.run import build_run
-    from miles.engine.launch import freeze_startup_objects
     from miles.rollout.router import FLEET_FILE, EngineFleet
     from miles.settings.model import MilesSettings
+    from miles.startup import freeze_startup_objects
 
     settings = MilesSettings.model_validate(json.loads((run_dir / "settings.json").read_text()))
     launch = json.loads((run_dir / "launch.json").read_text())

@@ -11,6 +11,9 @@ the push by creating the file. Unset, nothing happens.
 
 ``MILES_TEST_SIGKILL_IN_GENERATE=FILE``: the same for a ``/generate`` request: the engine that removes
 ``FILE`` as a request arrives SIGKILLs itself, so the rollout it serves loses it with requests in flight.
+
+A declared public module of the local engine (see :mod:`miles.engine`): a plugin's weight route calls
+:func:`die_in_push_if_asked` as the parts of a push arrive.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Build and run a local engine: load the model and tokenizer, start the scheduler, serve HTTP."""
+"""Build and run a local engine: load the model and tokenizer, start the scheduler, serve HTTP.
+
+``freeze_startup_objects`` moved to :mod:`miles.startup`; the name stays importable from here for one release.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from miles.startup import freeze_startup_objects
 
 if TYPE_CHECKING:
     from miles.engine.options import ServeOptions
@@ -73,6 +78,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
         tokenizer=tokenizer,
         model_path=str(path),
         api_key=opts.api_key,
+        admin_api_key=opts.admin_api_key,
         server_args=opts.server_info(),
         return_original_logprob=opts.return_original_logprob,
         weight_dirs=WeightDirs(
@@ -85,15 +91,16 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
     )
 
 
-def freeze_startup_objects() -> None:
-    """Move every object alive after start-up (modules, the model, the tokenizer) out of the garbage
-    collector's reach (``gc.freeze``): the collections while serving traverse only what requests create,
-    and the last collection at interpreter exit no longer walks millions of import-time objects — it took
-    4-5 s of every engine's and trainer rank's exit."""
-    import gc
+def refuse_open_bind(opts: ServeOptions, service: str) -> None:
+    """Exit (code 2, one line naming ``--api-key``) rather than serve beyond loopback without a key."""
+    from miles.auth import ServiceKeys, check_bind
+    from miles.errors import SettingsError
 
-    gc.collect()
-    gc.freeze()
+    try:
+        check_bind(opts.host, ServiceKeys(opts.api_key, opts.admin_api_key), service=service, setting="--api-key")
+    except SettingsError as exc:
+        log.error("%s", exc)
+        raise SystemExit(exc.exit_code) from None
 
 
 def serve(opts: ServeOptions) -> None:
@@ -113,6 +120,7 @@ def serve(opts: ServeOptions) -> None:
     from miles.torch_threads import set_torch_threads, single_threaded_here
 
     host, port = opts.host, opts.port
+    refuse_open_bind(opts, "miles serve")
     sock = bind_or_exit(host, port, "miles serve")  # before the model loads: a taken port fails in a second
     # the scheduler's count is set (and initialised) on this thread before the HTTP thread sets its own
     set_torch_threads(opts.threads or torch.get_num_threads())
@@ -172,9 +180,12 @@ class InProcessEngine:
 
         import uvicorn
 
+        from miles.auth import ServiceKeys, check_bind
         from miles.engine.server import create_app
         from miles.net import bind_socket
 
+        keys = ServiceKeys(self.opts.api_key, self.opts.admin_api_key)
+        check_bind(self.opts.host, keys, service="the in-process engine", setting="MILES_API_KEY")
         sock = bind_socket(self.opts.host, self.opts.port)
         self.url = f"http://{self.opts.host}:{sock.getsockname()[1]}"
         self._state = start_engine(self.opts, start=True)

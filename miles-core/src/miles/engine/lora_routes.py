@@ -4,17 +4,18 @@ lora_path}``, ``/unload_lora_adapter {lora_name}`` and ``GET /v1/models`` (the b
 serialized_tensors, load_format, lora_id}``, SGLang's route with a body of the local engine's own
 (``serialized_tensors`` is base64 of a safetensors file and ``load_format`` must be ``safetensors``: no
 pickles; SGLang 0.5.23 takes ``serialized_named_tensors``, its pickled payload per TP rank); and Miles'
-``/lora_adapters`` (names, paths or ids, and per-tensor checksums, for push verification)."""
+``/lora_adapters`` (names, paths or ids, and per-tensor checksums, for push verification). The built-in
+plugin ``local_engine`` adds them (``miles_engine_routes``)."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
+
+from miles.engine.responses import admin
 
 if TYPE_CHECKING:
     from miles.engine.lora import EngineLoras
@@ -22,18 +23,15 @@ if TYPE_CHECKING:
 
 __all__ = ["add_lora_routes"]
 
-Admin = Callable[["HTTPRequest", Callable[[dict[str, Any]], Awaitable[Any]]], Awaitable[Any]]
 
-
-def add_lora_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
+def add_lora_routes(app: FastAPI, state: EngineState) -> None:
     """Mount ``/load_lora_adapter``, ``/load_lora_adapter_from_tensors``, ``/unload_lora_adapter``,
     ``/lora_adapters`` and SGLang's ``GET /v1/models`` (the base model and each adapter) on ``app``."""
 
     sched = state.scheduler
     loras: EngineLoras = sched.runner.lora
 
-    def on_scheduler(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        return asyncio.wrap_future(sched.submit(fn, *args))
+    on_scheduler = state.on_scheduler
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: HTTPRequest) -> Any:

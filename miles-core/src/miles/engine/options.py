@@ -17,11 +17,12 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from miles.auth import SECRET_FIELDS, ServiceKeys
 from miles.components import ComponentSettings
 from miles.errors import SettingsError
 from miles.rollout.protocol import LAUNCH_WEIGHT_VERSION
 
-__all__ = ["ATTENTION_BACKENDS", "EngineOptions", "ServeOptions", "parse_serve_args", "to_argv"]
+__all__ = ["ATTENTION_BACKENDS", "SECRET_FIELDS", "EngineOptions", "ServeOptions", "parse_serve_args", "to_argv"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "miles_cpu")
 
@@ -39,8 +40,6 @@ class EngineOptions(ComponentSettings):
     """Longest prompt + output (default: the model's ``max_position_embeddings``)."""
     threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the engine process (default: torch's choice)."""
-    api_key: str | None = None
-    """Require ``Authorization: Bearer <key>`` on every route."""
     return_original_logprob: bool = False
     """Report logprobs of the raw logits (before temperature) by default, as ``SGLANG_RETURN_ORIGINAL_LOGPROB``."""
     enable_deterministic_inference: bool = False
@@ -79,6 +78,12 @@ class ServeOptions(EngineOptions):
     """Weights' dtype: ``auto`` keeps the checkpoint's."""
     weight_version: str = LAUNCH_WEIGHT_VERSION
     """Initial weight version reported by ``/model_info``."""
+    api_key: str | None = Field(None, repr=False)
+    """Require ``Authorization: Bearer <key>`` on every route but ``/health`` (default: the environment variable
+    ``MILES_API_KEY``, which keeps the key off the command line). Needed to listen beyond loopback."""
+    admin_api_key: str | None = Field(None, repr=False)
+    """With it, the control routes (weights, pause, memory, flush, abort, LoRA, debug) need this key instead
+    of the API key, as SGLang's ``--admin-api-key`` (default: the environment variable ``MILES_ADMIN_API_KEY``)."""
 
     @field_validator("device")
     @classmethod
@@ -96,7 +101,7 @@ class ServeOptions(EngineOptions):
 
     def server_info(self) -> dict[str, Any]:
         """What ``/server_info`` reports about the options (never the API key)."""
-        info = self.model_dump(mode="json", exclude={"api_key", "model"})
+        info = self.model_dump(mode="json", exclude={*SECRET_FIELDS, "model"})
         info["model_path"] = str(self.model)
         return info
 
@@ -107,11 +112,11 @@ def _flag(name: str) -> str:
 
 def to_argv(options: EngineOptions) -> list[str]:
     """The command-line flags that reproduce ``options`` (fields left at ``None`` or a false switch are
-    omitted)."""
+    omitted; keys never: they travel in the environment, :data:`SECRET_FIELDS`)."""
     argv: list[str] = []
     for name in type(options).model_fields:
         value = getattr(options, name)
-        if value is None or value is False:
+        if value is None or value is False or name in SECRET_FIELDS:
             continue
         argv += [_flag(name)] if value is True else [_flag(name), str(value)]
     return argv
@@ -155,6 +160,9 @@ def parse_serve_args(argv: Sequence[str]) -> ServeOptions:
     """``miles serve`` flags → :class:`ServeOptions`; a bad value raises :class:`SettingsError` naming the
     flag (usage errors exit 2 through argparse)."""
     parsed = vars(argument_parser().parse_args(list(argv)))
+    env = ServiceKeys.from_env()
+    parsed["api_key"] = parsed.get("api_key") or env.api_key
+    parsed["admin_api_key"] = parsed.get("admin_api_key") or env.admin_api_key
     try:
         return ServeOptions.model_validate({k: v for k, v in parsed.items() if v is not None})
     except ValidationError as exc:

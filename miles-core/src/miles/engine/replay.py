@@ -1,5 +1,9 @@
 """The deterministic engine's logprobs, recomputed outside it: the engine's schedule for one request, replayed.
 
+A declared public module of the local engine (see :mod:`miles.engine`): the FSDP trainer's true on-policy
+replica (``train.true_on_policy``, miles-fsdp) loads the engine's model runner with :func:`load_runner` and
+replays each request with :func:`request_logprobs`. Its names keep their meaning across releases.
+
 With ``enable_deterministic_inference`` the local engine computes each request the same way whatever else
 runs: it prefills the request's tokens but the last prompt token from position 0 (in chunks of the
 scheduler's ``_CHUNK``; an :class:`~miles.engine.prefix_cache.ExactPrefixCache` hit reuses the KV of exactly
@@ -19,9 +23,28 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
-__all__ = ["engine_logprobs", "request_logprobs"]
+    from miles.engine.model_runner import ModelRunner
+
+__all__ = ["engine_logprobs", "load_runner", "request_logprobs"]
+
+
+def load_runner(
+    model_path: str | Path, *, dtype: str, attention_backend: str = "auto", device: str = "cpu"
+) -> ModelRunner:
+    """The local engine's model runner over ``model_path``, as an engine with these options loads it (the
+    same kernels, resolved the same way on this machine): what :func:`engine_logprobs` replays on. Its
+    ``load_tensors(pairs, source=...)`` loads weights as an engine loads a weight update.
+
+    :param dtype: the dtype the engines serve (``float32``, ``bfloat16`` ...; ``auto``: the checkpoint's).
+    :param attention_backend: the engines' ``attention_backend`` option.
+    """
+    from miles.engine.model_runner import ModelRunner
+
+    return ModelRunner(model_path, device=device, dtype=dtype, attention_backend=attention_backend)
 
 
 def _chunk_size() -> int:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from miles.rollout.protocol import SamplingParams
+from miles.rollout.protocol import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,8 @@ class Request:
     routed: list[torch.Tensor] = field(default_factory=list)
     spans: list[list[Any]] = field(default_factory=list)
     """``[start, end, weight_version]`` of response tokens sampled under each weight version."""
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
+    """Why generation stopped (``None`` while it runs)."""
     text: str = ""
     generator: torch.Generator | None = None
 
@@ -94,7 +95,7 @@ class Request:
         logprobs = self.raw_logprobs if self.return_original_logprob else self.output_logprobs
         meta: dict[str, Any] = {
             "id": self.rid,
-            "finish_reason": self.finish_reason,
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.to_json(),
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,

@@ -3,6 +3,8 @@
 
 SGLang answers a bad ``/generate`` with ``{"error": {"message", "code"}}`` and a refused control call with
 ``{"success": false, "message"}``; an empty body is an empty object.
+
+A declared public module of the local engine (see :mod:`miles.engine`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from fastapi.responses import JSONResponse
 
 from miles.engine.parsing import RequestError
 
-__all__ = ["RequestError", "admin", "admin_error", "generate_error", "json_body"]
+__all__ = ["Admin", "RequestError", "admin", "admin_error", "generate_error", "json_body"]
+
+Admin = Callable[[HTTPRequest, Callable[[dict[str, Any]], Awaitable[Any]]], Awaitable[Any]]
+"""The type of :func:`admin`: what route groups receive to answer a control call in SGLang's shape."""
 
 
 def generate_error(message: str, status: int = 400) -> JSONResponse:

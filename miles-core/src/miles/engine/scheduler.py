@@ -35,6 +35,7 @@ from miles.engine.radix_cache import ExactPrefixCache, PrefixCache, PrefixMatch,
 from miles.engine.request import Request
 from miles.engine.sampling import sample_rows
 from miles.engine.top_logprobs import record_input_top_logprobs, record_output_top_logprobs
+from miles.rollout.protocol import FinishReason
 from miles.types import PauseMode
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -166,7 +167,7 @@ class Scheduler:
         for req in list(self.running) + list(self.waiting):
             if rid is None or req.rid == rid or req.parent_rid == rid:
                 count += 1
-                self._finish(req, {"type": "abort", "message": message})
+                self._finish(req, FinishReason("abort", message=message))
         return count
 
     def pause(self, mode: PauseMode) -> None:
@@ -266,13 +267,13 @@ class Scheduler:
                 except Exception as exc:  # a model error fails the batch, not the server
                     log.exception("engine step failed")
                     for req in list(self.running) + list(self.waiting):
-                        self._finish(req, {"type": "abort", "message": f"engine error: {exc}"}, cache=False)
+                        self._finish(req, FinishReason("abort", message=f"engine error: {exc}"), cache=False)
             self._shutdown()
 
     def _shutdown(self) -> None:
         """After :meth:`stop`: answer everything still pending, so no HTTP handler waits forever."""
         for req in list(self.running) + list(self.waiting):
-            self._finish(req, {"type": "abort", "message": "the engine is shutting down"}, cache=False)
+            self._finish(req, FinishReason("abort", message="the engine is shutting down"), cache=False)
         while True:
             try:
                 _, _, future = self._inbox.get_nowait()
@@ -303,7 +304,7 @@ class Scheduler:
                 if count == 0:
                     self.waiting.popleft()
                     message = f"the request needs {capacity} KV positions; the engine's budget is {self.max_kv_tokens}"
-                    self._finish(req, {"type": "abort", "message": message})
+                    self._finish(req, FinishReason("abort", message=message))
                     continue
                 break  # waits until running requests leave
             batch.append(self.waiting.popleft())
@@ -416,7 +417,7 @@ class Scheduler:
         """Finish requests with ``max_new_tokens == 0`` once prefilled (SGLang's scoring-only requests: the
         prompt's logprobs, no output token)."""
         for req in [r for r in self.running if r.config.max_new_tokens == 0]:
-            self._finish(req, {"type": "length", "length": 0})
+            self._finish(req, FinishReason("length", length=0))
 
     # ----------------------------------------------------------------- decode
     def _forward(self, running: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -464,36 +465,36 @@ class Scheduler:
         record_output_top_logprobs(running, logits, banned)
         ids, logprobs, raws = self._sample(logits, running, banned)
         self.generated_tokens += len(ids)
-        done: list[Request] = []
+        done: list[tuple[Request, FinishReason]] = []
         for req, token, lp, raw in zip(running, ids, logprobs, raws, strict=True):
             req.record_token(token, lp, raw, self.weight_version)
             reason = self._check_stop(req, token)
             if reason is not None:
                 req.finish_reason = reason
-                done.append(req)
+                done.append((req, reason))
             elif req.stream:
                 req.text = self.text_of(req.output_ids, req.config.skip_special_tokens)
                 req.sink(req, False)
-        for req in done:
-            self._finish(req, req.finish_reason)  # type: ignore[arg-type]
+        for req, reason in done:
+            self._finish(req, reason)
 
-    def _check_stop(self, req: Request, token: int) -> dict[str, Any] | None:
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         cfg = req.config
         n = len(req.output_ids)
         if n >= cfg.min_new_tokens:
             if token in cfg.stop_token_ids:
-                return {"type": "stop", "matched": token}
+                return FinishReason("stop", matched=token)
             if not cfg.ignore_eos and token in self.eos_token_ids:
-                return {"type": "stop", "matched": token}
+                return FinishReason("stop", matched=token)
             if cfg.stop:
                 text = self.text_of(req.output_ids, cfg.skip_special_tokens)
                 for stop in cfg.stop:
                     if stop in text:
-                        return {"type": "stop", "matched": stop}
+                        return FinishReason("stop", matched=stop)
         if n >= cfg.max_new_tokens:
-            return {"type": "length", "length": n}
+            return FinishReason("length", length=n)
         if len(req.prompt_ids) + n >= self.context_length:
-            return {"type": "length", "length": n}
+            return FinishReason("length", length=n)
         return None
 
     # ---------------------------------------------------------------- finish
@@ -507,13 +508,13 @@ class Scheduler:
             self.running[slot] = moved
         self.running.pop()
 
-    def _finish(self, req: Request, reason: dict[str, Any], cache: bool = True) -> None:
+    def _finish(self, req: Request, reason: FinishReason, cache: bool = True) -> None:
         req.finish_reason = reason
         if req in self.running:
             seq = req.tokens[: req.kv_len]
             # deterministic mode caches prefills only: decode-step KV differs in the last bits from a prefill's
             cacheable = cache and req.lora_name is None  # an adapter's KV is not the base model's
-            if cacheable and reason["type"] != "abort" and req.kv_len and not self.config.deterministic:
+            if cacheable and reason.type != "abort" and req.kv_len and not self.config.deterministic:
                 k, v = self.runner.read_kv(self.running.index(req), req.kv_len)
                 experts = torch.cat(req.routed) if self.runner.is_moe and req.routed else None
                 self.cache.insert(seq, k, v, experts)
@@ -521,8 +522,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         text = self.text_of(req.output_ids, req.config.skip_special_tokens)
-        if reason.get("type") == "stop" and isinstance(reason.get("matched"), str) and not req.config.no_stop_trim:
-            text = text[: text.find(reason["matched"])]
+        if reason.type == "stop" and isinstance(reason.matched, str) and not req.config.no_stop_trim:
+            text = text[: text.find(reason.matched)]
         req.text = text
         req.sink(req, True)
 

@@ -12,7 +12,8 @@ which serves the ``full-v<N>`` folders as they are). ``path`` is a version folde
   the base version bit for bit.
 
 Either way generation pauses (``retract``) for the load unless already paused, the version is set and the
-prefix cache flushed, as ``/update_weights_from_disk`` does. Runs on the scheduler thread.
+prefix cache flushed, as ``/update_weights_from_disk`` does. Runs on the scheduler thread. The built-in
+plugin ``local_engine`` adds the route (``miles_engine_routes``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
 from miles.engine.faults import die_in_push_if_asked
-from miles.engine.weight_sync import _parameters
+from miles.engine.responses import admin
+from miles.engine.weights import served_parameters
 from miles.transport.manifest import Manifest, TensorEntry
 from miles.transport.verify import tensor_checksum
 
 if TYPE_CHECKING:
     from miles.engine.state import EngineState
-    from miles.engine.weight_routes import Admin
 
 __all__ = ["add_delta_routes", "apply_version"]
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 def _resolve(model: torch.nn.Module, manifest: Manifest, folder: Path) -> list[tuple[TensorEntry, torch.Tensor]]:
-    params = _parameters(model)
+    params = served_parameters(model)
     pairs = []
     for entry in manifest.tensors:
         target = params.get(entry.name)
@@ -143,7 +144,7 @@ def apply_version(model: torch.nn.Module, folder: str | Path, *, current_version
     return manifest
 
 
-def add_delta_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
+def add_delta_routes(app: FastAPI, state: EngineState) -> None:
     """Mount ``/update_weights_from_delta`` on ``app``."""
     sched = state.scheduler
 

@@ -3,10 +3,11 @@
 SGLang's names and fields: ``/init_weights_update_group {master_address, master_port, rank_offset,
 world_size, group_name, backend}``, ``/begin_weight_update {}`` and ``/end_weight_update {}`` around
 ``/update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version}``,
-``/destroy_weights_update_group {group_name}``. Miles adds
-``/weights_checksum`` and, with ``--enable-debug-endpoints``, ``/debug/randomize_weights {seed}``; and
-SGLang's ``/release_memory_occupation {tags}`` / ``/resume_memory_occupation {tags}`` for colocation and
-``/get_weights_by_name {name, truncate_size}`` (the first rows of a parameter, for sampled verification).
+``/destroy_weights_update_group {group_name}``; SGLang's ``/release_memory_occupation {tags}`` /
+``/resume_memory_occupation {tags}`` for colocation and ``/get_weights_by_name {name, truncate_size}`` (the
+first rows of a parameter, for sampled verification). (``/weights_checksum`` and ``/debug/randomize_weights``
+are the protocol's shared routes: :mod:`miles.engine.protocol_app`.) The built-in plugin ``local_engine``
+adds these routes (``miles_engine_routes``).
 
 A distributed update arrives in several buckets; the first one pauses generation (``retract``: running
 requests give back their KV and are recomputed on the new weights), and the version bump that closes
@@ -16,32 +17,20 @@ resumes it — so no request ever decodes on half-updated weights.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
 from miles.engine.faults import die_in_push_if_asked
-from miles.engine.weight_sync import (
-    MemoryOccupation,
-    WeightGroups,
-    randomize_weights,
-    weights_by_name,
-    weights_checksum,
-)
+from miles.engine.responses import admin
+from miles.engine.weight_sync import MemoryOccupation, WeightGroups, weights_by_name
 from miles.torch_threads import to_thread
 
 if TYPE_CHECKING:
     from miles.engine.state import EngineState
 
 __all__ = ["add_weight_routes"]
-
-log = logging.getLogger(__name__)
-
-Admin = Callable[["HTTPRequest", Callable[[dict[str, Any]], Awaitable[Any]]], Awaitable[Any]]
 
 
 def _require(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
@@ -51,14 +40,13 @@ def _require(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> A
     return value
 
 
-def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
-    """Mount the routes on ``app``; ``admin`` wraps handlers with SGLang's admin error shape."""
+def add_weight_routes(app: FastAPI, state: EngineState) -> None:
+    """Mount the routes on ``app``."""
     sched = state.scheduler
     groups = WeightGroups()
     updating = {"auto_paused": False, "buckets": 0}
 
-    def run_on_scheduler(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        return asyncio.wrap_future(sched.submit(fn, *args))
+    run_on_scheduler = state.on_scheduler
 
     def begin_update() -> None:
         if sched.paused is None:
@@ -166,14 +154,6 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
 
         return await admin(request, run)
 
-    @app.post("/weights_checksum")
-    async def checksum(request: HTTPRequest) -> Any:
-        async def run(body: dict[str, Any]) -> Any:
-            report = await run_on_scheduler(weights_checksum, sched.runner.model)
-            return {"success": True, "weight_version": sched.weight_version, **report}
-
-        return await admin(request, run)
-
     @app.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
     @app.post("/get_weights_by_name", operation_id="get_weights_by_name_post")
     async def get_weights_by_name(request: HTTPRequest) -> Any:
@@ -185,23 +165,3 @@ def add_weight_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             return await run_on_scheduler(weights_by_name, sched.runner.model, name, size)
 
         return await admin(request, run)
-
-    if state.server_args.get("enable_debug_endpoints"):
-
-        @app.post("/debug/randomize_weights")
-        async def randomize(request: HTTPRequest) -> Any:
-            async def run(body: dict[str, Any]) -> Any:
-                seed = int(body.get("seed", 0))
-
-                def go() -> int:
-                    count = randomize_weights(sched.runner.model, seed)
-                    for hook in state.on_randomize:
-                        hook(seed)
-                    sched.flush_cache()
-                    return count
-
-                count = await run_on_scheduler(go)
-                log.warning("debug: overwrote %d parameters with random values", count)
-                return {"success": True, "num_tensors": count}
-
-            return await admin(request, run)

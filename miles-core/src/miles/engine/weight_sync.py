@@ -22,35 +22,17 @@ from typing import Any
 
 import torch
 
+from miles.engine.weights import parameter_aliases, served_parameters, weights_checksum
 from miles.transport.broadcast import broadcast_tensors, make_process_group
-from miles.transport.verify import tensor_checksum
 
 __all__ = ["WeightGroups", "load_named_tensors", "parameter_aliases", "weights_by_name", "weights_checksum"]
 
 log = logging.getLogger(__name__)
 
 
-def parameter_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """``{alias: canonical}`` for state-dict names that share storage with an earlier parameter (tied)."""
-    canonical = {id(p): name for name, p in model.named_parameters()}
-    aliases = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        owner = canonical.get(id(tensor))
-        if owner is not None and owner != name:
-            aliases[name] = owner
-    return aliases
-
-
-def _parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    params = dict(model.named_parameters())
-    for alias, owner in parameter_aliases(model).items():
-        params[alias] = params[owner]
-    return params
-
-
 def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     """Copy ``tensors`` into the model's parameters by HF name; unknown names or shapes are errors."""
-    params = _parameters(model)
+    params = served_parameters(model)
     unknown = sorted(set(tensors) - set(params))
     if unknown:
         raise ValueError(
@@ -66,17 +48,10 @@ def load_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
     return len(tensors)
 
 
-def weights_checksum(model: torch.nn.Module) -> dict[str, Any]:
-    """What ``/weights_checksum`` returns (besides the weight version)."""
-    checksums = {name: tensor_checksum(p) for name, p in model.named_parameters()}
-    dtype = next(model.parameters()).dtype
-    return {"checksums": checksums, "aliases": parameter_aliases(model), "dtype": str(dtype).removeprefix("torch.")}
-
-
 def weights_by_name(model: torch.nn.Module, name: str, truncate_size: int = 100) -> list[Any]:
     """SGLang's ``/get_weights_by_name``: ``param.float().tolist()[:truncate_size]`` (rows of a matrix,
     values of a vector). An unknown name is a ``ValueError``."""
-    params = _parameters(model)
+    params = served_parameters(model)
     if name not in params:
         raise ValueError(f"the model has no parameter {name!r}")
     if truncate_size < 1:
@@ -150,7 +125,7 @@ class WeightGroups:
             raise ValueError(f"no weight update group {group_name!r} (call /init_weights_update_group first)")
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-        params = _parameters(model)
+        params = served_parameters(model)
         missing = [n for n in names if n not in params]
         if missing:
             raise ValueError(f"the model has no parameter {missing[0]!r}")

@@ -6,9 +6,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from miles.auth import ServiceKeys
 from miles.components import Component, SettingsT
 from miles.launch.engine_restarts import EngineDeathPolicy
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 
 __all__ = ["Launcher", "ProcessHandle", "ProcessSpec"]
 
@@ -60,6 +61,15 @@ class Launcher(Component[SettingsT], ABC):
         self.run_dir = run_dir
         self.engine_deaths = EngineDeathPolicy()
         """What :meth:`wait_trainers` does when an engine dies (the driver sets ``rollout.engine_restarts``)."""
+        self.keys: ServiceKeys | None = None
+        """The run's keys once the driver decided them (:func:`miles.host.train.run_keys`): handed to the
+        processes started through their environment, sent by the launcher's own health checks."""
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether this launcher may place processes on other hosts, where their services listen on routable
+        addresses (the run then needs a key, :mod:`miles.auth`). Default: no."""
+        return False
 
     def reserve(
         self, *, trainer_ranks: int, num_engines: int, colocate: bool, device: str, gpus_per_engine: int
@@ -85,7 +95,7 @@ class Launcher(Component[SettingsT], ABC):
         """Start engine servers and (``wait``) wait until each answers its health path; return their base URLs.
 
         An engine whose port was taken before it could bind is started again on another address (its
-        :attr:`~miles.rollout.engine.EngineLaunch.rebind`), so a URL is final only once it answers.
+        :attr:`~miles.rollout.backend.EngineLaunch.rebind`), so a URL is final only once it answers.
         Raises :class:`~miles.errors.LaunchError` (naming the engine, with its log tail) when one exits
         or does not answer within ``timeout`` seconds; the engines of this call are then terminated. With
         ``wait=False`` the caller starts other work (the trainer ranks load their models meanwhile) and

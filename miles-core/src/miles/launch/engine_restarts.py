@@ -16,6 +16,8 @@ import logging
 from collections import Counter
 from typing import Literal
 
+from miles.errors import SettingsError
+
 __all__ = ["EngineDeathPolicy"]
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,7 @@ class EngineDeathPolicy:
 
     def __init__(self, restarts: int = 0) -> None:
         if restarts < 0:
-            raise ValueError(f"rollout.engine_restarts: {restarts} is negative")
+            raise SettingsError(f"rollout.engine_restarts: {restarts} is negative")
         self.restarts = restarts
         self.restarted: Counter[str] = Counter()
         """Restarts so far, per engine name."""

@@ -25,7 +25,7 @@ from miles.launch.base import Launcher, ProcessSpec
 from miles.launch.process import LocalProcess, SupervisedProcess, describe_exit
 from miles.launch.rendezvous import RendezvousStore
 from miles.net import address_in_use
-from miles.rollout.engine import EngineLaunch
+from miles.rollout.backend import EngineLaunch
 
 __all__ = ["LocalLauncher", "LocalLauncherSettings"]
 
@@ -147,7 +147,8 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
         try:
             deadline = time.monotonic() + timeout
             next_note = time.monotonic() + self.settings.progress_interval
-            with httpx.Client(timeout=min(5.0, timeout), trust_env=False) as client:
+            headers = self.keys.headers() if self.keys is not None else {}
+            with httpx.Client(timeout=min(5.0, timeout), trust_env=False, headers=headers) as client:
                 while pending:
                     for name, (process, url) in list(pending.items()):
                         code = process.exit_status()

@@ -17,6 +17,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable
 
+from miles.auth import redact_argv
 from miles.launch.base import ProcessHandle, ProcessSpec
 
 __all__ = ["LocalProcess", "SupervisedProcess", "describe_exit"]
@@ -107,7 +108,7 @@ class LocalProcess(SupervisedProcess):
             # a log reused by a resumed run keeps the earlier lines; this start is marked, and only its own
             # lines are shown when it fails (log_tail)
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            log_file.write(f"==== miles: {self.name} started {stamp}: {' '.join(spec.argv)}\n".encode())
+            log_file.write(f"==== miles: {self.name} started {stamp}: {' '.join(redact_argv(spec.argv))}\n".encode())
             log_file.flush()
             self.log_start = log_file.tell()
             """Offset in the log file where this start's output begins."""
@@ -124,7 +125,9 @@ class LocalProcess(SupervisedProcess):
         self.pid = self.popen.pid
         """Process id; also the id of its process group and session."""
         self.started_at = time.monotonic()
-        log.info("started %s (pid %d): %s; log %s", self.name, self.pid, " ".join(spec.argv), self.log_path)
+        log.info(
+            "started %s (pid %d): %s; log %s", self.name, self.pid, " ".join(redact_argv(spec.argv)), self.log_path
+        )
 
     @property
     def reaped(self) -> bool:

@@ -13,7 +13,7 @@ launcher's, with the actor and its node named; a dead actor reads as a process k
 reaps every process through its actor, ends the actors, removes the placement group and leaves the cluster
 (stopping it when this launcher started it).
 
-``ray`` is an optional dependency (``pip install miles-core[ray]``), imported only when this launcher runs.
+``ray`` is an optional dependency (``pip install "miles-core[ray]"``), imported only when this launcher runs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from miles.components import Requirement
 from miles.errors import LaunchError
 from miles.launch.base import ProcessSpec
 from miles.launch.local import LocalLauncher, LocalLauncherSettings
@@ -74,6 +75,7 @@ class RayLauncher(LocalLauncher):
 
     name = "ray"
     Settings = RayLauncherSettings
+    requires = (Requirement("ray", extra="ray"),)
 
     def __init__(self, settings: RayLauncherSettings | None = None, *, run_dir: str | None = None) -> None:
         settings = settings if settings is not None else RayLauncherSettings()
@@ -97,6 +99,11 @@ class RayLauncher(LocalLauncher):
         self._device = "cpu"
         self.placement: dict[str, dict[str, Any]] = {}
         """Process name -> its actor's node (also written to ``<run_dir>/logs/placement.json``)."""
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Joining a cluster (``address``): its nodes' services listen on their IPs."""
+        return self.ray_settings.address is not None
 
     # -- the cluster -------------------------------------------------------------------------------
     def _connect(self, cpus: float, resources: dict[str, float]) -> None:

@@ -8,7 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PANELS", "panels_for", "plot_run", "read_metrics"]
+from miles.components import Requirement
+
+__all__ = ["DEFAULT_PANELS", "MATPLOTLIB", "panels_for", "plot_run", "read_metrics"]
+
+MATPLOTLIB = Requirement("matplotlib", extra="plot")
+"""What the curves are drawn with."""
 
 DEFAULT_PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("reward", "mean reward", ("rollout/reward_mean", "eval/reward_mean")),
@@ -55,10 +60,8 @@ def plot_run(
     panels: Sequence[tuple[str, str, Sequence[str]]] = DEFAULT_PANELS,
 ) -> Path:
     """Draw one panel per metric group that the run logged; returns the PNG's path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    MATPLOTLIB.load("miles plot").use("Agg")
+    plt = MATPLOTLIB.load("miles plot", "matplotlib.pyplot")
 
     rows = read_metrics(run_dir)
     present = panels_for(rows, panels)

@@ -1,4 +1,4 @@
-"""The ``tensorboard`` metrics logger (needs the ``tensorboard`` package: ``pip install tensorboard``)."""
+"""The ``tensorboard`` metrics logger (needs the ``tensorboard`` package: ``pip install "miles-core[tensorboard]"``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from miles.components import ComponentSettings, Register
-from miles.errors import SettingsError
+from miles.components import ComponentSettings, Register, Requirement
 from miles.markers import hookimpl
 from miles.metrics.base import MetricsLogger
+
+TENSORBOARD = Requirement("tensorboard", extra="tensorboard")
 
 
 class TensorBoardSettings(ComponentSettings):
@@ -25,17 +26,13 @@ class TensorBoardLogger(MetricsLogger[TensorBoardSettings]):
     """Writes scalars as TensorBoard event files (``tensorboard --logdir RUN_DIR/tensorboard``)."""
 
     name = "tensorboard"
+    requires = (TENSORBOARD,)
 
     def __init__(self, settings: TensorBoardSettings, *, run_dir: str) -> None:
         super().__init__(settings, run_dir=run_dir)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise SettingsError(
-                f"log.loggers: 'tensorboard' needs the tensorboard package (pip install tensorboard): {exc}"
-            ) from None
+        summary = TENSORBOARD.load("log.loggers: logger 'tensorboard'", "torch.utils.tensorboard")
         self.log_dir = os.path.join(run_dir, settings.subdir)
-        self._writer: Any = SummaryWriter(log_dir=self.log_dir, flush_secs=settings.flush_secs)
+        self._writer: Any = summary.SummaryWriter(log_dir=self.log_dir, flush_secs=settings.flush_secs)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():

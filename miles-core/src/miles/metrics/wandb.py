@@ -1,4 +1,4 @@
-"""The ``wandb`` metrics logger (Weights & Biases; ``pip install wandb``). ``mode = "offline"`` by
+"""The ``wandb`` metrics logger (Weights & Biases; ``pip install "miles-core[wandb]"``). ``mode = "offline"`` by
 default: runs are written under the run directory and can be synced later with ``wandb sync``."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from miles.components import ComponentSettings, Register
-from miles.errors import SettingsError
+from miles.components import ComponentSettings, Register, Requirement
 from miles.markers import hookimpl
 from miles.metrics.base import MetricsLogger
+
+WANDB = Requirement("wandb", extra="wandb")
 
 
 class WandbSettings(ComponentSettings):
@@ -36,13 +37,11 @@ class WandbLogger(MetricsLogger[WandbSettings]):
     """Logs scalars to a W&B run stored in ``<run_dir>/wandb``."""
 
     name = "wandb"
+    requires = (WANDB,)
 
     def __init__(self, settings: WandbSettings, *, run_dir: str) -> None:
         super().__init__(settings, run_dir=run_dir)
-        try:
-            import wandb
-        except ImportError as exc:
-            raise SettingsError(f"log.loggers: 'wandb' needs the wandb package (pip install wandb): {exc}") from None
+        wandb = WANDB.load("log.loggers: logger 'wandb'")
         os.makedirs(run_dir, exist_ok=True)
         self._run: Any = wandb.init(
             project=settings.project,

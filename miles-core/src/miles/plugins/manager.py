@@ -25,6 +25,7 @@ from miles.plugins.registry import Registration, Registry
 
 if TYPE_CHECKING:
     import typer
+    from fastapi import FastAPI
     from pydantic import BaseModel
 
     from miles.settings.model import MilesSettings, PluginSpec
@@ -377,6 +378,47 @@ class PluginManager:
                 continue
             if record is not None:
                 record.commands = sorted(added)
+
+    # -- engine routes -----------------------------------------------------------------------------
+    def add_engine_routes(self, *, app: FastAPI, engine: object) -> None:
+        """Let every plugin add its routes to an engine server's ``app`` (``miles_engine_routes``), built-ins
+        first.
+
+        A plugin whose hook raises, or that adds a route ``app`` already serves (same path and method), is
+        recorded as failed (``miles plugins list`` in that environment shows why), its routes are left out
+        and the error is logged; the engine serves on. Plugins that failed to load are logged too: their
+        routes, if any, are missing.
+        """
+        from fastapi.routing import APIRoute
+
+        self.load()
+        for broken in self._records.values():
+            if broken.status == "failed":
+                log.warning(
+                    "plugin %r (%s %s) failed to load: %s (routes it would add to the engine are missing)",
+                    broken.name,
+                    broken.distribution,
+                    broken.version,
+                    broken.error,
+                )
+        arguments = {"app": app, "engine": engine}
+        for impl in self._pm.hook.miles_engine_routes.get_hookimpls():
+            record = self._records.get(impl.plugin_name)
+            before = list(app.router.routes)
+            served = {(r.path, m) for r in before if isinstance(r, APIRoute) for m in r.methods or ()}
+            try:
+                impl.function(**{k: v for k, v in arguments.items() if k in impl.argnames})
+                added = [r for r in app.router.routes[len(before) :] if isinstance(r, APIRoute)]
+                clash = sorted(f"{m} {r.path}" for r in added for m in r.methods or () if (r.path, m) in served)
+                if clash:
+                    raise PluginLoadError(f"route {clash[0]} is already served")
+            except Exception as exc:
+                app.router.routes[:] = before
+                if record is not None:
+                    record.status = "failed"
+                    record.error = f"miles_engine_routes: {_one_line(exc)}"
+                    record.traceback = traceback.format_exc()
+                log.error("plugin %s: its engine routes are left out", impl.plugin_name, exc_info=True)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def on_run_start(self, *, settings: MilesSettings, run_dir: str) -> None:

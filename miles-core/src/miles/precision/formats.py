@@ -19,7 +19,7 @@ may be ragged, as in DeepSeek-V3's checkpoints and SGLang's block FP8: the last 
 is not a multiple of 128 is partial and has its own scale (SmolLM2's hidden size is 576 = 4.5 x 128). The
 packing, the scale rounding (MX: e8m0 floor; NVFP4: e4m3 block scales under a per-tensor fp32 scale)
 and the dequantization are torchao's (``Float8Tensor``, ``MXTensor``, ``NVFP4Tensor``); this module only
-names their parts. torchao (with numpy) is an optional dependency: ``pip install miles-core[quant]``.
+names their parts. torchao is an optional dependency: ``pip install "miles-core[quant]"``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from miles.components import Requirement
+
 if TYPE_CHECKING:
     import torch
 
@@ -36,6 +38,7 @@ __all__ = [
     "FORMATS",
     "FP8_MAX",
     "HIGH_PRECISION",
+    "TORCHAO",
     "WeightFormat",
     "dequantize",
     "get_format",
@@ -45,6 +48,8 @@ __all__ = [
     "require_torchao",
 ]
 
+TORCHAO = Requirement("torchao", extra="quant")
+"""What the formats need: torchao's tensor subclasses (:mod:`miles.precision.quantized`'s recipes declare it)."""
 FP8_MAX = 448.0
 """The largest float8_e4m3fn value (``torch.finfo(torch.float8_e4m3fn).max``)."""
 SCALE = "_scale"
@@ -122,7 +127,7 @@ def require_torchao(what: str) -> None:
         import torchao.prototype.mx_formats.nvfp4_tensor
         import torchao.quantization.quantize_.workflows.float8.float8_tensor  # noqa: F401
     except ImportError as exc:
-        raise RuntimeError(f"{what} needs torchao and numpy (pip install 'miles-core[quant]'): {exc}") from None
+        raise RuntimeError(f"{what} needs torchao and numpy ({TORCHAO.install}): {exc}") from None
 
 
 def _fp8_granularity(fmt: WeightFormat) -> Any:

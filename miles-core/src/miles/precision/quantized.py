@@ -25,7 +25,7 @@ from pydantic import Field
 from miles.components import ComponentSettings, Register, SettingsT
 from miles.markers import hookimpl
 from miles.precision.base import PrecisionRecipe
-from miles.precision.formats import WeightFormat, get_format, quantize, quantizes
+from miles.precision.formats import TORCHAO, WeightFormat, get_format, quantize, quantizes
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,7 @@ class QuantizedRecipe(PrecisionRecipe[SettingsT], ABC):
 
     param_dtype = "bfloat16"
     reduce_dtype = "float32"
+    requires = (TORCHAO,)
 
     @property
     @abstractmethod

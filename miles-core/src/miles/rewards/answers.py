@@ -2,7 +2,8 @@
 
 Extraction finds the last ``\\boxed{...}`` (or ``\\fbox{...}``) of a response with balanced braces, the
 way graders of MATH / GSM8K-style data do. Equivalence is decided by ``math-verify`` (Hugging Face's
-LaTeX / expression parser on sympy): ``\\frac{1}{2}`` equals ``0.5``, ``2\\sqrt{2}`` equals ``\\sqrt{8}``.
+LaTeX / expression parser on sympy): ``\\frac{1}{2}`` equals ``0.5``, ``2\\sqrt{2}`` equals ``\\sqrt{8}``;
+it is an optional dependency (``pip install "miles-core[math]"``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,12 @@ from __future__ import annotations
 import logging
 import re
 
-__all__ = ["extract_boxed", "math_equal", "normalize_text"]
+from miles.components import Requirement
+
+__all__ = ["MATH_VERIFY", "extract_boxed", "math_equal", "normalize_text"]
+
+MATH_VERIFY = Requirement("math_verify", extra="math", package="math-verify")
+"""What :func:`math_equal` decides equivalence with."""
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +64,8 @@ def math_equal(prediction: str, reference: str, *, float_rounding: int = 6) -> b
     Signal-based timeouts of ``math-verify`` are off (they only work on the main thread); the caller
     bounds the time with the reward timeout.
     """
-    from math_verify import parse, verify
+    math_verify = MATH_VERIFY.load("the math reward's math_equal")
+    parse, verify = math_verify.parse, math_verify.verify
 
     for name in ("math_verify.parser", "math_verify.grader"):
         target = logging.getLogger(name)

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator
 
 from miles.components import ComponentSettings
-from miles.rewards.answers import extract_boxed, math_equal, normalize_text
+from miles.rewards.answers import MATH_VERIFY, extract_boxed, math_equal, normalize_text
 from miles.rewards.base import Reward, RewardOutput
 from miles.types import Sample
 
@@ -79,6 +79,7 @@ class MathReward(Reward[MathSettings]):
     """Math answer checking: the last ``\\boxed{}`` of the response against the label, by math-verify."""
 
     name = "math"
+    requires = (MATH_VERIFY,)
 
     async def score(self, sample: Sample) -> RewardOutput:
         s = self.settings

@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from miles.auth import ServiceKeys, is_control_route
 from miles.errors import EngineError
 from miles.rollout.client import EngineClient
 from miles.rollout.failover import EngineHealth, NoEngineLeftError
@@ -66,6 +67,10 @@ def routing_header_value(key: str) -> str:
     if _VALID_KEY.match(key):
         return key
     return "h-" + hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def _without_keys(info: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in info.items() if k not in ("api_key", "admin_api_key", "launch_command")}
 
 
 class EngineHTTPError(EngineError):
@@ -101,7 +106,10 @@ class HttpEngineClient(EngineClient):
     """Talks SGLang's native protocol to one or more engines.
 
     :param urls: base URLs (``http://127.0.0.1:30000``).
-    :param api_key: sent as ``Authorization: Bearer``.
+    :param api_key: sent as ``Authorization: Bearer`` (default: none; :meth:`EngineFleet.client` passes the
+        run's, :mod:`miles.auth`).
+    :param admin_api_key: sent instead of ``api_key`` on the control routes (pause, weights, memory, flush,
+        abort ...), as the engines then require.
     :param timeout: seconds a request may take (a long generation included).
     :param connect_timeout: seconds to establish a connection.
     :param max_retries: retries after the first attempt for retryable failures.
@@ -116,6 +124,7 @@ class HttpEngineClient(EngineClient):
         urls: Sequence[str],
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         timeout: float = 3600.0,
         connect_timeout: float = 10.0,
         max_retries: int = 3,
@@ -130,9 +139,9 @@ class HttpEngineClient(EngineClient):
         self._urls = [u.rstrip("/") for u in urls]
         if len(set(self._urls)) != len(self._urls):
             raise ValueError(f"duplicate engine URLs: {self._urls}")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._keys = ServiceKeys(api_key, admin_api_key)
         self._http = httpx.AsyncClient(
-            headers=headers,
+            headers=self._keys.headers(),
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
@@ -182,7 +191,12 @@ class HttpEngineClient(EngineClient):
     # -------------------------------------------------------------------- HTTP
     async def _request(self, method: str, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> Any:
         resp = await self._send(method, url, endpoint, payload)
-        return resp.json() if resp.content else {}
+        if not resp.content:
+            return {}
+        try:
+            return resp.json()
+        except ValueError:  # SGLang answers some control routes in plain text (/flush_cache: "Cache flushed. ...")
+            return {"message": resp.text}
 
     async def _send(
         self,
@@ -194,6 +208,8 @@ class HttpEngineClient(EngineClient):
     ) -> httpx.Response:
         """One request with the retry policy of the module docstring; the successful response."""
         delay = self.backoff
+        if self._keys.admin_api_key and is_control_route(endpoint):
+            headers = {**(headers or {}), **self._keys.headers(control=True)}
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:
@@ -451,7 +467,9 @@ class HttpEngineClient(EngineClient):
         return await self._all("GET", "/model_info")
 
     async def server_info(self) -> list[dict[str, Any]]:
-        return [i if isinstance(i, dict) else {} for i in await self._all("GET", "/server_info")]
+        """Each engine's ``/server_info``, without what names a key (SGLang 0.5.23 reports its ``api_key``,
+        ``admin_api_key`` and the launch command line there)."""
+        return [_without_keys(i) if isinstance(i, dict) else {} for i in await self._all("GET", "/server_info")]
 
     async def models(self, url: str) -> list[dict[str, Any]]:
         result = await self._request("GET", url.rstrip("/"), "/v1/models")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.auth import ServiceKeys
 from miles.errors import LaunchError, SettingsError
 
 if TYPE_CHECKING:
@@ -35,7 +36,9 @@ __all__ = [
     "FLEET_FILE",
     "EngineFleet",
     "smg_argv",
+    "smg_command",
     "smg_executable",
+    "smg_key_flags",
     "wait_for_router",
 ]
 
@@ -59,7 +62,8 @@ def smg_executable() -> str:
 def smg_argv(
     settings: RouterSettings, worker_urls: Sequence[str], *, host: str, port: int, prometheus_port: int
 ) -> list[str]:
-    """``smg launch`` for ``worker_urls`` (registered at start-up), listening on ``host:port``.
+    """``smg launch`` for ``worker_urls`` (registered at start-up), listening on ``host:port`` (its Prometheus
+    metrics on ``127.0.0.1:prometheus_port``); the run's keys are added by :func:`smg_command`.
 
     ``manual`` pins each routing key (placing new keys by ``assignment_mode``); ``consistent_hashing``
     hashes it; ``cache_aware`` places by prefix overlap and, through smg's routing-key override, keeps a
@@ -76,7 +80,8 @@ def smg_argv(
         "--routing-key-headers", settings.routing_key_header,
         "--health-check-endpoint", "/health",
         "--health-check-interval-secs", str(settings.health_check_interval),
-        "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
+        # its metrics answer without a key: on this host's loopback only, whatever ``host`` is
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
         "--disable-tokenizer-autoload",  # requests carry token ids; never look for a tokenizer on a hub
         "--shutdown-grace-period-secs", "0",
         "--log-level", "warn",
@@ -88,6 +93,33 @@ def smg_argv(
     return argv + list(settings.extra_args)
 
 
+def smg_key_flags(keys: ServiceKeys) -> list[str]:
+    """smg's flags for the run's keys: ``--api-key`` (checked on the data plane, ``/generate`` ..., and sent to
+    the engines), and with an admin key a control-plane key of role ``admin`` (``/workers``, ``/flush_cache``
+    ... then need it, and the API key no longer opens them)."""
+    flags = ["--api-key", keys.api_key] if keys.api_key else []
+    if keys.admin_api_key:
+        flags += ["--control-plane-api-keys", f"miles:miles:admin:{keys.admin_api_key}"]
+    return flags
+
+
+def smg_command(argv: Sequence[str], keys: ServiceKeys) -> list[str]:
+    """The command that runs ``argv`` (from :func:`smg_argv`) with the run's keys.
+
+    When smg's Python package is importable here, ``python -m miles.rollout.smg_main``: it reads the keys
+    from the environment of the process (:data:`~miles.auth.API_KEY_ENV` ...), so they never appear on a
+    command line. Otherwise the keys go on smg's command line (visible in the host's process list; said once
+    in the log)."""
+    import importlib.util
+
+    if not keys.enabled:
+        return list(argv)
+    if importlib.util.find_spec("smg") is not None:
+        return [sys.executable, "-m", "miles.rollout.smg_main", *argv[1:]]
+    log.warning("smg's package is not importable by %s: the run's key goes on smg's command line", sys.executable)
+    return [*argv, *smg_key_flags(keys)]
+
+
 def wait_for_router(
     url: str,
     worker_urls: Sequence[str],
@@ -95,11 +127,13 @@ def wait_for_router(
     timeout: float,
     exited: Callable[[], str | None] = lambda: None,
     poll_interval: float = 0.2,
+    headers: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Poll ``/readiness`` until the router reports every engine healthy, then check ``/workers`` lists
     exactly ``worker_urls``; return smg's worker records.
 
     :param exited: ``None`` while the router process runs, else why it stopped (its log tail).
+    :param headers: sent with every request (the run's key: ``/workers`` needs it).
     :raises LaunchError: the router exited, did not get ready within ``timeout``, or registered other
         workers than asked.
     """
@@ -107,7 +141,7 @@ def wait_for_router(
 
     deadline = time.monotonic() + timeout
     last = "no answer"
-    with httpx.Client(timeout=5.0, trust_env=False) as client:
+    with httpx.Client(timeout=5.0, trust_env=False, headers=headers or {}) as client:
         while True:
             why = exited()
             if why is not None:
@@ -150,6 +184,8 @@ class EngineFleet:
     """Header carrying a request's routing key to the router."""
     client_options: dict[str, Any] = field(default_factory=dict)
     """More :class:`~miles.rollout.http_client.HttpEngineClient` keyword arguments."""
+    keys: ServiceKeys | None = field(default=None, repr=False, compare=False)
+    """The run's keys, which clients send (never written by :meth:`announce`; ``None``: the environment's)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -186,12 +222,14 @@ class EngineFleet:
         return cls.from_json(json.loads(path.read_text()))
 
     def client(self, **options: Any) -> HttpEngineClient:
-        """An engine client over this fleet (generation through the router when there is one)."""
+        """An engine client over this fleet (generation through the router when there is one), sending the
+        run's keys (:data:`~miles.auth.API_KEY_ENV`, :data:`~miles.auth.ADMIN_API_KEY_ENV`)."""
         from miles.rollout.http_client import HttpEngineClient
 
+        keys = self.keys if self.keys is not None else ServiceKeys.from_env()
         return HttpEngineClient(
             self.engine_urls,
             router_url=self.router_url,
             routing_key_header=self.routing_key_header,
-            **{**self.client_options, **options},
+            **{"api_key": keys.api_key, "admin_api_key": keys.admin_api_key, **self.client_options, **options},
         )

@@ -17,6 +17,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from miles.auth import ServiceKeys
+from miles.errors import SettingsError
 from miles.rollout.http_client import HttpEngineClient
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ class TeacherScorer:
 
     def __init__(self, settings: TeacherSettings) -> None:
         if not settings.url:
-            raise ValueError("rollout.teacher.url is not set")
+            raise SettingsError("rollout.teacher.url is not set")
         self.url = settings.url.rstrip("/")
         self.settings = settings
 
@@ -88,7 +90,9 @@ class TeacherScorer:
         if not todo:
             return
         gate = asyncio.Semaphore(self.settings.max_concurrency)
-        async with HttpEngineClient([self.url], timeout=self.settings.timeout) as client:
+        # the run's API key, for a teacher started with it (``MILES_API_KEY=... miles serve``); never the admin key
+        key = ServiceKeys.from_env().api_key
+        async with HttpEngineClient([self.url], timeout=self.settings.timeout, api_key=key) as client:
 
             async def one(batch: Sequence[Sample]) -> None:
                 names = ", ".join(f"{s.group_id}/{s.index}" for s in batch)
@@ -109,17 +113,17 @@ class TeacherScorer:
 
 
 def teacher_for(settings: TeacherSettings, needs: AlgorithmNeeds | None) -> TeacherScorer | None:
-    """The scorer the run needs, or ``None``; a ``ValueError`` naming the setting when the algorithm needs
+    """The scorer the run needs, or ``None``; a :class:`~miles.errors.SettingsError` naming the setting when the algorithm needs
     a teacher that is not configured (or one with too small a ``top_k``)."""
     wants_tokens = needs is not None and needs.teacher_logprobs
     wants_topk = needs.teacher_topk if needs is not None else 0
     if (wants_tokens or wants_topk > 0) and not settings.url:
-        raise ValueError(
+        raise SettingsError(
             "the algorithm needs teacher logprobs: set rollout.teacher.url to a teacher server "
             "(e.g. `miles serve --model TEACHER --port 30001` and url = 'http://127.0.0.1:30001')"
         )
     if wants_topk > settings.top_k:
-        raise ValueError(
+        raise SettingsError(
             f"the algorithm needs the teacher's top-{wants_topk} per token: set rollout.teacher.top_k >= "
             f"{wants_topk} (it is {settings.top_k})"
         )

@@ -21,9 +21,13 @@ class SessionServerError(MilesError):
 class SessionClient:
     """Talks to ``miles sessions serve`` (or an embedded server) at ``url``."""
 
-    def __init__(self, url: str, *, timeout: float = 600.0) -> None:
+    def __init__(self, url: str, *, timeout: float = 600.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.AsyncClient(timeout=timeout)
+        self.api_key = api_key
+        """The key sent with every request (the session server's; ``None``: none)."""
+        self._http = httpx.AsyncClient(
+            timeout=timeout, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
+        )
 
     def base_url(self, session_id: str) -> str:
         """The OpenAI ``base_url`` of a session: point any OpenAI-compatible client at it."""

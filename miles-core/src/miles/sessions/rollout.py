@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from miles.auth import ServiceKeys
 from miles.sessions.client import SessionClient
 from miles.sessions.metrics import session_metrics
 from miles.sessions.session import SessionSampling
@@ -58,7 +59,8 @@ class EpisodeContext:
     max_tokens: int
     """The run's per-turn token budget (``rollout.max_new_tokens``)."""
     api_key: str = "miles"
-    """Any string: the session server does not check it (OpenAI clients require one)."""
+    """The key the session server checks: the run's API key (:data:`miles.auth.API_KEY_ENV`), or any string
+    where the run has none (OpenAI clients require one)."""
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -108,13 +110,14 @@ class SessionRollout:
                 return
             await self._stop()
             options = settings.sessions if settings is not None else SessionSettings()
+            key = ServiceKeys.from_env().api_key
             if options.url is not None:
-                self._client = SessionClient(options.url)
+                self._client = SessionClient(options.url, api_key=key)
             else:
                 from miles.sessions.server import SessionServer
 
                 self._server = await SessionServer.for_engines(client, options)
-                self._client = SessionClient(await self._server.start())
+                self._client = SessionClient(await self._server.start(), api_key=key)
             self._engines = client
 
     async def __call__(self, client: EngineClient, sample: Sample, sampling_params: SamplingParams) -> Sample:
@@ -134,7 +137,13 @@ class SessionRollout:
             routing_key=str(sample.metadata.get("routing_key", f"group-{sample.group_id}")),
             metadata={"group_id": sample.group_id, "index": sample.index},
         )
-        context = EpisodeContext(sessions.base_url(session_id), session_id, sample, sampling_params.max_new_tokens)
+        context = EpisodeContext(
+            sessions.base_url(session_id),
+            session_id,
+            sample,
+            sampling_params.max_new_tokens,
+            sessions.api_key or "miles",
+        )
         error: BaseException | None = None
         result: dict[str, Any] | None = None
         try:

@@ -24,6 +24,7 @@ import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from miles.auth import ServiceKeys, check_bind, install_auth
 from miles.errors import SettingsError
 from miles.sessions.routes import create_app
 from miles.sessions.service import SessionService, TemplateNotAppendOnly
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 __all__ = ["SessionServer", "TemplateNotAppendOnly"]
 
 log = logging.getLogger(__name__)
+
+
+def _unauthorized(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
 
 
 class _EmbeddedUvicorn:
@@ -78,6 +83,9 @@ class SessionServer(SessionService):
     :param client: the engines (generation goes through :meth:`EngineClient.generate`).
     :param tokenizer: the policy's tokenizer.
     :param context_length: the engines' context length (``settings.context_length`` wins).
+    :param api_key: the key every request must carry (``Authorization: Bearer``; what an OpenAI client sends
+        as its ``api_key``); default the run's, :data:`~miles.auth.API_KEY_ENV`. Needed to listen beyond
+        loopback.
     :raises TemplateNotAppendOnly: the chat template fails the CPU render check.
     """
 
@@ -88,17 +96,23 @@ class SessionServer(SessionService):
         settings: SessionSettings | None = None,
         *,
         context_length: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         super().__init__(client, tokenizer, settings, context_length=context_length)
         self.ready = False
         self.live: LiveCheckReport | None = None
+        self.keys = ServiceKeys(api_key or ServiceKeys.from_env().api_key)
         self.app = create_app(self)
+        install_auth(self.app, self.keys, control=lambda path: False, open_routes=frozenset(), error=_unauthorized)
         self._http: _EmbeddedUvicorn | None = None
         self.url: str | None = None
 
     # -- serving -----------------------------------------------------------------------------------
     async def start(self) -> str:
-        """Listen on ``settings.host:port`` in this event loop; run the live check; return the URL."""
+        """Listen on ``settings.host:port`` in this event loop; run the live check; return the URL.
+
+        :raises SettingsError: ``rollout.sessions.host`` is beyond loopback and there is no API key."""
+        check_bind(self.settings.host, self.keys, service="the session server", setting="cluster.api_key")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.ready = False

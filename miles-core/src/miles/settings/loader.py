@@ -256,4 +256,5 @@ def load_settings(
 
 def sources_of(settings: MilesSettings) -> SettingsSources:
     """The :class:`SettingsSources` recorded by :func:`load_settings` (empty for other settings)."""
-    return getattr(settings, "_sources", None) or SettingsSources()
+    sources: SettingsSources | None = settings._sources
+    return sources or SettingsSources()

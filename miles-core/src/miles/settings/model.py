@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from miles.settings.sessions import SessionSettings
@@ -123,6 +123,18 @@ class ClusterSettings(_Section):
     """Engines and trainer share devices: engines release memory while the trainer trains."""
     host: str = "127.0.0.1"
     """Address services bind to."""
+    api_key: SecretStr | None = Field(None, exclude=True)
+    """The run's API key: every service of the run (engines, router, session server) requires
+    ``Authorization: Bearer <key>``, and every client of the run sends it. Default: the environment variable
+    ``MILES_API_KEY``; unset there too, ``miles train`` makes a random one when a service of the run listens
+    beyond loopback (``host`` or ``rollout.sessions.host`` not loopback, or engines on other nodes), and none
+    on loopback. It reaches the processes of the run through their environment: never a command line,
+    ``settings.json``, a log or a metric. Prefer the environment variable to this file."""
+    admin_api_key: SecretStr | None = Field(None, exclude=True)
+    """A second key for the control routes of engines and router (weights, pause, memory, flush, abort, LoRA,
+    debug), as SGLang's ``--admin-api-key``: with it, those routes need this key and the others ``api_key``,
+    so an agent holding the API key cannot push weights. Default: the environment variable
+    ``MILES_ADMIN_API_KEY``; unset: ``api_key`` opens every route."""
     engine_startup_timeout: float = Field(300.0, gt=0)
     """Seconds to wait for an engine to answer ``/health``."""
     trainer_malloc: Literal["keep", "system"] = "keep"

@@ -1,7 +1,8 @@
 """Test kit for Miles and its plugins: real tiny models (:mod:`miles.testing.models`, imported on
 demand because it needs torch and transformers), and the conformance checks a plugin runs against
 itself (:mod:`miles.testing.conformance`, :mod:`miles.testing.component_checks`), and plugins built in
-a test (:mod:`miles.testing.plugins`)."""
+a test (:mod:`miles.testing.plugins`); a local engine as a child process (:mod:`miles.testing.engine`, for
+tests, benchmarks and scripts)."""
 
 from miles.testing.component_checks import (
     check_algorithm,

@@ -18,7 +18,7 @@ from miles.models import convert_gguf, smollm2_gguf
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -308,7 +308,7 @@ def serve_tiny_model(
     thread); the process is stopped and reaped on leaving the block. The model is ``engine.model_path``."""
     import torch
 
-    from miles.engine.process import EngineProcess
+    from miles.testing.engine import EngineProcess
 
     torch.set_num_threads(1)
     model = build_tiny_model(Path(root) / arch, arch, seed=seed)

@@ -27,6 +27,7 @@ import pytest
 __all__ = [
     "arithmetic_prompts",
     "children_of_run",
+    "hf_weights",
     "read_metrics",
     "run_miles",
     "tiny_model",
@@ -149,3 +150,13 @@ def children_of_run(run_dir: Path) -> list[int]:
         if str(run_dir) in cmdline and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     return found
+
+
+def hf_weights(path: Path) -> dict[str, object]:
+    """Every tensor of the safetensors shards in ``path`` (an exported HF model), by name."""
+    from safetensors.torch import load_file
+
+    out: dict[str, object] = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out

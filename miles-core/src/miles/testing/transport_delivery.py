@@ -99,9 +99,9 @@ def check_transport_delivery(
     import torch
     from safetensors.torch import load_file
 
-    from miles.engine.process import EngineProcess
     from miles.errors import WeightVerificationError
     from miles.rollout.http_client import HttpEngineClient
+    from miles.testing.engine import EngineProcess
     from miles.testing.models import build_tiny_model
     from miles.training.trainer import DistContext
     from miles.transport.base import weight_dirs

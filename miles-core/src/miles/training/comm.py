@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["all_gather_json", "all_gather_rows", "all_gather_tensors", "broadcast_json", "broadcast_tensors"]
+__all__ = [
+    "all_gather_json",
+    "all_gather_rows",
+    "all_gather_tensors",
+    "all_reduce_sum",
+    "broadcast_json",
+    "broadcast_tensors",
+]
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -29,6 +36,16 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over every rank, in place (returned; unchanged without a process group). The tensor
+    must be on the process group's device."""
+    import torch.distributed as dist
+
+    if _distributed():
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
 
 
 def broadcast_json(value: Any, *, src: int = 0) -> Any:

@@ -60,10 +60,12 @@ class DistContext:
 
 @dataclass
 class LogprobOutput:
-    """Per-response-token results of a forward pass, one tensor per sequence (float32, on CPU)."""
+    """Per-response-token results of a forward pass, packed as the batch's per-token fields are: one ``[R]``
+    float32 CPU tensor each, sequence ``i``'s tokens at ``batch.response_offsets[i]:batch.response_offsets[i + 1]``
+    (``tensor.split(batch.response_lengths)`` gives them one tensor per sequence)."""
 
-    logprobs: list[torch.Tensor]
-    entropy: list[torch.Tensor] | None = None
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
 
 
 class Trainer(Component[SettingsT], ABC):
@@ -111,10 +113,11 @@ class Trainer(Component[SettingsT], ABC):
         with_entropy: bool = False,
     ) -> LogprobOutput:
         """Per-token logprobs of the response tokens of ``batch`` (logits divided by ``temperature``,
-        as the engine samples)."""
+        as the engine samples), packed as its per-token fields (:class:`LogprobOutput`)."""
 
-    def compute_values(self, batch: TrainBatch) -> list[torch.Tensor]:
-        """Critic values per response token (PPO). Backends without a value head raise."""
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic values per response token (PPO), one ``[R]`` float32 CPU tensor packed as the batch's
+        per-token fields. Backends without a value head raise."""
         raise TypeError(f"trainer {self.name!r} has no value head; pick an algorithm that needs no critic")
 
     @abstractmethod

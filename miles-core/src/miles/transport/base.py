@@ -22,8 +22,8 @@ from miles.types import PushReport
 if TYPE_CHECKING:
     import torch
 
+    from miles.rollout.backend import EngineCapabilities
     from miles.rollout.client import EngineClient
-    from miles.rollout.engine import EngineCapabilities
     from miles.training.trainer import DistContext, Trainer, WeightBucket
 
 __all__ = ["PushReport", "StagedTransport", "WeightTransport", "weight_dirs", "wire_dtype"]
@@ -46,7 +46,7 @@ class WeightTransport(Component[SettingsT], ABC):
 
     engine_routes: ClassVar[tuple[str, ...]] = ()
     """Routes beyond SGLang's protocol this transport needs on every engine (Miles' own engine serves them:
-    :attr:`~miles.rollout.engine.EngineCapabilities.miles_weight_routes`). A run whose engine lacks them is
+    :attr:`~miles.rollout.backend.EngineCapabilities.miles_weight_routes`). A run whose engine lacks them is
     refused at start, naming both fields.
 
     .. versionadded:: 0.1

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from miles.components import ComponentSettings
+from miles.components import ComponentSettings, Requirement
 from miles.errors import EngineError
 from miles.torch_threads import to_thread
 from miles.transport.base import PushReport, StagedTransport, wire_dtype
@@ -51,6 +51,10 @@ __all__ = ["DiskDeltaTransport", "DiskDeltaTransportSettings"]
 log = logging.getLogger(__name__)
 
 ROUTE = "/update_weights_from_delta"
+
+
+ZSTANDARD = Requirement("zstandard", extra="delta")
+"""What the deltas are compressed with (the engines decompress them with it too)."""
 
 
 class DiskDeltaTransportSettings(ComponentSettings):
@@ -78,6 +82,7 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
 
     name = "disk_delta"
     engine_routes = (ROUTE,)
+    requires = (ZSTANDARD,)
 
     def __init__(
         self, settings: DiskDeltaTransportSettings, *, run_dir: str, model_path: str | None, engine_dtype: str
@@ -137,9 +142,9 @@ class DiskDeltaTransport(VersionFolders, StagedTransport[DiskDeltaTransportSetti
         return [url for url in urls if self.delivered.get(url) != self.base_version]
 
     def _write_delta(self, version: str, tensors: dict[str, torch.Tensor], checksums: dict[str, str]) -> Path:
-        import zstandard
-
         from miles.transport.delta_codec import encode_delta
+
+        zstandard = ZSTANDARD.load("transport 'disk_delta'")
 
         assert self.base is not None and self.base_version is not None
         compressor = zstandard.ZstdCompressor(

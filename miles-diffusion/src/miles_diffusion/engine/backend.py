@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.errors import SettingsError
-from miles.rollout.engine import EngineCapabilities, EngineLaunch, RolloutEngine
+from miles.rollout.backend import EngineCapabilities, EngineLaunch, RolloutEngine
 from miles_diffusion.engine.options import ImageEngineOptions, ImageServeOptions, to_argv
 
 if TYPE_CHECKING:

@@ -29,12 +29,14 @@ def build_engine(opts: ImageServeOptions) -> ImageScheduler:
 
 def create_engine_app(opts: ImageServeOptions) -> tuple[Any, ImageScheduler]:
     """The FastAPI app and its running scheduler (the caller stops the scheduler)."""
+    from miles.auth import ServiceKeys, install_auth
     from miles_diffusion.engine.server import create_app
 
     scheduler = build_engine(opts)
     app = create_app(
         scheduler, model_path=str(opts.model), tokenizer=scheduler.pipe.tokenizer, server_args=opts.server_info()
     )
+    install_auth(app, ServiceKeys(opts.api_key, opts.admin_api_key))  # the local engine's two levels
     return app, scheduler
 
 
@@ -44,8 +46,15 @@ def serve(opts: ImageServeOptions) -> None:
     import torch
     import uvicorn
 
+    from miles.auth import ServiceKeys, check_bind
+    from miles.errors import SettingsError
     from miles.net import bind_or_exit
 
+    try:
+        check_bind(opts.host, ServiceKeys(opts.api_key), service="the image engine", setting="--api-key")
+    except SettingsError as exc:
+        log.error("%s", exc)
+        raise SystemExit(exc.exit_code) from None
     sock = bind_or_exit(opts.host, opts.port, "miles image engine")  # a taken port fails before the model loads
     if opts.threads:
         torch.set_num_threads(opts.threads)

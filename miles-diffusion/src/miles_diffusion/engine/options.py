@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from miles.auth import SECRET_FIELDS, ServiceKeys
 from miles.components import ComponentSettings
 from miles.errors import SettingsError
 
@@ -71,10 +72,15 @@ class ImageServeOptions(ImageEngineOptions):
     """Dtype of the transformer's weights (latents and the SDE stay float32)."""
     weight_version: str = "0"
     """Initial weight version reported by ``/model_info``."""
+    api_key: str | None = Field(None, repr=False)
+    """Require ``Authorization: Bearer <key>`` on every route but ``/health`` (default: the environment variable
+    ``MILES_API_KEY``). Needed to listen beyond loopback (:mod:`miles.auth`)."""
+    admin_api_key: str | None = Field(None, repr=False)
+    """With it, the control routes need this key instead (default: ``MILES_ADMIN_API_KEY``)."""
 
     def server_info(self) -> dict[str, Any]:
-        """What ``/server_info`` reports (JSON values)."""
-        return self.model_dump(mode="json")
+        """What ``/server_info`` reports (JSON values; never a key)."""
+        return self.model_dump(mode="json", exclude=set(SECRET_FIELDS))
 
 
 def to_argv(options: ImageServeOptions) -> list[str]:
@@ -82,7 +88,7 @@ def to_argv(options: ImageServeOptions) -> list[str]:
     argv: list[str] = []
     defaults = {name: field.default for name, field in ImageServeOptions.model_fields.items()}
     for name, value in options.model_dump().items():
-        if name != "model" and value == defaults.get(name):
+        if (name != "model" and value == defaults.get(name)) or name in SECRET_FIELDS:  # keys: in the environment
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -107,6 +113,10 @@ def parse_serve_args(argv: Sequence[str]) -> ImageServeOptions:
         else:
             parser.add_argument(flag, dest=name, required=name == "model", help=field.description)
     args = {k: v for k, v in vars(parser.parse_args(list(argv))).items() if v is not None and v is not False}
+    env = ServiceKeys.from_env()
+    for name, value in (("api_key", env.api_key), ("admin_api_key", env.admin_api_key)):
+        if value and name not in args:
+            args[name] = value
     try:
         return ImageServeOptions(**args)
     except ValidationError as exc:

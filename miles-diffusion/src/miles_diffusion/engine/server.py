@@ -11,10 +11,12 @@ the token-decoding keys SGLang defines are accepted and have no meaning for an i
                    "weight_version": "3", "prompt_tokens": P, "completion_tokens": S, "cached_tokens": 0,
                    "id": rid, "image": base64 PNG, "trajectory": {name: {dtype, shape, data}}}}
 
-The admin routes are the local engine's: ``/pause_generation``, ``/continue_generation``,
+The admin routes are the local engine's, from the same skeleton (:mod:`miles.engine.protocol_app`) over
+the image scheduler's operations (:class:`ImageEngine`): ``/pause_generation``, ``/continue_generation``,
 ``/abort_request``, ``/update_weights_from_disk``, ``/update_weight_version``, ``/weights_checksum``,
 ``/flush_cache`` (no cache: a no-op), ``/model_info``, ``/server_info``, ``/health``, ``/health_generate``
-and, with debug endpoints, ``/debug/randomize_weights``. Errors are SGLang's shapes (HTTP 400).
+and, with debug endpoints, ``/debug/randomize_weights``. Errors are SGLang's shapes (HTTP 400). Plugins
+may add routes (``miles_engine_routes``, with ``engine`` an :class:`ImageEngine`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import Response
 
-from miles.engine.responses import RequestError, admin, generate_error, json_body
+from miles.engine.protocol_app import ServedEngine, create_protocol_app
+from miles.engine.responses import RequestError, generate_error, json_body
 from miles.rollout.protocol import SamplingParams
 from miles_diffusion.engine.scheduler import ImageRequest
 from miles_diffusion.engine.weights import load_weights_from_disk, randomize_weights, weights_checksum
@@ -38,14 +40,15 @@ from miles_diffusion.sampling import Trajectory, png_bytes
 from miles_diffusion.wire import tensor_data
 
 if TYPE_CHECKING:
+    from miles.plugins.manager import PluginManager
+    from miles.types import PauseMode
     from miles_diffusion.engine.scheduler import ImageScheduler
 
-__all__ = ["create_app", "trajectory_payload"]
+__all__ = ["ImageEngine", "create_app", "trajectory_payload"]
 
 log = logging.getLogger(__name__)
 
 _SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
-_PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def trajectory_payload(
@@ -99,9 +102,104 @@ def _parse(body: Any, decode: Callable[[list[int]], str]) -> tuple[list[list[int
     return prompts, seed, n, batched, None if rid is None else str(rid)
 
 
-def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, server_args: dict[str, Any]) -> FastAPI:
-    """The FastAPI application over ``scheduler``."""
-    app = FastAPI(title="miles image engine")
+class ImageEngine(ServedEngine):
+    """The image scheduler's operations behind the protocol's shared routes (weights on its worker thread)."""
+
+    def __init__(self, scheduler: ImageScheduler, *, model_path: str, server_args: dict[str, Any]) -> None:
+        self.scheduler = scheduler
+        self.model_path = model_path
+        self.server_args = server_args
+
+    def _on_worker(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return asyncio.wrap_future(self.scheduler.submit(fn, *args))
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    async def generation_healthy(self) -> bool:
+        thread = self.scheduler._thread
+        return thread is not None and thread.is_alive()
+
+    def model_info(self) -> dict[str, Any]:
+        scheduler = self.scheduler
+        config = scheduler.pipe.transformer.config
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": f"{self.model_path}/tokenizer",
+            "is_generation": True,
+            "modality": "image",
+            "weight_version": scheduler.weight_version,
+            "model_type": type(scheduler.pipe.transformer).__name__,
+            "num_hidden_layers": int(config.num_layers),
+            "height": scheduler.sampling.height,
+            "width": scheduler.sampling.width,
+            "num_steps": scheduler.sampling.num_steps,
+        }
+
+    async def server_info(self) -> dict[str, Any]:
+        from miles_diffusion import __version__
+
+        scheduler = self.scheduler
+        return {
+            **self.server_args,
+            **scheduler.stats(),
+            "version": __version__,
+            "weight_version": scheduler.weight_version,
+        }
+
+    async def abort(self, rid: str | None, message: str) -> int:
+        return self.scheduler.abort(rid, message)
+
+    async def pause(self, mode: PauseMode) -> None:
+        await asyncio.to_thread(self.scheduler.pause, mode)
+
+    async def resume(self) -> None:
+        self.scheduler.resume()
+
+    async def flush_cache(self) -> str:
+        return "the image engine keeps no cache"
+
+    async def load_weights_from_disk(
+        self, path: str, *, version: str | None, flush_cache: bool, abort_all_requests: bool
+    ) -> tuple[str, str]:
+        scheduler = self.scheduler
+
+        def load() -> int:
+            count = load_weights_from_disk(scheduler.pipe.transformer, path)
+            if version is not None:
+                scheduler.weight_version = version
+            return count
+
+        count = await self._on_worker(load)
+        return f"loaded {count} tensors from {path}", scheduler.weight_version
+
+    async def set_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
+        await self._on_worker(setattr, self.scheduler, "weight_version", version)
+
+    async def weights_checksum(self) -> dict[str, Any]:
+        report: dict[str, Any] = await self._on_worker(weights_checksum, self.scheduler.pipe.transformer)
+        return report
+
+    async def randomize_weights(self, seed: int) -> int:
+        count: int = await self._on_worker(randomize_weights, self.scheduler.pipe.transformer, seed)
+        return count
+
+
+def create_app(
+    scheduler: ImageScheduler,
+    *,
+    model_path: str,
+    tokenizer: Any,
+    server_args: dict[str, Any],
+    plugins: PluginManager | None = None,
+) -> FastAPI:
+    """The FastAPI application over ``scheduler``: the protocol's shared routes, ``/generate`` and the
+    plugins' routes (``plugins``: default a new plugin manager, loaded as the CLI's is)."""
+    from miles.plugins.manager import PluginManager
+
+    engine = ImageEngine(scheduler, model_path=model_path, server_args=server_args)
+    app = create_protocol_app(engine, title="miles image engine", check_api_key=False)  # it takes no API key
     vocab = len(tokenizer)
 
     def decode(ids: list[int]) -> str:
@@ -109,9 +207,6 @@ def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, se
         if bad is not None:
             raise RequestError(f"input_ids: token id {bad} is outside the vocabulary ({vocab})")
         return str(tokenizer.decode(ids, skip_special_tokens=True))
-
-    def run_on_worker(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        return asyncio.wrap_future(scheduler.submit(fn, *args))
 
     @app.post("/generate")
     async def generate(request: HTTPRequest) -> Any:
@@ -151,129 +246,5 @@ def create_app(scheduler: ImageScheduler, *, model_path: str, tokenizer: Any, se
             raise
         return results if batched or n > 1 else results[0]
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        return Response(status_code=200 if scheduler._thread is not None and scheduler._thread.is_alive() else 503)
-
-    def _model_info() -> dict[str, Any]:
-        config = scheduler.pipe.transformer.config
-        return {
-            "model_path": model_path,
-            "tokenizer_path": f"{model_path}/tokenizer",
-            "is_generation": True,
-            "modality": "image",
-            "weight_version": scheduler.weight_version,
-            "model_type": type(scheduler.pipe.transformer).__name__,
-            "num_hidden_layers": int(config.num_layers),
-            "height": scheduler.sampling.height,
-            "width": scheduler.sampling.width,
-            "num_steps": scheduler.sampling.num_steps,
-        }
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
-        return _model_info()
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def server_info() -> dict[str, Any]:
-        from miles_diffusion import __version__
-
-        return {**server_args, **scheduler.stats(), "version": __version__, "weight_version": scheduler.weight_version}
-
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> dict[str, Any]:
-        return {"weight_version": scheduler.weight_version}
-
-    @app.post("/abort_request")
-    async def abort_request(request: HTTPRequest) -> Any:
-        async def run(body: dict[str, Any]) -> Any:
-            rid = body.get("rid")
-            target = None if body.get("abort_all") or rid in (None, "") else str(rid)
-            return {"success": True, "num_aborted": scheduler.abort(target, "aborted by /abort_request")}
-
-        return await admin(request, run)
-
-    @app.post("/pause_generation")
-    async def pause_generation(request: HTTPRequest) -> Any:
-        async def run(body: dict[str, Any]) -> Any:
-            mode = body.get("mode", "abort")
-            if mode not in _PAUSE_MODES:
-                raise RequestError(f"mode must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
-            await asyncio.to_thread(scheduler.pause, mode)
-            return {"success": True, "message": f"generation paused (mode {mode})"}
-
-        return await admin(request, run)
-
-    @app.post("/continue_generation")
-    async def continue_generation(request: HTTPRequest) -> Any:
-        async def run(body: dict[str, Any]) -> Any:
-            scheduler.resume()
-            return {"success": True, "message": "generation continued"}
-
-        return await admin(request, run)
-
-    @app.get("/flush_cache", operation_id="flush_cache_get")
-    @app.post("/flush_cache", operation_id="flush_cache_post")
-    async def flush_cache() -> Any:
-        return {"success": True, "message": "the image engine keeps no cache"}
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: HTTPRequest) -> Any:
-        async def run(body: dict[str, Any]) -> Any:
-            path = body.get("model_path")
-            if not isinstance(path, str) or not path:
-                raise RequestError("model_path (a safetensors directory) is required")
-            version = body.get("weight_version")
-
-            def load() -> int:
-                count = load_weights_from_disk(scheduler.pipe.transformer, path)
-                if version is not None:
-                    scheduler.weight_version = str(version)
-                return count
-
-            count = await run_on_worker(load)
-            return {
-                "success": True,
-                "message": f"loaded {count} tensors from {path}",
-                "weight_version": scheduler.weight_version,
-            }
-
-        return await admin(request, run)
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: HTTPRequest) -> Any:
-        async def run(body: dict[str, Any]) -> Any:
-            version = body.get("new_version", body.get("weight_version"))
-            if version is None:
-                raise RequestError("new_version is required")
-            await run_on_worker(setattr, scheduler, "weight_version", str(version))
-            return {"success": True, "message": "weight version updated", "new_version": str(version)}
-
-        return await admin(request, run)
-
-    @app.post("/weights_checksum")
-    async def checksum(request: HTTPRequest) -> Any:
-        async def run(body: dict[str, Any]) -> Any:
-            report = await run_on_worker(weights_checksum, scheduler.pipe.transformer)
-            return {"success": True, "weight_version": scheduler.weight_version, **report}
-
-        return await admin(request, run)
-
-    if server_args.get("enable_debug_endpoints"):
-
-        @app.post("/debug/randomize_weights")
-        async def randomize(request: HTTPRequest) -> Any:
-            async def run(body: dict[str, Any]) -> Any:
-                count = await run_on_worker(randomize_weights, scheduler.pipe.transformer, int(body.get("seed", 0)))
-                log.warning("debug: overwrote %d parameters with random values", count)
-                return {"success": True, "num_tensors": count}
-
-            return await admin(request, run)
-
+    (plugins if plugins is not None else PluginManager().load()).add_engine_routes(app=app, engine=engine)
     return app

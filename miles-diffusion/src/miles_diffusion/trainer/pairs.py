@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from miles.errors import SettingsError
 from miles_diffusion.denoise import PromptEmbeddings, encode_prompts, prompt_texts, velocity
 from miles_diffusion.rollout import TRAJECTORY_TENSORS
 from miles_diffusion.sde import gaussian_logprob, sde_mean_std
@@ -49,7 +50,7 @@ class PairBatch:
 def _check_tensors(batch: TrainBatch) -> None:
     missing = [name for name in TRAJECTORY_TENSORS if name not in batch.response_tensors]
     if missing:
-        raise ValueError(
+        raise SettingsError(
             f"TrainBatch.response_tensors lacks {', '.join(missing)}: the diffusion trainer trains on image "
             'trajectories (rollout.engine = "diffusion", rollout.function = "diffusion")'
         )

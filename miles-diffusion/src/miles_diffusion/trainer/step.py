@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from miles.algorithms.aggregation import StepDenominators, aggregate_loss
+from miles.algorithms.aggregation import aggregate_loss
 from miles.training.batch import TOKEN_FIELDS
-from miles.training.comm import all_gather_json
+from miles.training.step_metrics import StepMetrics, count_step
 from miles_diffusion.algorithm import DiffusionAlgorithm, DiffusionLossInputs
 from miles_diffusion.sde import gaussian_mean_kl
 from miles_diffusion.trainer.pairs import encode_batch_prompts, plan_micro_batches, step_distribution
@@ -47,12 +46,6 @@ class StepContext:
     max_pairs: int
 
 
-def _all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
 def _field(batch: TrainBatch, name: str, rows: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     value = getattr(batch, name)
     return None if value is None else value[rows].to(device)
@@ -71,24 +64,14 @@ def run_train_step(ctx: StepContext, batch: TrainBatch, algorithm: Algorithm[Any
     with_kl = algorithm.kl_coef > 0.0
     if with_kl and ctx.ref is None:
         raise RuntimeError("the reference transformer is not loaded")
-    counts = torch.tensor(
-        [float(batch.loss_mask.sum()), float(len(batch)), float(batch.num_response_tokens)],
-        dtype=torch.float64,
-        device=device,
+    counts = count_step(
+        batch.loss_mask, len(batch), batch.num_response_tokens, seq_len_norm=algorithm.seq_len_norm, device=device
     )
-    _all_reduce_sum(counts)
-    denominators = StepDenominators(
-        num_tokens=int(counts[0].item()), num_sequences=int(counts[1].item()), seq_len_norm=algorithm.seq_len_norm
-    )
+    denominators = counts.denominators
     prompts = encode_batch_prompts(ctx.pipe, ctx.pipe.tokenizer, batch, device)
     actor = ctx.actor
     actor.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    sums: dict[str, torch.Tensor] = {}
-
-    def add(name: str, per_pair: torch.Tensor, mask: torch.Tensor) -> None:
-        value = (per_pair.detach().double() * mask.double()).sum()
-        sums[name] = sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) + value
+    sums = StepMetrics(device)
 
     for mb in plan_micro_batches(batch, ctx.max_pairs, device):
         policy = step_distribution(actor, batch, mb, prompts, device)
@@ -111,11 +94,12 @@ def run_train_step(ctx: StepContext, batch: TrainBatch, algorithm: Algorithm[Any
         output = algorithm.loss(inputs)
         loss = aggregate_loss(output.per_token_loss, mask, mb.response_lengths, algorithm.aggregation, denominators)
         loss.backward()
-        loss_sum += loss.detach().double()
+        sums.add_loss(loss)
         for name, per_pair in output.metrics.items():
-            add(name, per_pair, mask)
+            sums.add(name, per_pair, mask)
         if fields["rollout_logprobs"] is not None:
-            add("train_rollout_logprob_abs_diff", (policy.logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
+            rollout = fields["rollout_logprobs"]
+            sums.add("train_rollout_logprob_abs_diff", (policy.logprobs.detach() - rollout).abs(), mask)
 
     metrics: dict[str, float] = {
         "grad_norm": clip_grad_norm(actor.parameters(), ctx.train.grad_clip, device),
@@ -125,13 +109,8 @@ def run_train_step(ctx: StepContext, batch: TrainBatch, algorithm: Algorithm[Any
     ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)
 
-    names = sorted({n for part in all_gather_json(sorted(sums)) for n in part})
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    reduced = _all_reduce_sum(torch.stack([loss_sum, *[sums.get(n, zero) for n in names]]))
-    metrics["loss"] = float(reduced[0].item())
-    for i, name in enumerate(names):
-        metrics[name] = float(reduced[i + 1].item()) / max(denominators.num_tokens, 1)
-    metrics["pairs"] = float(counts[2].item())
+    metrics.update(sums.reduce(denominators.num_tokens, device))
+    metrics["pairs"] = counts.tokens
     metrics["trained_pairs"] = float(denominators.num_tokens)
     metrics["trajectories"] = float(denominators.num_sequences)
     return metrics

@@ -92,7 +92,8 @@ class DiffusionTrainer(Trainer[DiffusionTrainerSettings]):
         return torch.device("cuda", self.dist.local_rank) if self.dist.device == "cuda" else torch.device("cpu")
 
     def _sharded_transformer(self, *, trainable: bool) -> Any:
-        from miles_diffusion.policy import load_transformer, torch_dtype
+        from miles.precision.dtypes import torch_dtype
+        from miles_diffusion.policy import load_transformer
         from miles_fsdp.model import shard_model
 
         assert self.train_settings.model_path is not None
@@ -173,7 +174,8 @@ class DiffusionTrainer(Trainer[DiffusionTrainerSettings]):
         module = self.actor if model == "actor" else self.ref
         if module is None:
             raise RuntimeError("compute_logprobs(model='ref') needs the reference (setup(need_ref=True))")
-        out: list[torch.Tensor] = [torch.zeros(n) for n in batch.response_lengths]
+        offsets = batch.response_offsets
+        out = torch.zeros(batch.num_response_tokens, dtype=torch.float32)
         with torch.no_grad():
             prompts = encode_batch_prompts(self.pipe, self.pipe.tokenizer, batch, self.device)
             for mb in plan_micro_batches(batch, self.options.max_pairs_per_micro_batch, self.device):
@@ -181,7 +183,7 @@ class DiffusionTrainer(Trainer[DiffusionTrainerSettings]):
                 if mb.is_empty:
                     continue
                 for i, part in zip(mb.indices, logprobs.split(mb.response_lengths), strict=True):
-                    out[i] = part.float().cpu()
+                    out[offsets[i] : offsets[i + 1]] = part.float().cpu()
         return LogprobOutput(logprobs=out, entropy=None)
 
     def train_step(self, batch: TrainBatch, algorithm: Algorithm[Any], *, temperature: float = 1.0) -> dict[str, float]:

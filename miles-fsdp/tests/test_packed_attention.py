@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.training.packed_attention import Segment, packed_layout, packed_sdpa_attention, register_packed_attention
+from miles_fsdp.packed_attention import Segment, packed_layout, packed_sdpa_attention, register_packed_attention
 
 LENGTHS = [7, 12, 7, 3, 12, 1]
 """Repeated lengths (batched into one SDPA call) and unique ones, a one-token sequence among them."""

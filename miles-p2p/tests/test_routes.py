@@ -1,6 +1,7 @@
-"""The local engine's ``/p2p/*`` routes, driven by this test process as the only trainer rank: a plan is
-checked against the served parameters, chunks written into a shared-memory buffer or sent over a gloo
-group are committed (and only then served), a chunk that never arrives or was never written is named."""
+"""The local engine's ``/p2p/*`` routes (this package's plugin adds them), driven by this test process as the
+only trainer rank: a plan is checked against the served parameters, chunks written into a shared-memory
+buffer or sent over a gloo group are committed (and only then served), a chunk that never arrives or was
+never written is named."""
 
 from __future__ import annotations
 
@@ -15,20 +16,22 @@ import httpx
 import pytest
 import torch
 
-from miles.engine.process import EngineProcess
+from miles.testing.engine import EngineProcess
 from miles.transport.verify import tensor_checksum
-
-from .conftest import start_engine
 
 pytestmark = pytest.mark.slow  # one engine process
 
 
 @pytest.fixture(scope="module")
-def engine(engine_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    from miles.testing.models import build_tiny_model
+
+    torch.set_num_threads(1)
+    model = build_tiny_model(tmp_path_factory.mktemp("engine-models") / "qwen2", "qwen2", seed=0)
     log = tmp_path_factory.mktemp("logs") / "p2p.log"
-    yield from start_engine(
-        engine_models["qwen2"], log, "--dtype", "bfloat16", "--enable-debug-endpoints", "--attention-backend", "sdpa"
-    )
+    extra = ["--dtype", "bfloat16", "--enable-debug-endpoints", "--attention-backend", "sdpa"]
+    with EngineProcess(model, extra_args=extra, log_path=log) as engine:
+        yield engine
 
 
 def post(engine: EngineProcess, path: str, body: dict[str, Any]) -> httpx.Response:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.training.onednn_linear import install_onednn_linears, onednn_linear, onednn_unavailable
+from miles_fsdp.onednn_linear import install_onednn_linears, onednn_linear, onednn_unavailable
 
 pytestmark = pytest.mark.skipif(onednn_unavailable() is not None, reason=f"oneDNN: {onednn_unavailable()}")
 

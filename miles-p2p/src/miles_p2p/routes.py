@@ -1,4 +1,7 @@
-"""HTTP routes of point-to-point weight updates (Miles endpoints; see :mod:`miles.engine.p2p_receiver`).
+"""The local engine's HTTP routes of point-to-point weight updates (Miles endpoints; see
+:mod:`miles_p2p.receiver`), added by the ``p2p`` plugin through ``miles_engine_routes``. They use the engine
+through its declared public modules only (:mod:`miles.engine.state`, :mod:`miles.engine.weights`,
+:mod:`miles.engine.responses`).
 
 - ``/p2p/open_session {session_id, datapath, ...}``: set the data path up (``torch``: ``master_address,
   master_port, world_size, rank, backend, timeout`` join the trainer's group, blocking until every member
@@ -26,22 +29,20 @@ trainer writes into them, then ``/update_weight_version``), and ``/init_weights_
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
-from miles.engine.p2p_receiver import Chunk, P2PSession
-from miles.engine.weight_sync import _parameters, parameter_aliases
+from miles.engine.responses import admin
+from miles.engine.weights import parameter_aliases, served_parameters, weights_checksum
 from miles.torch_threads import to_thread
+from miles_p2p.receiver import Chunk, P2PSession
 
 if TYPE_CHECKING:
     from miles.engine.state import EngineState
-    from miles.engine.weight_routes import Admin
 
 __all__ = ["add_p2p_routes"]
 
@@ -55,7 +56,7 @@ def _session_id(body: dict[str, Any]) -> str:
     return value
 
 
-def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
+def add_p2p_routes(app: FastAPI, state: EngineState) -> None:
     """Mount the ``/p2p/*`` routes on ``app``."""
     sched = state.scheduler
     sessions: dict[str, P2PSession] = {}
@@ -70,8 +71,7 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             raise ValueError(f"no p2p session {sid!r} (call /p2p/open_session first)")
         return found
 
-    def on_scheduler(fn: Callable[..., Any], *args: Any) -> Any:
-        return asyncio.wrap_future(sched.submit(fn, *args))
+    on_scheduler = state.on_scheduler
 
     def randomize(seed: int) -> None:
         for s in sessions.values():
@@ -86,11 +86,11 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             if sid in sessions:
                 raise ValueError(f"p2p session {sid!r} already exists")
             datapath = str(body.get("datapath", ""))
-            device = sched.runner.device
+            device = state.device
             # joining a group blocks until every member arrives: off the event loop and the scheduler
             created = await to_thread(lambda: P2PSession(sid, datapath, body, device))
             sessions[sid] = created
-            model = sched.runner.model
+            model = state.model
             tensors = [
                 {"name": n, "dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)}
                 for n, p in model.named_parameters()
@@ -109,7 +109,7 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
                 raise ValueError("chunks is required (a list)")
             chunks = [Chunk.parse(c) for c in raw]
             plan_id = str(body.get("plan_id", ""))
-            params = _parameters(sched.runner.model)
+            params = served_parameters(state.model)
             path = body.get("buffer_path")
             direct = bool(body.get("direct", False))
             if direct:  # moving the weights to shared memory must not race a forward pass
@@ -143,7 +143,7 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             version = str(body.get("version", ""))
 
             def go() -> None:
-                s.begin(str(body.get("plan_id")), version, _parameters(sched.runner.model))
+                s.begin(str(body.get("plan_id")), version, served_parameters(state.model))
                 # paused on an earlier partial write: this push's commit resumes, its abort keeps the pause
                 s.after_partial, partial["paused"] = partial["paused"], False
                 s.paused_by_begin = sched.paused is None or s.after_partial
@@ -170,8 +170,8 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
             def load() -> tuple[int, float]:
                 start = time.perf_counter()
                 if s.direct:  # paused since /p2p/begin; the weights were written in place
-                    count = s.commit(str(body.get("plan_id")), version, _parameters(sched.runner.model), written)
-                    sched.runner.drop_packed()  # prepacked copies were not told of the writes
+                    count = s.commit(str(body.get("plan_id")), version, served_parameters(state.model), written)
+                    state.weights_written()  # prepacked copies were not told of the writes
                     if s.paused_by_begin:
                         s.paused_by_begin = False
                         sched.resume()
@@ -182,7 +182,7 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
                     sched.pause("retract")
                 try:
                     if not s.direct:
-                        count = s.commit(str(body.get("plan_id")), version, _parameters(sched.runner.model), written)
+                        count = s.commit(str(body.get("plan_id")), version, served_parameters(state.model), written)
                 finally:
                     if not was_paused:
                         sched.resume()
@@ -203,13 +203,11 @@ def add_p2p_routes(app: FastAPI, state: EngineState, admin: Admin) -> None:
     @app.post("/p2p/checksums")
     async def checksums(request: HTTPRequest) -> Any:
         async def run(body: dict[str, Any]) -> Any:
-            from miles.engine.weight_sync import weights_checksum
-
             s = session(body)
 
             def compute() -> dict[str, Any]:
-                model = sched.runner.model
-                out: dict[str, Any] = {"chunks": s.chunk_checksums(_parameters(model))}
+                model = state.model
+                out: dict[str, Any] = {"chunks": s.chunk_checksums(served_parameters(model))}
                 if body.get("full"):
                     out["full"] = weights_checksum(model)["checksums"]
                 return out

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.training.fused_logprobs import fused_token_logprobs
 from miles.training.logprobs import token_logprobs
+from miles_fsdp.fused_logprobs import fused_token_logprobs
 
 
 def _inputs(seed: int, tokens: int = 37, hidden: int = 16, vocab: int = 101) -> tuple[torch.Tensor, ...]:

@@ -1,7 +1,8 @@
 """``miles train --debug CONFIG``: the whole run in this one process, so ``breakpoint()`` and a debugger stop
 anywhere — in a reward, an algorithm, a rollout function, the trainer, the engine.
 
-The local engine runs in-process (its scheduler and HTTP server on background threads, on 127.0.0.1), and
+The engine runs in-process (:meth:`~miles.rollout.backend.RolloutEngine.start_in_process` of the backend that
+``rollout.engine`` selects: the local engine's scheduler and HTTP server on background threads), and
 the training loop runs on the main thread as a world of one trainer rank (a gloo group of size 1). Same
 components, same settings, same outputs in ``log.run_dir`` as a normal run; only the placement differs
 (and the speed: one process shares one torch thread pool).
@@ -11,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import TYPE_CHECKING
 
-from miles.driver.rundir import prepare_run_dir
 from miles.errors import SettingsError
+from miles.host.rundir import prepare_run_dir
 
 if TYPE_CHECKING:
-    from miles.driver.run import Run
+    from miles.compose import Run
 
 __all__ = ["run_debug"]
 
@@ -36,8 +36,12 @@ def _check(run: Run) -> None:
         raise SettingsError(
             f"cluster.num_engines: --debug runs one engine in this process (it is {s.cluster.num_engines})"
         )
-    if run.algorithm.needs.rollout and run["rollout.engine"].registration.name != "local":
-        raise SettingsError("rollout.engine: --debug runs the local engine in this process (not a server fleet)")
+    engine = run["rollout.engine"].registration
+    if run.algorithm.needs.rollout and not engine.component.capabilities.in_process:
+        raise SettingsError(
+            f"rollout.engine: --debug runs the engine in this process, which engine {engine.name!r} cannot "
+            "(the local engine can; not a server fleet)"
+        )
     if s.cluster.device != "cpu":
         log.info("--debug on %s: the engine and the trainer share the device", s.cluster.device)
 
@@ -61,32 +65,25 @@ async def _train(run: Run, urls: list[str], resume: str | None) -> None:
 
 def run_debug(run: Run, *, resume: str | None = None, overwrite: bool = False) -> int:
     """Run training with the engine and the trainer in this process; returns 0 (errors raise)."""
-    from miles.driver.launch import allowed_weight_dirs
-    from miles.driver.rundir import write_resolved_settings
-    from miles.engine.launch import InProcessEngine
-    from miles.engine.options import ServeOptions
-    from miles.engine.weight_paths import parse_weight_dirs
+    from miles.host.rundir import write_resolved_settings
+    from miles.host.train import allowed_weight_dirs
 
     _check(run)
     run_dir = prepare_run_dir(run.settings, resume=resume, overwrite=overwrite)
-    run.materialize_model()
+    model_path = run.materialize_model()
     run.settings.log.run_dir = str(run_dir)
     write_resolved_settings(run.settings, run_dir / "settings.json")
     settings = run.settings
     if not (run.algorithm.needs.rollout and settings.cluster.num_engines):
         asyncio.run(_train(run, [], resume))
         return 0
-    options = run.rollout_engine().settings
-    options_dirs = getattr(options, "allowed_weight_dirs", None)
-    serve = ServeOptions(
-        **options.model_dump(exclude={"allowed_weight_dirs"}),
-        model=settings.train.model_path,
+    serving = run.rollout_engine().start_in_process(
+        model_path=model_path,
         host=settings.cluster.host,
-        port=0,  # the in-process engine binds a port the OS picks
         device=settings.cluster.device,
         dtype=run.engine_dtype,
-        allowed_weight_dirs=os.pathsep.join([*map(str, parse_weight_dirs(options_dirs)), *allowed_weight_dirs(run)]),
+        allowed_weight_dirs=allowed_weight_dirs(run),
     )
-    with InProcessEngine(serve) as engine:
-        asyncio.run(_train(run, [engine.url], resume))
+    with serving as url:
+        asyncio.run(_train(run, [url], resume))
     return 0

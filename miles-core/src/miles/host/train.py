@@ -11,21 +11,22 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles.driver.progress import follow_metrics
-from miles.driver.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
+from miles.host.progress import follow_metrics
+from miles.host.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
 from miles.rollout.router import FLEET_FILE
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from miles.driver.run import Run
+    from miles.auth import ServiceKeys
+    from miles.compose import Run
     from miles.launch.base import Launcher, ProcessHandle
     from miles.launch.engine_restarts import EngineDeathPolicy
-    from miles.rollout.engine import EngineLaunch
+    from miles.rollout.backend import EngineLaunch
     from miles.rollout.router import EngineFleet
     from miles.settings.model import MilesSettings
 
-__all__ = ["finish_fleet", "launch_engines", "launch_fleet", "run_training", "start_router"]
+__all__ = ["finish_fleet", "launch_engines", "launch_fleet", "run_keys", "run_training", "start_router"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,33 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
     return env
 
 
+def services_leave_loopback(settings: MilesSettings, launcher: Launcher) -> bool:
+    """Whether a service of the run listens beyond loopback: ``cluster.host`` or ``rollout.sessions.host`` is
+    not loopback, or the launcher places engines on other hosts (they listen on their node's address)."""
+    from miles.auth import is_loopback
+
+    hosts = (settings.cluster.host, settings.rollout.sessions.host)
+    return launcher.spans_hosts or not all(is_loopback(h) for h in hosts)
+
+
+def run_keys(settings: MilesSettings, launcher: Launcher) -> ServiceKeys:
+    """The run's keys, decided once per launcher (:attr:`Launcher.keys`): ``cluster.api_key`` /
+    ``cluster.admin_api_key`` or their environment variables; without an API key, a new random one when a
+    service leaves loopback (:func:`services_leave_loopback`), none on loopback."""
+    from miles.auth import ServiceKeys, new_key
+
+    if launcher.keys is None:
+        keys = ServiceKeys.of_cluster(settings.cluster)
+        if keys.api_key is None and services_leave_loopback(settings, launcher):
+            keys = keys.with_api_key(new_key())
+            log.info(
+                "services of this run listen beyond loopback: they require a key made for this run "
+                "(set cluster.api_key or MILES_API_KEY to choose it)"
+            )
+        launcher.keys = keys
+    return launcher.keys
+
+
 def _weight_dirs_env(run: Run) -> dict[str, str]:
     """``MILES_ALLOWED_WEIGHT_DIRS`` for the run's engines: the run directory and the transport's ``dir``
     (the local engine loads weights from nowhere else; see :mod:`miles.engine.weight_paths`)."""
@@ -102,6 +130,7 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
 
         raise SettingsError("train.model_path: not set (the engines and the trainer load it)")
     gpus = engine.gpus_per_engine
+    keys = run_keys(settings, launcher)
     # colocated engines share the trainer's GPUs; the others take the GPUs after the trainer ranks'
     first = 0 if settings.cluster.colocate else settings.cluster.trainer_ranks
 
@@ -117,7 +146,7 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
             seed=settings.train.seed,
             colocate=settings.cluster.colocate,
         )
-        launch.env = {**_child_env(settings, role="engine"), **_weight_dirs_env(run), **launch.env}
+        launch.env = {**_child_env(settings, role="engine"), **_weight_dirs_env(run), **keys.env(), **launch.env}
         launch.rebind = functools.partial(launch_at, i)
         return launch
 
@@ -126,17 +155,17 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
     ]
     urls = launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout, wait=wait)
     if wait:
-        _flush(urls)
+        _flush(urls, keys)
     return urls
 
 
-def _flush(urls: list[str]) -> None:
+def _flush(urls: list[str], keys: ServiceKeys) -> None:
     """Empty each engine's prefix cache once it is up (its health check generated a token)."""
     import httpx
 
     from miles.errors import LaunchError
 
-    with httpx.Client(timeout=60.0, trust_env=False) as client:
+    with httpx.Client(timeout=60.0, trust_env=False, headers=keys.headers(control=True)) as client:
         for url in urls:
             resp = client.post(url.rstrip("/") + "/flush_cache")
             if resp.status_code >= 400:
@@ -151,18 +180,22 @@ def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
     """Start the ``rollout.router`` (smg) in front of ``engine_urls`` through the launcher, which owns it;
     return its URL once it reports every engine healthy and registered. A router whose ports were taken before
     it bound them is started again on others (said once in the log)."""
+    from miles.auth import check_bind
     from miles.errors import LaunchError
     from miles.launch.base import ProcessSpec
     from miles.launch.process import describe_exit
     from miles.net import address_in_use, free_port
-    from miles.rollout.router import smg_argv, wait_for_router
+    from miles.rollout.router import smg_argv, smg_command, wait_for_router
 
     settings = run.settings
     host = settings.cluster.host
+    keys = run_keys(settings, launcher)
+    check_bind(host, keys, service="the router (smg)", setting="cluster.api_key")
     for attempt in range(1, ROUTER_BIND_ATTEMPTS + 1):
-        port, metrics_port = free_port(host), free_port(host)
+        port, metrics_port = free_port(host), free_port("127.0.0.1")
         argv = smg_argv(settings.rollout.router, engine_urls, host=host, port=port, prometheus_port=metrics_port)
-        process = launcher.start_process(ProcessSpec(name="router", argv=argv))
+        spec = ProcessSpec(name="router", argv=smg_command(argv, keys), env=keys.env())
+        process = launcher.start_process(spec)
         url = f"http://{host}:{port}"
 
         def exited(process: ProcessHandle = process) -> str | None:
@@ -170,7 +203,13 @@ def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
             return None if code is None else f"{describe_exit(code)}; last lines of its log:\n{process.log_tail(20)}"
 
         try:
-            wait_for_router(url, engine_urls, timeout=settings.rollout.router.startup_timeout, exited=exited)
+            wait_for_router(
+                url,
+                engine_urls,
+                timeout=settings.rollout.router.startup_timeout,
+                exited=exited,
+                headers=keys.headers(control=True),
+            )
             break
         except LaunchError:
             code = process.exit_status()
@@ -200,11 +239,12 @@ def finish_fleet(run: Run, launcher: Launcher) -> EngineFleet:
 
     settings = run.settings
     router = settings.rollout.router
+    keys = run_keys(settings, launcher)
     urls = launcher.wait_engines(timeout=settings.cluster.engine_startup_timeout)
     if urls:
-        _flush(urls)
+        _flush(urls, keys)
     router_url = start_router(run, launcher, urls) if urls and router.name == "smg" else None
-    return EngineFleet(urls, router_url=router_url, routing_key_header=router.routing_key_header)
+    return EngineFleet(urls, router_url=router_url, routing_key_header=router.routing_key_header, keys=keys)
 
 
 def _engine_death_policy(settings: MilesSettings) -> EngineDeathPolicy:
@@ -248,6 +288,7 @@ def run_training(
             gpus_per_engine=run.rollout_engine().gpus_per_engine if run.algorithm.needs.rollout else 0,
         )
         launcher.engine_deaths = _engine_death_policy(settings)
+        keys = run_keys(settings, launcher)  # (before anything starts: every process of the run gets them)
         # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
         # rank 0 waits for the fleet (fleet.json, written here once every engine and the router answer)
         engines = run.algorithm.needs.rollout and cluster.num_engines > 0
@@ -255,7 +296,7 @@ def run_training(
         if engines:
             launch_engines(run, launcher, wait=False)
         (run_dir / "launch.json").write_text(json.dumps({"engines": engines, "resume": resume}))
-        env = _child_env(settings)
+        env = {**_child_env(settings), **keys.env()}
         specs = trainer_specs(
             [sys.executable, "-m", "miles.driver.worker", str(run_dir)], settings.cluster.trainer_ranks, env=env
         )

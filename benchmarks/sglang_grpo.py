@@ -120,11 +120,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print()
     print(
         markdown_table(
-            ["engine", "median s/step (steps 2+)", "mean reward, first half", "mean reward, second half", "start-up s"],
+            [
+                "engine",
+                "median s/step (steps 2+)",
+                "s/step / local engine's",
+                "mean reward, first half",
+                "mean reward, second half",
+                "start-up s",
+            ],
             [
                 (
                     engine,
                     f"{s['median_step_seconds']:.1f}",
+                    f"{s['median_step_seconds'] / summary['local']['median_step_seconds']:.2f}x",
                     f"{s['mean_reward_first_half']:.3f}",
                     f"{s['mean_reward_second_half']:.3f}",
                     f"{results[engine]['startup_seconds']:.0f}",

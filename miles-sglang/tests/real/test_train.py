@@ -1,14 +1,18 @@
 """``miles train`` with ``rollout.engine = "sglang"`` on this CPU, end to end: real SGLang 0.5.23 servers
-started by the run, real FSDP trainer ranks, every push verified.
+started by the run (``python -m miles_sglang.serve``), real FSDP trainer ranks, every push verified.
 
-Each run starts its own servers (a start costs 1-5 minutes of these cores and 2.3 GB), so each test packs
-several checks into one run:
+A run starts its own servers (a start costs 1-5 minutes of these cores and 2.3 GB), so CI runs one, which
+packs what the others share: one-step-off, ``broadcast`` over gloo, ``retract`` pauses, 3 steps; it trains,
+every push is verified (by logprobs where this CPU's AMX kernels repack the layers), each sample keeps the
+weight versions it was sampled under (partial rollouts across a push), and no process of the run is left.
+The refusal of ``in_place`` pauses starts no server.
+
+The other runs take 4-10 minutes each and run with ``MILES_SGLANG_ALL_RUNS=1`` (``tox -e sglang-real``
+passes it on):
 
 - sync, ``disk`` transport, colocated (memory released and resumed around every training step), the engine
   SIGKILLed after step 1 and restarted by the launcher: told by its launch weight version, pushed the current
   weights, verified;
-- one-step-off, ``broadcast`` over gloo, ``retract`` pauses: samples generated across a push carry both
-  versions (partial rollouts);
 - two engines behind smg, fully async with ``abort`` pauses, ``disk`` commits overlapped with training: each
   group's samples on one engine, from SGLang's own counters (``/metrics``) and cached-token counts;
 - LoRA adapters pushed with miles-lora's ``lora`` transport (``/load_lora_adapter``);
@@ -18,6 +22,7 @@ several checks into one run:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -40,6 +45,12 @@ TIMEOUT = 1500.0
 """Seconds one run may take (several server starts at a few minutes each on busy cores)."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT + 300)]
+
+ALL_RUNS = os.environ.get("MILES_SGLANG_ALL_RUNS") == "1"
+longer_run = pytest.mark.skipif(
+    not ALL_RUNS,
+    reason="one of the longer SGLang runs (4-10 minutes each, beyond CI's budget): MILES_SGLANG_ALL_RUNS=1 runs it",
+)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +165,8 @@ def steps_logged(run_dir: Path) -> int:
 
 
 def server_pid(url: str) -> int | None:
-    """The PID of the SGLang server listening at ``url`` (its ``--port``), the leader of its process group."""
+    """The PID of the SGLang server listening at ``url`` (its ``--port``), the leader of its process group
+    (``python -m miles_sglang.serve``, which runs SGLang's ``launch_server`` in its process)."""
     port = f"--port {url.rsplit(':', 1)[1]} ".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -163,7 +175,7 @@ def server_pid(url: str) -> int | None:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ") + b" "
         except OSError:
             continue
-        if b"sglang.launch_server" in cmdline and port in cmdline:
+        if b"miles_sglang.serve" in cmdline and port in cmdline:
             return int(entry.name)
     return None
 
@@ -236,7 +248,49 @@ def serves(url: str) -> bool:
         return False
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+class ServerWatch:
+    """While a run lives, the PID of the SGLang server at each of its engine URLs (from ``fleet.json``): the
+    leader of the server's process group."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.pids: dict[str, int] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop:
+            launched = fleet(self.run_dir)
+            for url in launched["engine_urls"] if launched else []:
+                if url not in self.pids and (pid := server_pid(url)) is not None:
+                    self.pids[url] = pid
+            time.sleep(0.5)
+
+    def stop(self) -> dict[str, int]:
+        self._stop = True
+        self._thread.join(10)
+        return self.pids
+
+
 # ------------------------------------------------------------------------------------------------- runs
+@longer_run
 def test_sync_disk_colocated_with_the_engine_killed_and_restarted(
     tmp_path: Path, tiny_llamas: Any, prompts: Path
 ) -> None:
@@ -340,35 +394,52 @@ class MetricsWatch:
 def test_one_step_off_broadcast_with_retract_pauses_keeps_partial_rollouts(
     tmp_path: Path, tiny_llamas: Any, prompts: Path
 ) -> None:
-    """One-step-off with ``broadcast`` over gloo (trainer rank 0 and the engine in one group, each push in
-    SGLang's ``/begin_weight_update`` ... ``/end_weight_update``) and ``retract`` pauses. The engine runs four
-    requests at a time and the responses are long, so a push finds requests in flight: retracted, resumed
+    """CI's run. One-step-off with ``broadcast`` over gloo (trainer rank 0 and the engine in one group, each
+    push in SGLang's ``/begin_weight_update`` ... ``/end_weight_update``) and ``retract`` pauses. The engine runs
+    four requests at a time and the responses are long, so a push finds requests in flight: retracted, resumed
     under the new version (their KV recomputed), reported by SGLang with both versions (``weight_versions``)
     and trained as partial rollouts (``async/partial_samples``, each span's version in the dumps). Every push
-    verified."""
+    verified (the version the engine serves, and its weights); every sample of step ``s`` sampled under versions
+    ``s - 2`` and ``s - 1`` only (one step off). Once the run ends, nothing of the server is left: its process
+    group (the server, its scheduler and detokenizer) is gone and its port answers nothing."""
     run_dir = tmp_path / "run"
     config = sglang_config(
         tmp_path, tiny_llamas.first, prompts, run_dir, transport="broadcast", rollouts=3, max_new_tokens=64,
         extra=engine_table(max_running_requests=4),
     )  # fmt: skip
+    started = time.monotonic()
     proc = start(config, "rollout.mode=one_step_off", "rollout.pause_mode=retract", "rollout.min_new_tokens=64")
-    returncode, output = finish(proc)
+    servers = ServerWatch(run_dir)
+    returncode, output = finish(proc, 900)  # (a few minutes; a hang fails here, not at the module's limit)
+    seen = servers.stop()
+    print(f"miles train on SGLang: {time.monotonic() - started:.0f} s")
     assert returncode == 0, output[-4000:] + logs(run_dir)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     check_verified(rows)
+    check_verification_choice(run_dir)
     assert sum(r["async/partial_samples"] for r in rows) >= 1, rows
-    partial = [s for step in (1, 2, 3) for s in samples(run_dir, step) if len(s["weight_versions"]) > 1]
-    assert partial
-    for s in partial:
-        (start0, end0, v0), (start1, _, v1) = s["weight_versions"][:2]
-        assert start0 == 0 and end0 == start1 and v1 == v0 + 1, s["weight_versions"]
-        assert s["weight_versions"][-1][1] == len(s["response_ids"]) == 64
+    for step in (1, 2, 3):
+        trained = samples(run_dir, step)
+        assert len(trained) == 16 and all(s["status"] != "failed" for s in trained), step
+        for s in trained:
+            spans = s["weight_versions"]
+            assert spans[0][0] == 0 and spans[-1][1] == len(s["response_ids"]) == 64, spans
+            assert all(a[1] == b[0] and b[2] == a[2] + 1 for a, b in itertools.pairwise(spans)), spans
+            assert max(step - 2, 0) <= spans[0][2] and spans[-1][2] <= step - 1, (step, spans)
+    assert all(len(s["weight_versions"]) == 1 for s in samples(run_dir, 1))  # nothing pushed before step 1 ends
+    partial = [s for step in (2, 3) for s in samples(run_dir, step) if len(s["weight_versions"]) > 1]
+    assert len(partial) == sum(r["async/partial_samples"] for r in rows)
     trainer = (run_dir / "logs" / "trainer-0.log").read_text()
     assert "broadcast transport: group" in trainer
+    (url,) = json.loads((run_dir / "fleet.json").read_text())["engine_urls"]
+    assert list(seen) == [url], seen
+    assert group_members(seen[url]) == [], f"left of the SGLang server {url}: {group_members(seen[url])}"
+    assert not serves(url)
     assert children_of_run(run_dir) == []
 
 
+@longer_run
 def test_two_engines_behind_smg_fully_async_with_abort_pauses(tmp_path: Path, tiny_llamas: Any, prompts: Path) -> None:
     """Two SGLang engines behind smg (``manual`` policy: each group's routing key pinned to one engine), fully
     async with ``abort`` pauses and ``disk`` pushes committed while the next step trains. From SGLang's own
@@ -417,6 +488,7 @@ def test_two_engines_behind_smg_fully_async_with_abort_pauses(tmp_path: Path, ti
     assert children_of_run(run_dir) == []
 
 
+@longer_run
 def test_lora_adapters_pushed_to_sglang(tmp_path: Path, tiny_llamas: Any, prompts: Path) -> None:
     """A LoRA run (``train.adapter``): SGLang launched with its LoRA flags (on a CPU its ``torch_native``
     kernels), each push an adapter directory loaded with ``/load_lora_adapter`` (the previous one unloaded
@@ -453,6 +525,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@longer_run
 def test_qwen3_moe_with_routing_replay_verified_by_logprobs(tmp_path: Path, tiny_moe: Path, prompts: Path) -> None:
     """Routing replay on a tiny Qwen3-MoE: SGLang launched with ``--enable-return-routed-experts`` (on a CPU
     through ``cpu_compat``), its flat routed experts read with the policy's router layout, replayed by the

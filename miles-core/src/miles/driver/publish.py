@@ -2,7 +2,8 @@
 
 - :class:`InlinePublisher`: every rank pushes through the transport, rank 0 verifies, and the step goes
   on when the engines serve the new version. While the group source produces (async modes) the engines
-  are paused around the push (``rollout.pause_mode``). When engines die during the push and others are
+  are paused around the push (``rollout.pause_mode``) and verified once they generate again (a paused
+  engine holds the logprob probe, a generation). When engines die during the push and others are
   left, the whole version is pushed again to those (every rank takes part: the buckets are collectives).
 - :class:`OverlappedPublisher`: async modes with a :class:`~miles.transport.base.StagedTransport` and
   ``rollout.overlap_weight_commit``: every rank *stages* version ``k`` (rank 0 snapshots the gathered
@@ -375,11 +376,12 @@ class InlinePublisher(WeightPublisher):
             if retries:
                 report.metrics["weight_sync/retries"] = float(retries)
             self.weight_version = version
-            await self.verify(report, step=step)
-            self._weights_reached(version)
             return report
 
         report: PushReport = await self._paused(push)
+        # verified once the engines generate again: a paused engine holds the logprob probe (a generation)
+        await self.verify(report, step=step)
+        self._weights_reached(version)
         if self.is_driver and loop.source is not None:
             loop.source.weights_changed(int(self.weight_version))
         return report

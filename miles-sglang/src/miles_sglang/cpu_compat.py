@@ -373,7 +373,7 @@ def unpin_on_cpu() -> bool:
     def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
         return self
 
-    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign,assignment]
+    torch.Tensor.pin_memory = pin_memory
     _unpinned = True
     log.debug("pin_memory requests allocate ordinary memory (torch has no CUDA)")
     return True

@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         served = results["sglang_bfloat16"]["http"]
         print(
             f"\n## SGLang on its CPU path against the local engine, over HTTP\n\nthe same rounds, bfloat16 both, "
-            f"{args.threads} thread(s) each; SGLang started in {results['sglang_bfloat16']['start_seconds']:.0f} s\n"
+            f"{args.threads} thread(s) each, {machine_info('cpu')['cpu']}; SGLang started in "
+            f"{results['sglang_bfloat16']['start_seconds']:.0f} s\n"
         )
         print(
             markdown_table(

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(
         f"## GRPO on SmolLM2 (the quickstart): SGLang rollout against the local engine\n\n{args.steps} steps each, "
-        f"4 prompts x 8 samples x up to 16 tokens a step, engines in bfloat16, same seeds\n"
+        f"4 prompts x 8 samples x up to 16 tokens a step, engines in bfloat16, same seeds, "
+        f"{machine_info('cpu')['cpu']}\n"
     )
     print(
         markdown_table(

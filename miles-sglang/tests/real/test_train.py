@@ -412,7 +412,8 @@ def test_one_step_off_broadcast_with_retract_pauses_keeps_partial_rollouts(
     )  # fmt: skip
     started = time.monotonic()
     # probe tolerance 0.01 (the default for bfloat16 engines is 0.1): the engine's logprobs of the probe are the
-    # trainer's within 0.001 here, and a step moves those of the stale samples by about 0.01
+    # trainer's within 0.001 here, while one step's change of the policy shows as about 0.01 (the fidelity of a
+    # step whose samples are partly one version old)
     proc = start(
         config, "rollout.mode=one_step_off", "rollout.pause_mode=retract", "rollout.min_new_tokens=64",
         "transport.verify_logprob_tolerance=0.01",

@@ -17,7 +17,8 @@ passes it on):
   group's samples on one engine, from SGLang's own counters (``/metrics``) and cached-token counts;
 - LoRA adapters pushed with miles-lora's ``lora`` transport (``/load_lora_adapter``);
 - a tiny Qwen3-MoE with routing replay: SGLang's routed experts in the trainer, pushes verified by logprobs
-  (SGLang answers no ``/get_weights_by_name`` for Qwen3).
+  (SGLang answers no ``/get_weights_by_name`` for Qwen3). Expected to fail: SGLang's CPU path takes no weight
+  update of a Qwen3-MoE (its router gate is held transposed after loading).
 """
 
 from __future__ import annotations
@@ -540,6 +541,12 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @longer_run
+@pytest.mark.xfail(
+    strict=True,
+    reason="SGLang 0.5.23's CPU path keeps a Qwen3-MoE router gate transposed in float32 after loading ([128, 8] "
+    "for the checkpoint's [8, 128]): /update_weights_from_distributed answers 400 at the first push and "
+    "/update_weights_from_disk kills the scheduler (its weight loader asserts the shape); seen 2026-12-06",
+)
 def test_qwen3_moe_with_routing_replay_verified_by_logprobs(tmp_path: Path, tiny_moe: Path, prompts: Path) -> None:
     """Routing replay on a tiny Qwen3-MoE: SGLang launched with ``--enable-return-routed-experts`` (on a CPU
     through ``cpu_compat``), its flat routed experts read with the policy's router layout, replayed by the

@@ -16,6 +16,14 @@ HTTP / HF. Medians of ``--repeats`` after a warm-up::
     python -m benchmarks.engine_http                       # SmolLM2, bfloat16 and float32
     python -m benchmarks.engine_http --dtypes bfloat16 --concurrency 8
 
+With ``--sglang`` (run with the python of the SGLang CPU environment, ``scripts/sglang/cpu_env.py``), real
+SGLang 0.5.23 on its CPU path serves the same model in bfloat16 after the local engine, started as ``miles
+train`` starts it (``SGLangEngine.launch`` with ``device="cpu"``, the cores of ``--threads`` bound with
+``SGLANG_CPU_OMP_THREADS_BIND``), and the same rounds go to it through the same client: a second table, SGLang
+against the local engine over HTTP, both bfloat16::
+
+    $(python scripts/sglang/cpu_env.py) -m benchmarks.engine_http --dtypes bfloat16 --sglang
+
 Writes ``benchmarks/results/engine_http.json``.
 """
 
@@ -78,6 +86,36 @@ def _in_process_round(state: Any, prompts: list[list[int]], new: int, as_http: b
     return elapsed
 
 
+def _sglang_server(path: Path, levels: list[int], threads: int, run_dir: Path) -> Any:
+    """Real SGLang on its CPU path serving ``path`` in bfloat16, started as ``miles train`` starts it (a
+    context manager yielding its URL; the server and its processes are reaped on leaving)."""
+    from contextlib import contextmanager
+
+    from miles.launch.local import LocalLauncher
+    from miles.net import free_port
+    from miles_sglang.checks import cpu_problems
+    from miles_sglang.engine import SGLangEngine
+    from miles_sglang.settings import SGLangEngineSettings
+
+    settings = SGLangEngineSettings(max_total_tokens=8192, max_running_requests=max(levels), log_level="warning")
+    problems = cpu_problems(settings)
+    if problems:
+        raise SystemExit("--sglang: " + "; ".join(problems))
+    launch = SGLangEngine(settings).launch(
+        model_path=str(path), host="127.0.0.1", port=free_port(), device="cpu", dtype="bfloat16", devices=[], seed=0
+    )
+    cores = "0" if threads == 1 else f"0-{threads - 1}"
+    launch.env = {**launch.env, "SGLANG_CPU_OMP_THREADS_BIND": cores, "OMP_NUM_THREADS": str(threads)}
+
+    @contextmanager
+    def serving() -> Any:
+        with LocalLauncher(run_dir=str(run_dir)) as launcher:
+            (url,) = launcher.start_engines([launch], timeout=1800)
+            yield url
+
+    return serving()
+
+
 def _timed(round_: Any, repeats: int, steps: Any) -> tuple[float, float]:
     """Median seconds of ``repeats`` calls of ``round_(r)`` and the decode steps each took (mean)."""
     times, counts = [], []
@@ -97,6 +135,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument(
+        "--sglang", action="store_true", help="also real SGLang on its CPU path, bfloat16 (the SGLang CPU environment)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.concurrency, args.new_tokens, args.repeats = "tiny", "1,8", 16, 1
@@ -192,6 +233,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"{http[c] / hf_tps[c]:.2f}x",
                     )
                 )
+        if args.sglang:
+            results["sglang_bfloat16"] = sglang = {"http": {}, "start_seconds": 0.0}
+            start = time.perf_counter()
+            with _sglang_server(path, levels, args.threads, Path(tmp) / "sglang") as url:
+                sglang["start_seconds"] = time.perf_counter() - start
+                for c in levels:
+                    asyncio.run(_http_round(url, prompts[c], 2, 0))  # warm-up
+                    seconds, _ = _timed(
+                        lambda r, c=c, url=url: asyncio.run(_http_round(url, prompts[c], args.new_tokens, r)),
+                        args.repeats,
+                        lambda: 0,
+                    )
+                    sglang["http"][c] = c * args.new_tokens / seconds
     headers = [
         "engine dtype",
         "concurrent requests",
@@ -210,9 +264,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.new_tokens} new tokens sampled (fixed length), median of {args.repeats}\n"
     )
     print(markdown_table(headers, rows))
+    if args.sglang:
+        local_bf16 = results.get("bfloat16", {}).get("http", {})
+        served = results["sglang_bfloat16"]["http"]
+        print(
+            f"\n## SGLang on its CPU path against the local engine, over HTTP\n\nthe same rounds, bfloat16 both, "
+            f"{args.threads} thread(s) each, {machine_info('cpu')['cpu']}; SGLang started in "
+            f"{results['sglang_bfloat16']['start_seconds']:.0f} s\n"
+        )
+        print(
+            markdown_table(
+                ["concurrent requests", "SGLang tok/s", "local engine tok/s", "SGLang / local"],
+                [
+                    (
+                        c,
+                        f"{served[c]:.1f}",
+                        f"{local_bf16[c]:.1f}" if c in local_bf16 else "-",
+                        f"{served[c] / local_bf16[c]:.2f}x" if c in local_bf16 else "-",
+                    )
+                    for c in levels
+                ],
+            )
+        )
     payload = {
         "machine": machine_info("cpu"),
-        "versions": versions(),
+        "versions": versions(("sglang", "sglang-kernel-cpu") if args.sglang else ()),
         "config": {k: v for k, v in vars(args).items() if k != "results_dir"},
         "results": results,
     }

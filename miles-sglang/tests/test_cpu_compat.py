@@ -168,3 +168,90 @@ def test_the_hook_gives_old_kernels_the_new_schemas(tmp_path: Path) -> None:
     assert result["hash"] == [[3656549299]]
     assert result["meta_doc"].startswith("Left empty by miles_sglang.cpu_compat")
     assert result["again"] == []  # idempotent
+
+
+# a stand-in of SGLang 0.5.23's host pool: its registration calls torch.cuda.cudart(), as SGLang's does
+FAKE_HOST_POOL = """
+import torch
+
+def _cuda_host_register(buffer, registration_granularity_bytes=None):
+    torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+
+def alloc_with_host_register(dims, dtype, device, pin_memory, allocator=None):
+    buffer = torch.zeros(dims, dtype=dtype)
+    if pin_memory:
+        _cuda_host_register(buffer)
+    return buffer
+"""
+
+HOST_POOL_DRIVER = """
+import json, torch
+import miles_sglang.cpu_compat as compat
+compat.install()
+from sglang.srt.mem_cache.pool_host import common
+buffer = common.alloc_with_host_register((4, 2, 2), torch.int32, "cpu", pin_memory=True)
+print(json.dumps({"shape": list(buffer.shape), "ranges": buffer._sglang_cuda_host_registered_ranges,
+                  "patched": common._cuda_host_register is compat.host_register_on_cpu}))
+"""
+
+
+def test_host_buffers_are_not_page_locked_on_a_cpu(tmp_path: Path) -> None:
+    """SGLang's routed-experts capturer allocates its host buffer through ``_cuda_host_register``, which calls
+    ``torch.cuda.cudart()``: on a CPU torch that raises; with the hook the buffer is allocated, unregistered."""
+    package = tmp_path / "sglang" / "srt" / "mem_cache" / "pool_host"
+    package.mkdir(parents=True)
+    for folder in (package, *list(package.parents)[:3]):
+        (folder / "__init__.py").write_text("")
+    (package / "common.py").write_text(FAKE_HOST_POOL)
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src)])}
+    driver = textwrap.dedent(HOST_POOL_DRIVER)
+    out = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"shape": [4, 2, 2], "ranges": [], "patched": True}
+    # without the hook (which the SGLang CPU environment installs at every start): what SGLang does on a CPU torch
+    bare = driver.replace("compat.install()", "compat._hook in sys.meta_path and sys.meta_path.remove(compat._hook)")
+    bare = bare.replace("import json, torch", "import json, sys, torch")
+    out = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0 and "Torch not compiled with CUDA enabled" in out.stderr
+
+
+# a stand-in of SGLang 0.5.23's LoRA layers (a namespace package): they pin host tensors whatever the device
+FAKE_LORA_LAYERS = """
+import torch
+
+def offsets():
+    return torch.tensor([0, 4], dtype=torch.int32, device="cpu", pin_memory=True), torch.ones(3).pin_memory()
+"""
+
+LORA_DRIVER = """
+import json, sys, torch
+import miles_sglang.cpu_compat as compat
+compat.install()
+from sglang.srt.lora import layers
+try:
+    a, b = layers.offsets()
+    print(json.dumps({"offsets": a.tolist(), "ones": b.tolist(), "pinned": a.is_pinned()}))
+except RuntimeError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def test_lora_host_tensors_are_not_pinned_on_a_cpu(tmp_path: Path) -> None:
+    """``--enable-lora`` died at start on a CPU torch: SGLang's LoRA layers ask for pinned host tensors, which it
+    cannot allocate. With the hook, the LoRA package's tensors are ordinary ones; without it, the error."""
+    package = tmp_path / "sglang" / "srt" / "lora"
+    package.mkdir(parents=True)
+    for folder in (package.parent, package.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "layers.py").write_text(FAKE_LORA_LAYERS)  # (no __init__.py: a namespace package, as SGLang's)
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src)])}
+    driver = textwrap.dedent(LORA_DRIVER)
+    out = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"offsets": [0, 4], "ones": [1.0, 1.0, 1.0], "pinned": False}
+    bare = driver.replace("compat.install()", "compat._hook in sys.meta_path and sys.meta_path.remove(compat._hook)")
+    out = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "pin_memory=True requires a CUDA" in json.loads(out.stdout)["error"]

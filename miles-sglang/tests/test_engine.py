@@ -75,7 +75,9 @@ def test_every_option_on_the_launch_command() -> None:
         model_path="/m", host="127.0.0.1", port=1, device="cuda", dtype="bfloat16", devices=[0, 1]
     )
     assert engine_launch.health_path == "/health_generate" and engine_launch.url == "http://127.0.0.1:1"
-    assert engine_launch.env == {}  # GPUs are chosen with --base-gpu-id, not CUDA_VISIBLE_DEVICES
+    assert engine_launch.env == {
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"
+    }  # GPUs are chosen with --base-gpu-id, not CUDA_VISIBLE_DEVICES
 
 
 def test_memory_saver_follows_colocation_unless_set() -> None:
@@ -108,7 +110,7 @@ def test_cpu_launch_command() -> None:
         "--weight-version", "0", "--max-total-tokens", "4096",
         "--skip-server-warmup", "--disable-overlap-schedule",
     ]  # fmt: skip
-    assert engine_launch.env == {"SGLANG_USE_CPU_ENGINE": "1"}
+    assert engine_launch.env == {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
     assert engine_launch.health_path == "/health_generate" and engine_launch.url == "http://127.0.0.1:30002"
     # rank 2 of a colocated CPU run: seed + rank, and no memory saver (it pages CUDA memory)
     argv = launch(SGLangEngineSettings(), device="cpu", devices=[], rank=2, seed=5, colocate=True)
@@ -119,6 +121,33 @@ def test_cpu_launch_command() -> None:
     assert "--disable-overlap-schedule" not in launch(SGLangEngineSettings())
     with pytest.raises(SettingsError, match='rollout.engine_dtype: .* no float32 path .* = "bfloat16"'):
         launch(SGLangEngineSettings(), device="cpu", devices=[], dtype="float32")
+
+
+def test_health_does_not_generate() -> None:
+    """SGLang's ``/health`` generated a token by default and answered 503 after 20 s without one: a paused engine
+    (each push of an async run) looked dead to Miles' failover and to smg. Every engine is started with
+    ``/health`` as a liveness check (``/health_generate``, which the launcher waits on, still generates)."""
+    on_gpu = SGLangEngine(SGLangEngineSettings()).launch(
+        model_path="/models/qwen", host="127.0.0.1", port=30004, device="cuda", dtype="bfloat16", devices=[0]
+    )
+    assert on_gpu.env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+    assert on_gpu.health_path == "/health_generate"
+
+
+def test_lora_on_a_cpu_takes_sglangs_torch_kernels() -> None:
+    """SGLang's default LoRA backend (``csgmv``) and its others are Triton GPU kernels: on a CPU the engine
+    asks for ``torch_native`` (``tests/real`` serves adapters with it), unless the settings name a backend."""
+    from miles_sglang.command import EnginePlacement, launch_argv
+
+    where = EnginePlacement("/models/llama", "127.0.0.1", 30003, None, 1, "bfloat16", False, device="cpu")
+    lora = SGLangEngineSettings(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
+    argv = launch_argv(lora, where)
+    assert argv[argv.index("--lora-backend") + 1] == "torch_native"
+    chosen = launch_argv(lora.model_copy(update={"lora_backend": "triton"}), where)
+    assert chosen[chosen.index("--lora-backend") + 1] == "triton"
+    on_gpu = launch_argv(lora, EnginePlacement("/models/llama", "127.0.0.1", 30003, 0, 1, "bfloat16", False))
+    assert "--lora-backend" not in on_gpu  # SGLang's own choice
+    assert "--lora-backend" not in launch_argv(SGLangEngineSettings(), where)  # no LoRA, no LoRA flags
 
 
 def test_cpu_host_problems_name_what_is_missing_and_how_to_build_it() -> None:

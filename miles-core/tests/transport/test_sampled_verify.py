@@ -15,7 +15,7 @@ import torch
 from miles.errors import WeightVerificationError
 from miles.rollout.http_client import HttpEngineClient
 from miles.testing.engine import EngineProcess
-from miles.transport.verify import WeightSampler, verify_sampled
+from miles.transport.verify import WeightSampler, reference_rows, rows_problem, verify_sampled
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,31 @@ def test_get_weights_by_name_answers_like_sglang(engine: EngineProcess, models: 
     assert torch.equal(torch.tensor(head), state["model.embed_tokens.weight"][:1].float())
     bad = httpx.post(engine.url + "/get_weights_by_name", json={"name": "model.nope.weight"}, timeout=30)
     assert bad.status_code == 400 and "model.nope.weight" in bad.json()["message"]
+
+
+def test_rows_are_chosen_only_where_the_engines_answer_the_checkpoints_own_rows(
+    engine: EngineProcess, models: dict[str, Path]
+) -> None:
+    """``verify_with = "auto"`` takes rows only where every engine answers ``/get_weights_by_name`` with the
+    checkpoint's first rows, for a tensor of each kind (the first layer's and those outside the layers). SGLang on
+    a CPU with AMX answers its repacked linear layers (seen on real SGLang: ``tests/real``); a checkpoint other
+    than the one served stands in for that here, and a name the engine lacks for a model class without the
+    route."""
+    reference = reference_rows(str(models["a"]), "float32")
+    assert {n for n in reference if ".layers." in n} == {n for n in hf_state(models["a"]) if ".layers.0." in n}
+    assert "model.embed_tokens.weight" in reference and all(t.shape[0] <= 2 for t in reference.values())
+    assert reference_rows(str(models["a"] / "model.safetensors"), "float32") == {}  # not a folder
+
+    async def main() -> None:
+        async with HttpEngineClient([engine.url]) as client:
+            assert await rows_problem(client, reference) is None
+            other = await rows_problem(client, reference_rows(str(models["b"]), "float32"))
+            assert other is not None and "with other values than the checkpoint's" in other
+            ghost = await rows_problem(client, {"model.ghost.weight": torch.zeros(2)})
+            assert ghost is not None and "answers no /get_weights_by_name for 'model.ghost.weight'" in ghost
+            assert await rows_problem(client, {}) == "no safetensors checkpoint to compare the engines' answers with"
+
+    asyncio.run(main())
 
 
 def test_sampled_verification_passes_then_catches_what_was_not_pushed(

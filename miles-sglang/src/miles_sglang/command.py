@@ -17,11 +17,18 @@ from miles_sglang.settings import SGLangEngineSettings
 if TYPE_CHECKING:
     from miles.training.adapter import LowRankSpec
 
-__all__ = ["CPU_ENV", "EnginePlacement", "launch_argv", "lora_argv"]
+__all__ = ["CPU_ENV", "ENGINE_ENV", "EnginePlacement", "launch_argv", "lora_argv"]
 
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 """The environment in which SGLang takes its CPU path (``sglang.srt.utils.is_cpu``; ``--device cpu`` alone
 leaves it on its CUDA defaults)."""
+
+ENGINE_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+"""The environment of every SGLang engine Miles starts. SGLang 0.5.23's ``/health`` otherwise generates a token
+and answers only once its detokenizer says something (503 after 20 s): a paused engine (every weight push in
+the async modes), or one whose queue is long on busy cores, looked dead to Miles' failover (``/health``, 10 s)
+and to smg's health checks. With it, ``/health`` says the server process answers; ``/health_generate`` still
+generates (the launcher waits on it at start)."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,10 @@ class EnginePlacement:
         return self.device == "cpu"
 
 
-def lora_argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None) -> list[str]:
+def lora_argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None, *, device: str = "cuda") -> list[str]:
     """SGLang's LoRA flags for an engine that serves the run's ``adapter`` (``None``: the run trains none).
+    On a CPU (``device = "cpu"``) the LoRA kernels default to ``torch_native``: SGLang's default (``csgmv``)
+    and its other backends are Triton kernels for GPUs.
 
     Adapters are loaded at run time, so SGLang needs the largest rank and the target projections up front
     (``--max-lora-rank``, ``--lora-target-modules``): taken from ``adapter`` unless set. Raises
@@ -81,8 +90,9 @@ def lora_argv(settings: SGLangEngineSettings, adapter: LowRankSpec | None) -> li
         argv += ["--max-loras-per-batch", str(settings.max_loras_per_batch)]
     if settings.max_loaded_loras is not None:
         argv += ["--max-loaded-loras", str(settings.max_loaded_loras)]
-    if settings.lora_backend is not None:
-        argv += ["--lora-backend", settings.lora_backend]
+    backend = settings.lora_backend or ("torch_native" if device == "cpu" else None)
+    if backend is not None:
+        argv += ["--lora-backend", backend]
     return argv
 
 
@@ -133,5 +143,5 @@ def launch_argv(
         "--disable-overlap-schedule": where.on_cpu,
     }
     argv += [flag for flag, on in switches.items() if on]
-    argv += lora_argv(settings, adapter)
+    argv += lora_argv(settings, adapter, device=where.device)
     return argv + list(settings.extra_args)

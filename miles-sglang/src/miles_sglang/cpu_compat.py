@@ -17,6 +17,17 @@ the hooked modules are imported:
     :func:`murmur_hash32`, the Triton kernel's hash in torch.
 
   A kernel built from a newer source that has these schemas is left alone.
+- ``sglang.srt.mem_cache.pool_host.common``: SGLang page-locks host buffers for CUDA copies
+  (``_cuda_host_register``: ``torch.cuda.cudart().cudaHostRegister``) whatever the device — the routed-experts
+  capturer of ``--enable-return-routed-experts`` does so at start, and a CPU torch then fails with "Torch not
+  compiled with CUDA enabled". Page-locking has no purpose without a GPU: where torch has no CUDA,
+  :func:`host_register_on_cpu` takes its place and records that nothing was registered (so SGLang's own
+  unregistering finds nothing to undo).
+- ``sglang.srt.lora.*``: SGLang's LoRA layers and backends allocate page-locked host tensors unconditionally
+  (``torch.tensor(..., pin_memory=True)``, ``tensor.pin_memory()``), which a CPU torch refuses ("pin_memory=True
+  requires a CUDA or other accelerator backend"): ``--enable-lora`` killed the server at start. Where torch has
+  no CUDA, :func:`unpin_on_cpu` makes those requests allocate ordinary memory, in the process that imports
+  SGLang's LoRA package (a request that can only fail on such a torch, so nothing that worked changes).
 - ``torchvision._meta_registrations``: PyPI's torchvision is built against CUDA, so its C++ ops do not load
   beside a CPU torch, and its meta-kernel module then fails at import (``operator torchvision::nms does not
   exist``) — SGLang imports ``torchvision.transforms`` unconditionally. When the ops did not load, that module
@@ -37,7 +48,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["COMPAT_OVERLOAD", "install", "installed", "murmur_hash32", "register_kernel_ops"]
+__all__ = [
+    "COMPAT_OVERLOAD",
+    "HOST_POOL_MODULE",
+    "LORA_PACKAGE",
+    "host_register_on_cpu",
+    "install",
+    "installed",
+    "murmur_hash32",
+    "patch_host_pool",
+    "register_kernel_ops",
+    "unpin_on_cpu",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +82,11 @@ _EXTEND_SCHEMA = (
 _MURMUR_SCHEMA = "murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor"
 
 _SOURCE = "the CPU kernels built from third_party/sgl-kernel-cpu"
+
+HOST_POOL_MODULE = "sglang.srt.mem_cache.pool_host.common"
+"""The SGLang module whose ``_cuda_host_register`` page-locks host buffers (:func:`patch_host_pool`)."""
+_REGISTERED_RANGES = "_sglang_cuda_host_registered_ranges"
+"""The attribute in which SGLang 0.5.23 keeps the ranges it registered on a buffer (empty: none)."""
 
 _library: Any = None
 """The ``torch.library.Library`` fragment holding the registrations (kept alive: they die with it)."""
@@ -289,9 +316,72 @@ def register_kernel_ops() -> list[str]:
     return added
 
 
+# -- page-locked host buffers -------------------------------------------------------------------------
+def host_register_on_cpu(buffer: torch.Tensor, registration_granularity_bytes: int | None = None) -> None:
+    """SGLang's ``_cuda_host_register`` where torch has no CUDA: nothing to page-lock for; the buffer is
+    marked as holding no registered range, as SGLang marks a buffer it did not register."""
+    setattr(buffer, _REGISTERED_RANGES, [])
+
+
+def patch_host_pool(module: types.ModuleType) -> bool:
+    """Replace ``module._cuda_host_register`` (SGLang's :data:`HOST_POOL_MODULE`) by
+    :func:`host_register_on_cpu` when torch has no CUDA; returns whether it did. Raises
+    :class:`RuntimeError` when the module has no such function (another SGLang: check this patch)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    if not callable(getattr(module, "_cuda_host_register", None)):
+        raise RuntimeError(
+            f"{module.__name__} has no _cuda_host_register: not SGLang 0.5.23's host pool (miles_sglang.cpu_compat)"
+        )
+    module._cuda_host_register = host_register_on_cpu  # type: ignore[attr-defined]
+    log.debug("%s: host buffers are not page-locked on a CPU", module.__name__)
+    return True
+
+
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_strided")
+"""The torch factories SGLang's LoRA code calls with ``pin_memory=True``."""
+_unpinned = False
+
+
+def unpin_on_cpu() -> bool:
+    """Where torch has no CUDA: ``pin_memory=True`` of the :data:`_PINNING_FACTORIES` is dropped and
+    ``Tensor.pin_memory()`` returns the tensor (both raise on such a torch: there is no page-locked allocator
+    and nothing to copy to). Idempotent; returns whether this process is patched."""
+    global _unpinned
+    import functools
+
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    if _unpinned:
+        return True
+
+    def unpinned(factory: Any) -> Any:
+        @functools.wraps(factory)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return call
+
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        return self
+
+    torch.Tensor.pin_memory = pin_memory
+    _unpinned = True
+    log.debug("pin_memory requests allocate ordinary memory (torch has no CUDA)")
+    return True
+
+
 # -- import hook ---------------------------------------------------------------------------------------
 class _AfterLoad(importlib.abc.Loader):
-    """Runs the module's own loader, then ``then()``."""
+    """Runs the module's own loader, then ``then()`` (given the module when it takes an argument)."""
 
     def __init__(self, loader: importlib.abc.Loader, then: Any) -> None:
         self._loader = loader
@@ -302,7 +392,7 @@ class _AfterLoad(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
-        self._then()
+        self._then(module)
 
 
 class _EmptyModule(importlib.abc.Loader):
@@ -321,9 +411,22 @@ def _torchvision_has_ops() -> bool:
     return extension is None or bool(extension._has_ops())
 
 
+def _unpin_after_load(module: types.ModuleType) -> None:
+    unpin_on_cpu()
+
+
+_AFTER_LOAD: dict[str, Any] = {
+    "sgl_kernel": lambda module: register_kernel_ops(),
+    HOST_POOL_MODULE: patch_host_pool,
+}
+"""What runs once each hooked module has loaded."""
+LORA_PACKAGE = "sglang.srt.lora"
+"""SGLang's LoRA code (a namespace package: the hook catches each of its modules, :func:`unpin_on_cpu`)."""
+
+
 class _ImportHook(importlib.abc.MetaPathFinder):
-    """Registers the kernel overloads after ``sgl_kernel`` loads; stands in for torchvision's meta kernels
-    when its C++ ops did not load."""
+    """Registers the kernel overloads after ``sgl_kernel`` loads and patches SGLang's host pool after it loads;
+    stands in for torchvision's meta kernels when its C++ ops did not load."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
@@ -331,12 +434,15 @@ class _ImportHook(importlib.abc.MetaPathFinder):
         if fullname == "torchvision._meta_registrations" and not _torchvision_has_ops():
             doc = "Left empty by miles_sglang.cpu_compat: torchvision's C++ ops did not load (a CUDA build)."
             return importlib.machinery.ModuleSpec(fullname, _EmptyModule(doc))
-        if fullname != "sgl_kernel":
+        after = _AFTER_LOAD.get(fullname)
+        if after is None and fullname.startswith(LORA_PACKAGE + "."):
+            after = _unpin_after_load
+        if after is None:
             return None
         spec = _find_elsewhere(self, fullname, path, target)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _AfterLoad(spec.loader, register_kernel_ops)
+        spec.loader = _AfterLoad(spec.loader, after)
         return spec
 
 
@@ -364,6 +470,10 @@ def install() -> None:
         sys.meta_path.insert(0, _hook)
     if "sgl_kernel" in sys.modules:
         register_kernel_ops()
+    if HOST_POOL_MODULE in sys.modules:
+        patch_host_pool(sys.modules[HOST_POOL_MODULE])
+    if any(name.startswith(LORA_PACKAGE + ".") for name in sys.modules):
+        unpin_on_cpu()
 
 
 def installed() -> bool:

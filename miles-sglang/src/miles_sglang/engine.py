@@ -24,14 +24,34 @@ from typing import TYPE_CHECKING
 from miles.errors import SettingsError
 from miles.rollout.backend import EngineCapabilities, EngineLaunch, RolloutEngine
 from miles_sglang.checks import host_problems, node_problems
-from miles_sglang.command import CPU_ENV, EnginePlacement, launch_argv
+from miles_sglang.command import CPU_ENV, ENGINE_ENV, EnginePlacement, launch_argv
 from miles_sglang.serve import keyed_launch
 from miles_sglang.settings import SGLangEngineSettings
 
 if TYPE_CHECKING:
     from miles.settings.model import MilesSettings
 
-__all__ = ["SGLangEngine"]
+__all__ = ["SGLangEngine", "pause_problems"]
+
+
+def pause_problems(settings: MilesSettings) -> list[str]:
+    """Why SGLang cannot take the run's weight pushes while it generates (empty when it can).
+
+    In the async modes the engines are paused around each push (``rollout.pause_mode``). SGLang 0.5.23's
+    ``in_place`` pause keeps the paused requests in its running batch, and every weight update ends with a
+    flush of the prefix cache (its KV was computed by the old weights), which SGLang refuses while requests
+    are running (``Scheduler.flush_cache``: ``is_fully_idle``); the update call then fails ("Weights were
+    updated, but the cache was not flushed because requests are still running or queued") and the run stops
+    at its first push. ``retract`` moves them to the waiting queue, which a paused flush ignores."""
+    rollout = settings.rollout
+    if rollout.mode == "sync" or rollout.pause_mode != "in_place":
+        return []
+    return [
+        f"rollout.pause_mode: 'in_place' cannot pause SGLang for a weight push with rollout.mode = "
+        f"{rollout.mode!r}: SGLang keeps the paused requests running and refuses the push's cache flush "
+        "(the update fails with 'requests are still running or queued'); use pause_mode 'retract' (requests "
+        "resume under the new weights, their KV recomputed) or 'abort' (they are sent again)"
+    ]
 
 
 class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
@@ -50,10 +70,10 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
 
     @classmethod
     def check_settings(cls, options: SGLangEngineSettings, settings: MilesSettings) -> None:
-        """Refuse a run this host cannot serve (SGLang or its CPU kernels missing, no or too few GPUs, a CPU
-        without AVX-512 BF16), before anything starts; on a cluster the GPUs are checked per node instead
-        (:meth:`placement_problems`)."""
-        problems = host_problems(options, settings)
+        """Refuse, before anything starts, a run SGLang cannot serve (:func:`pause_problems`) or this host
+        cannot (SGLang or its CPU kernels missing, no or too few GPUs, a CPU without AVX-512 BF16); on a cluster
+        the GPUs are checked per node instead (:meth:`placement_problems`)."""
+        problems = pause_problems(settings) + host_problems(options, settings)
         if problems:
             raise SettingsError("\n".join(problems))
 
@@ -113,6 +133,6 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
         return EngineLaunch(
             argv=keyed_launch(launch_argv(settings, where, self.adapter)),  # the run's keys: miles_sglang.serve
             url=f"http://{host}:{port}",
-            env=dict(CPU_ENV) if on_cpu else {},
+            env={**ENGINE_ENV, **(CPU_ENV if on_cpu else {})},
             health_path="/health_generate",
         )

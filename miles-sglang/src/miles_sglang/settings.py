@@ -61,7 +61,8 @@ class SGLangEngineSettings(ComponentSettings):
     max_loaded_loras: int | None = Field(None, ge=1)
     """Adapters held in CPU memory at most (``--max-loaded-loras``; at least ``max_loras_per_batch``)."""
     lora_backend: str | None = None
-    """SGLang's multi-LoRA kernels (``--lora-backend``: ``csgmv``, ``triton`` ...; default: its choice)."""
+    """SGLang's multi-LoRA kernels (``--lora-backend``: ``csgmv``, ``triton``, ``torch_native`` ...; default: its
+    choice on a GPU, ``torch_native`` on a CPU, where its other backends, Triton kernels, do not run)."""
     extra_args: list[str] = Field(default_factory=list)
     """Any other ``sglang.launch_server`` flags, passed as given (``["--chunked-prefill-size", "4096"]``)."""
 

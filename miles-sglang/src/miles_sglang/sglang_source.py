@@ -315,9 +315,17 @@ class SGLangSource:
                 out.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
         return out
 
+    def tree(self, module: str) -> ast.Module:
+        """The parsed source of ``module`` (``sglang.srt.environ``; a package: its ``__init__.py``), empty when
+        SGLang has no such module."""
+        base = self.root.parent.joinpath(*module.split("."))
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.exists():
+                return ast.parse(path.read_text())
+        return ast.Module(body=[], type_ignores=[])
+
     def _module(self, module: str) -> ast.Module:
-        path = self.root.parent.joinpath(*module.split(".")).with_suffix(".py")
-        return ast.parse(path.read_text()) if path.exists() else ast.Module(body=[], type_ignores=[])
+        return self.tree(module)
 
     def defines(self, module: str, name: str) -> bool:
         """Whether ``module`` (``sglang.srt.utils.common``) defines ``name`` at its top level."""

@@ -307,3 +307,31 @@ def test_lora_requests_are_sglangs(
     assert generate.payload is not None and generate.payload["lora_path"] == "policy"
     problems = [p for call in calls for p in request_problems(call, source)]
     assert problems == [], "\n".join(problems)
+
+
+def test_the_environment_miles_sets_is_sglangs(source: SGLangSource) -> None:
+    """Every variable Miles puts in an engine's environment is one SGLang 0.5.23 reads: ``/health`` as a liveness
+    check (an ``Envs`` field of ``sglang.srt.environ``, false with ``0``) and the CPU switch (read with
+    ``os.getenv`` in ``sglang.srt.platforms``)."""
+    import ast
+
+    from miles_sglang.command import CPU_ENV, ENGINE_ENV
+
+    def fields(module: str) -> set[str]:
+        return {
+            target.id
+            for node in ast.walk(source.tree(module))
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+
+    def strings(module: str) -> set[str]:
+        return {
+            node.value
+            for node in ast.walk(source.tree(module))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        }
+
+    assert set(ENGINE_ENV) <= fields("sglang.srt.environ")
+    assert set(CPU_ENV) <= strings("sglang.srt.platforms")

@@ -15,10 +15,10 @@ step, from the rollout on:
 7. ``push``: the new weights go to the engines (the trainer's weights are still on the device: the push reads
    them);
 8. ``trainer offload weights``: the trained model's parameters leave the device too;
-9. ``engine resume kv``: the engines take their KV cache and CUDA graphs back, and the push is verified (a
-   verification by logprobs generates);
+9. ``engine resume kv``: the engines take their KV cache and CUDA graphs back and generate again (paused
+   since the release); the push is verified (a verification by logprobs generates);
 
-then generation continues (the next step's rollout). Before the engines start, the trainer, loaded (a
+then the next step's rollout. Before the engines start, the trainer, loaded (a
 resumed run's checkpoint too), offloads everything (``trainer offload``); the engines start once every rank
 has (:func:`miles.host.train.run_training` waits for :data:`LOADED_FILE`). A checkpoint or the final export
 brings the trainer back for its time (:meth:`Colocation.trainer_back`). Rank 0 logs each phase as
@@ -172,5 +172,6 @@ class Colocation:
         if self.engines_released:
             if self.client is not None:
                 await self.client.resume_memory(("kv_cache", "cuda_graph"))
-                self.phase("engine resume kv", "kv_cache, cuda_graph")
+                await self.client.continue_generation()  # (paused since the release)
+                self.phase("engine resume kv", "kv_cache, cuda_graph; generation continues")
             self.engines_released = False

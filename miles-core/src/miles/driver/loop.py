@@ -241,8 +241,6 @@ class TrainingLoop:
         metrics.update(await self.compute.run(lambda: self.train_on(groups)))
         self.step += 1
         report = await self.publisher.publish(self.step)  # (colocated: the phases around the push)
-        if self.colocation.active and self.client is not None:
-            await self.client.continue_generation()  # (the engines paused when they released their memory)
         if self.is_driver:
             metrics.update(self.publisher.metrics(report))
             if self.client is not None:

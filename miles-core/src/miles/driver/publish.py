@@ -2,7 +2,8 @@
 
 - :class:`InlinePublisher`: every rank pushes through the transport, rank 0 verifies, and the step goes
   on when the engines serve the new version. While the group source produces (async modes) the engines
-  are paused around the push (``rollout.pause_mode``). When engines die during the push and others are
+  are paused around the push (``rollout.pause_mode``) and verified once they generate again (a paused
+  engine holds the logprob probe, a generation). When engines die during the push and others are
   left, the whole version is pushed again to those (every rank takes part: the buckets are collectives).
 - :class:`OverlappedPublisher`: async modes with a :class:`~miles.transport.base.StagedTransport` and
   ``rollout.overlap_weight_commit``: every rank *stages* version ``k`` (rank 0 snapshots the gathered
@@ -118,22 +119,24 @@ class WeightPublisher(ABC):
 
     async def _choose_verification(self) -> None:
         """Every rank: settle :attr:`verification` (``auto``: rows where every engine answers
-        ``/get_weights_by_name`` for the model's first tensor, else logprobs) and the probe, as rank 0 finds."""
+        ``/get_weights_by_name`` with the checkpoint's own rows, else logprobs) and the probe, as rank 0 finds."""
         from miles.training.comm import broadcast_json
-        from miles.transport.verify import PROBE_TEXT, serves_rows
+        from miles.transport.verify import PROBE_TEXT, reference_rows, rows_problem
 
         loop = self.loop
         decided: dict[str, Any] | None = None
         if self.is_driver:
             method = self.verification
             if method == "auto":
-                assert loop.client is not None
-                name = _first_tensor_name(loop.settings.train.model_path)
-                method = "rows" if name is not None and await serves_rows(loop.client, name) else "logprobs"
-                if method == "logprobs":
+                assert loop.client is not None and loop.transport is not None
+                reference = reference_rows(loop.settings.train.model_path, loop.transport.engine_dtype)
+                problem = await rows_problem(loop.client, reference)
+                method = "rows" if problem is None else "logprobs"
+                if problem is not None:
                     log.info(
-                        "the engines answer no /get_weights_by_name for this model: each push is verified by "
-                        "their logprobs of a probe sequence (transport.verify_with = 'logprobs')"
+                        "sampled rows cannot verify pushes to these engines (%s): each push is verified by their "
+                        "logprobs of a probe sequence (transport.verify_with = 'logprobs')",
+                        problem,
                     )
             probe = [int(t) for t in loop.tokenizer.encode(PROBE_TEXT)] if method == "logprobs" else []
             decided = {"method": method, "probe": probe}
@@ -378,13 +381,14 @@ class InlinePublisher(WeightPublisher):
             if retries:
                 report.metrics["weight_sync/retries"] = float(retries)
             self.weight_version = version
-            if self.colocation is not None:
+            if self.colocation is not None:  # (then the engines generate again: verification may generate)
                 await self.colocation.after_push()
-            await self.verify(report, step=step)
-            self._weights_reached(version)
             return report
 
         report: PushReport = await self._paused(push)
+        # verified once the engines generate again: a paused engine holds the logprob probe (a generation)
+        await self.verify(report, step=step)
+        self._weights_reached(version)
         if self.is_driver and loop.source is not None:
             loop.source.weights_changed(int(self.weight_version))
         return report
@@ -520,19 +524,3 @@ def make_publisher(loop: PublishContext, run: Run) -> WeightPublisher:
     )
     publisher = OverlappedPublisher if overlapped else InlinePublisher
     return publisher(loop, sample_pushes=loop.transport is not None and not run.engine_capabilities.weights_checksum)
-
-
-def _first_tensor_name(model_path: str | None) -> str | None:
-    """The name of the first tensor of the model's safetensors (a name every engine serving it knows)."""
-    from pathlib import Path
-
-    if model_path is None:
-        return None
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(files[0]), framework="pt") as f:
-        names = sorted(f.keys())
-    return names[0] if names else None

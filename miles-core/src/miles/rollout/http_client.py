@@ -30,7 +30,6 @@ import asyncio
 import bisect
 import hashlib
 import logging
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,7 +49,7 @@ from miles.rollout.protocol import (
     PauseMode,
     SamplingParams,
 )
-from miles.rollout.smg_workers import SmgWorkers
+from miles.rollout.smg_workers import ROUTED_WORKER_HEADER, SmgWorkers, routing_header_value
 
 __all__ = ["ROUTED_WORKER_HEADER", "EngineHTTPError", "HttpEngineClient", "routing_header_value"]
 
@@ -60,19 +59,6 @@ _RETRY_STATUS = {502, 503, 504}
 HEALTH_ATTEMPTS = 3
 """Connections a ``/health`` probe tries before the engine counts as not answering (:meth:`HttpEngineClient.
 _health`: closed kept-alive connections are no death); a probe that times out is not sent again."""
-
-ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
-"""Response header in which the router (smg) names the engine, by URL, that served a request."""
-
-_VALID_KEY = re.compile(r"^[!-~]{1,128}$")  # a routing key smg accepts: 1-128 visible ASCII characters
-
-
-def routing_header_value(key: str) -> str:
-    """The routing key as the router accepts it: as is when it is 1-128 visible ASCII characters, else a
-    digest (smg ignores a longer or non-ASCII key and would place the request at random)."""
-    if _VALID_KEY.match(key):
-        return key
-    return "h-" + hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
 
 
 def _without_keys(info: dict[str, Any]) -> dict[str, Any]:
@@ -537,6 +523,28 @@ class HttpEngineClient(EngineClient):
         result = await self._request("GET", url.rstrip("/"), "/v1/models")
         data = result.get("data", []) if isinstance(result, dict) else []
         return [m for m in data if isinstance(m, dict)]
+
+    async def release_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+        """:meth:`EngineClient.release_memory` on every reachable engine; one that gives no answer is marked down
+        and left (a colocated run goes on: the next push takes a restarted engine back), even the last one."""
+        await self._each_answering("/release_memory_occupation", {"tags": list(tags)})
+
+    async def resume_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+        """:meth:`EngineClient.resume_memory`, leaving engines that give no answer as :meth:`release_memory`."""
+        await self._each_answering("/resume_memory_occupation", {"tags": list(tags)})
+
+    async def _each_answering(self, endpoint: str, payload: dict[str, Any]) -> None:
+        """POST ``endpoint`` to every reachable engine; an engine that answers no more is marked down and left
+        (no error, also when none answers: there is nothing to ask of a dead engine), an HTTP error raises."""
+        urls = list(self.urls)
+        results = await asyncio.gather(
+            *(self._request("POST", url, endpoint, payload) for url in urls), return_exceptions=True
+        )
+        for url, result in zip(urls, results, strict=True):
+            if isinstance(result, EngineError) and not isinstance(result, EngineHTTPError):
+                self.health_state.mark_down(url, str(result))
+            elif isinstance(result, BaseException):
+                raise result
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self._all(

@@ -112,9 +112,8 @@ def sample_from_output(sample: Sample, output: GenerateOutput) -> Sample:
     """Fill a sample's response from one engine output (single turn: every token trained on)."""
     n = len(output.output_ids)
     status, reason = _status_of(output)
-    spans_meta = output.meta_info.get("weight_version_spans")
-    if spans_meta:
-        spans = [WeightSpan(int(s[0]), int(s[1]), _version(str(s[2]))) for s in spans_meta]
+    if output.weight_version_spans:  # the weights changed under the request (a partial rollout)
+        spans = [WeightSpan(start, end, _version(version)) for start, end, version in output.weight_version_spans]
     else:
         spans = [WeightSpan(0, n, _version(output.weight_version))] if n else []
     routed_shape = None
@@ -139,7 +138,7 @@ def sample_from_output(sample: Sample, output: GenerateOutput) -> Sample:
             **sample.metadata,
             "cached_tokens": output.cached_tokens,
             "prompt_tokens": output.prompt_tokens,
-            **({"engine": output.meta_info["engine_url"]} if "engine_url" in output.meta_info else {}),
+            **({"engine_url": output.meta_info["engine_url"]} if "engine_url" in output.meta_info else {}),
         },
     )
 

@@ -101,8 +101,10 @@ class GenerateOutput:
     """int32 array (tokens x layers x topk) when ``return_routed_experts`` was asked."""
     rid: str | None = None
     weight_version_spans: list[tuple[int, int, str]] | None = None
-    """``(start, end, version)``: output tokens ``[start, end)`` were sampled under weight ``version``
-    (the local engine's ``meta_info.weight_version_spans``; ``None`` from engines that do not report it)."""
+    """``(start, end, version)``: output tokens ``[start, end)`` were sampled under weight ``version`` (the
+    local engine's ``meta_info.weight_version_spans``, or SGLang's ``meta_info.weight_versions``: objects with
+    ``version``, ``start`` and ``end``, sent once the weights changed under a request; ``None`` when neither
+    is sent)."""
     sampling_mask: list[list[int]] | None = None
     """Each output token's kept set under top-k / top-p / min-p, most likely first
     (``meta_info.output_token_sampling_mask``, with ``return_sampling_mask``)."""
@@ -122,6 +124,8 @@ class GenerateOutput:
         input_lp = meta.get("input_token_logprobs")
         routed = meta.get("routed_experts")
         spans = meta.get("weight_version_spans")
+        if spans is None and meta.get("weight_versions"):  # SGLang (0.5.23: utils/weight_versions.py)
+            spans = [(s["start"], s["end"], s["version"]) for s in meta["weight_versions"]]
         masks, behaviour = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
         return cls(
             text=data.get("text", ""),

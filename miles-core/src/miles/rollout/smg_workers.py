@@ -1,6 +1,7 @@
-"""The router's list of engines (smg's ``/workers`` control routes), as the engine client changes the fleet.
+"""What the engine client needs of the router (smg): its list of engines (``/workers``), the header that names
+the engine that served a request and the routing keys it accepts.
 
-An engine that joins a run behind smg is registered once it has the weights (``POST /workers``, with the
+The list: an engine that joins a run behind smg is registered once it has the weights (``POST /workers``, with the
 run's API key, which smg then sends the engine); one that leaves is removed (``DELETE /workers/{id}``: smg
 drains it first, letting its requests finish). Both are control routes of smg, sent with the run's admin key
 (or its API key when there is no admin key).
@@ -8,7 +9,9 @@ drains it first, letting its requests finish). Both are control routes of smg, s
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from miles.rollout.http_errors import EngineHTTPError, response_message
@@ -18,9 +21,22 @@ if TYPE_CHECKING:
 
     from miles.auth import ServiceKeys
 
-__all__ = ["SmgWorkers"]
+__all__ = ["ROUTED_WORKER_HEADER", "SmgWorkers", "routing_header_value"]
 
 log = logging.getLogger(__name__)
+
+ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
+"""Response header in which the router (smg) names the engine, by URL, that served a request."""
+
+_VALID_KEY = re.compile(r"^[!-~]{1,128}$")  # a routing key smg accepts: 1-128 visible ASCII characters
+
+
+def routing_header_value(key: str) -> str:
+    """The routing key as the router accepts it: as is when it is 1-128 visible ASCII characters, else a
+    digest (smg ignores a longer or non-ASCII key and would place the request at random)."""
+    if _VALID_KEY.match(key):
+        return key
+    return "h-" + hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
 
 
 class SmgWorkers:

@@ -16,7 +16,10 @@ and dtype, in the version reported; it does not see the rest of a tensor's rows,
 engine serves but the trainer never sent (SGLang cannot list them).
 
 SGLang answers ``/get_weights_by_name`` only for models whose class has the method (Llama-like ones; not
-Qwen2, Qwen3 or Qwen3-MoE). For those the engines are verified by what they compute
+Qwen2, Qwen3 or Qwen3-MoE), and it answers with the parameter as it holds it: on a CPU with AMX its linear
+layers are repacked for its kernels (VNNI blocks), so the first rows it reports are not the checkpoint's. Rows
+are used only where every engine answers, for a tensor of each kind, exactly the checkpoint's first rows
+(:func:`reference_rows`, :func:`rows_problem`). Otherwise the engines are verified by what they compute
 (:func:`verify_logprobs`): their logprobs of a fixed probe sequence must equal the trainer's within a
 tolerance. That needs no support from the model, and proves the engine serves weights that compute what the
 trainer's compute; a tensor a push missed shows for sure only when the engines were filled with random
@@ -43,7 +46,8 @@ __all__ = [
     "compare_checksums",
     "default_logprob_tolerance",
     "engine_probe_logprobs",
-    "serves_rows",
+    "reference_rows",
+    "rows_problem",
     "tensor_checksum",
     "verify_engines",
     "verify_logprobs",
@@ -211,17 +215,60 @@ def default_logprob_tolerance(engine_dtype: str) -> float:
     return 0.02 if engine_dtype == "float32" else 0.1
 
 
-async def serves_rows(client: EngineClient, name: str) -> bool:
-    """Whether every engine answers ``/get_weights_by_name`` for ``name`` (SGLang does for Llama-like models;
-    for Qwen2, Qwen3 and others its model classes have no such method and it answers an error)."""
+def reference_rows(model_path: str | None, engine_dtype: str, *, rows: int = 2) -> dict[str, torch.Tensor]:
+    """The first ``rows`` rows, as engines serving the checkpoint at ``model_path`` report them (cast to
+    ``engine_dtype``, then to float32), of the tensors that show how an engine lays its parameters out: every
+    tensor outside the decoder layers and every tensor of the first one. Empty when ``model_path`` is not a
+    folder of safetensors files (a GGUF file, a package: the engines were launched from a converted copy)."""
+    import re
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+
+    if model_path is None or not Path(model_path).is_dir():
+        return {}
+    dtype = getattr(torch, engine_dtype)
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(f.keys()):
+                layer = re.search(r"\.layers\.(\d+)\.", name)
+                if layer is not None and layer.group(1) != "0":
+                    continue
+                tensor = f.get_slice(name)
+                shape = tensor.get_shape()
+                head = tensor[: min(rows, shape[0])] if shape else f.get_tensor(name).reshape(1)
+                out[name] = head.to(dtype).to(torch.float32)
+    return out
+
+
+async def rows_problem(client: EngineClient, reference: Mapping[str, torch.Tensor]) -> str | None:
+    """Why sampled rows cannot verify pushes to these engines (``None``: they can): an engine that answers no
+    ``/get_weights_by_name`` for one of ``reference``'s tensors (SGLang for Qwen2, Qwen3 and others: their model
+    classes have no such method), or answers other values than the checkpoint's (a parameter kept in another
+    layout: SGLang on a CPU with AMX repacks its linear layers). Asked before the first push, while the engines
+    serve the checkpoint ``reference`` was read from (:func:`reference_rows`)."""
+    import torch
+
     from miles.errors import EngineError
 
+    if not reference:
+        return "no safetensors checkpoint to compare the engines' answers with"
     for url in client.urls:
-        try:
-            await client.call(url, "/get_weights_by_name", {"name": name, "truncate_size": 1})
-        except EngineError:
-            return False
-    return True
+        for name, expected in reference.items():
+            rows = expected.shape[0] if expected.dim() else 1
+            try:
+                answer = await client.call(url, "/get_weights_by_name", {"name": name, "truncate_size": rows})
+            except EngineError as exc:
+                return f"engine {url} answers no /get_weights_by_name for {name!r} ({exc})"
+            served = torch.tensor(answer.get("result", answer) if isinstance(answer, dict) else answer)
+            if served.shape != expected.shape or not torch.equal(served.to(torch.float32), expected):
+                return (
+                    f"engine {url} answers /get_weights_by_name for {name!r} with other values than the checkpoint's "
+                    "(it holds the tensor in another layout)"
+                )
+    return None
 
 
 async def engine_probe_logprobs(client: EngineClient, url: str, probe: Sequence[int]) -> list[float]:

@@ -45,7 +45,7 @@ checks=("$@")
 [ ${#checks[@]} -eq 0 ] && checks=(train precision lora trainer trainer-fused fidelity transports sessions diffusion megatron)
 for check in "${checks[@]}"; do
   case $check in
-    train) run train 200 python3 scripts/gpu/train_check.py --device cuda --model qwen0.5b --steps 5 --out "$LOGS" ;;
+    train) run train 300 python3 scripts/gpu/train_check.py --device cuda --model qwen0.5b --steps 5 --out "$LOGS" ;;
     precision) run precision 120 python3 scripts/gpu/precision_check.py ;;
     lora) run lora 90 python3 scripts/gpu/lora_check.py ${MILES_GPU_CHECK_DEVICE:-cuda} ;;
     trainer) run trainer 200 python3 -m benchmarks.trainer --device cuda --precision bf16 --models qwen0.5b \

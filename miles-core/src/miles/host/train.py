@@ -38,19 +38,19 @@ tunables it does not know, and other C libraries ignore the variable)."""
 
 
 def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, str]:
-    """Environment of a child process, with its torch thread count on CPU.
-
-    In ``sync`` mode engines and trainer ranks take turns, so each side may use every core (the trainer
-    ranks split them); in the async modes they run at once and every process gets its own share.
+    """Environment of a child process, with its torch thread count on CPU (:func:`miles.defaults.split_threads`:
+    in ``sync`` mode each side may use every core, in the async modes every process gets its own share).
     ``OMP_NUM_THREADS`` / ``MILES_TORCH_THREADS`` set by the user win.
     """
-    cores = os.cpu_count() or 1
-    ranks, engines = settings.cluster.trainer_ranks, settings.cluster.num_engines
-    if settings.rollout.mode == "sync":
-        share = cores if role == "engine" else cores // ranks
-    else:
-        share = cores // max(ranks + engines, 1)
-    threads = str(max(1, share))
+    from miles.defaults import split_threads, usable_cores
+
+    split = split_threads(
+        mode=settings.rollout.mode,
+        cores=usable_cores(),
+        trainer_ranks=settings.cluster.trainer_ranks,
+        num_engines=settings.cluster.num_engines,
+    )
+    threads = str(split.engine if role == "engine" else split.trainer)
     env = {
         "MILES_DEVICE": settings.cluster.device,
         "MILES_LOG_LEVEL": settings.log.level,

@@ -97,6 +97,11 @@ def test_transport_falls_back_to_broadcast_then_disk(change: dict[str, object], 
     assert why in candidates[0].reason
 
 
+def test_a_run_without_engines_keeps_disk() -> None:
+    (only,) = transport_candidates(TransportFacts(num_engines=0, p2p_installed=True, engine_serves_p2p=True))
+    assert only.name == "disk" and "cluster.num_engines = 0" in only.reason
+
+
 def test_an_adapter_goes_by_the_lora_transport_where_installed() -> None:
     facts = TransportFacts(p2p_installed=True, engine_serves_p2p=True, adapter=True, lora_installed=True)
     assert [c.name for c in transport_candidates(facts)] == ["lora", "broadcast", "disk"]

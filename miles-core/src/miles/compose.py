@@ -229,6 +229,7 @@ def _choose_transport(settings: MilesSettings, pm: PluginManager) -> Choice:
     transports = pm.registry(ComponentKind.TRANSPORT)
     facts = TransportFacts(
         device=settings.cluster.device,
+        num_engines=settings.cluster.num_engines,
         colocate=settings.cluster.colocate,
         engines_on_trainer_host=launcher is not None and not _may_span_hosts(*launcher),
         p2p_installed="p2p" in transports,

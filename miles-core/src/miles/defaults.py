@@ -123,6 +123,7 @@ class TransportFacts:
     """What ``transport = "auto"`` depends on, beyond the settings."""
 
     device: Literal["cpu", "cuda"] = "cpu"
+    num_engines: int = 1
     colocate: bool = False
     engines_on_trainer_host: bool = True
     """Every engine runs on the host of the trainer ranks (the launcher places no process elsewhere)."""
@@ -155,6 +156,8 @@ def transport_candidates(facts: TransportFacts) -> list[TransportCandidate]:
     ``p2p`` over shared memory written into the engines' weights comes first where it works: every engine on
     the trainer's host, on a CPU, not colocated (a memory release moves the weights it writes into), the
     local engine, miles-p2p installed and a precision recipe that converts slices."""
+    if facts.num_engines == 0:
+        return [TransportCandidate("disk", "auto: cluster.num_engines = 0, no weights are pushed")]
     out: list[TransportCandidate] = []
     if facts.adapter and facts.lora_installed:
         out.append(TransportCandidate("lora", "auto: train.adapter is set, so pushes carry the adapter only"))

@@ -83,7 +83,7 @@ def test_auto_transport_writes_into_the_engines_weights_on_one_host() -> None:
     manager = PluginManager(entry_points=False)
     manager.register(plugin, "p2p")
     kinds = [ComponentKind.TRANSPORT, ComponentKind.PRECISION]
-    settings = MilesSettings(transport=TransportSpec(name="auto"), precision=PluginSpec(name="fp8"))
+    settings = MilesSettings(transport=TransportSpec(name="auto"), precision=PluginSpec(name="bf16"))
     run = build_run(settings, manager, kinds=kinds)
     transport = run.transport()
     assert isinstance(transport, P2PTransport)

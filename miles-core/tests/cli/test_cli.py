@@ -282,31 +282,3 @@ def test_plugins_add_commands_to_a_built_in_group(fake_distribution: Any) -> Non
     assert "command 'convert gguf' is already taken" in plugins["gclash"]["error"]
     assert miles("convert", "whisper").returncode == 2  # rolled back with the clash
     assert "Dequantise a GGUF model" in miles("convert", "gguf", "--help").stdout
-
-
-def test_dry_run_prints_the_precision_transport_and_threads_it_chose(tmp_path: Path, tiny: Path) -> None:
-    """``miles train --dry-run`` with ``precision`` and ``transport`` left to ``auto``: each line says what was
-    chosen for this machine and why (the expected values from the same facts, read here), and the thread split
-    with the user's ``MILES_TORCH_THREADS``; a value set in the file is printed as set there."""
-    import importlib.util
-
-    from miles.defaults import MachineFacts, choose_precision
-
-    data = _data(tmp_path, ['{"prompt": "1+1?", "label": "2"}'])
-    config = _config(tmp_path, tiny, data, tmp_path / "run")
-    args = ["--set", "precision=auto", "--set", "transport=auto", "--set", "rollout.mode=fully_async"]
-    out = miles("train", "--dry-run", str(config), *args, env={"COLUMNS": "300", "MILES_TORCH_THREADS": "3"})
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = {line.partition(":")[0]: line for line in out.stdout.splitlines() if line.partition(":")[2]}
-    precision = choose_precision(device="cpu", cpu_flags=MachineFacts.of_this_host().cpu_flags)
-    assert lines["precision"] == f"precision: {precision.value} ({precision.reason})"
-    p2p = importlib.util.find_spec("miles_p2p") is not None
-    assert lines["transport"].startswith(f"transport: {'p2p' if p2p else 'broadcast'} (auto: ")
-    assert lines["threads"] == "threads: 3 per trainer rank, 3 per engine: MILES_TORCH_THREADS=3 set in the environment"
-    config.write_text(config.read_text() + '\n[precision]\nname = "fp32"\n')
-    out = miles("train", "--dry-run", str(config), env={"COLUMNS": "300"})
-    assert out.returncode == 0, out.stdout + out.stderr
-    said = out.stdout.splitlines()
-    assert f"precision: fp32 (as set ({config}:10))" in said, out.stdout
-    assert "transport: disk (the default)" in said
-    assert any(line.startswith("threads: ") and "sync: engines and trainer take turns" in line for line in said)

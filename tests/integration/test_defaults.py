@@ -32,7 +32,11 @@ def test_dry_run_and_run_print_each_choice_and_the_run_trains_with_them(
     )
     precision = choose_precision(device="cpu", cpu_flags=MachineFacts.of_this_host().cpu_flags)
     expected_threads = split_threads(
-        mode="sync", cores=usable_cores(), trainer_ranks=2, num_engines=1, environ={**os.environ, "OMP_NUM_THREADS": "1"}
+        mode="sync",
+        cores=usable_cores(),
+        trainer_ranks=2,
+        num_engines=1,
+        environ={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     dry = run_miles("train", "--dry-run", str(config), env={"COLUMNS": "300"})
     assert dry.returncode == 0, dry.stdout + dry.stderr

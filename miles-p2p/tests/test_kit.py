@@ -69,3 +69,30 @@ def test_attach_refuses_a_recipe_that_converts_whole_tensors_only(tmp_path: Path
     trainer = SimpleNamespace(precision=FP8(FP8.Settings()))
     transport.attach(trainer)  # type: ignore[arg-type]
     assert transport.trainer is trainer
+
+
+def test_auto_transport_writes_into_the_engines_weights_on_one_host() -> None:
+    """``transport = "auto"`` with miles-p2p registered and the local engine on this host: ``p2p`` over shared
+    memory written into the engines' weights; engines the launcher may place on other hosts (a Ray cluster):
+    ``broadcast``, saying why."""
+    from miles.components import ComponentKind
+    from miles.compose import build_run
+    from miles.plugins.manager import PluginManager
+    from miles.settings.model import MilesSettings, PluginSpec, TransportSpec
+
+    manager = PluginManager(entry_points=False)
+    manager.register(plugin, "p2p")
+    kinds = [ComponentKind.TRANSPORT, ComponentKind.PRECISION]
+    settings = MilesSettings(transport=TransportSpec(name="auto"), precision=PluginSpec(name="bf16"))
+    run = build_run(settings, manager, kinds=kinds)
+    transport = run.transport()
+    assert isinstance(transport, P2PTransport)
+    assert (transport.settings.datapath, transport.settings.write_into_weights) == ("shm", True)
+    assert "trainer's host" in run.choices["transport"].reason
+    cluster = MilesSettings(
+        transport=TransportSpec(name="auto"),
+        cluster={"launcher": {"name": "ray", "address": "10.0.0.1:6379"}},
+    )
+    run = build_run(cluster, manager, kinds=kinds)
+    assert cluster.transport.name == "broadcast"
+    assert "engines run on other hosts" in run.choices["transport"].reason

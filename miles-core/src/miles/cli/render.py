@@ -7,18 +7,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
+from miles.defaults import Choice, ThreadSplit
 from miles.plugins.registry import Registration
 from miles.settings.loader import sources_of
 from miles.settings.model import MilesSettings
 
-__all__ = ["render_resolved", "resolved_rows"]
+__all__ = ["render_choices", "render_resolved", "resolved_rows"]
 
 
 def _summary(settings: MilesSettings) -> list[tuple[str, str]]:
@@ -123,3 +124,12 @@ def render_resolved(
     for field_path, entry in chosen.items():
         table.add_row(field_path, entry.kind.label, entry.name, entry.plugin)
     console.print(table)
+
+
+def render_choices(console: Console, choices: Iterable[Choice], threads: ThreadSplit | None = None) -> None:
+    """The run's precision, transport and thread split, each with why (``auto``: chosen from the machine)."""
+    for choice in choices:
+        console.print(f"[bold]{choice.field}[/]: {choice.value} ({choice.reason})", highlight=False, soft_wrap=True)
+    if threads is not None:
+        line = threads.line().removeprefix("threads: ")
+        console.print(f"[bold]threads[/]: {line}", highlight=False, soft_wrap=True)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from miles.cli.app import app, plugin_manager
-from miles.cli.render import render_resolved
+from miles.cli.render import render_choices, render_resolved
 from miles.compose import Run, build_run
 from miles.errors import SettingsError
 from miles.settings.loader import load_settings
@@ -29,10 +29,12 @@ def resolve_run(
     kinds: Iterable[ComponentKind] | None = None,
     full: bool = False,
     check: Callable[[MilesSettings], object] | None = None,
+    threads: bool = False,
 ) -> Run:
     """Load settings, resolve every component they select (or those of ``kinds``; errors name field and
-    source), print a summary (``full``: every resolved setting). ``check`` sees the loaded settings before
-    any plugin is resolved."""
+    source), print a summary (``full``: every resolved setting) and the precision and transport with why they
+    were chosen (``threads``: also the torch threads of trainer ranks and engines). ``check`` sees the loaded
+    settings before any plugin is resolved."""
     if config is None and not overrides:
         raise SettingsError(
             "no config given: miles train CONFIG (a .toml or .yaml settings file, e.g. "
@@ -43,7 +45,9 @@ def resolve_run(
         check(settings)
     run = build_run(settings, plugin_manager(), kinds=kinds)
     options = {field: resolved.options for field, resolved in run.resolved.items()}
-    render_resolved(Console(stderr=to_stderr), settings, run.registrations(), full=full, options=options)
+    console = Console(stderr=to_stderr)
+    render_resolved(console, settings, run.registrations(), full=full, options=options)
+    render_choices(console, run.choices.values(), run.thread_split if threads else None)
     return run
 
 
@@ -55,7 +59,10 @@ def train(
     ] = None,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="Print the resolved settings and the plugin serving each component, then exit."),
+        typer.Option(
+            "--dry-run",
+            help="Print the resolved settings, the plugin serving each component, and the precision, transport and thread split with why they were chosen, then exit.",
+        ),
     ] = False,
     resume: Annotated[
         str | None, typer.Option("--resume", help="Continue from a checkpoint, a checkpoint folder or a run directory.")
@@ -79,6 +86,7 @@ def train(
         config,
         set_ or [],
         full=dry_run,
+        threads=True,
         check=None if dry_run else (lambda s: check_run_dir(s, resume=resume, overwrite=overwrite)),
     )
     if dry_run:

@@ -41,26 +41,27 @@ tunables it does not know, and other C libraries ignore the variable)."""
 def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, str]:
     """Environment of a child process, with its torch thread count and OpenMP's wait policy on CPU.
 
-    In ``sync`` mode engines and trainer ranks take turns, so each side may use every core (the trainer
-    ranks split them); in the async modes they run at once and every process gets its own share. The cores
-    are those other processes left free when the run started (:func:`miles.launch.contention.free_cores`).
-    OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``): a thread that spins at a barrier takes a
-    core from the thread it waits for whenever another process competes for the cores.
-    ``OMP_NUM_THREADS`` / ``MILES_TORCH_THREADS`` / ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` set by the user
-    win.
+    The threads are :func:`miles.defaults.split_threads`' (in ``sync`` mode each side may use every core, the
+    trainer ranks splitting them; in the async modes every process gets its own share) of the cores other
+    processes left free when the run started (:func:`miles.launch.contention.free_cores`). OpenMP threads wait
+    passively (``OMP_WAIT_POLICY=PASSIVE``): a thread that spins at a barrier takes a core from the thread it
+    waits for whenever another process competes for the cores. ``OMP_NUM_THREADS`` / ``MILES_TORCH_THREADS``
+    / ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` set by the user win.
     """
+    from miles.defaults import split_threads, usable_cores
     from miles.launch.contention import free_cores
 
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     free = free_cores()  # what other processes left when the run started (None: not measured)
     if free is not None:
         cores = max(1, min(cores, round(free)))
-    ranks, engines = settings.cluster.trainer_ranks, settings.cluster.num_engines
-    if settings.rollout.mode == "sync":
-        share = cores if role == "engine" else cores // ranks
-    else:
-        share = cores // max(ranks + engines, 1)
-    threads = str(max(1, share))
+    split = split_threads(
+        mode=settings.rollout.mode,
+        cores=cores,
+        trainer_ranks=settings.cluster.trainer_ranks,
+        num_engines=settings.cluster.num_engines,
+    )
+    threads = str(split.engine if role == "engine" else split.trainer)
     env = {
         "MILES_DEVICE": settings.cluster.device,
         "MILES_LOG_LEVEL": settings.log.level,

@@ -67,11 +67,17 @@ class Launcher(Component[SettingsT], ABC):
         """The run's keys once the driver decided them (:func:`miles.host.train.run_keys`): handed to the
         processes started through their environment, sent by the launcher's own health checks."""
 
+    @classmethod
+    def may_span_hosts(cls, settings: SettingsT) -> bool:
+        """Whether a launcher of this kind with ``settings`` may place processes on other hosts than this one
+        (known before it starts: ``transport = "auto"`` asks it). Default: no."""
+        return False
+
     @property
     def spans_hosts(self) -> bool:
         """Whether this launcher may place processes on other hosts, where their services listen on routable
-        addresses (the run then needs a key, :mod:`miles.auth`). Default: no."""
-        return False
+        addresses (the run then needs a key, :mod:`miles.auth`): :meth:`may_span_hosts` of its settings."""
+        return self.may_span_hosts(self.settings)
 
     def reserve(
         self, *, trainer_ranks: int, num_engines: int, colocate: bool, device: str, gpus_per_engine: int

@@ -112,10 +112,11 @@ class RayLauncher(LocalLauncher):
         self.placement: dict[str, dict[str, Any]] = {}
         """Process name -> its actor's node (also written to ``<run_dir>/logs/placement.json``)."""
 
-    @property
-    def spans_hosts(self) -> bool:
-        """Joining a cluster (``address``): its nodes' services listen on their IPs."""
-        return self.ray_settings.address is not None
+    @classmethod
+    def may_span_hosts(cls, settings: LocalLauncherSettings) -> bool:
+        """Joining a cluster (``address``): processes may land on its other nodes, whose services listen on
+        their IPs."""
+        return isinstance(settings, RayLauncherSettings) and settings.address is not None
 
     # -- the cluster -------------------------------------------------------------------------------
     def _connect(self, cpus: float, resources: dict[str, float]) -> None:

@@ -436,9 +436,14 @@ class MilesSettings(BaseSettings):
     reward: RewardSettings = Field(default_factory=RewardSettings)
     """Scoring."""
     transport: TransportSpec = Field(default_factory=lambda: TransportSpec(name="disk"))
-    """How weights reach the engines: ``disk``, ``broadcast``, ``p2p`` ..."""
+    """How weights reach the engines: ``disk``, ``broadcast``, ``p2p`` ..., or ``auto``: chosen for the run
+    (``p2p`` over shared memory written into the engines' weights when every engine is a local engine on the
+    trainer's host on a CPU and miles-p2p is installed; ``broadcast`` otherwise; ``disk`` where that is
+    refused), printed with the reason at start."""
     precision: PluginSpec = Field(default_factory=lambda: PluginSpec(name="fp32"))
-    """Precision recipe: ``fp32``, ``bf16`` ..."""
+    """Precision recipe: ``fp32``, ``bf16`` ..., or ``auto``: chosen from the machine (``bf16`` on CUDA and on a
+    CPU with bfloat16 units, ``avx512_bf16`` / ``amx_bf16``; ``fp32`` elsewhere, and with
+    ``train.true_on_policy`` or ``rollout.engine_dtype = "float32"``), printed with the reason at start."""
     log: LogSettings = Field(default_factory=LogSettings)
     """Metrics and logs."""
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)

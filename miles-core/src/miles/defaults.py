@@ -1,0 +1,241 @@
+"""Defaults chosen from the machine: ``precision = "auto"``, ``transport = "auto"`` and the torch threads of
+the engines and trainer ranks, each with the reason it was chosen.
+
+The choices are plain functions of the facts they depend on (:class:`MachineFacts`, :class:`TransportFacts`,
+the settings), so each can be checked for any machine; the composition root (:func:`miles.compose.build_run`)
+gathers the facts of this host and the installed plugins, and replaces ``auto`` with a concrete name before
+any component is resolved. ``miles train`` (and ``--dry-run``) prints every choice with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = [
+    "AUTO",
+    "BF16_CPU_FLAGS",
+    "Choice",
+    "MachineFacts",
+    "ThreadSplit",
+    "TransportCandidate",
+    "TransportFacts",
+    "choose_precision",
+    "split_threads",
+    "transport_candidates",
+]
+
+AUTO = "auto"
+"""The component name that asks Miles to choose (``precision = "auto"``, ``transport = "auto"``)."""
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+"""``/proc/cpuinfo`` flags of CPUs with bfloat16 units (AVX-512 BF16 dot products, AMX tiles): torch's
+bfloat16 matmuls run there at about twice float32's speed (2.4x measured on this project's Xeon); elsewhere
+they are emulated and slower than float32."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One setting Miles chose (or was told): its field, the value and why."""
+
+    field: str
+    value: str
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.field} = {self.value}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the choices need to know about the host: its CPU's flags and model, and its usable cores."""
+
+    cpu_flags: frozenset[str] = frozenset()
+    cpu_model: str = ""
+    cores: int = 1
+
+    @classmethod
+    def of_this_host(cls, cpuinfo: str | Path = "/proc/cpuinfo") -> MachineFacts:
+        """This host's facts: the first processor's ``flags`` and ``model name`` in ``cpuinfo`` (none where the
+        file is missing: no bf16 units assumed) and the cores this process may run on."""
+        flags: frozenset[str] = frozenset()
+        model = ""
+        try:
+            text = Path(cpuinfo).read_text(errors="replace")
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "flags" and not flags:
+                flags = frozenset(value.split())
+            elif key == "model name" and not model:
+                model = value.strip()
+            if flags and model:
+                break
+        return cls(cpu_flags=flags, cpu_model=model, cores=usable_cores())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# -------------------------------------------------------------------------------------------- precision
+def choose_precision(
+    *, device: str, cpu_flags: frozenset[str], true_on_policy: bool = False, engine_dtype: str = "auto"
+) -> Choice:
+    """What ``precision = "auto"`` becomes.
+
+    Fidelity-sensitive settings keep float32: ``train.true_on_policy`` and ``rollout.engine_dtype =
+    "float32"``. Otherwise ``bf16`` on CUDA and on a CPU with bfloat16 units (:data:`BF16_CPU_FLAGS`), and
+    ``fp32`` on a CPU without them."""
+    if true_on_policy:
+        return Choice(
+            "precision", "fp32", "auto: train.true_on_policy asks for fidelity first, so float32 (set bf16 to trade it)"
+        )
+    if engine_dtype == "float32":
+        return Choice("precision", "fp32", "auto: rollout.engine_dtype = float32 asks for float32 weights")
+    if device == "cuda":
+        return Choice("precision", "bf16", "auto: CUDA GPUs compute in bfloat16 at full speed")
+    units = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags]
+    if units:
+        return Choice(
+            "precision", "bf16", f"auto: the CPU has bfloat16 units ({', '.join(units)}), bf16 matmuls beat float32"
+        )
+    return Choice(
+        "precision",
+        "fp32",
+        f"auto: the CPU has no bfloat16 units (no {' / '.join(BF16_CPU_FLAGS)} flag): bf16 would be emulated, "
+        "slower than float32",
+    )
+
+
+# -------------------------------------------------------------------------------------------- transport
+@dataclass(frozen=True)
+class TransportFacts:
+    """What ``transport = "auto"`` depends on, beyond the settings."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    num_engines: int = 1
+    colocate: bool = False
+    engines_on_trainer_host: bool = True
+    """Every engine runs on the host of the trainer ranks (the launcher places no process elsewhere)."""
+    p2p_installed: bool = False
+    """A ``p2p`` transport is registered (miles-p2p installed and loaded)."""
+    engine_serves_p2p: bool = False
+    """The rollout engine serves Miles' own weight routes (the local engine; SGLang does not)."""
+    precision_sends_slices: bool = True
+    """The precision recipe converts the trainer ranks' slices (every built-in one), as ``p2p`` needs."""
+    adapter: bool = False
+    """``train.adapter`` is set: pushes carry the adapter only."""
+    lora_installed: bool = False
+    """A ``lora`` transport is registered (miles-lora)."""
+
+
+@dataclass(frozen=True)
+class TransportCandidate:
+    """One transport ``auto`` may choose: its name, its options and why it is the best left."""
+
+    name: str
+    reason: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def transport_candidates(facts: TransportFacts) -> list[TransportCandidate]:
+    """The transports ``transport = "auto"`` tries, best first; the composition root takes the first that no
+    component refuses (``check_settings``: ``broadcast`` refuses colocation on CUDA, the diffusion engine
+    loads from disk only), so ``disk``, which every engine loads, ends the list.
+
+    ``p2p`` over shared memory written into the engines' weights comes first where it works: every engine on
+    the trainer's host, on a CPU, not colocated (a memory release moves the weights it writes into), the
+    local engine, miles-p2p installed and a precision recipe that converts slices."""
+    if facts.num_engines == 0:
+        return [TransportCandidate("disk", "auto: cluster.num_engines = 0, no weights are pushed")]
+    out: list[TransportCandidate] = []
+    if facts.adapter and facts.lora_installed:
+        out.append(TransportCandidate("lora", "auto: train.adapter is set, so pushes carry the adapter only"))
+    why_not: list[str] = []
+    if not facts.p2p_installed:
+        why_not.append("miles-p2p is not installed")
+    if not facts.engines_on_trainer_host:
+        why_not.append("engines run on other hosts")
+    if facts.device != "cpu":
+        why_not.append("the weights live on the GPU, not in host memory")
+    if facts.colocate:
+        why_not.append("colocated engines release the weights p2p writes into")
+    if not facts.engine_serves_p2p:
+        why_not.append("the rollout engine does not serve p2p's routes")
+    if not facts.precision_sends_slices:
+        why_not.append("the precision recipe converts whole tensors only")
+    if facts.adapter:
+        why_not.append("train.adapter is set")
+    if not why_not:
+        out.append(
+            TransportCandidate(
+                "p2p",
+                "auto: every engine is a local engine on the trainer's host, so the trainer writes straight into "
+                "their weights in shared memory (p2p, datapath shm, write_into_weights)",
+                {"datapath": "shm", "write_into_weights": True},
+            )
+        )
+    not_p2p = f" (not p2p over shared memory: {'; '.join(why_not)})" if why_not else ""
+    out.append(TransportCandidate("broadcast", f"auto: one process group of rank 0 and the engines{not_p2p}"))
+    out.append(TransportCandidate("disk", f"auto: the engines load safetensors rank 0 writes{not_p2p}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- threads
+@dataclass(frozen=True)
+class ThreadSplit:
+    """Torch threads of each trainer rank and each engine on CPU (``None``: left to torch, on CUDA)."""
+
+    trainer: int | None
+    engine: int | None
+    reason: str
+
+    def line(self) -> str:
+        if self.trainer is None:
+            return f"threads: {self.reason}"
+        return f"threads: {self.trainer} per trainer rank, {self.engine} per engine: {self.reason}"
+
+
+def split_threads(
+    *,
+    mode: str,
+    cores: int,
+    trainer_ranks: int,
+    num_engines: int,
+    device: str = "cpu",
+    environ: Mapping[str, str] | None = None,
+) -> ThreadSplit:
+    """The torch threads ``miles train`` gives its children on CPU.
+
+    In ``sync`` mode engines and trainer ranks take turns, so each side may use every core (the trainer ranks
+    split them); in the async modes they run at once and every process gets its own share. The
+    ``MILES_TORCH_THREADS`` environment variable, set by the user, wins (``OMP_NUM_THREADS`` sets the OpenMP
+    pools' size only)."""
+    if device != "cpu":
+        return ThreadSplit(None, None, "on CUDA the GPUs compute; torch's CPU threads are left at its default")
+    env = environ if environ is not None else {}
+    if mode == "sync":
+        trainer, engine = max(1, cores // trainer_ranks), cores
+        reason = f"sync: engines and trainer take turns, so each side uses all {cores} cores"
+        if trainer_ranks > 1:
+            reason += f" (the {trainer_ranks} trainer ranks split them)"
+    else:
+        processes = max(trainer_ranks + num_engines, 1)
+        trainer = engine = max(1, cores // processes)
+        reason = f"{mode}: engines and trainer run at once, so the {processes} processes split the {cores} cores"
+    user = env.get("MILES_TORCH_THREADS")
+    if user:
+        return ThreadSplit(int(user), int(user), f"MILES_TORCH_THREADS={user} set in the environment")
+    if env.get("OMP_NUM_THREADS"):
+        reason += f"; OMP_NUM_THREADS={env['OMP_NUM_THREADS']} from the environment sizes the OpenMP pools"
+    return ThreadSplit(trainer, engine, reason)

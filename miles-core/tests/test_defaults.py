@@ -1,0 +1,166 @@
+"""Defaults chosen from the machine (:mod:`miles.defaults`): each choice from the facts it is given, and
+``build_run`` replacing ``auto`` before any component is resolved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles.components import ComponentKind
+from miles.compose import Run, build_run
+from miles.defaults import (
+    MachineFacts,
+    TransportFacts,
+    choose_precision,
+    split_threads,
+    transport_candidates,
+)
+from miles.errors import SettingsError
+from miles.plugins.manager import PluginManager
+from miles.settings.model import MilesSettings, PluginSpec, TransportSpec
+
+SAPPHIRE_RAPIDS = frozenset(
+    ["fpu", "sse2", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"]
+)
+ICE_LAKE = frozenset(["fpu", "sse2", "avx2", "avx512f", "avx512_vnni"])  # AVX-512 without bf16 units
+ZEN4 = frozenset(["fpu", "sse2", "avx2", "avx512f", "avx512_bf16"])  # AMD EPYC 9004: AVX-512 BF16, no AMX
+
+
+# -------------------------------------------------------------------------------------------- precision
+@pytest.mark.parametrize(
+    ("flags", "expected", "named"),
+    [(SAPPHIRE_RAPIDS, "bf16", "avx512_bf16, amx_bf16"), (ZEN4, "bf16", "avx512_bf16"), (ICE_LAKE, "fp32", "no ")],
+)
+def test_precision_is_bf16_where_the_cpu_has_bf16_units(flags: frozenset[str], expected: str, named: str) -> None:
+    choice = choose_precision(device="cpu", cpu_flags=flags)
+    assert (choice.field, choice.value) == ("precision", expected)
+    assert named in choice.reason
+
+
+def test_precision_on_cuda_is_bf16_whatever_the_cpu() -> None:
+    choice = choose_precision(device="cuda", cpu_flags=ICE_LAKE)
+    assert choice.value == "bf16" and "CUDA" in choice.reason
+
+
+def test_fidelity_sensitive_settings_keep_float32() -> None:
+    on_policy = choose_precision(device="cpu", cpu_flags=SAPPHIRE_RAPIDS, true_on_policy=True)
+    assert on_policy.value == "fp32" and "train.true_on_policy" in on_policy.reason
+    fp32_engine = choose_precision(device="cuda", cpu_flags=SAPPHIRE_RAPIDS, engine_dtype="float32")
+    assert fp32_engine.value == "fp32" and "rollout.engine_dtype = float32" in fp32_engine.reason
+    bf16_engine = choose_precision(device="cpu", cpu_flags=SAPPHIRE_RAPIDS, engine_dtype="bfloat16")
+    assert bf16_engine.value == "bf16"
+
+
+def test_machine_facts_read_the_first_processor_of_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx512f amx_bf16\n\n"
+        "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n"
+    )
+    facts = MachineFacts.of_this_host(cpuinfo)
+    assert facts.cpu_model == "Intel(R) Xeon(R) Platinum 8480+"
+    assert facts.cpu_flags == {"fpu", "avx512f", "amx_bf16"}
+    assert facts.cores >= 1
+    missing = MachineFacts.of_this_host(tmp_path / "absent")
+    assert (
+        missing.cpu_flags == frozenset() and choose_precision(device="cpu", cpu_flags=missing.cpu_flags).value == "fp32"
+    )
+
+
+# -------------------------------------------------------------------------------------------- transport
+ONE_HOST = TransportFacts(p2p_installed=True, engine_serves_p2p=True)
+
+
+def test_transport_is_p2p_into_the_engines_weights_on_one_host() -> None:
+    first = transport_candidates(ONE_HOST)[0]
+    assert first.name == "p2p" and dict(first.options) == {"datapath": "shm", "write_into_weights": True}
+    assert [c.name for c in transport_candidates(ONE_HOST)] == ["p2p", "broadcast", "disk"]
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"p2p_installed": False}, "miles-p2p is not installed"),
+        ({"engines_on_trainer_host": False}, "engines run on other hosts"),
+        ({"device": "cuda"}, "the weights live on the GPU"),
+        ({"colocate": True}, "colocated engines release the weights"),
+        ({"engine_serves_p2p": False}, "the rollout engine does not serve p2p's routes"),
+        ({"precision_sends_slices": False}, "converts whole tensors only"),
+        ({"adapter": True}, "train.adapter is set"),
+    ],
+)
+def test_transport_falls_back_to_broadcast_then_disk(change: dict[str, object], why: str) -> None:
+    facts = TransportFacts(**{**ONE_HOST.__dict__, **change})  # type: ignore[arg-type]
+    candidates = transport_candidates(facts)
+    assert [c.name for c in candidates] == ["broadcast", "disk"]
+    assert why in candidates[0].reason
+
+
+def test_a_run_without_engines_keeps_disk() -> None:
+    (only,) = transport_candidates(TransportFacts(num_engines=0, p2p_installed=True, engine_serves_p2p=True))
+    assert only.name == "disk" and "cluster.num_engines = 0" in only.reason
+
+
+def test_an_adapter_goes_by_the_lora_transport_where_installed() -> None:
+    facts = TransportFacts(p2p_installed=True, engine_serves_p2p=True, adapter=True, lora_installed=True)
+    assert [c.name for c in transport_candidates(facts)] == ["lora", "broadcast", "disk"]
+
+
+# ---------------------------------------------------------------------------------------------- threads
+def test_sync_gives_each_side_every_core_and_async_modes_split_them() -> None:
+    sync = split_threads(mode="sync", cores=16, trainer_ranks=2, num_engines=2, environ={})
+    assert (sync.trainer, sync.engine) == (8, 16) and "take turns" in sync.reason
+    both = split_threads(mode="fully_async", cores=16, trainer_ranks=2, num_engines=2, environ={})
+    assert (both.trainer, both.engine) == (4, 4) and "split the 16 cores" in both.reason
+    tiny = split_threads(mode="one_step_off", cores=2, trainer_ranks=2, num_engines=2, environ={})
+    assert (tiny.trainer, tiny.engine) == (1, 1)
+
+
+def test_the_users_thread_count_wins_and_cuda_leaves_threads_alone() -> None:
+    user = split_threads(mode="sync", cores=16, trainer_ranks=1, num_engines=1, environ={"MILES_TORCH_THREADS": "3"})
+    assert (user.trainer, user.engine) == (3, 3) and "MILES_TORCH_THREADS=3" in user.reason
+    cuda = split_threads(mode="sync", cores=16, trainer_ranks=1, num_engines=1, device="cuda", environ={})
+    assert cuda.trainer is None and cuda.line().startswith("threads: on CUDA")
+
+
+# ----------------------------------------------------------------------------------------- build_run
+def _build(settings: MilesSettings, machine: MachineFacts | None = None) -> Run:
+    """``build_run`` over the built-in plugins alone, for the components ``auto`` replaces (no model needed)."""
+    manager = PluginManager(entry_points=False).load()
+    return build_run(settings, manager, kinds=[ComponentKind.PRECISION, ComponentKind.TRANSPORT], machine=machine)
+
+
+def test_build_run_replaces_auto_before_resolving() -> None:
+    settings = MilesSettings(precision=PluginSpec(name="auto"), transport=TransportSpec(name="auto"))
+    run = _build(settings, MachineFacts(cpu_flags=SAPPHIRE_RAPIDS))
+    assert settings.precision.name == "bf16" and run["precision"].registration.name == "bf16"
+    # the built-ins alone (no miles-p2p registered): broadcast, saying why not p2p
+    assert settings.transport.name == "broadcast" and run["transport"].registration.name == "broadcast"
+    assert "miles-p2p is not installed" in run.choices["transport"].reason
+    again = MilesSettings(precision=PluginSpec(name="auto"))
+    _build(again, MachineFacts(cpu_flags=ICE_LAKE))
+    assert again.precision.name == "fp32"
+
+
+def test_auto_takes_disk_where_broadcast_is_refused() -> None:
+    settings = MilesSettings(
+        transport=TransportSpec(name="auto", bucket_bytes=1 << 20), cluster={"device": "cuda", "colocate": True}
+    )
+    run = _build(settings)
+    assert settings.transport.name == "disk" and settings.transport.bucket_bytes == 1 << 20
+    reason = run.choices["transport"].reason
+    assert "refused: broadcast (transport.name: 'broadcast' cannot serve cluster.colocate = true on CUDA" in reason
+
+
+def test_choices_set_by_the_user_are_kept_and_said_so() -> None:
+    settings = MilesSettings(precision=PluginSpec(name="fp32"), transport=TransportSpec(name="disk"))
+    run = _build(settings, MachineFacts(cpu_flags=SAPPHIRE_RAPIDS))
+    assert (run.choices["precision"].value, run.choices["transport"].value) == ("fp32", "disk")
+    assert run.choices["precision"].reason == "the default"
+
+
+def test_auto_transport_refuses_a_named_transports_options() -> None:
+    settings = MilesSettings(transport=TransportSpec(name="auto", datapath="torch"))
+    with pytest.raises(SettingsError, match=r"transport: 'auto' chooses the transport and its options; datapath"):
+        _build(settings)

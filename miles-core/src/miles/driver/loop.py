@@ -283,6 +283,8 @@ class TrainingLoop:
 
         if not self.signals.active("probe_unchanged") or not isinstance(self.publisher, InlinePublisher):
             return {}
+        if not self.run_components.engine_capabilities.token_logprobs:  # (an image engine: no text to probe)
+            return {}
         assert self.client is not None
         if not self._probe:
             self._probe = self.publisher.probe or [int(t) for t in self.tokenizer.encode(PROBE_TEXT)]

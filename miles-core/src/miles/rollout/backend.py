@@ -41,6 +41,9 @@ class EngineCapabilities:
     """Serves Miles' ``/lora_adapters`` (each LoRA adapter's tensors by SHA-256) and replaces an adapter
     loaded again under its name. Without it (SGLang) the ``lora`` transport unloads the previous version
     first and verifies a push by the adapter's name and path in ``/v1/models``."""
+    token_logprobs: bool = True
+    """Answers ``/generate`` with token ids and per-token logprobs, of the prompt too (``return_logprob``,
+    ``logprob_start_len``): a text engine. The image engine does not (no logprob probe reaches it)."""
     in_process: bool = False
     """Can serve from inside the calling process (:meth:`RolloutEngine.start_in_process`: ``miles train
     --debug``)."""

@@ -20,7 +20,7 @@ class ImageEngine(RolloutEngine[ImageEngineOptions]):
     """Miles' image engine: diffusers pipelines sampled with Flow-GRPO's SDE, per-step log-probs."""
 
     name = "diffusion"
-    capabilities = EngineCapabilities(update_weights_from_disk=True, miles_weight_routes=False)
+    capabilities = EngineCapabilities(update_weights_from_disk=True, miles_weight_routes=False, token_logprobs=False)
 
     @classmethod
     def check_settings(cls, options: ImageEngineOptions, settings: MilesSettings) -> None:

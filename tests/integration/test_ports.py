@@ -44,10 +44,14 @@ def test_a_run_starts_when_its_ports_are_taken_before_the_services_bind(
 
     def taken_at_once(host: str = "127.0.0.1", **kwargs: int) -> int:
         """The chosen port, with another socket listening on it before the caller's service can bind it: the
-        first port chosen for the engine (``engine_address``) and for the router (``start_router``)."""
+        first port chosen for the engine (``engine_address``) and for the router (the launcher's
+        ``service_address``, through a comprehension's frame)."""
         port = choose(host, **kwargs)
-        caller = sys._getframe(1).f_code.co_name
-        if caller in ("engine_address", "start_router") and caller not in squatters:
+        frame, caller = sys._getframe(1), ""
+        while frame is not None and frame.f_code.co_name.startswith("<"):
+            frame = frame.f_back
+        caller = frame.f_code.co_name if frame is not None else ""
+        if caller in ("engine_address", "service_address") and caller not in squatters:
             squatter = socket.socket()
             squatter.bind((host, port))
             squatter.listen()

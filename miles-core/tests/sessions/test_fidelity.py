@@ -208,12 +208,14 @@ def test_fifty_turn_episodes_are_token_exact(policy: tuple[str, Path, EngineProc
     assert float(exact.max()) <= 2e-4, f"{family}: {float(exact.max()):.2e}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "llama3.1"])
 def test_fifty_turn_episodes_replay_bit_for_bit_on_the_deterministic_engine(family: str, tmp_path: Path) -> None:
     """``train.true_on_policy`` for agents: on the deterministic engine, replaying each of the 50 turns as its
     own request (:func:`miles.engine.replay.request_logprobs`, what the trainer's replica runs) gives the
     engine's logprob of every policy token bit for bit, thinking blocks and tool calls included (the HF
-    forward of the test above is within 1e-5 on 99% of them: float32 rounding of another schedule)."""
+    forward of the test above is within 1e-5 on 99% of them: float32 rounding of another schedule). The
+    replay is the engine's own arithmetic whatever the weights, so the three template families' tool models
+    show it; SmolLM2 (77 s of CI for the same check) is the subject of the test above."""
     from miles.engine.model_runner import ModelRunner
     from miles.engine.replay import request_logprobs
     from miles.testing.tool_model import tool_model_for

@@ -21,6 +21,7 @@ __all__ = [
     "INSTALL_LINE",
     "cpu_problems",
     "host_problems",
+    "moe_problems",
     "node_problems",
     "places_on_nodes",
     "sglang_installed",
@@ -83,6 +84,31 @@ def cpu_problems(
     return problems
 
 
+def moe_problems(model_path: str | None) -> list[str]:
+    """Why SGLang's CPU path cannot take this run's weight pushes (empty when it can): SGLang 0.5.23 keeps a
+    mixture-of-experts router's gate transposed after loading on a CPU (a Qwen3-MoE gate of ``[8, 128]`` is
+    held as ``[128, 8]``), so ``/update_weights_from_distributed`` answers 400 at the first push and
+    ``/update_weights_from_disk`` kills the scheduler; the run used to die after its first training step.
+    Reads only the model's ``config.json``; a path that is not a model directory is left to the model checks."""
+    from pathlib import Path
+
+    from miles.models import is_moe_model
+
+    if not model_path or not (Path(model_path) / "config.json").is_file():
+        return []
+    try:
+        moe = is_moe_model(model_path)
+    except (OSError, ValueError, TypeError):
+        return []
+    if not moe:
+        return []
+    return [
+        f"train.model_path: {model_path} is a mixture-of-experts model, and SGLang {SGLANG_VERSION} cannot take "
+        "weight pushes into one on a CPU (it keeps the router gates transposed after loading: the first push "
+        'is refused); use rollout.engine = "local" for MoE models on a CPU, or SGLang on CUDA GPUs'
+    ]
+
+
 def host_problems(
     options: SGLangEngineSettings,
     settings: MilesSettings,
@@ -99,7 +125,9 @@ def host_problems(
     """
     cluster = settings.cluster
     if cluster.device == "cpu":
-        return cpu_problems(options, installed=installed, kernels=kernels, missing_flags=missing_flags)
+        return cpu_problems(
+            options, installed=installed, kernels=kernels, missing_flags=missing_flags
+        ) + moe_problems(settings.train.model_path)
     problems = []
     if not (sglang_installed() if installed is None else installed):
         problems.append(f"rollout.engine: 'sglang' is selected but SGLang is not installed: {INSTALL_LINE}")

@@ -125,9 +125,8 @@ def host_problems(
     """
     cluster = settings.cluster
     if cluster.device == "cpu":
-        return cpu_problems(
-            options, installed=installed, kernels=kernels, missing_flags=missing_flags
-        ) + moe_problems(settings.train.model_path)
+        problems = cpu_problems(options, installed=installed, kernels=kernels, missing_flags=missing_flags)
+        return problems + moe_problems(settings.train.model_path)
     problems = []
     if not (sglang_installed() if installed is None else installed):
         problems.append(f"rollout.engine: 'sglang' is selected but SGLang is not installed: {INSTALL_LINE}")

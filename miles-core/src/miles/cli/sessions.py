@@ -119,16 +119,18 @@ def check(
     """Run the append-only render check on a chat template (exit 1 when it fails)."""
     from dataclasses import asdict
 
+    if not tokenizer.is_dir():  # (the options first: a mistake is told before transformers loads, in ~1 s)
+        raise SettingsError(f"--tokenizer: {tokenizer} is not a directory")
+    template_kwargs = _kwargs(chat_template_kwargs)
+
     from transformers import AutoTokenizer
 
     from miles.sessions.append_only import check_append_only
     from miles.sessions.templates import ChatRenderer, resolve_template
 
-    if not tokenizer.is_dir():
-        raise SettingsError(f"--tokenizer: {tokenizer} is not a directory")
     tok = AutoTokenizer.from_pretrained(tokenizer)
     template, name = resolve_template(chat_template, tok)
-    report = check_append_only(ChatRenderer(tok, template, name=name, template_kwargs=_kwargs(chat_template_kwargs)))
+    report = check_append_only(ChatRenderer(tok, template, name=name, template_kwargs=template_kwargs))
     if as_json:
         typer.echo(json.dumps(asdict(report), indent=2))
     else:

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_fsdp.packed_attention import Segment, packed_layout, packed_sdpa_attention, register_packed_attention
+from miles_fsdp.packed_attention import (
+    Segment,
+    VarlenLayout,
+    packed_layout,
+    packed_sdpa_attention,
+    register_packed_attention,
+    varlen_keys,
+    varlen_layout,
+)
 
 LENGTHS = [7, 12, 7, 3, 12, 1]
 """Repeated lengths (batched into one SDPA call) and unique ones, a one-token sequence among them."""
@@ -195,3 +203,60 @@ def test_with_the_layout_given_no_layer_reads_the_device_and_the_trainer_gives_i
     finally:
         packed.packed_layout = layout  # type: ignore[assignment]
     assert torch.equal(with_layout, from_positions)
+
+
+def _varlen_on_the_host(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: VarlenLayout
+) -> torch.Tensor:
+    """What the variable-length flash kernel computes for ``layout`` (its contract: sequence ``i``'s queries
+    ``cu_q[i]:cu_q[i+1]`` against keys ``cu_k[i]:cu_k[i+1]``, causal aligned to the bottom right), written with
+    one SDPA call per sequence, so the layout can be checked where there is no CUDA kernel."""
+    import torch.nn.functional as F
+
+    q, k, v = query[0].transpose(0, 1), varlen_keys(key, layout), varlen_keys(value, layout)
+    cu_q, cu_k = layout.cu_q.tolist(), layout.cu_k.tolist()
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)[None]
+        ki, vi = (t[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None] for t in (k, v))
+        rows, cols = qi.shape[2], ki.shape[2]
+        mask = torch.ones(rows, cols, dtype=torch.bool).tril(diagonal=cols - rows)
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(outs)[None]
+
+
+def test_the_varlen_layout_is_the_rows_sequences_with_their_prompts() -> None:
+    """On CUDA the row is one variable-length flash-attention call (``varlen_layout``, made once per
+    micro-batch). Its layout, run through the kernel's contract on the host, gives what the per-segment path
+    gives for roots and for branches off a shared prompt, with grouped-query heads; the kernel itself (and its
+    bottom-right causal alignment) is checked on a GPU by ``scripts/gpu/attention_check.py``."""
+    g = torch.Generator().manual_seed(0)
+    # two roots of 7 and 5 tokens; three branches: two off the first (prefix 4), one off the second (prefix 3)
+    positions = torch.cat(
+        [torch.arange(7), torch.arange(4, 9), torch.arange(4, 6), torch.arange(5), torch.arange(3, 7)]
+    )
+    segments = packed_layout(positions)
+    assert [s.prefix_len for s in segments] == [0, 4, 4, 0, 3]
+    layout = varlen_layout(segments, "cpu")
+    assert layout.cu_q.tolist() == [0, 7, 12, 14, 19, 23] and layout.cu_k.tolist() == [0, 7, 16, 22, 27, 34]
+    assert (layout.max_q, layout.max_k, layout.cu_q.dtype) == (7, 9, torch.int32)
+    total = positions.numel()
+    query = torch.randn(1, 4, total, 8, generator=g)
+    key, value = torch.randn(1, 2, total, 8, generator=g), torch.randn(1, 2, total, 8, generator=g)
+    module = torch.nn.Module().eval()
+    expected, _ = packed_sdpa_attention(module, query, key, value, None, packed_segments=segments)
+    torch.testing.assert_close(_varlen_on_the_host(query, key, value, layout).transpose(1, 2), expected.transpose(1, 2))
+    roots = varlen_layout(packed_layout(torch.cat([torch.arange(3), torch.arange(6)])), "cpu")
+    assert roots.key_index is None and roots.cu_k.tolist() == [0, 3, 9]  # the keys are the row itself
+    # on a CPU the trainer gives no varlen layout, and packed_sdpa ignores one: its CUDA kernel does not run here
+    again, _ = packed_sdpa_attention(module, query, key, value, None, packed_segments=segments, packed_varlen=layout)
+    torch.testing.assert_close(again, expected)
+
+
+def test_a_micro_batch_on_a_cpu_carries_no_varlen_layout() -> None:
+    from miles.training.batch import TrainBatch
+    from miles_fsdp.microbatch import pack
+
+    batch = TrainBatch.from_lists(tokens=[[1, 2, 3, 4], [5, 6, 7]], prompt_lengths=[2, 1], loss_mask=[[1, 1], [1, 0]])
+    mb = pack(batch, [0, 1], torch.device("cpu"))
+    assert mb.varlen is None and [s.end - s.start for s in mb.segments] == [4, 3]

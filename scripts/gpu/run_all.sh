@@ -42,10 +42,11 @@ run() {  # name, seconds, command...
 }
 
 checks=("$@")
-[ ${#checks[@]} -eq 0 ] && checks=(train precision lora trainer trainer-fused fidelity transports sessions diffusion megatron)
+[ ${#checks[@]} -eq 0 ] && checks=(train attention precision lora trainer trainer-fused fidelity transports sessions diffusion megatron)
 for check in "${checks[@]}"; do
   case $check in
     train) run train 300 python3 scripts/gpu/train_check.py --device cuda --model qwen0.5b --steps 5 --out "$LOGS" ;;
+    attention) run attention 60 python3 scripts/gpu/attention_check.py ;;
     precision) run precision 120 python3 scripts/gpu/precision_check.py ;;
     lora) run lora 90 python3 scripts/gpu/lora_check.py ${MILES_GPU_CHECK_DEVICE:-cuda} ;;
     trainer) run trainer 200 python3 -m benchmarks.trainer --device cuda --precision bf16 --models qwen0.5b \

@@ -17,7 +17,7 @@ from miles.training.batch import TrainBatch
 from miles.training.logit_masks import LOGIT_MASK_IDS
 from miles.training.logprobs import token_logprobs, topk_logprobs
 from miles.training.routing import ROUTED_EXPERTS
-from miles_fsdp.packed_attention import Segment, packed_layout
+from miles_fsdp.packed_attention import Segment, VarlenLayout, packed_layout, varlen_layout
 
 __all__ = ["PackedMicroBatch", "pack", "token_logprobs", "topk_logprobs"]
 
@@ -46,6 +46,9 @@ class PackedMicroBatch:
     """The row's layout (:func:`~miles_fsdp.packed_attention.packed_layout`), computed from the positions on the
     host when the row was packed: ``packed_sdpa`` reads it instead of taking ``position_ids`` back from the
     device in every layer."""
+    varlen: VarlenLayout | None = None
+    """On CUDA: the same layout as one variable-length flash-attention call takes it
+    (:func:`~miles_fsdp.packed_attention.varlen_layout`), copied to the device once per micro-batch."""
 
     @property
     def is_empty(self) -> bool:
@@ -78,6 +81,7 @@ def pack(
             [],
             [],
             segments=[Segment(0, 1, 0, 0)],
+            varlen=varlen_layout([Segment(0, 1, 0, 0)], device) if torch.device(device).type == "cuda" else None,
         )
     starts = batch.seq_offsets.tolist()
     prompts = batch.prompt_lengths.tolist()
@@ -122,6 +126,7 @@ def pack(
             targets.append(tokens[prompt:])
             lengths.append(n - prompt)
     row_positions = torch.cat(positions)  # (on the host: its layout needs no copy back from the device)
+    segments = packed_layout(row_positions)
     return PackedMicroBatch(
         input_ids=torch.cat(pieces).to(device=device, dtype=torch.long).unsqueeze(0),
         position_ids=row_positions.to(device).unsqueeze(0),
@@ -131,5 +136,6 @@ def pack(
         indices=order,
         mask_ids=batch.response_tensor_rows(LOGIT_MASK_IDS, order, device),
         routed_experts=routed,
-        segments=packed_layout(row_positions),
+        segments=segments,
+        varlen=varlen_layout(segments, device) if torch.device(device).type == "cuda" else None,
     )

@@ -16,6 +16,13 @@ of the prompt — the prompt's hidden states do not depend on what follows them 
 are those of the unshared row (to float32 rounding), and the prompt is computed once per group instead of
 once per sample (:func:`miles_fsdp.microbatch.pack` with ``share_prefixes``).
 
+**On CUDA** the row goes through one variable-length flash-attention call instead (PyTorch's
+``torch.nn.attention.varlen.varlen_attn``): the trainers give the forward a :class:`VarlenLayout` made once
+per micro-batch (:func:`varlen_layout`: cumulative sequence starts, the longest query and key run, and for
+branches the index that lays each one's prompt keys before its own), so no layer loops over segments or
+waits for the device. The flash kernel's causal mask is aligned to the bottom right, which is exactly a
+branch's view of its prompt and itself.
+
 It is registered with transformers' ``AttentionInterface`` (and a mask function that builds no mask) under
 :data:`PACKED_SDPA`; models loaded with ``attn_implementation=PACKED_SDPA`` use it in every layer. It accepts
 only what the trainers give it: one packed row, no padding mask, no cache, and a plain causal model
@@ -24,6 +31,7 @@ only what the trainers give it: one packed row, no padding mask, no cache, and a
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import torch
@@ -32,10 +40,12 @@ import torch.nn.functional as F
 __all__ = [
     "PACKED_SDPA",
     "Segment",
+    "VarlenLayout",
     "packed_layout",
     "packed_sdpa_attention",
     "packed_unsupported",
     "register_packed_attention",
+    "varlen_layout",
 ]
 
 PACKED_SDPA = "miles_packed_sdpa"
@@ -81,6 +91,71 @@ def packed_layout(position_ids: torch.Tensor) -> list[Segment]:
     return segments
 
 
+class VarlenLayout(NamedTuple):
+    """A packed row as one variable-length attention call sees it: sequence ``i``'s queries are rows
+    ``cu_q[i]:cu_q[i+1]`` of the row, its keys rows ``cu_k[i]:cu_k[i+1]`` of the keys laid out by
+    ``key_index`` (a root's own tokens; a branch's root prefix, then its own tokens)."""
+
+    cu_q: torch.Tensor
+    """``[N+1]`` int32, on the device."""
+    cu_k: torch.Tensor
+    """``[N+1]`` int32, on the device."""
+    max_q: int
+    max_k: int
+    key_index: torch.Tensor | None
+    """``[T_k]`` positions of the row that make the key sequence, on the device; ``None`` when every segment
+    is a root (the keys are the row itself)."""
+
+
+def varlen_layout(segments: list[Segment], device: torch.device | str) -> VarlenLayout:
+    """The :class:`VarlenLayout` of a row's ``segments``, built on the host and copied to ``device`` once
+    (the trainers call it when they pack a micro-batch, not in every layer)."""
+    cu_q, cu_k, index = [0], [0], []
+    for seg in segments:
+        own = list(range(seg.start, seg.end))
+        keys = list(range(seg.prefix_start, seg.prefix_start + seg.prefix_len)) + own
+        cu_q.append(cu_q[-1] + len(own))
+        cu_k.append(cu_k[-1] + len(keys))
+        index.extend(keys)
+    lengths_q = [b - a for a, b in itertools.pairwise(cu_q)]
+    lengths_k = [b - a for a, b in itertools.pairwise(cu_k)]
+    branched = any(seg.prefix_len for seg in segments)
+    return VarlenLayout(
+        cu_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
+        cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
+        max_q=max(lengths_q, default=0),
+        max_k=max(lengths_k, default=0),
+        key_index=torch.tensor(index, dtype=torch.long).to(device, non_blocking=True) if branched else None,
+    )
+
+
+def varlen_keys(t: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
+    """``t`` (``[1, H, L, D]``, keys or values of the row) as the ``[T_k, H, D]`` key sequence of ``layout``."""
+    rows = t[0].transpose(0, 1)
+    return rows if layout.key_index is None else rows.index_select(0, layout.key_index)
+
+
+def _varlen_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: VarlenLayout, scaling: float | None, gqa: bool
+) -> torch.Tensor:
+    """The row through PyTorch's variable-length flash attention (CUDA): ``[1, L, H, D]``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    out = varlen_attn(
+        query[0].transpose(0, 1),
+        varlen_keys(key, layout),
+        varlen_keys(value, layout),
+        layout.cu_q,
+        layout.cu_k,
+        layout.max_q,
+        layout.max_k,
+        scale=scaling,
+        window_size=(-1, 0),  # causal, aligned to the bottom right: a branch sees its prompt and itself
+        enable_gqa=gqa,
+    )
+    return out.unsqueeze(0)
+
+
 def _root_len(segments: list[Segment], root: int) -> int:
     """Length of the root segment starting at ``root``."""
     for seg in segments:
@@ -111,7 +186,9 @@ def packed_sdpa_attention(
     The row's layout is the forward's ``packed_segments`` (the trainers compute it once per micro-batch, on
     the host, from the positions before they go to the device), else :func:`packed_layout` of
     ``position_ids``, which copies them back from the device in every layer. With the layout given, nothing
-    here waits for the device: the segments' slices, SDPA calls and masks are all queued work."""
+    here waits for the device: the segments' slices, SDPA calls and masks are all queued work. On CUDA, with
+    the forward's ``packed_varlen`` (:func:`varlen_layout`) and no dropout, the row is one flash-attention
+    call (:func:`_varlen_attention`)."""
     if kwargs.get("sliding_window") or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError(
             f"attn_implementation 'packed_sdpa': {type(module).__name__} uses a sliding window, soft-capping or "
@@ -123,13 +200,16 @@ def packed_sdpa_attention(
             f"(got query {tuple(query.shape)}, key {tuple(key.shape)}, mask {attention_mask is not None}); "
             "use 'sdpa' for padded batches or generation"
         )
+    gqa = key.shape[1] != query.shape[1]
+    p_drop = dropout if module.training else 0.0
+    varlen: VarlenLayout | None = kwargs.get("packed_varlen")
+    if varlen is not None and query.is_cuda and not p_drop:
+        return _varlen_attention(query, key, value, varlen, scaling, gqa), None
     position_ids = kwargs.get("position_ids")
     total = query.shape[2]
     segments: list[Segment] | None = kwargs.get("packed_segments")
     if segments is None:  # (the trainers pass the layout, computed on the host: this reads the device)
         segments = packed_layout(position_ids) if position_ids is not None else [Segment(0, total, 0, 0)]
-    gqa = key.shape[1] != query.shape[1]
-    p_drop = dropout if module.training else 0.0
     # segments of one shape go through SDPA together: roots by length, branches by (prefix, length)
     groups: dict[tuple[int, int], list[Segment]] = {}
     for seg in segments:

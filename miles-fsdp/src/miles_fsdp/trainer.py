@@ -235,6 +235,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         inputs: dict[str, Any] = {"input_ids": mb.input_ids, "position_ids": mb.position_ids}
         if self._packed_attention:
             inputs["packed_segments"] = mb.segments
+            if mb.varlen is not None:
+                inputs["packed_varlen"] = mb.varlen
         return inputs
 
     def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:

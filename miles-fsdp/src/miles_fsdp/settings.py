@@ -27,7 +27,8 @@ class FSDPSettings(ComponentSettings):
     at 0 for each sequence. ``packed_sdpa`` (:mod:`miles_fsdp.packed_attention`) runs SDPA on each
     sequence of the packed row alone, where ``sdpa`` computes the whole row against a block-diagonal mask (the
     same values to float32 rounding; on 8 sequences of 64 tokens, an eighth of the attention arithmetic), and
-    lets sequences share their prompt (``share_prefixes``); ``auto``: ``packed_sdpa`` unless the model uses
+    lets sequences share their prompt (``share_prefixes``); on CUDA it is one variable-length flash-attention
+    call per layer (PyTorch's ``varlen_attn``); ``auto``: ``packed_sdpa`` unless the model uses
     sliding windows or soft-capped attention logits, then ``sdpa``; ``flash_attention_2`` needs the
     ``flash-attn`` package and a GPU."""
     value_head_init_std: float = Field(0.0, ge=0.0)

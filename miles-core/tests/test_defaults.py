@@ -143,14 +143,22 @@ def test_build_run_replaces_auto_before_resolving() -> None:
     assert again.precision.name == "fp32"
 
 
-def test_auto_takes_disk_where_broadcast_is_refused() -> None:
+def test_colocated_on_cuda_auto_takes_tensor_ipc_else_disk_where_broadcast_is_refused() -> None:
+    """Colocated local engines on CUDA read each trainer rank's tensors in place (``tensor_ipc``); where the
+    engines do not pair with the trainer ranks it is refused, so is ``broadcast`` (NCCL refuses two ranks of one
+    GPU), and ``disk`` is taken, with both refusals said."""
+    colocated = {"device": "cuda", "colocate": True, "num_engines": 2, "trainer_ranks": 2}
+    settings = MilesSettings(transport=TransportSpec(name="auto"), cluster=colocated)
+    run = _build(settings)
+    assert settings.transport.name == "tensor_ipc" and "CUDA IPC" in run.choices["transport"].reason
     settings = MilesSettings(
-        transport=TransportSpec(name="auto", bucket_bytes=1 << 20), cluster={"device": "cuda", "colocate": True}
+        transport=TransportSpec(name="auto", bucket_bytes=1 << 20), cluster={**colocated, "num_engines": 1}
     )
     run = _build(settings)
     assert settings.transport.name == "disk" and settings.transport.bucket_bytes == 1 << 20
     reason = run.choices["transport"].reason
-    assert "refused: broadcast (transport.name: 'broadcast' cannot serve cluster.colocate = true on CUDA" in reason
+    assert "refused: tensor_ipc (cluster.num_engines: transport 'tensor_ipc' pairs each engine TP rank" in reason
+    assert "broadcast (transport.name: 'broadcast' cannot serve cluster.colocate = true on CUDA" in reason
 
 
 def test_choices_set_by_the_user_are_kept_and_said_so() -> None:

@@ -144,6 +144,31 @@ def test_colocated_disk_transport_with_periodic_eval(tmp_path: Path, tiny_model:
         assert row["train/ratio"] == pytest.approx(1.0, abs=1e-5) and row["train/clipfrac"] == 0.0
 
 
+def test_colocated_tensor_ipc_hands_each_engine_its_ranks_tensors(
+    tmp_path: Path, tiny_model: Path, prompts: Path
+) -> None:
+    """Two colocated engines, each fed by the trainer rank beside it: every rank keeps the full tensors of each
+    bucket and makes handles of them (shared memory on a CPU, CUDA IPC on a GPU: one code path), rank 0 sends
+    each engine its rank's payload through ``/update_weights_from_tensor``; every push is verified by checksum
+    and the engines generate on the pushed weights. Nothing of the shared memory outlives the run."""
+    import glob
+
+    run_dir = tmp_path / "ipc"
+    config = write_run_config(tmp_path, tiny_model, prompts, run_dir, ranks=2, transport="tensor_ipc", rollouts=2)
+    before = set(glob.glob("/dev/shm/torch_*"))
+    out = run_miles("train", str(config), "--set", "cluster.colocate=true", "--set", "cluster.num_engines=2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["weight_sync/verified"] == 1.0 and row["weight_sync/verified_tensors"] > 0
+        assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # both engines serve the pushed weights
+    trainer = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert re.search(r"tensor_ipc: version 2, \d+ tensors to 2 engines", trainer), trainer[-2000:]
+    assert set(glob.glob("/dev/shm/torch_*")) <= before
+    assert children_of_run(run_dir) == []
+
+
 FAULTY = """
 from miles.markers import hookimpl
 from miles.transport.disk import DiskTransport

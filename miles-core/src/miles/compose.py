@@ -285,6 +285,15 @@ def _engine_serves_transport(resolved: dict[str, Resolved]) -> list[SettingsErro
         return []
     routes = getattr(transport.registration.component, "engine_routes", ())
     capabilities = getattr(engine.registration.component, "capabilities", None)
+    needs = getattr(transport.registration.component, "engine_needs", ())
+    lacking = [need for need in needs if capabilities is not None and not getattr(capabilities, need, False)]
+    if lacking:
+        return [
+            SettingsError(
+                f"transport.name: {transport.registration.name!r} needs engines that serve "
+                f"{', '.join(lacking)}; rollout.engine {engine.registration.name!r} does not"
+            )
+        ]
     if not routes or capabilities is None or capabilities.miles_weight_routes:
         return []
     return [

@@ -155,7 +155,8 @@ def transport_candidates(facts: TransportFacts) -> list[TransportCandidate]:
 
     ``p2p`` over shared memory written into the engines' weights comes first where it works: every engine on
     the trainer's host, on a CPU, not colocated (a memory release moves the weights it writes into), the
-    local engine, miles-p2p installed and a precision recipe that converts slices."""
+    local engine, miles-p2p installed and a precision recipe that converts slices. Colocated local engines on
+    CUDA take ``tensor_ipc`` (CUDA IPC from each trainer rank to the engine on its GPU)."""
     if facts.num_engines == 0:
         return [TransportCandidate("disk", "auto: cluster.num_engines = 0, no weights are pushed")]
     out: list[TransportCandidate] = []
@@ -183,6 +184,14 @@ def transport_candidates(facts: TransportFacts) -> list[TransportCandidate]:
                 "auto: every engine is a local engine on the trainer's host, so the trainer writes straight into "
                 "their weights in shared memory (p2p, datapath shm, write_into_weights)",
                 {"datapath": "shm", "write_into_weights": True},
+            )
+        )
+    if facts.colocate and facts.device == "cuda" and facts.engine_serves_p2p and not facts.adapter:
+        out.append(
+            TransportCandidate(
+                "tensor_ipc",
+                "auto: colocated engines on CUDA read each trainer rank's tensors in place (CUDA IPC), one engine "
+                "TP rank per trainer rank",
             )
         )
     not_p2p = f" (not p2p over shared memory: {'; '.join(why_not)})" if why_not else ""

@@ -45,6 +45,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
 
     name: ClassVar[str] = "fsdp"
     supports_adapters: ClassVar[bool] = True
+    supports_weights_on_every_rank: ClassVar[bool] = True
 
     def __init__(
         self, train: TrainSettings, options: FSDPSettings | None, precision: PrecisionRecipe, dist: DistContext
@@ -402,7 +403,9 @@ class FSDPTrainer(Trainer[FSDPSettings]):
 
         self._require_setup()
         rename = self.adapter.adapter_name if self.adapter is not None else None
-        yield from iter_full_weights(self.actor, bucket_bytes, rank=self.dist.rank, rename=rename)
+        yield from iter_full_weights(
+            self.actor, bucket_bytes, rank=self.dist.rank, rename=rename, every_rank=self.weights_on_every_rank
+        )
 
     def iter_weight_shards(self, bucket_bytes: int = 256 << 20) -> Iterator[WeightShard]:
         """The actor's DTensor shards on this rank, with their offsets (nothing is gathered)."""

@@ -38,14 +38,20 @@ def hf_name(name: str) -> str:
 
 
 def iter_full_weights(
-    model: nn.Module, bucket_bytes: int, *, rank: int, rename: Callable[[str], str | None] | None = None
+    model: nn.Module,
+    bucket_bytes: int,
+    *,
+    rank: int,
+    rename: Callable[[str], str | None] | None = None,
+    every_rank: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of ``(hf_name, full tensor)`` of ``model``'s parameters (tied ones once).
 
     ``rename`` (a model adapter's ``adapter_name``) selects and names the parameters: those it maps to
     ``None`` are skipped without being gathered.
 
-    A collective: every rank iterates and yields the same number of buckets; only rank 0's are filled.
+    A collective: every rank iterates and yields the same number of buckets; only rank 0's are filled, or
+    every rank's with ``every_rank`` (the gather gives each rank the full tensor; it is then kept).
     A bucket closes once it reaches ``bucket_bytes`` (a parameter larger than that is a bucket alone).
     """
     if bucket_bytes <= 0:
@@ -62,7 +68,7 @@ def iter_full_weights(
         full = full_tensor() if full_tensor is not None else data
         count += 1
         size += full.numel() * full.element_size()
-        if rank == 0:
+        if rank == 0 or every_rank:
             bucket.append((out_name, full))
         del full
         if size >= bucket_bytes:

@@ -61,6 +61,7 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
     capabilities = EngineCapabilities(
         update_weights_from_disk=True,
         update_weights_from_distributed=True,
+        update_weights_from_tensor=True,
         release_memory=True,
         routed_experts=True,
         weights_checksum=False,

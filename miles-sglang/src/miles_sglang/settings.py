@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from miles.components import ComponentSettings
+from miles.transport.colocated import TensorIpcTransportSettings
 
 __all__ = ["SGLANG_VERSION", "SGLangEngineSettings", "TensorTransportSettings"]
 
@@ -67,9 +68,6 @@ class SGLangEngineSettings(ComponentSettings):
     """Any other ``sglang.launch_server`` flags, passed as given (``["--chunked-prefill-size", "4096"]``)."""
 
 
-class TensorTransportSettings(ComponentSettings):
-    """Settings of the ``sglang_tensor`` transport (colocated engine, CUDA IPC through
-    ``/update_weights_from_tensor``)."""
-
-    flush_cache: bool = True
-    """Empty the engine's prefix cache with the last bucket of a push (its KV was computed by old weights)."""
+class TensorTransportSettings(TensorIpcTransportSettings):
+    """Settings of the ``sglang_tensor`` transport (colocated engines, CUDA IPC through
+    ``/update_weights_from_tensor``): those of ``tensor_ipc``."""

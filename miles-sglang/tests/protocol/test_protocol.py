@@ -158,8 +158,8 @@ def test_every_request_miles_sends_is_sglangs(
     # the sglang_tensor transport cannot run without CUDA: its requests are checked as it builds them
     calls += [
         Call("POST", engine.url, "/begin_weight_update", {}),
-        Call("POST", engine.url, "/update_weights_from_tensor", tensor_payload("QUJD", last=False, version="6", flush_cache=True)),
-        Call("POST", engine.url, "/update_weights_from_tensor", tensor_payload("QUJD", last=True, version="6", flush_cache=True)),
+        Call("POST", engine.url, "/update_weights_from_tensor", tensor_payload(["QUJD"], last=False, version="6", flush_cache=True)),
+        Call("POST", engine.url, "/update_weights_from_tensor", tensor_payload(["QUJD"], last=True, version="6", flush_cache=True)),
         Call("POST", engine.url, "/end_weight_update", {}),
     ]  # fmt: skip
     endpoints = {c.endpoint for c in calls}

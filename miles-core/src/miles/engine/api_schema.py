@@ -100,6 +100,15 @@ class UpdateWeightsFromDistributedBody(_Body):
     flush_cache: bool | SkipJsonSchema[None] = None
 
 
+class UpdateWeightsFromTensorBody(_Body):
+    """SGLang's ``UpdateWeightsFromTensorReqInput``: one base64 payload of tensor handles per TP rank."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | SkipJsonSchema[None] = None
+    flush_cache: bool | SkipJsonSchema[None] = None
+    weight_version: str | SkipJsonSchema[None] = None
+
+
 class GroupNameBody(_Body):
     group_name: str | SkipJsonSchema[None] = None
 
@@ -150,6 +159,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "/update_weight_version": UpdateWeightVersionBody,
     "/init_weights_update_group": InitWeightsUpdateGroupBody,
     "/update_weights_from_distributed": UpdateWeightsFromDistributedBody,
+    "/update_weights_from_tensor": UpdateWeightsFromTensorBody,
     "/destroy_weights_update_group": GroupNameBody,
     "/release_memory_occupation": MemoryTagsBody,
     "/resume_memory_occupation": MemoryTagsBody,

@@ -32,7 +32,9 @@ class LocalEngine(RolloutEngine[EngineOptions]):
     """Miles' own torch engine, ``miles serve``: CPU or GPU, continuous batching, radix cache."""
 
     name = "local"
-    capabilities = EngineCapabilities(update_weights_from_disk=True, routed_experts=True, in_process=True)
+    capabilities = EngineCapabilities(
+        update_weights_from_disk=True, update_weights_from_tensor=True, routed_experts=True, in_process=True
+    )
 
     def launch(
         self,

@@ -3,7 +3,9 @@
 SGLang's names and fields: ``/init_weights_update_group {master_address, master_port, rank_offset,
 world_size, group_name, backend}``, ``/begin_weight_update {}`` and ``/end_weight_update {}`` around
 ``/update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version}``,
-``/destroy_weights_update_group {group_name}``; SGLang's ``/release_memory_occupation {tags}`` /
+``/destroy_weights_update_group {group_name}``; ``/update_weights_from_tensor {serialized_named_tensors,
+load_format, flush_cache, weight_version}`` (a colocated trainer's tensors by handle, one payload per TP
+rank: one here; :mod:`miles.transport.tensor_ipc`); SGLang's ``/release_memory_occupation {tags}`` /
 ``/resume_memory_occupation {tags}`` for colocation and ``/get_weights_by_name {name, truncate_size}`` (the
 first rows of a parameter, for sampled verification). (``/weights_checksum`` and ``/debug/randomize_weights``
 are the protocol's shared routes: :mod:`miles.engine.protocol_app`.) The built-in plugin ``local_engine``
@@ -24,7 +26,7 @@ from fastapi import Request as HTTPRequest
 
 from miles.engine.faults import die_in_push_if_asked
 from miles.engine.responses import admin
-from miles.engine.weight_sync import MemoryOccupation, WeightGroups, weights_by_name
+from miles.engine.weight_sync import MemoryOccupation, WeightGroups, load_named_tensors, weights_by_name
 from miles.torch_threads import to_thread
 
 if TYPE_CHECKING:
@@ -124,6 +126,40 @@ def add_weight_routes(app: FastAPI, state: EngineState) -> None:
 
             count = await run_on_scheduler(receive)
             return {"success": True, "message": f"received {count} tensors", "weight_version": sched.weight_version}
+
+        return await admin(request, run)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: HTTPRequest) -> Any:
+        async def run(body: dict[str, Any]) -> Any:
+            from miles.transport.tensor_ipc import load_handles
+
+            payloads = _require(body, "serialized_named_tensors", list)
+            if len(payloads) != 1 or not isinstance(payloads[0], str):
+                raise ValueError(
+                    "serialized_named_tensors: one payload (a string) per TP rank, and this engine has one; "
+                    f"got {len(payloads)} entries"
+                )
+            if body.get("load_format") not in (None, "direct"):
+                raise ValueError(f"load_format: {body.get('load_format')!r} is not served (only the default)")
+            version = body.get("weight_version")
+
+            def receive() -> int:
+                named = load_handles(payloads[0])
+                begin_update()
+                if named:
+                    updating["buckets"] += 1
+                    die_in_push_if_asked(updating["buckets"])
+                count = load_named_tensors(sched.runner.model, dict(named))
+                if named and named[0][1].is_cuda:
+                    import torch
+
+                    torch.cuda.synchronize()  # copied before the answer: the sender then frees its tensors
+                finish_update(None if version is None else str(version), bool(body.get("flush_cache", True)))
+                return count
+
+            count = await run_on_scheduler(receive)
+            return {"success": True, "message": f"loaded {count} tensors", "weight_version": sched.weight_version}
 
         return await admin(request, run)
 

@@ -29,6 +29,9 @@ class EngineCapabilities:
 
     update_weights_from_disk: bool = True
     update_weights_from_distributed: bool = False
+    update_weights_from_tensor: bool = False
+    """Serves ``/update_weights_from_tensor``: a colocated trainer's tensors by handle (CUDA IPC; shared memory
+    on a CPU), one payload per TP rank, as SGLang does (:mod:`miles.transport.tensor_ipc`)."""
     release_memory: bool = False
     routed_experts: bool = False
     weights_checksum: bool = True

@@ -76,6 +76,15 @@ class Trainer(Component[SettingsT], ABC):
     """Whether :meth:`setup` applies :attr:`adapter` (the composition root refuses ``train.adapter`` otherwise)."""
     adapter: ModelAdapter[Any] | None = None
     """The ``train.adapter`` the run selected, set by the composition root before :meth:`setup`."""
+    supports_weights_on_every_rank: ClassVar[bool] = False
+    """Whether :meth:`iter_weights` can give every rank the full tensors (:attr:`weights_on_every_rank`)."""
+    weights_on_every_rank: bool = False
+    """Set by a transport (in :meth:`~miles.transport.base.WeightTransport.attach`) whose every rank sends
+    the full tensors to its own colocated engine (``tensor_ipc``): :meth:`iter_weights` then fills every rank's
+    buckets, which the gather already made on every rank.
+
+    .. versionadded:: 0.1
+    """
 
     def __init__(
         self,
@@ -138,7 +147,8 @@ class Trainer(Component[SettingsT], ABC):
     def iter_weights(self, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Full weights in Hugging Face naming, bucket by bucket (a collective: every rank iterates).
 
-        Rank 0 receives full tensors; other ranks may receive empty buckets.
+        Rank 0 receives full tensors; other ranks may receive empty buckets (full ones too when
+        :attr:`weights_on_every_rank` is set).
         """
 
     def iter_weight_shards(self, bucket_bytes: int = 256 << 20) -> Iterator[WeightShard]:

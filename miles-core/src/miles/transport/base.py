@@ -52,6 +52,14 @@ class WeightTransport(Component[SettingsT], ABC):
     .. versionadded:: 0.1
     """
 
+    engine_needs: ClassVar[tuple[str, ...]] = ()
+    """:class:`~miles.rollout.backend.EngineCapabilities` this transport needs of the run's engines (their
+    field names, e.g. ``update_weights_from_tensor``). A run whose engine lacks one is refused at start,
+    naming both fields.
+
+    .. versionadded:: 0.1
+    """
+
     reads_buckets: ClassVar[bool] = True
     """Whether :meth:`push` iterates the buckets it is given (gathering them is a collective of every rank).
     ``False`` for a transport that sends the trainer's own slices (:meth:`attach`): after a failed push the

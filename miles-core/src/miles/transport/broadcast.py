@@ -181,7 +181,7 @@ class BroadcastTransport(WeightTransport[BroadcastTransportSettings]):
             raise SettingsError(
                 "transport.name: 'broadcast' cannot serve cluster.colocate = true on CUDA (trainer rank 0 and "
                 "engine 0 would be two NCCL ranks on one GPU, which NCCL refuses); colocated engines take their "
-                "weights by CUDA IPC (transport 'sglang_tensor' with SGLang) or from disk (transport 'disk')"
+                "weights by CUDA IPC (transport 'tensor_ipc', 'sglang_tensor' with SGLang) or from disk ('disk')"
             )
 
     def __init__(

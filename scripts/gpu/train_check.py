@@ -1,7 +1,8 @@
 """``miles train`` end to end on one device (issue 38): GRPO steps of a Qwen2.5-0.5B-shaped model (random
 weights, a tokenizer built in-process), the local engine and FSDP on the same GPU, every push verified.
 
-  (a) colocated, the trainer offloaded while the engine rolls out and the engine released while it trains:
+  (a) colocated, the trainer offloaded while the engine rolls out and the engine released while it trains,
+      pushes by ``tensor_ipc`` (CUDA IPC from the trainer rank to the engine on its GPU):
       the phases read back from the run's logs with their memory; during rollout the trainer holds < 10% of
       its training-time memory, during training the engine < 10% of its rollout-time memory;
   (b) colocated without the trainer's offload (``cluster.offload_trainer = false``): the trainer resident
@@ -164,9 +165,13 @@ def main() -> None:
         import torch
 
         results["gpu"] = torch.cuda.get_device_name(0)
-    results["a_colocated"] = train("a_colocated", workdir, args, model_path, "colocate = true\noffload_trainer = true")
+    # (b) first, by disk: its figures stand even if the CUDA IPC path of (a) fails
     results["b_colocated_resident"] = train(
         "b_colocated_resident", workdir, args, model_path, "colocate = true\noffload_trainer = false"
+    )
+    ipc = "transport.name=tensor_ipc"  # the colocated fast path: the engine reads the trainer's tensors by CUDA IPC
+    results["a_colocated"] = train(
+        "a_colocated", workdir, args, model_path, "colocate = true\noffload_trainer = true", ipc
     )
     if args.not_colocated:
         results["b_not_colocated"] = train("b_not_colocated", workdir, args, model_path, "")

@@ -27,12 +27,22 @@ def test_disk_delta_is_refused_with_sglang_naming_both_fields() -> None:
     assert "/update_weights_from_delta" in message and "rollout.engine 'sglang' does not serve them" in message
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "disk"])
+@pytest.mark.parametrize("transport", ["broadcast", "disk", "sglang_tensor"])
 def test_sglang_protocol_transports_are_not_refused_for_their_routes(transport: str) -> None:
+    config = settings(transport)
+    config.cluster.colocate = True
     try:
-        build_run(settings(transport))
+        build_run(config)
     except SettingsError as exc:  # (this host has no GPU: the engine's own host check still speaks)
-        assert "loads weights through routes only" not in str(exc)
+        assert "loads weights through routes only" not in str(exc) and "needs engines that serve" not in str(exc)
+
+
+def test_tensor_ipc_with_sglang_is_refused_naming_sglang_tensor() -> None:
+    config = settings("tensor_ipc")
+    config.cluster.colocate = True
+    with pytest.raises(SettingsError) as info:
+        build_run(config)
+    assert "use transport 'sglang_tensor' with rollout.engine 'sglang'" in str(info.value)
 
 
 def test_a_run_that_records_routed_experts_launches_sglang_with_them() -> None:

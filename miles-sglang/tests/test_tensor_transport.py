@@ -35,9 +35,6 @@ def test_check_settings_pairs_each_engine_tp_rank_with_a_trainer_rank() -> None:
         TensorTransport.check_settings(TensorTransportSettings(), config)
     cases = {
         "cluster.colocate: transport 'sglang_tensor' hands each engine": settings_for(cluster__colocate=False),
-        "cluster.device: transport 'sglang_tensor' moves CUDA tensors, got 'cpu'": settings_for(
-            cluster__device="cpu", cluster__colocate=False
-        ),
         "2 engines x rollout.engine.tp_size 1 must equal cluster.trainer_ranks \\(1\\)": settings_for(
             cluster__num_engines=2
         ),

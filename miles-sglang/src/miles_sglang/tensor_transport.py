@@ -4,8 +4,8 @@ CUDA IPC and SGLang's ``/update_weights_from_tensor`` — Miles' ``tensor_ipc`` 
 trainer rank on its GPU) with the handles made by SGLang's own serializer.
 
 SGLang's ``MultiprocessingSerializer`` (imported from SGLang, its own format) with its patched reductions
-names each tensor's GPU by UUID and rebuilds it with a function its receiving ``SafeUnpickler`` allows; Miles'
-own serializer names its rebuild function, which SGLang's allowlist refuses. No tensor data crosses HTTP, and
+names each tensor's GPU by UUID and rebuilds it with a function its receiving ``SafeUnpickler`` allows (Miles'
+own payload is JSON, which SGLang does not read). On a CPU the handles are PyTorch's shared-memory files. No tensor data crosses HTTP, and
 Miles never deserialises anything here. Needs SGLang installed where the trainer runs (the colocated host
 has it).
 """
@@ -13,7 +13,7 @@ has it).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from miles.errors import SettingsError
 from miles.transport.colocated import TensorIpcTransport, tensor_payload
@@ -37,20 +37,16 @@ class TensorTransport(TensorIpcTransport):
 
     name = "sglang_tensor"
     Settings = TensorTransportSettings
+    engine_needs: ClassVar[tuple[str, ...]] = ("update_weights_from_tensor",)
 
     @classmethod
     def check_settings(cls, options: TensorTransportSettings, settings: MilesSettings) -> None:  # type: ignore[override]
-        """SGLang engines on CUDA, then what ``tensor_ipc`` needs (colocated, one engine TP rank per trainer
+        """SGLang engines, then what ``tensor_ipc`` needs (colocated, one engine TP rank per trainer
         rank, full weights, the fsdp trainer); anything else is refused here, naming the field."""
         problems = []
         engine = settings.rollout.engine
         if engine.name != "sglang":
             problems.append(f"transport: 'sglang_tensor' needs rollout.engine = 'sglang', got {engine.name!r}")
-        if settings.cluster.device != "cuda":
-            problems.append(
-                f"cluster.device: transport 'sglang_tensor' moves CUDA tensors, got {settings.cluster.device!r} "
-                "(on a CPU, transport 'tensor_ipc' hands the local engine shared memory)"
-            )
         try:
             super().check_settings(options, settings)
         except SettingsError as exc:
@@ -59,9 +55,15 @@ class TensorTransport(TensorIpcTransport):
             raise SettingsError("\n".join(problems))
 
     def dump(self, tensors: list[tuple[str, torch.Tensor]]) -> str:
-        """CUDA IPC handles of ``tensors`` in SGLang's own format (base64), made by SGLang's serializer."""
+        """Handles of ``tensors`` in SGLang's own format (base64), made by SGLang's serializer: CUDA IPC handles
+        on a GPU; on a CPU, PyTorch's shared-memory files (the ``file_system`` strategy: SGLang's scheduler, a
+        process the trainer did not start, cannot take the default strategy's file descriptors)."""
+        import torch.multiprocessing as mp
         from sglang.srt.utils.common import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-        monkey_patch_torch_reductions()  # handles name the device by UUID, as the engine expects
+        if all(t.is_cuda for _, t in tensors):
+            monkey_patch_torch_reductions()  # handles name the device by UUID, as the engine expects
+        else:  # (SGLang's patch reads a CUDA device from every tensor's handle: not applied on a CPU)
+            mp.set_sharing_strategy("file_system")
         return str(MultiprocessingSerializer.serialize(tensors, output_str=True))

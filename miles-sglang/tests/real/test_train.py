@@ -540,6 +540,30 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@longer_run
+def test_colocated_sglang_tensor_reads_the_trainers_tensors_in_place(
+    tmp_path: Path, tiny_llamas: Any, prompts: Path
+) -> None:
+    """``sglang_tensor`` on a CPU: colocated, the trainer rank hands SGLang handles to its tensors (PyTorch's
+    shared-memory files, made by SGLang's own serializer), SGLang's scheduler maps and loads them through
+    ``/update_weights_from_tensor``; every push verified, nothing of the shared memory left."""
+    import glob
+
+    run_dir = tmp_path / "run"
+    config = sglang_config(
+        tmp_path, tiny_llamas.first, prompts, run_dir, transport="sglang_tensor", rollouts=2, extra=engine_table()
+    )
+    before = set(glob.glob("/dev/shm/torch_*"))
+    returncode, output = finish(start(config, "cluster.colocate=true"))
+    assert returncode == 0, output[-4000:] + logs(run_dir)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    check_verified(rows)
+    assert "sglang_tensor: version 2" in (run_dir / "logs" / "trainer-0.log").read_text()
+    assert set(glob.glob("/dev/shm/torch_*")) <= before
+    assert children_of_run(run_dir) == []
+
+
 def test_a_moe_model_with_sglang_on_a_cpu_exits_2_before_anything_starts(
     tmp_path: Path, tiny_moe: Path, prompts: Path
 ) -> None:

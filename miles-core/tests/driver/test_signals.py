@@ -200,3 +200,20 @@ def test_pearson_and_the_check_names() -> None:
     assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
     assert pearson([1, 2, 3], [5, 5, 5]) is None
     assert set(SIGNAL_CHECKS) >= {"teacher_logprobs_uniform", "reward_constant", "probe_unchanged", "grad_zero"}
+
+
+def test_an_engine_that_died_since_the_push_is_not_probed_and_the_run_goes_on() -> None:
+    """The probe check asks every engine for the probe's logprobs after a push. An engine that died in the
+    meantime (SIGKILLed at its next ``/generate``, which may be the probe's) is failover's to handle: the check
+    skips it for the step instead of ending the run with its connection error (the failover test of an engine
+    killed mid-rollout failed so when the probe was the killed engine's next request)."""
+    from miles.net import free_port
+    from miles.rollout.http_client import HttpEngineClient
+
+    checks = SignalChecks(SignalSettings(), vocab_size=512)
+
+    async def probe() -> dict[str, float]:
+        async with HttpEngineClient([f"http://127.0.0.1:{free_port()}"], max_retries=1, backoff=0.01) as client:
+            return await checks.probe_metrics(client, [1, 2, 3])
+
+    assert asyncio.run(probe()) == {}

@@ -144,11 +144,17 @@ class SignalChecks:
     async def probe_metrics(self, client: EngineClient, probe: Sequence[int]) -> dict[str, float]:
         """Each engine's logprobs of ``probe`` now against the last time: the smallest mean |change| over the
         engines (``signals/probe_logprob_change``; none the first time or for a new engine)."""
+        from miles.errors import EngineError
         from miles.transport.verify import engine_probe_logprobs
 
         changes: list[float] = []
         for url in client.urls:
-            now = await engine_probe_logprobs(client, url, probe)
+            try:
+                now = await engine_probe_logprobs(client, url, probe)
+            except EngineError as exc:  # (an engine that died since the push: failover deals with it, not a signal)
+                log.info("probe_unchanged: engine %s gave no probe logprobs (%s); not measured this step", url, exc)
+                self._probe.pop(url, None)
+                continue
             before = self._probe.get(url)
             self._probe[url] = now
             if before is not None and len(before) == len(now):

@@ -1,4 +1,5 @@
-"""The built-in rewards plugin: ``math``, ``exact_match``, ``regex``, ``length_penalty`` and ``remote``."""
+"""The built-in rewards plugin: ``math``, ``exact_match``, ``regex``, ``length_penalty``, ``remote``, ``model``
+(reward models and judges) and ``python_output`` (model-written code in the sandbox)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from miles.markers import hookimpl
 
 @hookimpl
 def miles_register_rewards(register: Register) -> None:
+    from miles.rewards.code import PythonOutputReward
+    from miles.rewards.model import ModelReward
     from miles.rewards.remote import RemoteReward
     from miles.rewards.text import ExactMatchReward, LengthPenaltyReward, MathReward, RegexReward
 
-    for cls in (MathReward, ExactMatchReward, RegexReward, LengthPenaltyReward, RemoteReward):
+    rewards = (MathReward, ExactMatchReward, RegexReward, LengthPenaltyReward, RemoteReward, ModelReward)
+    for cls in (*rewards, PythonOutputReward):
         register(cls)

@@ -116,12 +116,18 @@ def start_reward_servers(
 
     out = RewardServers(keys)
     own = 0
-    gpus_per_engine = run.rollout_engine().gpus_per_engine if settings.cluster.num_engines else 0
-    for i, (name, reward, _) in enumerate(run.rewards()):
-        server = reward.server()
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(settings.reward.functions):
+        seen[spec.name] = seen.get(spec.name, 0) + 1  # (the names Run.rewards gives: model, model_2 ...)
+        name = spec.name if seen[spec.name] == 1 else f"{spec.name}_{seen[spec.name]}"
+        where = f"reward.functions[{i}]"
+        if where not in run.resolved:  # (a run resolved without its rewards)
+            continue
+        server = run[where].create().server()
         if server is None:
             continue
-        where = f"reward.functions[{i}]"
+        engines = settings.cluster.num_engines and "rollout.engine" in run.resolved
+        gpus_per_engine = run.rollout_engine().gpus_per_engine if engines and settings.cluster.device == "cuda" else 1
         device, devices = _device(server, settings, gpus_per_engine, own)
         own += bool(devices) and not server.colocate
         host, (port,) = launcher.service_address(f"reward-{name}", settings.cluster.host)

@@ -1,5 +1,5 @@
 """The sandbox runs real subprocesses: a program that loops forever or allocates without bound is stopped within
-its limits and the next one runs; a file past the size limit kills its writer; a socket to the host's
+its limits and the next one runs; a file past the size limit fails its writer; a socket to the host's
 127.0.0.1 fails inside the sandbox and works with ``network = true``; the ``python_output`` reward turns a
 sandbox failure into a failed sample with the reason."""
 
@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import pytest
 
 from miles.rewards.code import PythonOutputReward, PythonOutputSettings, extract_code
-from miles.rewards.sandbox import SandboxError, SandboxLimits, run_python
+from miles.rewards.sandbox import SandboxError, SandboxLimits, run_command, run_python
 from miles.rewards.scoring import score_samples
 from miles.types import Sample, SampleStatus
 
 LOOP = "while True:\n    pass\n"
-HOG = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n"
+TOUCHING_HOG = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))  # (zero-filled: every page touched)\n"
+HOG = "chunks = []\nwhile True:\n    chunks.append(bytes(16 << 20))  # (calloc: no page touched, the limit is hit at once)\n"
 
 
 def test_a_program_runs_with_its_input_and_output() -> None:
@@ -41,16 +42,21 @@ def test_an_endless_loop_is_killed_at_the_timeout_and_the_next_program_runs() ->
 
 def test_unbounded_allocation_stops_at_the_memory_limit() -> None:
     start = time.monotonic()
-    result = asyncio.run(run_python(HOG, limits=SandboxLimits(memory_mb=256, timeout=20.0)))
+    result = asyncio.run(run_python(TOUCHING_HOG, limits=SandboxLimits(memory_mb=256, timeout=20.0)))
     assert not result.ok and not result.timed_out
     assert "MemoryError (memory limit 256 MiB)" in result.reason, result
     assert time.monotonic() - start < 10.0
 
 
-def test_a_file_past_the_size_limit_kills_its_writer() -> None:
+def test_a_file_past_the_size_limit_fails_its_writer() -> None:
     code = "with open('big', 'wb') as f:\n    for _ in range(8):\n        f.write(b'x' * (1 << 20))\n"
     result = asyncio.run(run_python(code, limits=SandboxLimits(file_size_mb=1)))
-    assert result.returncode == -25 and "SIGXFSZ: file size limit (1 MiB)" in result.reason, result
+    assert result.returncode == 1 and "file size limit (1 MiB)" in result.reason, result
+    assert "File too large" in result.reason
+    shell = asyncio.run(
+        run_command(["/bin/sh", "-c", "exec head -c 4000000 /dev/zero > big"], limits=SandboxLimits(file_size_mb=1))
+    )
+    assert shell.returncode == -25 and "killed by SIGXFSZ: file size limit (1 MiB)" in shell.reason, shell
     assert asyncio.run(run_python(code, limits=SandboxLimits(file_size_mb=16))).ok
 
 

@@ -150,12 +150,10 @@ def start_reward_servers(
         elif server.module is not None:
             argv = [sys.executable, "-m", server.module, "--model", server.model_path, "--host", host]
             argv += ["--port", str(port), "--device", device, "--dtype", server.dtype, *server.args]
-            extra = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
+            extra = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}  # (its cuda:0)
             url, health = f"http://{host}:{port}", server.health_path
         else:
             raise SettingsError(f"{where}: reward {name!r} asks for a server with neither an engine nor a module")
-        if devices and server.engine is None:
-            argv[argv.index("--device") + 1] = "cuda"  # (the one GPU it sees)
         process = launcher.start_process(ProcessSpec(name=f"reward-{name}", argv=argv, env={**env, **extra}))
         out.started.append(
             _Started(where, f"reward-{name}", url, url.rstrip("/") + health, process, server.startup_timeout)

@@ -57,7 +57,8 @@ class SandboxLimits(BaseModel):
     memory_mb: int = Field(512, ge=16)
     """Address space in MiB (``RLIMIT_AS``): an allocation beyond it fails (Python raises ``MemoryError``)."""
     file_size_mb: int = Field(16, ge=0)
-    """Largest file the code may write, in MiB (``RLIMIT_FSIZE``; beyond it the process gets ``SIGXFSZ``)."""
+    """Largest file the code may write, in MiB (``RLIMIT_FSIZE``: a larger write fails with ``EFBIG``, or kills a
+    program that does not ignore ``SIGXFSZ``; Python ignores it)."""
     open_files: int = Field(64, ge=8)
     """Open file descriptors (``RLIMIT_NOFILE``)."""
     output_kb: int = Field(64, ge=1)
@@ -148,6 +149,8 @@ def _reason(code: int, stderr: str, limits: SandboxLimits) -> str:
         return f"killed by {name}" + (f": {why}" if why else "") + (f" ({last[:200]})" if last and not why else "")
     if "MemoryError" in last or "MemoryError" in stderr[-2000:]:
         return f"exit {code}: MemoryError (memory limit {limits.memory_mb} MiB)"
+    if "File too large" in last:  # (Python ignores SIGXFSZ: the write fails with EFBIG instead)
+        return f"exit {code}: file size limit ({limits.file_size_mb} MiB): {last[:200]}"
     return f"exit {code}" + (f": {last[:300]}" if last else "")
 
 

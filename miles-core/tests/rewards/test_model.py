@@ -1,30 +1,30 @@
-"""The ``model`` reward against real servers over loopback HTTP: the reward-model server
-(``python -m miles.rewards.model_server``) with a tiny classifier and a tiny process reward model, scores
-checked against the model run here; and a tiny judge on a real local engine process, whose verdicts are known
-in advance (:func:`~miles.testing.reward_models.build_modulo_judge`): numbers become rewards, an answer that is
-no verdict fails its sample with the answer quoted."""
+"""The ``model`` reward against real servers over loopback HTTP: the reward-model server's application
+(:mod:`miles.rewards.model_server`) with a tiny classifier and a tiny process reward model, scores checked
+against the model run here; and a tiny judge on a real local engine, whose verdicts are known in advance
+(:func:`~miles.testing.reward_models.build_modulo_judge`): numbers become rewards, an answer that is no verdict
+fails its sample with the answer quoted. The servers run on threads of this process (each process costs ~10 s
+of imports here); ``tests/integration/test_reward_models.py`` has the launcher start them as processes."""
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 
-from miles.net import free_port
+from miles.rewards.base import Reward
 from miles.rewards.model import ModelReward, RewardModelSettings
 from miles.rewards.scoring import score_samples
-from miles.testing.engine import EngineProcess
 from miles.testing.reward_models import build_modulo_judge, build_tiny_classifier, modulo_verdict
 from miles.types import Sample, SampleStatus
 
 PROMPTS = ["What is 3 + 4?", "Name a colour.", "What is the time?", "Say one word."]
-RESPONSES = ["7", "The answer is 7, because 3 plus 4 is seven.", "blue", "one two", "it is noon", "word", "a"]
+RESPONSES = ["7", "The answer is 7, because 3 plus 4 is seven.", "blue", "one two", "the sum", "word", "a", "red"]
 
 
 def samples() -> list[Sample]:
@@ -42,50 +42,57 @@ def samples() -> list[Sample]:
     ]
 
 
-class ModelServer:
-    def __init__(self, model: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "miles.rewards.model_server", "--model", str(model), "--port", str(self.port)]
-        self.proc = subprocess.Popen([*argv, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def score(scored: list[Sample], name: str, reward: Reward[Any]) -> None:
+    """Score ``scored`` with ``reward`` and close it, in one event loop (its HTTP client lives in it)."""
 
-    def wait(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.communicate()[0][-3000:]
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the reward model server did not start")
+    async def main() -> None:
+        try:
+            await score_samples(scored, [(name, reward, 1.0)], timeout=60.0)
+        finally:
+            await reward.close()
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.communicate(timeout=30)
+    asyncio.run(main())
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn on a thread, on a port the OS picks; its URL."""
+    import uvicorn
+
+    from miles.net import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, str]]]:
+    from miles.engine.launch import InProcessEngine
+    from miles.engine.options import ServeOptions
+    from miles.rewards.model_server import ModelScorer, create_app
+
     root = tmp_path_factory.mktemp("reward_models")
     classifier = build_tiny_classifier(root / "classifier", seed=1)
     prm = build_tiny_classifier(root / "prm", kind="process", num_labels=2, seed=2)
     judge = build_modulo_judge(root / "judge")
-    started = [
-        ModelServer(classifier, "--kind", "classifier", "--batch-size", "3"),
-        ModelServer(prm, "--kind", "process", "--label", "1", "--transform", "probability", "--input-format", "text"),
-    ]
-    engine = EngineProcess(judge, log_path=root / "judge.log").start(wait=False)
-    try:
-        for server in started:
-            server.wait()
-        engine.wait_ready()
-        yield {"classifier": (classifier, started[0].url), "prm": (prm, started[1].url), "judge": (judge, engine.url)}
-    finally:
-        for server in started:
-            server.stop()
-        engine.stop()
+    cls_scorer = ModelScorer(str(classifier), kind="classifier", batch_size=3)
+    prm_scorer = ModelScorer(str(prm), kind="process", label="1", transform="probability", input_format="text")
+    with ExitStack() as stack:
+        cls_url = stack.enter_context(serving(create_app(cls_scorer)))
+        prm_url = stack.enter_context(serving(create_app(prm_scorer)))
+        engine = stack.enter_context(InProcessEngine(ServeOptions(model=judge, host="127.0.0.1", port=0)))
+        yield {"classifier": (classifier, cls_url), "prm": (prm, prm_url), "judge": (judge, engine.url)}
 
 
 def test_classifier_scores_are_the_models_own_batched(servers: dict[str, tuple[Path, str]]) -> None:
@@ -95,8 +102,7 @@ def test_classifier_scores_are_the_models_own_batched(servers: dict[str, tuple[P
     path, url = servers["classifier"]
     reward = ModelReward(RewardModelSettings(kind="classifier", model_path=str(path), url=url, batch_size=4))
     scored = samples()
-    asyncio.run(score_samples(scored, [("rm", reward, 1.0)], timeout=60.0))
-    asyncio.run(reward.close())
+    score(scored, "rm", reward)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
     for s in scored:
@@ -123,8 +129,7 @@ def test_process_reward_scores_each_step_at_its_end(servers: dict[str, tuple[Pat
     sample = Sample(
         prompt_ids=[1], response_ids=[2], status=SampleStatus.COMPLETED, prompt="Q: 3+4? ", response=response
     )
-    asyncio.run(score_samples([sample], [("prm", reward, 1.0)], timeout=60.0))
-    asyncio.run(reward.close())
+    score([sample], "prm", reward)
     assert sample.status == SampleStatus.COMPLETED, sample.status_reason
     # the model is causal: a step's score is the last position's output of the text up to that step's tag
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -148,8 +153,7 @@ def test_judge_on_a_local_engine_numbers_and_garbage(servers: dict[str, tuple[Pa
     template = "Q: {prompt} A: {response}"
     reward = ModelReward(RewardModelSettings(**common, template=template, score_range=(0, 1)))  # type: ignore[arg-type]
     scored = samples()
-    asyncio.run(score_samples(scored, [("judge", reward, 1.0)], timeout=60.0))
-    asyncio.run(reward.close())
+    score(scored, "judge", reward)
     tokenizer = AutoTokenizer.from_pretrained(path)
     verdicts = [
         modulo_verdict(tokenizer(template.format(prompt=s.prompt, response=s.response))["input_ids"]) for s in scored
@@ -166,7 +170,6 @@ def test_judge_on_a_local_engine_numbers_and_garbage(servers: dict[str, tuple[Pa
     # a judge whose answers never name a label: every sample fails with the reason, the scoring goes on
     labels = ModelReward(RewardModelSettings(**common, template=template, labels={"yes": 1.0, "no": 0.0}))  # type: ignore[arg-type]
     scored = samples()
-    asyncio.run(score_samples(scored, [("judge", labels, 1.0)], timeout=60.0))
-    asyncio.run(labels.close())
+    score(scored, "judge", labels)
     assert all(s.status == SampleStatus.FAILED for s in scored)
     assert all("names none of the labels yes, no" in s.status_reason for s in scored)

@@ -21,6 +21,9 @@ import logging
 import os
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
 __all__ = ["ModelScorer", "create_app", "main"]
 
 log = logging.getLogger("miles.rewards.model_server")
@@ -151,12 +154,8 @@ class ModelScorer:
         return results
 
 
-def create_app(scorer: ModelScorer) -> Any:
+def create_app(scorer: ModelScorer) -> FastAPI:
     """The FastAPI application over ``scorer``."""
-    from fastapi import FastAPI
-    from fastapi import Request as HTTPRequest
-    from fastapi.responses import JSONResponse
-
     app = FastAPI(title="miles reward model")
     lock = asyncio.Lock()  # one forward at a time
 
@@ -165,7 +164,7 @@ def create_app(scorer: ModelScorer) -> Any:
         return {"status": "ok"}
 
     @app.post("/score")
-    async def score(request: HTTPRequest) -> Any:
+    async def score(request: Request) -> Any:
         try:
             body = await request.json()
         except ValueError:

@@ -65,7 +65,8 @@ def test_grpo_with_a_classifier_a_constant_classifier_and_a_judge(
         assert 0.0 < row["rollout/failed_fraction"] < 1.0  # some garbage verdicts, not all
         assert row["train/grad_norm"] > 0.0  # it trained on the scored samples
     assert any(r["reward/model_3/degenerate"] == 0.0 for r in rows)  # the judge's numbers differ between samples
-    samples = [json.loads(line) for f in sorted((run_dir / "samples").glob("rollout_*.jsonl")) for line in f.open()]
+    files = sorted((run_dir / "samples").glob("rollout_*.jsonl"))
+    samples = [json.loads(line) for f in files for line in f.read_text().splitlines()]
     failed = [s for s in samples if s["status"] == "failed"]
     assert failed and all("reward 'model_3' raised VerdictError" in s["status_reason"] for s in failed)
     assert all("holds no number" in s["status_reason"] for s in failed)

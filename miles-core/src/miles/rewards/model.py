@@ -50,8 +50,10 @@ DEFAULT_JUDGE_TEMPLATE = (
 )
 """The judge's default question (with ``score_range = [0, 10]`` and ``normalize = true``)."""
 
-_JUDGE_ONLY = ("engine", "template", "system_prompt", "chat_template", "max_new_tokens", "temperature", "labels")
-_JUDGE_ONLY += ("pattern", "score_range", "normalize")
+_JUDGE_ONLY = (
+    *("engine", "template", "system_prompt", "chat_template", "max_new_tokens", "temperature", "labels"),
+    *("pattern", "score_range", "normalize"),
+)
 _SCORED_ONLY = ("label", "transform", "input_format")
 _PROCESS_ONLY = ("step_separator", "step_tag", "aggregate")
 
@@ -356,13 +358,9 @@ class ModelReward(Reward[RewardModelSettings]):
             if isinstance(result, dict) and "error" in result:
                 out.append(RewardModelError(str(result["error"])))
             elif s.kind == "process":
-                steps = [float(v) for v in result]
-                out.append(
-                    RewardOutput(
-                        _aggregate(steps, s.aggregate),
-                        {"steps": float(len(steps)), "step_min": min(steps), "step_mean": sum(steps) / len(steps)},
-                    )
-                )
+                scores = [float(v) for v in result]
+                parts = {"steps": float(len(scores)), "step_min": min(scores), "step_mean": sum(scores) / len(scores)}
+                out.append(RewardOutput(_aggregate(scores, s.aggregate), parts))
             else:
                 out.append(float(result))
         return out

@@ -105,3 +105,20 @@ def test_a_judge_engine_that_does_not_exist_is_refused_before_anything_starts(
         with pytest.raises(SettingsError, match=r"reward\.functions\[0\]\.engine.*vllm"):
             start_reward_servers(run, launcher, settings, keys=ServiceKeys(None, None), env={})
         assert launcher.processes == []
+
+
+def test_reward_servers_get_a_gpu_of_their_own_after_the_run_s_or_share_the_first() -> None:
+    from miles.host.reward_servers import server_device
+    from miles.rewards.base import RewardServer
+    from miles.settings.model import MilesSettings
+
+    settings = MilesSettings(cluster={"device": "cuda", "trainer_ranks": 2, "num_engines": 2})
+    own, shared = RewardServer(model_path="m"), RewardServer(model_path="m", colocate=True)
+    assert server_device(own, settings, gpus_per_engine=2, own=0) == ("cuda", [6])  # 2 ranks + 2 x 2 engine GPUs
+    assert server_device(own, settings, gpus_per_engine=2, own=1) == ("cuda", [7])
+    assert server_device(shared, settings, gpus_per_engine=2, own=1) == ("cuda", [0])
+    assert server_device(RewardServer(model_path="m", device="cpu"), settings, gpus_per_engine=2, own=0) == ("cpu", [])
+    settings.cluster.colocate = True  # engines on the trainer's GPUs: the servers start right after the ranks'
+    assert server_device(own, settings, gpus_per_engine=2, own=0) == ("cuda", [2])
+    settings.cluster.device = "cpu"
+    assert server_device(own, settings, gpus_per_engine=2, own=0) == ("cpu", [])

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from miles.rewards.base import RewardServer
     from miles.settings.model import MilesSettings
 
-__all__ = ["RewardServers", "start_reward_servers"]
+__all__ = ["RewardServers", "server_device", "start_reward_servers"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,11 @@ class RewardServers:
                 log.info("reward server %s (%s) is up at %s", server.name, server.field, server.url)
 
 
-def _device(server: RewardServer, settings: MilesSettings, gpus_per_engine: int, own: int) -> tuple[str, list[int]]:
+def server_device(
+    server: RewardServer, settings: MilesSettings, *, gpus_per_engine: int, own: int
+) -> tuple[str, list[int]]:
+    """Where a reward server runs: its device and, on CUDA, its GPU as the ``local`` launcher numbers them (see
+    the module's docstring); ``own``: servers before it that took a GPU of their own."""
     device = settings.cluster.device if server.device == "auto" else server.device
     if device != "cuda":
         return device, []
@@ -128,7 +132,7 @@ def start_reward_servers(
             continue
         engines = settings.cluster.num_engines and "rollout.engine" in run.resolved
         gpus_per_engine = run.rollout_engine().gpus_per_engine if engines and settings.cluster.device == "cuda" else 1
-        device, devices = _device(server, settings, gpus_per_engine, own)
+        device, devices = server_device(server, settings, gpus_per_engine=gpus_per_engine, own=own)
         own += bool(devices) and not server.colocate
         host, (port,) = launcher.service_address(f"reward-{name}", settings.cluster.host)
         check_bind(host, keys, service=f"the reward server of {where}", setting="cluster.api_key")

@@ -126,11 +126,13 @@ def test_process_reward_scores_each_step_at_its_end(servers: dict[str, tuple[Pat
     )
     reward = ModelReward(settings)
     response = "3 plus 4\n\nis 7\n\nso the answer is 7"
-    sample = Sample(
-        prompt_ids=[1], response_ids=[2], status=SampleStatus.COMPLETED, prompt="Q: 3+4? ", response=response
+    sample, too_long = (
+        Sample(prompt_ids=[1], response_ids=[2], status=SampleStatus.COMPLETED, prompt="Q: 3+4? ", response=text)
+        for text in (response, "one step " * 600)  # (the model has 1024 positions)
     )
-    score([sample], "prm", reward)
+    score([sample, too_long], "prm", reward)  # (one batch)
     assert sample.status == SampleStatus.COMPLETED, sample.status_reason
+    assert too_long.status == SampleStatus.FAILED and "more than max_length = 1024" in too_long.status_reason
     # the model is causal: a step's score is the last position's output of the text up to that step's tag
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForTokenClassification.from_pretrained(path).eval()

@@ -59,6 +59,8 @@ class ModelScorer:
         self.model = auto.from_pretrained(model_path, **kwargs).to(self.device).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        if self.max_length is None:  # (never past the positions the model has)
+            self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self.num_labels = int(self.model.config.num_labels)
         self.label = self._label_index(label)
         self.chat = input_format == "chat" or (input_format == "auto" and bool(self.tokenizer.chat_template))
@@ -130,27 +132,32 @@ class ModelScorer:
                 step_ends.append(offset)
             texts.append(text)
             ends.append(step_ends)
+        special = not self.chat
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
+        fits = [i for i, n in enumerate(lengths) if self.max_length is None or n <= self.max_length]
+        results: list[Any] = [
+            {"error": f"the input has {n} tokens, more than max_length = {self.max_length}"} for n in lengths
+        ]
+        if not fits:
+            return results
         encoded = self.tokenizer(
-            texts, padding=True, return_tensors="pt", return_offsets_mapping=True, add_special_tokens=not self.chat
+            [texts[i] for i in fits],
+            padding=True,
+            return_tensors="pt",
+            return_offsets_mapping=True,
+            add_special_tokens=special,
         )
         offsets = encoded.pop("offset_mapping").tolist()
-        results: list[Any] = []
+        mask = encoded["attention_mask"].tolist()
         positions: list[list[int]] = []
-        for i, step_ends in enumerate(ends):
-            length = int(encoded["attention_mask"][i].sum())
-            if self.max_length is not None and length > self.max_length:
-                positions.append([])
-                continue
-            spans = [(j, s, e) for j, (s, e) in enumerate(offsets[i]) if e > s and encoded["attention_mask"][i][j]]
-            positions.append([max((j for j, s, _ in spans if s < end), default=0) for end in step_ends])
+        for row, i in enumerate(fits):
+            spans = [(j, s) for j, (s, e) in enumerate(offsets[row]) if e > s and mask[row][j]]
+            positions.append([max((j for j, s in spans if s < end), default=0) for end in ends[i]])
         with torch.inference_mode():
             logits = self.model(**encoded.to(self.device)).logits.float()
         values = self.values(logits)
-        for i, where in enumerate(positions):
-            if not where:
-                results.append({"error": f"the input has more than max_length = {self.max_length} tokens"})
-            else:
-                results.append([float(values[i, j]) for j in where])
+        for row, i in enumerate(fits):
+            results[i] = [float(values[row, j]) for j in positions[row]]
         return results
 
 
@@ -177,7 +184,11 @@ def create_app(scorer: ModelScorer) -> FastAPI:
         if bad:
             return JSONResponse({"error": f"items {bad[:10]} have no {key!r}"}, status_code=400)
         async with lock:
-            results = await asyncio.to_thread(scorer.score, items)
+            try:
+                results = await asyncio.to_thread(scorer.score, items)
+            except Exception as exc:  # (a malformed item, a model error): the caller's samples fail with it
+                log.exception("scoring %d items failed", len(items))
+                return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=400)
         return {"results": results}
 
     return app

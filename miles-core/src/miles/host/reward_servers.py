@@ -26,7 +26,7 @@ from miles.errors import LaunchError, SettingsError
 if TYPE_CHECKING:
     from miles.auth import ServiceKeys
     from miles.compose import Run
-    from miles.launch.base import Launcher, ProcessHandle
+    from miles.launch.base import Launcher, ProcessHandle, ProcessSpec
     from miles.rewards.base import RewardServer
     from miles.settings.model import MilesSettings
 
@@ -43,6 +43,9 @@ class _Started:
     health: str
     process: ProcessHandle
     timeout: float
+    spec: ProcessSpec
+    restarts_left: int
+    gone: bool = False
 
 
 @dataclass
@@ -51,6 +54,36 @@ class RewardServers:
 
     keys: ServiceKeys
     started: list[_Started] = field(default_factory=list)
+    restarted: int = 0
+    """Restarts of dead servers so far."""
+
+    def tick(self, launcher: Launcher) -> None:
+        """At every check of the run's processes (the launcher's ``wait_trainers`` tick): a server that exited is
+        started again with the same command on the same address while it has restarts left (its samples fail
+        meanwhile, with the connection error); then it is said once in the log to be gone."""
+        from miles.launch.process import describe_exit
+
+        for server in self.started:
+            code = None if server.gone else server.process.exit_status()
+            if code is None:
+                continue
+            tail = server.process.log_tail(10)
+            if server.restarts_left > 0:
+                server.restarts_left -= 1
+                self.restarted += 1
+                log.warning(
+                    "reward server %s (%s) exited (%s); starting it again at %s (%d restart(s) left); its log "
+                    "ended with:\n%s",
+                    server.name, server.field, describe_exit(code), server.url, server.restarts_left, tail,
+                )  # fmt: skip
+                server.process = launcher.start_process(server.spec)
+            else:
+                server.gone = True
+                log.error(
+                    "reward server %s (%s) exited (%s) with no restart left: the samples it scores fail from now "
+                    "on; its log ended with:\n%s",
+                    server.name, server.field, describe_exit(code), tail,
+                )  # fmt: skip
 
     @property
     def urls(self) -> dict[str, str]:
@@ -121,9 +154,9 @@ def start_reward_servers(
     out = RewardServers(keys)
     own = 0
     seen: dict[str, int] = {}
-    for i, spec in enumerate(settings.reward.functions):
-        seen[spec.name] = seen.get(spec.name, 0) + 1  # (the names Run.rewards gives: model, model_2 ...)
-        name = spec.name if seen[spec.name] == 1 else f"{spec.name}_{seen[spec.name]}"
+    for i, function in enumerate(settings.reward.functions):
+        seen[function.name] = seen.get(function.name, 0) + 1  # (the names Run.rewards gives: model, model_2 ...)
+        name = function.name if seen[function.name] == 1 else f"{function.name}_{seen[function.name]}"
         where = f"reward.functions[{i}]"
         if where not in run.resolved:  # (a run resolved without its rewards)
             continue
@@ -158,12 +191,14 @@ def start_reward_servers(
             url, health = f"http://{host}:{port}", server.health_path
         else:
             raise SettingsError(f"{where}: reward {name!r} asks for a server with neither an engine nor a module")
-        process = launcher.start_process(ProcessSpec(name=f"reward-{name}", argv=argv, env={**env, **extra}))
+        spec = ProcessSpec(name=f"reward-{name}", argv=argv, env={**env, **extra})
+        process = launcher.start_process(spec)
+        health_url = url.rstrip("/") + health
         out.started.append(
-            _Started(where, f"reward-{name}", url, url.rstrip("/") + health, process, server.startup_timeout)
+            _Started(where, spec.name, url, health_url, process, server.startup_timeout, spec, server.restarts)
         )
-        spec = settings.reward.functions[i]
-        settings.reward.functions[i] = RewardFunctionSpec.model_validate({**spec.model_dump(), "url": url})
+        chosen = settings.reward.functions[i]
+        settings.reward.functions[i] = RewardFunctionSpec.model_validate({**chosen.model_dump(), "url": url})
         resolved = run.resolved[where]
         run.resolved[where] = Resolved(where, resolved.registration, resolved.options.model_copy(update={"url": url}))
         log.info("reward %s (%s): starting its server %s at %s on %s", name, where, server.model_path, url, device)

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -410,7 +411,10 @@ def run_training(
                 after_step=resumed_at,
                 on_step=watch.step if watch is not None else None,
             ):
-                return launcher.wait_trainers(tick=None if controller is None else controller.tick)
+                ticks: list[Callable[[], None]] = [] if controller is None else [controller.tick]
+                if reward_servers is not None and reward_servers.started:  # (dead ones started again)
+                    ticks.append(functools.partial(reward_servers.tick, launcher))
+                return launcher.wait_trainers(tick=(lambda: _tick_all(ticks)) if ticks else None)
         finally:
             if controller is not None:
                 controller.close()
@@ -418,6 +422,11 @@ def run_training(
             transport = run.resolved.get("transport")
             if transport is None or not getattr(transport.options, "keep_after_run", False):
                 remove_scratch(run_dir)
+
+
+def _tick_all(ticks: list[Callable[[], None]]) -> None:
+    for tick in ticks:
+        tick()
 
 
 def _contention_watch(settings: MilesSettings) -> ContentionWatch | None:

@@ -48,6 +48,8 @@ class RewardServer:
     dtype: str = "auto"
     startup_timeout: float = 300.0
     """Seconds it may take to answer :attr:`health_path`."""
+    restarts: int = 1
+    """Times it is started again when it exits while the run goes on."""
     health_path: str = "/health"
 
 

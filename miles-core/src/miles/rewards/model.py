@@ -87,6 +87,8 @@ class RewardModelSettings(ComponentSettings):
     """Seconds one request may take (each sample is also bounded by ``reward.timeout``)."""
     startup_timeout: float = Field(300.0, gt=0.0)
     """Seconds the started server may take to answer ``/health``."""
+    restarts: int = Field(1, ge=0)
+    """Times the started server is started again (same address) when it exits while the run goes on."""
     max_length: int | None = Field(None, ge=1)
     """Classifier: tokens kept of each input (its end); judge and process: a longer input fails the sample."""
 
@@ -276,6 +278,7 @@ class ModelReward(Reward[RewardModelSettings]):
             colocate=s.colocate,
             dtype=s.dtype,
             startup_timeout=s.startup_timeout,
+            restarts=s.restarts,
         )
         if s.kind == "judge":
             return RewardServer(engine={"name": s.engine.name, **s.engine.options}, **common)

@@ -169,6 +169,14 @@ def test_judge_on_a_local_engine_numbers_and_garbage(servers: dict[str, tuple[Pa
         else:
             assert s.status == SampleStatus.COMPLETED and s.reward == float(verdict)
 
+    # a prompt past the judge's context (1024 positions less the answer's token) fails alone, before the engine
+    long = Sample(prompt_ids=[1], response_ids=[2], status=SampleStatus.COMPLETED, response="word " * 1100)
+    fits = samples()[verdicts.index("1")]
+    again = ModelReward(RewardModelSettings(**common, template=template, score_range=(0, 1)))  # type: ignore[arg-type]
+    score([long, fits], "judge", again)
+    assert long.status == SampleStatus.FAILED and "tokens, over 1023" in long.status_reason
+    assert fits.status == SampleStatus.COMPLETED and fits.reward == 1.0
+
     # a judge whose answers never name a label: every sample fails with the reason, the scoring goes on
     labels = ModelReward(RewardModelSettings(**common, template=template, labels={"yes": 1.0, "no": 0.0}))  # type: ignore[arg-type]
     scored = samples()

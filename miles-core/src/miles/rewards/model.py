@@ -90,7 +90,8 @@ class RewardModelSettings(ComponentSettings):
     restarts: int = Field(1, ge=0)
     """Times the started server is started again (same address) when it exits while the run goes on."""
     max_length: int | None = Field(None, ge=1)
-    """Classifier: tokens kept of each input (its end); judge and process: a longer input fails the sample."""
+    """Classifier: tokens kept of each input (its end); judge and process: a longer input fails its sample
+    (default: the model's ``max_position_embeddings``, less ``max_new_tokens`` for a judge)."""
 
     # classifier / process
     label: int | str | None = None
@@ -255,6 +256,18 @@ def _aggregate(steps: Sequence[float], how: str) -> float:
     return math.prod(steps)
 
 
+def _judge_prompt_limit(settings: RewardModelSettings) -> int | None:
+    """The judge's context (``max_position_embeddings`` of its ``config.json``) less ``max_new_tokens``."""
+    try:
+        config = json.loads((Path(settings.model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    return int(positions) - settings.max_new_tokens if isinstance(positions, int) else None
+
+
 class ModelReward(Reward[RewardModelSettings]):
     """A reward model (classifier, process reward model or generative judge) served for the run."""
 
@@ -266,6 +279,8 @@ class ModelReward(Reward[RewardModelSettings]):
         self._batcher: _Batcher | None = None
         self._tokenizer: Any = None
         self._tokenizer_lock: asyncio.Lock | None = None
+        self._prompt_limit: int | None = None
+        """The judge's longest prompt: ``max_length``, or its context less ``max_new_tokens``."""
         self.parser = VerdictParser(settings.labels, settings.pattern, settings.score_range, settings.normalize)
 
     def server(self) -> RewardServer | None:
@@ -377,6 +392,7 @@ class ModelReward(Reward[RewardModelSettings]):
                 from transformers import AutoTokenizer
 
                 self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.settings.model_path)
+                self._prompt_limit = self.settings.max_length or _judge_prompt_limit(self.settings)
         return self._tokenizer
 
     def judge_prompt(self, sample: Sample, tokenizer: Any) -> list[int]:
@@ -402,10 +418,8 @@ class ModelReward(Reward[RewardModelSettings]):
             ids = self.judge_prompt(sample, tokenizer)
             if not ids:
                 out.append(RewardModelError("the judge's prompt is empty (template and response gave no tokens)"))
-            elif s.max_length is not None and len(ids) > s.max_length:
-                out.append(
-                    RewardModelError(f"the judge's prompt has {len(ids)} tokens, over max_length {s.max_length}")
-                )
+            elif self._prompt_limit is not None and len(ids) > self._prompt_limit:
+                out.append(RewardModelError(f"the judge's prompt has {len(ids)} tokens, over {self._prompt_limit}"))
             else:
                 prompts.append(ids)
                 out.append(None)

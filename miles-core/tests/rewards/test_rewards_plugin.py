@@ -10,7 +10,10 @@ def test_plugin_registers_every_reward() -> None:
     check_plugin(
         plugin,
         name="rewards",
-        expect=[("reward", n) for n in ("math", "exact_match", "regex", "length_penalty", "remote")],
+        expect=[
+            ("reward", n)
+            for n in ("math", "exact_match", "regex", "length_penalty", "remote", "model", "python_output")
+        ],
     )
 
 

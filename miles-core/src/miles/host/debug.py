@@ -42,6 +42,13 @@ def _check(run: Run) -> None:
             f"rollout.engine: --debug runs the engine in this process, which engine {engine.name!r} cannot "
             "(the local engine can; not a server fleet)"
         )
+    for i in range(len(s.reward.functions)):
+        resolved = run.resolved.get(f"reward.functions[{i}]")
+        if resolved is not None and resolved.create().server() is not None:
+            raise SettingsError(
+                f"reward.functions[{i}]: --debug starts no other process, and this reward needs its own server "
+                "(a reward model): start one and set its url"
+            )
     if s.cluster.device != "cpu":
         log.info("--debug on %s: the engine and the trainer share the device", s.cluster.device)
 

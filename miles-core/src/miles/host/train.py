@@ -8,11 +8,13 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles.driver.colocate import LOADED_FILE
 from miles.host.progress import follow_metrics
+from miles.host.reward_servers import start_reward_servers
 from miles.host.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
 from miles.rollout.router import FLEET_FILE, flush_caches
 
@@ -237,8 +239,12 @@ def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
 
 def launch_fleet(run: Run, launcher: Launcher, *, model_path: str | None = None) -> EngineFleet:
     """The engines (:func:`launch_engines`) and, with ``rollout.router = "smg"``, the router in front of them,
-    once every one answers."""
+    once every one answers; and the servers of the run's reward models (their URLs then in ``run.settings``)."""
+    keys = run_keys(run.settings, launcher)
+    env = {**_child_env(run.settings, role="engine"), **keys.env()}
+    reward_servers = start_reward_servers(run, launcher, run.settings, keys=keys, env=env)
     launch_engines(run, launcher, model_path=model_path, wait=False)
+    reward_servers.wait()
     return finish_fleet(run, launcher)
 
 
@@ -352,6 +358,14 @@ def run_training(
         launcher.engine_deaths = _engine_death_policy(settings)
         refuse_unshared_dirs(run, launcher, run_dir, engines=engines)
         keys = run_keys(settings, launcher)  # (before anything starts: every process of the run gets them)
+        # reward models and judges: their own processes, their URLs in the settings the ranks read
+        reward_servers = None
+        if run.algorithm.needs.rollout:
+            reward_servers = start_reward_servers(
+                run, launcher, settings, keys=keys, env={**_child_env(settings, role="engine"), **keys.env()}
+            )
+            if reward_servers.started:
+                write_resolved_settings(settings, run_dir / "settings.json")
         # the engines start (load weights, build the CPU kernels) while the trainer ranks load their models;
         # rank 0 waits for the fleet (fleet.json, written here once every engine and the router answer).
         # Colocated, they share the trainer's devices: they start once every rank has loaded and offloaded
@@ -377,6 +391,8 @@ def run_training(
             )
             log.info("colocated: the trainer ranks have loaded and offloaded; starting the engines")
             launch_engines(run, launcher, wait=False)
+        if reward_servers is not None:
+            reward_servers.wait()  # (before the fleet is announced: rank 0 scores once it has the engines)
         if engines:
             # fleet.json, announced now; from here on engines may join and leave (``miles fleet add|remove``)
             controller = FleetController(
@@ -395,7 +411,10 @@ def run_training(
                 after_step=resumed_at,
                 on_step=watch.step if watch is not None else None,
             ):
-                return launcher.wait_trainers(tick=None if controller is None else controller.tick)
+                ticks: list[Callable[[], None]] = [] if controller is None else [controller.tick]
+                if reward_servers is not None and reward_servers.started:  # (dead ones started again)
+                    ticks.append(functools.partial(reward_servers.tick, launcher))
+                return launcher.wait_trainers(tick=(lambda: _tick_all(ticks)) if ticks else None)
         finally:
             if controller is not None:
                 controller.close()
@@ -403,6 +422,11 @@ def run_training(
             transport = run.resolved.get("transport")
             if transport is None or not getattr(transport.options, "keep_after_run", False):
                 remove_scratch(run_dir)
+
+
+def _tick_all(ticks: list[Callable[[], None]]) -> None:
+    for tick in ticks:
+        tick()
 
 
 def _contention_watch(settings: MilesSettings) -> ContentionWatch | None:

@@ -6,7 +6,11 @@ Registered names (``[[reward.functions]] name = "<name>"  weight = 1.0``):
 - ``exact_match``: the (extracted) answer equals the label after normalisation;
 - ``regex``: a format reward, the response matches a regular expression;
 - ``length_penalty``: DAPO's soft overlong punishment or a linear length cost;
-- ``remote``: a reward model / verifier over HTTP (async httpx, timeout, retries).
+- ``remote``: a reward model / verifier over HTTP (async httpx, timeout, retries);
+- ``model``: a reward model served for the run — a classifier, a process reward model or a generative judge
+  (:mod:`miles.rewards.model`);
+- ``python_output``: the response's program run in the sandbox (:mod:`miles.rewards.sandbox`), its output
+  against the label.
 
 :func:`miles.rewards.scoring.score_samples` combines them with their weights, fills ``Sample.reward``
 and ``Sample.reward_parts``, and marks a sample failed when a function raises or times out.

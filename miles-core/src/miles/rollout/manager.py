@@ -39,7 +39,15 @@ if TYPE_CHECKING:
     from miles.rollout.function import RolloutFunction
     from miles.settings.model import RolloutSettings
 
-__all__ = ["DropBudget", "RolloutManager", "RolloutResult", "rollout_metrics", "sample_from_output", "single_turn"]
+__all__ = [
+    "DropBudget",
+    "RolloutManager",
+    "RolloutResult",
+    "reward_part_metrics",
+    "rollout_metrics",
+    "sample_from_output",
+    "single_turn",
+]
 
 log = logging.getLogger(__name__)
 
@@ -384,6 +392,7 @@ def rollout_metrics(groups: Sequence[SampleGroup], *, seconds: float) -> dict[st
             parts.setdefault(name, []).append(float(value))
     for name, values in parts.items():
         metrics[f"rollout/reward_{name}_mean"] = sum(values) / len(values)
+    metrics.update(reward_part_metrics(parts))
     routed = [(len(s.tokens), shape) for s in samples if (shape := s.routed_experts_shape) is not None]
     if routed:  # what the trainer holds per sample (int16, TrainBatch.token_tensors["routed_experts"])
         per_sample = [2 * tokens * shape[1] * shape[2] for tokens, shape in routed]
@@ -392,4 +401,23 @@ def rollout_metrics(groups: Sequence[SampleGroup], *, seconds: float) -> dict[st
     if versions:
         metrics["rollout/weight_version_min"] = float(min(versions))
         metrics["rollout/weight_version_max"] = float(max(versions))
+    return metrics
+
+
+def reward_part_metrics(parts: dict[str, list[float]]) -> dict[str, float]:
+    """Per reward function (a name of ``Sample.reward_parts`` without ``/``) over the scored samples of a step:
+    ``reward/<name>/mean``, ``reward/<name>/std`` and ``reward/<name>/degenerate``, 1 when every sample (two or
+    more) got the same value — a reward model answering a constant wastes the run — else 0; named parts
+    (``<name>/<part>``) get their mean. A degenerate function is said in the log."""
+    metrics: dict[str, float] = {}
+    for name, values in parts.items():
+        mean = sum(values) / len(values)
+        metrics[f"reward/{name}/mean"] = mean
+        if "/" in name:
+            continue
+        metrics[f"reward/{name}/std"] = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+        degenerate = len(values) > 1 and max(values) == min(values)
+        metrics[f"reward/{name}/degenerate"] = 1.0 if degenerate else 0.0
+        if degenerate:
+            log.warning("reward %r gave every one of the step's %d scored samples %.6g", name, len(values), mean)
     return metrics

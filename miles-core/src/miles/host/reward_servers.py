@@ -1,0 +1,205 @@
+"""The servers a run's rewards need (reward models, judges), started through the launcher as processes of
+their own (:class:`~miles.rewards.base.RewardServer`).
+
+:func:`start_reward_servers` places and starts them before the trainer ranks, and writes each one's URL into
+its reward's ``url`` setting in the settings the ranks read (``settings.json``), so trainer rank 0's reward
+talks to it; :meth:`RewardServers.wait` returns once each answers its health path (before the engines are
+announced to rank 0), or raises :class:`~miles.errors.LaunchError` naming the server with its log tail.
+
+Placement on CUDA, with the ``local`` launcher's numbering (every GPU visible to every process): a server takes
+the next GPU after the trainer ranks' and the engines' (after the trainer ranks' when the engines are
+colocated), one per server; ``colocate = true`` puts it on GPU 0 with trainer rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from miles.components import ComponentKind
+from miles.compose import Resolved
+from miles.errors import LaunchError, SettingsError
+
+if TYPE_CHECKING:
+    from miles.auth import ServiceKeys
+    from miles.compose import Run
+    from miles.launch.base import Launcher, ProcessHandle, ProcessSpec
+    from miles.rewards.base import RewardServer
+    from miles.settings.model import MilesSettings
+
+__all__ = ["RewardServers", "server_device", "start_reward_servers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Started:
+    field: str
+    name: str
+    url: str
+    health: str
+    process: ProcessHandle
+    timeout: float
+    spec: ProcessSpec
+    restarts_left: int
+    gone: bool = False
+
+
+@dataclass
+class RewardServers:
+    """The reward servers a run started."""
+
+    keys: ServiceKeys
+    started: list[_Started] = field(default_factory=list)
+    restarted: int = 0
+    """Restarts of dead servers so far."""
+
+    def tick(self, launcher: Launcher) -> None:
+        """At every check of the run's processes (the launcher's ``wait_trainers`` tick): a server that exited is
+        started again with the same command on the same address while it has restarts left (its samples fail
+        meanwhile, with the connection error); then it is said once in the log to be gone."""
+        from miles.launch.process import describe_exit
+
+        for server in self.started:
+            code = None if server.gone else server.process.exit_status()
+            if code is None:
+                continue
+            tail = server.process.log_tail(10)
+            if server.restarts_left > 0:
+                server.restarts_left -= 1
+                self.restarted += 1
+                log.warning(
+                    "reward server %s (%s) exited (%s); starting it again at %s (%d restart(s) left); its log "
+                    "ended with:\n%s",
+                    server.name, server.field, describe_exit(code), server.url, server.restarts_left, tail,
+                )  # fmt: skip
+                server.process = launcher.start_process(server.spec)
+            else:
+                server.gone = True
+                log.error(
+                    "reward server %s (%s) exited (%s) with no restart left: the samples it scores fail from now "
+                    "on; its log ended with:\n%s",
+                    server.name, server.field, describe_exit(code), tail,
+                )  # fmt: skip
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """``{field: url}`` of every server (``reward.functions[0]``: ``http://127.0.0.1:PORT``)."""
+        return {s.field: s.url for s in self.started}
+
+    def wait(self, *, poll_interval: float = 0.25) -> None:
+        """Until every server answers its health path; a server that exits first or stays silent past its
+        ``startup_timeout`` raises :class:`LaunchError` with its log tail."""
+        import httpx
+
+        from miles.launch.process import describe_exit
+
+        with httpx.Client(timeout=5.0, trust_env=False, headers=self.keys.headers()) as client:
+            for server in self.started:
+                deadline = time.monotonic() + server.timeout
+                while True:
+                    code = server.process.exit_status()
+                    if code is not None:
+                        raise LaunchError(
+                            f"reward server {server.name} ({server.field}) exited before it answered: "
+                            f"{describe_exit(code)}; last lines of its log:\n{server.process.log_tail(20)}",
+                            process=server.name,
+                        )
+                    try:
+                        if client.get(server.health).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() >= deadline:
+                        raise LaunchError(
+                            f"reward server {server.name} ({server.field}) did not answer {server.health} within "
+                            f"{server.timeout:g} s; last lines of its log:\n{server.process.log_tail(20)}",
+                            process=server.name,
+                        )
+                    time.sleep(poll_interval)
+                log.info("reward server %s (%s) is up at %s", server.name, server.field, server.url)
+
+
+def server_device(
+    server: RewardServer, settings: MilesSettings, *, gpus_per_engine: int, own: int
+) -> tuple[str, list[int]]:
+    """Where a reward server runs: its device and, on CUDA, its GPU as the ``local`` launcher numbers them (see
+    the module's docstring); ``own``: servers before it that took a GPU of their own."""
+    device = settings.cluster.device if server.device == "auto" else server.device
+    if device != "cuda":
+        return device, []
+    if server.colocate:
+        return device, [0]
+    cluster = settings.cluster
+    first = cluster.trainer_ranks + (0 if cluster.colocate else cluster.num_engines * gpus_per_engine)
+    return device, [first + own]
+
+
+def start_reward_servers(
+    run: Run, launcher: Launcher, settings: MilesSettings, *, keys: ServiceKeys, env: dict[str, str]
+) -> RewardServers:
+    """Start the server of every reward of ``run`` that needs one (its :meth:`~miles.rewards.base.Reward.server`),
+    without waiting for them; set its ``url`` in ``settings`` (which the caller writes for the trainer ranks)
+    and in ``run``'s resolution. ``env`` is the environment of each (threads, keys).
+
+    Raises :class:`SettingsError` naming the field when a judge's ``engine`` is not a valid rollout engine.
+    """
+    from miles.auth import check_bind
+    from miles.launch.base import ProcessSpec
+    from miles.settings.model import PluginSpec, RewardFunctionSpec
+
+    out = RewardServers(keys)
+    own = 0
+    seen: dict[str, int] = {}
+    for i, function in enumerate(settings.reward.functions):
+        seen[function.name] = seen.get(function.name, 0) + 1  # (the names Run.rewards gives: model, model_2 ...)
+        name = function.name if seen[function.name] == 1 else f"{function.name}_{seen[function.name]}"
+        where = f"reward.functions[{i}]"
+        if where not in run.resolved:  # (a run resolved without its rewards)
+            continue
+        server = run[where].create().server()
+        if server is None:
+            continue
+        engines = settings.cluster.num_engines and "rollout.engine" in run.resolved
+        gpus_per_engine = run.rollout_engine().gpus_per_engine if engines and settings.cluster.device == "cuda" else 1
+        device, devices = server_device(server, settings, gpus_per_engine=gpus_per_engine, own=own)
+        own += bool(devices) and not server.colocate
+        host, (port,) = launcher.service_address(f"reward-{name}", settings.cluster.host)
+        check_bind(host, keys, service=f"the reward server of {where}", setting="cluster.api_key")
+        if server.engine is not None:
+            entry, options = run.plugins.resolve(
+                ComponentKind.ROLLOUT_ENGINE, PluginSpec.model_validate(server.engine), field=f"{where}.engine"
+            )
+            engine = entry.component(options)
+            launch = engine.launch(
+                model_path=server.model_path,
+                host=host,
+                port=port,
+                device=device,
+                dtype=server.dtype,
+                devices=devices,
+                seed=settings.train.seed,
+            )
+            argv, extra, url, health = launch.argv, launch.env, launch.url, launch.health_path
+        elif server.module is not None:
+            argv = [sys.executable, "-m", server.module, "--model", server.model_path, "--host", host]
+            argv += ["--port", str(port), "--device", device, "--dtype", server.dtype, *server.args]
+            extra = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}  # (its cuda:0)
+            url, health = f"http://{host}:{port}", server.health_path
+        else:
+            raise SettingsError(f"{where}: reward {name!r} asks for a server with neither an engine nor a module")
+        spec = ProcessSpec(name=f"reward-{name}", argv=argv, env={**env, **extra})
+        process = launcher.start_process(spec)
+        health_url = url.rstrip("/") + health
+        out.started.append(
+            _Started(where, spec.name, url, health_url, process, server.startup_timeout, spec, server.restarts)
+        )
+        chosen = settings.reward.functions[i]
+        settings.reward.functions[i] = RewardFunctionSpec.model_validate({**chosen.model_dump(), "url": url})
+        resolved = run.resolved[where]
+        run.resolved[where] = Resolved(where, resolved.registration, resolved.options.model_copy(update={"url": url}))
+        log.info("reward %s (%s): starting its server %s at %s on %s", name, where, server.model_path, url, device)
+    return out

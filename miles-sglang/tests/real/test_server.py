@@ -151,3 +151,30 @@ def test_health_answers_while_paused(server: Any) -> None:
         assert time.monotonic() - start < 5
     finally:
         assert server.post("/continue_generation", {}).status_code == 200
+
+
+def test_sampling_masks_of_top_k_sampling_are_the_kept_sets(server: Any) -> None:
+    """SGLang 0.5.23's ``return_sampling_mask`` on its CPU path: with top-k sampling each output token's kept
+    set (``output_token_sampling_mask``) has at most k ids and holds the sampled token, and its behaviour
+    logprob (``output_token_sampling_logprobs``) is the token's under the kept set renormalised, at least the
+    full-vocabulary one; Miles reads both (``GenerateOutput``), what sampling-mask replay trains on."""
+    from miles.rollout.protocol import GenerateOutput
+
+    resp = server.post(
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "top_k": 5, "ignore_eos": True},
+            "return_logprob": True,
+            "return_sampling_mask": True,
+        },
+    )
+    assert resp.status_code == 200, resp.text
+    out = GenerateOutput.from_json(resp.json())
+    assert out.sampling_mask is not None and out.sampling_logprobs is not None, resp.json()["meta_info"].keys()
+    assert len(out.sampling_mask) == len(out.output_ids) == len(out.sampling_logprobs) == 8
+    for token, kept, behaviour, full in zip(
+        out.output_ids, out.sampling_mask, out.sampling_logprobs, out.output_logprobs, strict=True
+    ):
+        assert token in kept and 1 <= len(kept) <= 5, (token, kept)
+        assert behaviour >= full - 1e-3, (behaviour, full)

@@ -415,9 +415,12 @@ def test_one_step_off_broadcast_with_retract_pauses_keeps_partial_rollouts(
     # probe tolerance 0.01 (the default for bfloat16 engines is 0.1): the engine's logprobs of the probe are the
     # trainer's within 0.001 here, while one step's change of the policy shows as about 0.01 (the fidelity of a
     # step whose samples are partly one version old)
+    # top-k 20 with sampling-mask replay: SGLang returns each token's kept set and its logprob under it, the
+    # trainer scores the same renormalised distribution (without replay step 1's mismatch would be the log of
+    # the kept mass at each token, not bfloat16's error)
     proc = start(
         config, "rollout.mode=one_step_off", "rollout.pause_mode=retract", "rollout.min_new_tokens=64",
-        "transport.verify_logprob_tolerance=0.01",
+        "transport.verify_logprob_tolerance=0.01", "rollout.top_k=20", "rollout.replay_sampling_mask=true",
     )  # fmt: skip
     servers = ServerWatch(run_dir)
     returncode, output = finish(proc, 900)  # (a few minutes; a hang fails here, not at the module's limit)
@@ -432,6 +435,10 @@ def test_one_step_off_broadcast_with_retract_pauses_keeps_partial_rollouts(
     # the trainer's logprobs of step 1's samples are the engine's within bfloat16's error (the same weights); later
     # steps train a quarter of their samples partly one version old (their logprobs the older policy's)
     assert rows[0]["fidelity/train_rollout_logprob_abs_diff"] < 0.005, rows[0]
+    for s in samples(run_dir, 1):  # (the kept sets SGLang sent, one per response token, each holding its token)
+        masks = s["sampling_mask"]
+        assert len(masks) == 64, len(masks)
+        assert all(t in kept and len(kept) <= 20 for t, kept in zip(s["response_ids"], masks, strict=True)), s
     assert all(r["fidelity/train_rollout_logprob_abs_diff"] < 0.05 for r in rows[1:]), rows
     assert sum(r["async/partial_samples"] for r in rows) >= 1, rows
     for step in (1, 2, 3):

@@ -415,9 +415,9 @@ def test_one_step_off_broadcast_with_retract_pauses_keeps_partial_rollouts(
     # probe tolerance 0.01 (the default for bfloat16 engines is 0.1): the engine's logprobs of the probe are the
     # trainer's within 0.001 here, while one step's change of the policy shows as about 0.01 (the fidelity of a
     # step whose samples are partly one version old)
-    # top-k 20 with sampling-mask replay: SGLang returns each token's kept set and its logprob under it, the
-    # trainer scores the same renormalised distribution (without replay step 1's mismatch would be the log of
-    # the kept mass at each token, not bfloat16's error)
+    # top-k 20 with sampling-mask replay: SGLang returns each token's kept set and its logprob under it (the
+    # rollout logprob), and the trainer, renormalising its own over the same kept set, gives it back within
+    # bfloat16's error
     proc = start(
         config, "rollout.mode=one_step_off", "rollout.pause_mode=retract", "rollout.min_new_tokens=64",
         "transport.verify_logprob_tolerance=0.01", "rollout.top_k=20", "rollout.replay_sampling_mask=true",
@@ -439,6 +439,7 @@ def test_one_step_off_broadcast_with_retract_pauses_keeps_partial_rollouts(
         masks = s["sampling_mask"]
         assert len(masks) == 64, len(masks)
         assert all(t in kept and len(kept) <= 20 for t, kept in zip(s["response_ids"], masks, strict=True)), s
+        assert any(len(kept) > 1 for kept in masks), masks  # (sets, not just the sampled token)
     assert all(r["fidelity/train_rollout_logprob_abs_diff"] < 0.05 for r in rows[1:]), rows
     assert sum(r["async/partial_samples"] for r in rows) >= 1, rows
     for step in (1, 2, 3):

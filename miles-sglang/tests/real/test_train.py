@@ -440,7 +440,9 @@ def test_one_step_off_broadcast_with_retract_pauses_keeps_partial_rollouts(
         assert len(masks) == 64, len(masks)
         assert all(t in kept and len(kept) <= 20 for t, kept in zip(s["response_ids"], masks, strict=True)), s
         assert any(len(kept) > 1 for kept in masks), masks  # (sets, not just the sampled token)
-    assert all(r["fidelity/train_rollout_logprob_abs_diff"] < 0.05 for r in rows[1:]), rows
+    # (top-k 20 renormalises over 20 of 512 ids: one version's change of the policy shows larger than over the
+    # whole vocabulary; measured 0.024-0.036, once above 0.05, against 0.01-0.03 without top-k)
+    assert all(r["fidelity/train_rollout_logprob_abs_diff"] < 0.1 for r in rows[1:]), rows
     assert sum(r["async/partial_samples"] for r in rows) >= 1, rows
     for step in (1, 2, 3):
         trained = samples(run_dir, step)

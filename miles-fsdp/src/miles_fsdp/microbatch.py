@@ -47,6 +47,12 @@ class PackedMicroBatch:
     host when the row was packed: ``packed_sdpa`` reads it instead of taking ``position_ids`` back from the
     device in every layer."""
 
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """More inputs of the forward, over ``position_ids`` (a vision-language actor's images and M-RoPE
+    positions: :mod:`miles_fsdp.vision`)."""
+    image_mask: torch.Tensor | None = None
+    """``[1, L]`` the prompts' image placeholders (the tokens that take image features)."""
+
     @property
     def is_empty(self) -> bool:
         return not self.indices

@@ -146,7 +146,14 @@ def sample_from_output(sample: Sample, output: GenerateOutput) -> Sample:
 async def single_turn(client: EngineClient, sample: Sample, sampling_params: SamplingParams) -> Sample:
     """The default rollout function: one ``/generate`` call for one sample."""
     routing_key = str(sample.metadata.get("routing_key", f"group-{sample.group_id}"))
-    outputs = await client.generate(sample.prompt_ids, replace(sampling_params, n=1), routing_key=routing_key)
+    images = sample.metadata.get("images") or None  # a vision-language prompt's (miles.data.vision)
+    if images:  # as data (the engine may run on another host than the data's files)
+        from miles.data.images import image_bytes, to_data_url
+
+        images = [ref if str(ref).startswith("data:") else to_data_url(image_bytes(ref)) for ref in images]
+    outputs = await client.generate(
+        sample.prompt_ids, replace(sampling_params, n=1), routing_key=routing_key, image_data=images
+    )
     return sample_from_output(sample, outputs[0])
 
 

@@ -6,6 +6,7 @@ and, again, its logprobs); a text-only batch for image prompts is refused naming
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,13 +61,19 @@ def engine(vlm: dict[str, Any]) -> Iterator[EngineProcess]:
 def _prompts(vlm: dict[str, Any]) -> list[Any]:
     from transformers import AutoTokenizer
 
+    from miles.components import ComponentSettings
     from miles.data.factory import create_data_source
     from miles.data.sources import JsonlDataSource
     from miles.settings.model import DataSettings
 
     settings = DataSettings(path=str(vlm["root"] / "rows.jsonl"), shuffle=False)
     tokenizer = AutoTokenizer.from_pretrained(vlm["model"])
-    source = create_data_source(JsonlDataSource, settings, tokenizer=tokenizer, model_path=str(vlm["model"]))
+    source = create_data_source(
+        functools.partial(JsonlDataSource, ComponentSettings()),
+        settings,
+        tokenizer=tokenizer,
+        model_path=str(vlm["model"]),
+    )
     assert isinstance(source, JsonlDataSource)
     return source.prompts
 

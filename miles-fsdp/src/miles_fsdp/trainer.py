@@ -176,8 +176,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._parts = {"actor": (self.actor, optimizer, build_scheduler(optimizer, train))}
         if need_ref and self.adapter is None:
             ref = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
-            if vision:  # the same image placeholders, through the reference's own hook
-                VisionInputs(ref, train_vision_tower=False)
+            if self._vision is not None:  # the same image placeholders as the actor's
+                self._vision.attach(ref)
             ref.requires_grad_(False)
             ref.eval()
             if self._onednn:

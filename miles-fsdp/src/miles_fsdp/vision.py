@@ -39,6 +39,13 @@ class VisionInputs:
         self.image_token_id = int(model.config.image_token_id)  # type: ignore[union-attr]
         self.allowed: torch.Tensor | None = None
         """``[1, L]`` placeholders of the next forward that take image features (``None``: all)."""
+        self.attach(model)
+        if not train_vision_tower:
+            inner.visual.requires_grad_(False)
+
+    def attach(self, model: nn.Module) -> None:
+        """Limit ``model``'s image placeholders (the actor's, or its frozen reference's) to :attr:`allowed`."""
+        inner: Any = model.model  # type: ignore[union-attr]
         original = inner.get_placeholder_mask
 
         def placeholder_mask(
@@ -47,16 +54,13 @@ class VisionInputs:
             image, video = original(input_ids, inputs_embeds=inputs_embeds, video_features=video_features)
             if self.allowed is not None:
                 image = image & self.allowed[..., None].to(image.device)
-            if image_features is not None and int(image.sum()) != image_features.numel():
+            if image_features is not None and int(image.sum()) != image_features.shape[0]:
                 raise ValueError(
-                    f"{int(image[..., 0].sum())} prompt image placeholders for "
-                    f"{image_features.shape[0]} image feature rows"
+                    f"{int(image.sum())} prompt image placeholders for {image_features.shape[0]} image feature rows"
                 )
             return image, video
 
         inner.get_placeholder_mask = placeholder_mask
-        if not train_vision_tower:
-            inner.visual.requires_grad_(False)
 
     def annotate(self, mb: PackedMicroBatch, batch: TrainBatch, device: torch.device) -> None:
         """Set ``mb``'s image inputs (the model's ``pixel_values``, ``image_grid_thw`` and M-RoPE

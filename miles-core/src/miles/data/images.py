@@ -63,17 +63,15 @@ def image_bytes(ref: Any, *, base_dir: str | None = None) -> bytes:
         return _b64(data, ref)
     if ref.startswith(("http://", "https://")):
         raise ImageError(f"{_short(ref)}: remote URLs are not fetched; give a local path or base64 data")
-    path = ref
-    if ref.startswith("file://"):
-        path = unquote(urlparse(ref).path)
-    elif os.path.sep not in ref and not os.path.exists(ref) and len(ref) > 64:
-        return _b64(ref, ref)  # long, no separator, not a file: bare base64
+    path = unquote(urlparse(ref).path) if ref.startswith("file://") else ref
     if base_dir is not None and not os.path.isabs(path):
         path = os.path.join(base_dir, path)
-    if not os.path.isfile(path):
-        raise ImageError(f"{_short(ref)}: no such image file")
-    with open(path, "rb") as fh:
-        return fh.read()
+    if os.path.isfile(path):
+        with open(path, "rb") as fh:
+            return fh.read()
+    if not ref.startswith("file://") and len(ref) > 64:  # not a file: bare base64, if it decodes
+        return _b64(ref, ref)
+    raise ImageError(f"{_short(ref)}: no such image file")
 
 
 def _b64(data: str, ref: str) -> bytes:

@@ -38,16 +38,7 @@ __all__ = ["ATTENTION_BACKENDS", "SUPPORTED_MODEL_TYPES", "ModelRunner"]
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral")
-_RMS_NORMS = (
-    "LlamaRMSNorm",
-    "MistralRMSNorm",
-    "Qwen2RMSNorm",
-    "Qwen3RMSNorm",
-    "Qwen2MoeRMSNorm",
-    "Qwen3MoeRMSNorm",
-    "Qwen2VLRMSNorm",
-    "Qwen2_5_VLRMSNorm",
-)
+_RMS_NORMS = tuple(f"{m}RMSNorm" for m in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Qwen2VL"))
 """HF norm classes that compute ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (the fused kernel's formula)."""
 """``sdpa``: PyTorch ops only; ``miles_cpu``: decode attention, RMSNorm and rotary on Miles' CPU kernels
 (:mod:`miles.engine.cpu_kernels`); ``auto``: the kernels on CPU where they build. Prefill attention always
@@ -124,6 +115,8 @@ class ModelRunner:
                 self._routed.append(None)
                 gate.register_forward_hook(self._router_hook(slot))
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.weights_generation = 0
+        """Bumped whenever weights change (what encoded images are checked against)."""
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._dequantized_qkv: list[tuple[Any, ...] | None] = []
@@ -262,6 +255,7 @@ class ModelRunner:
         """Free the packed weights, and the quantized projections' dequantized ones (memory release; they are
         rebuilt on the next forward)."""
         self._packed.clear()
+        self.weights_generation += 1
         for module in self.model.modules():
             drop = getattr(module, "drop_cache", None)
             if drop is not None:
@@ -536,6 +530,7 @@ class ModelRunner:
         grid = inputs.grid_thw.to(self.device)
         out = self.model.model.get_image_features(inputs.pixel_values.to(self.device), grid, return_dict=True)
         inputs.embeds = torch.cat(list(out.pooler_output), dim=0).to(self.dtype)
+        inputs.weights = self.weights_generation
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean attention mask as an additive one in the model's dtype (0 / -inf): SDPA converts a
@@ -590,6 +585,7 @@ class ModelRunner:
             staged.append((target, tensor))
         for target, tensor in staged:
             target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+        self.weights_generation += 1
         if getattr(self.config, "tie_word_embeddings", False):
             self.model.tie_weights()
         return len(staged)

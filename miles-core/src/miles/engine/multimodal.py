@@ -55,6 +55,9 @@ class ImageInputs:
     """The prompt's prefix-cache key (placeholders replaced by their image's hash)."""
     embeds: torch.Tensor | None = None
     """``[placeholders, hidden]`` vision embeddings (once encoded)."""
+    weights: int = -1
+    """The runner's :attr:`~miles.engine.model_runner.ModelRunner.weights_generation` the embeddings were
+    encoded under (new weights: encoded again on the next prefill, a retracted request's included)."""
 
     def rope_positions(self, start: int, end: int) -> torch.Tensor:
         """``[3, end - start]`` rotary positions of sequence positions ``start..end`` (output tokens too)."""
@@ -76,9 +79,10 @@ class ImageInputs:
             return None
         return self.placeholders[inside] - start, self.embeds[inside]
 
-    def needs_encoding(self, start: int) -> bool:
-        """Whether a prefill from ``start`` feeds a placeholder and the embeddings are not there yet."""
-        return self.embeds is None and bool((self.placeholders >= start).any())
+    def needs_encoding(self, start: int, weights: int) -> bool:
+        """Whether a prefill from ``start`` feeds a placeholder and the embeddings of the current weights
+        (generation ``weights``) are not there yet."""
+        return (self.embeds is None or self.weights != weights) and bool((self.placeholders >= start).any())
 
 
 def place_images(

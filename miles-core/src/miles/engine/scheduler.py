@@ -344,7 +344,7 @@ class Scheduler:
             limit = min(need, max(req.logprob_start_len - 1, 0)) if want_input else need
             key = req.cache_tokens
             match = self.cache.match(key[:need], limit=0 if req.lora_name else limit)  # KV depends on the adapter
-            if req.images is not None and req.images.needs_encoding(match.length):
+            if req.images is not None and req.images.needs_encoding(match.length, self.runner.weights_generation):
                 self.runner.encode_images(req.images)  # on the prefill that first feeds a placeholder
             plans.append(_Plan(req, seq, key, need, want_input, match))
         plans.sort(key=lambda plan: plan.need - plan.match.length)

@@ -148,6 +148,7 @@ def test_trainer_logprobs_equal_the_engines_and_pushes_cover_the_vision_tower(
 
         before = _visual(trainer)
         batch.set_token_field("advantages", torch.linspace(-1.0, 1.0, batch.num_response_tokens))
+        batch.set_token_field("old_logprobs", got)
         trainer.train_step(batch, job.PolicyGradient())
         after = _visual(trainer)
         assert before and all(not torch.equal(before[n], after[n]) for n in ("model.visual.merger.mlp.0.weight",))
@@ -180,6 +181,7 @@ def test_a_frozen_vision_tower_stays_and_a_text_only_batch_is_refused(
     try:
         batch = _batch(samples, model)
         batch.set_token_field("advantages", torch.ones(batch.num_response_tokens))
+        batch.set_token_field("old_logprobs", batch.rollout_logprobs)
         before = _visual(trainer)
         language = trainer.actor.lm_head.weight.detach().clone()
         trainer.train_step(batch, job.PolicyGradient())

@@ -68,9 +68,9 @@ def load_causal_lm(model_path: str, *, seed: int, attn_implementation: str) -> P
     if path.suffix != ".gguf" and getattr(load_config(model_path), "vision_config", None) is not None:
         auto: Any = AutoModelForImageTextToText  # a vision-language model: its vision tower too
         if _has_weights(path):
-            return auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)  # type: ignore[no-any-return]
+            return auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
         torch.manual_seed(seed)
-        return auto.from_config(load_config(model_path), dtype=torch.float32, attn_implementation=attn_implementation)  # type: ignore[no-any-return]
+        return auto.from_config(load_config(model_path), dtype=torch.float32, attn_implementation=attn_implementation)
     if path.suffix == ".gguf":
         return AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation=attn_implementation

@@ -34,9 +34,9 @@ class VisionInputs:
     and limits the model's image placeholders to the prompts'."""
 
     def __init__(self, model: nn.Module, *, train_vision_tower: bool) -> None:
-        inner: Any = model.model  # type: ignore[union-attr]
+        inner: Any = model.model
         self.rope_index = inner.get_rope_index
-        self.image_token_id = int(model.config.image_token_id)  # type: ignore[union-attr]
+        self.image_token_id = int(model.config.image_token_id)
         self.allowed: torch.Tensor | None = None
         """``[1, L]`` placeholders of the next forward that take image features (``None``: all)."""
         self.attach(model)
@@ -45,7 +45,7 @@ class VisionInputs:
 
     def attach(self, model: nn.Module) -> None:
         """Limit ``model``'s image placeholders (the actor's, or its frozen reference's) to :attr:`allowed`."""
-        inner: Any = model.model  # type: ignore[union-attr]
+        inner: Any = model.model
         original = inner.get_placeholder_mask
 
         def placeholder_mask(

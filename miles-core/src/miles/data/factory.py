@@ -37,7 +37,7 @@ def create_data_source(
     """
     if settings.path is None:
         raise SettingsError("data.path: not set (the prompt file or data set directory)")
-    pipeline = None
+    pipeline: PromptPipeline | None = None
     if tokenizer is not None and model_path is not None and is_vision_model(model_path):
         pipeline = VisionPromptPipeline(
             tokenizer,

@@ -59,7 +59,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
         from miles.data.vision import load_image_processor
         from miles.engine.multimodal import ImageParser
 
-        images = ImageParser(runner, load_image_processor(path))
+        images = ImageParser(runner.model, load_image_processor(path))
 
     def text_of(ids: list[int], skip_special: bool) -> str:
         return str(tokenizer.decode(ids, skip_special_tokens=skip_special))

@@ -22,15 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from miles.data.images import MAX_IMAGE_PIXELS, ImageError, load_image
 from miles.data.vision import expand_placeholders, process_images
-
-if TYPE_CHECKING:
-    from miles.engine.model_runner import ModelRunner
 
 __all__ = ["VISION_MODEL_TYPES", "ImageInputs", "ImageParser", "image_lists", "place_images"]
 
@@ -121,9 +118,14 @@ def _key(digest: str) -> int:
 class ImageParser:
     """Turns a prompt's ids and images into expanded ids and :class:`ImageInputs` (HTTP thread)."""
 
-    def __init__(self, runner: ModelRunner, image_processor: Any, *, max_image_pixels: int = MAX_IMAGE_PIXELS) -> None:
-        config = runner.config
-        self.rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]] = runner.model.model.get_rope_index
+    def __init__(
+        self, model: torch.nn.Module, image_processor: Any, *, max_image_pixels: int = MAX_IMAGE_PIXELS
+    ) -> None:
+        """:param model: the served model (its config and its ``model.get_rope_index`` are used, not its
+        weights: this runs on the HTTP thread)."""
+        config: Any = model.config
+        inner: Any = model.model
+        self.rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]] = inner.get_rope_index
         self.processor = image_processor
         self.image_token_id = int(config.image_token_id)
         self.video_token_id = int(getattr(config, "video_token_id", -1) or -1)

@@ -44,4 +44,8 @@ def test_grpo_on_a_tiny_vlm_end_to_end(tmp_path: Path, task: tuple[Path, Path], 
         assert row["weight_sync/verified"] == 1.0 and row["weight_sync/verified_tensors"] == len(names)
         if mode == "sync":  # the samples come from the weights being trained: same images, same logprobs
             assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
+    if mode == "sync":  # the export is a vision-language checkpoint an engine can serve: its image processor too
+        from miles.data.vision import load_image_processor
+
+        assert load_image_processor(run_dir / "hf").merge_size == 2
     assert children_of_run(run_dir) == []

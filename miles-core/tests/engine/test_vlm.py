@@ -148,6 +148,19 @@ def test_prompts_that_differ_only_in_the_image_never_share_kv(vlm: dict[str, Any
     assert red_again["meta_info"]["cached_tokens"] == red["meta_info"]["prompt_tokens"] - 1
     assert red_again["output_ids"] == red["output_ids"]
     assert torch.allclose(again_lp, red_lp, atol=1e-5, rtol=0)
+    # a cache hit that ends inside the image (input logprobs asked from two tokens into it): the prefill resumes
+    # mid-image with the rest of its embeddings and M-RoPE positions, and still equals transformers
+    inside = _generate(
+        engine, {"input_ids": prompt, "image_data": str(paths["red"]), "logprob_start_len": first_image + 2}
+    )
+    assert inside["meta_info"]["cached_tokens"] == first_image + 1
+    tokens = [t for _, t, _ in inside["meta_info"]["input_token_logprobs"]]
+    got = torch.tensor([lp for lp, _, _ in inside["meta_info"]["input_token_logprobs"]])
+    full = red["meta_info"]["prompt_tokens"]
+    want = _hf_logprobs(model, _expanded(model, prompt, full) + inside["output_ids"], [paths["red"]])
+    assert tokens == _expanded(model, prompt, full)[first_image + 2 :]
+    assert torch.allclose(got, want[first_image + 2 : full], atol=1e-5, rtol=0)
+    assert inside["output_ids"] == red["output_ids"]
 
 
 @pytest.mark.parametrize(
@@ -171,6 +184,13 @@ def test_bad_images_are_refused_naming_the_field(
     response = httpx.post(engine.url + "/generate", json=body, timeout=60)
     assert response.status_code == 400
     assert message in response.json()["error"]["message"]
+
+
+def _expanded(model: Path, prompt: list[int], length: int) -> list[int]:
+    """``prompt`` with its one image placeholder repeated to make it ``length`` tokens long."""
+    token = _config(model)["image_token_id"]
+    i = prompt.index(token)
+    return prompt[:i] + [token] * (length - len(prompt) + 1) + prompt[i + 1 :]
 
 
 def _config(model: Path) -> dict[str, Any]:

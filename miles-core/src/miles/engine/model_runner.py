@@ -525,12 +525,14 @@ class ModelRunner:
         return logits, self._take_routed()
 
     @torch.inference_mode()
-    def encode_images(self, inputs: ImageInputs) -> None:
-        """Run the vision tower over ``inputs``' images: the embeddings of their placeholder tokens."""
-        grid = inputs.grid_thw.to(self.device)
-        out = self.model.model.get_image_features(inputs.pixel_values.to(self.device), grid, return_dict=True)
-        inputs.embeds = torch.cat(list(out.pooler_output), dim=0).to(self.dtype)
-        inputs.weights = self.weights_generation
+    def encode_images(self, prompts: list[ImageInputs]) -> None:
+        """Run the vision tower once over the images of ``prompts``: the embeddings of their placeholders."""
+        grid = torch.cat([p.grid_thw for p in prompts]).to(self.device)
+        pixels = torch.cat([p.pixel_values for p in prompts]).to(self.device)
+        per_image = list(self.model.model.get_image_features(pixels, grid, return_dict=True).pooler_output)
+        for inputs in prompts:
+            mine, per_image = per_image[: len(inputs.hashes)], per_image[len(inputs.hashes) :]
+            inputs.embeds, inputs.weights = torch.cat(mine).to(self.dtype), self.weights_generation
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean attention mask as an additive one in the model's dtype (0 / -inf): SDPA converts a

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from miles.engine.model_runner import ModelRunner
+from miles.engine.multimodal import ImageInputs
 from miles.engine.radix_cache import ExactPrefixCache, PrefixCache, PrefixMatch, RadixCache
 from miles.engine.request import Request
 from miles.engine.sampling import KeptSet, sample_rows
@@ -344,9 +345,16 @@ class Scheduler:
             limit = min(need, max(req.logprob_start_len - 1, 0)) if want_input else need
             key = req.cache_tokens
             match = self.cache.match(key[:need], limit=0 if req.lora_name else limit)  # KV depends on the adapter
-            if req.images is not None and req.images.needs_encoding(match.length, self.runner.weights_generation):
-                self.runner.encode_images(req.images)  # on the prefill that first feeds a placeholder
             plans.append(_Plan(req, seq, key, need, want_input, match))
+        # the vision tower on the prefill that first feeds a prompt's placeholders, one forward for all of them
+        generation = self.runner.weights_generation
+        todo: dict[int, ImageInputs] = {}  # (the n requests of a prompt share its images)
+        for plan in plans:
+            images = plan.req.images
+            if images is not None and images.needs_encoding(plan.match.length, generation):
+                todo[id(images)] = images
+        if todo:
+            self.runner.encode_images(list(todo.values()))
         plans.sort(key=lambda plan: plan.need - plan.match.length)
         first_slot = len(self.running)
         self.runner.ensure(first_slot + len(plans), max(len(plan.seq) for plan in plans) + 1)  # grows once

@@ -197,3 +197,44 @@ def _config(model: Path) -> dict[str, Any]:
     import json
 
     return dict(json.loads((model / "config.json").read_text()))
+
+
+def test_a_weight_update_mid_generation_encodes_the_images_again(vlm: dict[str, Any], tmp_path: Path) -> None:
+    """A request retracted by a weight update is prefilled again with the new weights, its image through the new
+    vision tower too: every token after the update has the new model's logprob (transformers, same image)."""
+    import threading
+
+    from miles.engine.launch import build_engine
+    from miles.engine.request import Request
+    from miles.rollout.protocol import SamplingParams
+    from miles.testing.vlm import build_tiny_vlm
+
+    model, paths = vlm["model"], vlm["paths"]
+    other = build_tiny_vlm(tmp_path / "other", seed=1)
+    state = build_engine(model, max_cache_tokens=0)
+    sched = state.scheduler
+    try:
+        ids, images = state.images([str(paths["red"])], _prompt(model, 1), "input_ids")
+        finished = threading.Event()
+        request = Request(
+            rid="r",
+            parent_rid="r",
+            index=0,
+            prompt_ids=ids,
+            config=SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True),
+            sink=lambda req, done: finished.set() if done else None,
+            images=images,
+        )
+        sched.add([request])
+        while len(request.output_ids) < 2 and not finished.wait(0.001):
+            pass
+        sched.submit(sched.update_weights, str(other), "1", True, False).result(timeout=60)  # retracts it
+        assert finished.wait(120)
+    finally:
+        sched.stop()
+    updated = [(start, end) for start, end, version in request.spans if version == "1"]
+    assert updated and updated[0][0] > 0, request.spans  # it really was mid-generation
+    start = updated[0][0]
+    want = _hf_logprobs(other, ids + request.output_ids, [paths["red"]])[len(ids) :]
+    got = torch.tensor(request.output_logprobs)
+    assert torch.allclose(got[start:], want[start:], atol=1e-5, rtol=0), (got - want)[start:].abs().max()

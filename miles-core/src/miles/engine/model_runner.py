@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.lora import GATE_UP, QKV
-from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, place_images
+from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, module_name, place_images
 from miles.engine.options import ATTENTION_BACKENDS
 from miles.engine.packing import PACK_BATCH, plain_linear
 from miles.engine.packing import packing_works as _packing_works
@@ -578,6 +578,8 @@ class ModelRunner:
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for where, name, tensor in named:
             target = params.get(name)
+            if target is None and self.is_vision:  # a checkpoint in transformers' saved layout
+                target = params.get(module_name(name))
             if target is None:
                 raise ValueError(f"{where}: tensor {name!r} is not a parameter of the served model")
             if tuple(tensor.shape) != tuple(target.shape):

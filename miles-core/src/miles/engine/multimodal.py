@@ -29,7 +29,7 @@ import torch
 from miles.data.images import MAX_IMAGE_PIXELS, ImageError, load_image
 from miles.data.vision import expand_placeholders, process_images
 
-__all__ = ["VISION_MODEL_TYPES", "ImageInputs", "ImageParser", "image_lists", "place_images"]
+__all__ = ["VISION_MODEL_TYPES", "ImageInputs", "ImageParser", "image_lists", "module_name", "place_images"]
 
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 """Vision-language models the local engine serves (transformers' classes, their own vision tower)."""
@@ -80,6 +80,17 @@ class ImageInputs:
         """Whether a prefill from ``start`` feeds a placeholder and the embeddings of the current weights
         (generation ``weights``) are not there yet."""
         return (self.embeds is None or self.weights != weights) and bool((self.placeholders >= start).any())
+
+
+def module_name(name: str) -> str:
+    """A Qwen2-VL tensor's name in the loaded model, from its name in a checkpoint ``save_pretrained`` wrote
+    (transformers keeps the original layout there: ``visual.*`` and ``model.layers.*`` for the model's
+    ``model.visual.*`` and ``model.language_model.layers.*``); other names are returned as they are."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith(("model.language_model.", "model.visual.")):
+        return "model.language_model." + name.removeprefix("model.")
+    return name
 
 
 def place_images(

@@ -383,9 +383,9 @@ class Scheduler:
                 group.append(item)
             chunks = [p.seq[p.done : min(p.need, p.done + _CHUNK)] for _, p in group]
             self.runner.lora.set_rows([p.req.lora_name for _, p in group])
-            images = [p.req.images for _, p in group]
+            chunk_images = [p.req.images for _, p in group]
             logits, experts = self.runner.prefill(
-                group[0][0], chunks, [p.done for _, p in group], [p.want_input for _, p in group], images
+                group[0][0], chunks, [p.done for _, p in group], [p.want_input for _, p in group], chunk_images
             )
             for (_, plan), chunk, lg, ex in zip(group, chunks, logits, experts, strict=True):
                 plan.done += len(chunk)

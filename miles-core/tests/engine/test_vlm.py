@@ -238,3 +238,39 @@ def test_a_weight_update_mid_generation_encodes_the_images_again(vlm: dict[str, 
     want = _hf_logprobs(other, ids + request.output_ids, [paths["red"]])[len(ids) :]
     got = torch.tensor(request.output_logprobs)
     assert torch.allclose(got[start:], want[start:], atol=1e-5, rtol=0), (got - want)[start:].abs().max()
+
+
+def test_qwen2_5_vl_is_served_as_transformers_computes_it(vlm: dict[str, Any], tmp_path: Path) -> None:
+    """Qwen2.5-VL (windowed vision attention, its own M-RoPE index), in-process: the logprobs of the prompt and
+    of greedy output tokens equal a transformers forward with the same image."""
+    import threading
+
+    from miles.engine.launch import build_engine
+    from miles.engine.request import Request
+    from miles.rollout.protocol import SamplingParams
+    from miles.testing.vlm import build_tiny_vlm
+
+    model = build_tiny_vlm(tmp_path / "qwen2_5_vl", arch="qwen2_5_vl")
+    state = build_engine(model)
+    try:
+        ids, images = state.images([str(vlm["paths"]["wide"])], _prompt(model, 1), "input_ids")
+        finished = threading.Event()
+        request = Request(
+            rid="r",
+            parent_rid="r",
+            index=0,
+            prompt_ids=ids,
+            config=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+            sink=lambda req, done: finished.set() if done else None,
+            images=images,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        state.scheduler.add([request])
+        assert finished.wait(120)
+    finally:
+        state.scheduler.stop()
+    assert ids.count(_config(model)["image_token_id"]) == 9  # 84x84: a 6x6 grid, 2x2-merged
+    got = torch.tensor([float("nan"), *request.input_logprobs[1:], *request.output_logprobs])
+    want = _hf_logprobs(model, ids + request.output_ids, [vlm["paths"]["wide"]])
+    assert torch.allclose(got[1:], want[1:], atol=1e-5, rtol=0), (got - want)[1:].abs().max()

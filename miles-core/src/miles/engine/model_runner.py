@@ -38,7 +38,9 @@ __all__ = ["ATTENTION_BACKENDS", "SUPPORTED_MODEL_TYPES", "ModelRunner"]
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral")
-_RMS_NORMS = tuple(f"{m}RMSNorm" for m in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Qwen2VL"))
+_RMS_NORMS = tuple(
+    f"{m}RMSNorm" for m in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Qwen2VL", "Qwen2_5_VL")
+)
 """HF norm classes that compute ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (the fused kernel's formula)."""
 """``sdpa``: PyTorch ops only; ``miles_cpu``: decode attention, RMSNorm and rotary on Miles' CPU kernels
 (:mod:`miles.engine.cpu_kernels`); ``auto``: the kernels on CPU where they build. Prefill attention always

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -25,6 +25,9 @@ __all__ = [
     "squares_image",
     "write_squares_task",
 ]
+
+VLArch = Literal["qwen2_vl", "qwen2_5_vl"]
+"""The vision-language families :func:`build_tiny_vlm` builds."""
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Qwen2-VL's vision special tokens (appended to the tokenizer's vocabulary in this order)."""
@@ -55,10 +58,13 @@ def build_vl_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_vl_config(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int = 64, num_layers: int = 2) -> Any:
-    """A Qwen2-VL config: a 2-layer text model (4 heads of 16, 2 KV heads, M-RoPE sections 2/3/3) and a
-    2-block vision tower (14-pixel patches, 2x2 merge) whose merger outputs the text width."""
-    from transformers import Qwen2VLConfig
+def tiny_vl_config(
+    tokenizer: PreTrainedTokenizerFast, *, arch: VLArch = "qwen2_vl", hidden_size: int = 64, num_layers: int = 2
+) -> Any:
+    """A Qwen2-VL (or Qwen2.5-VL) config: a 2-layer text model (4 heads of 16, 2 KV heads, M-RoPE sections
+    2/3/3) and a 2-block vision tower (14-pixel patches, 2x2 merge) whose merger outputs the text width
+    (Qwen2.5-VL: windowed attention in the first block, full in the second)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in VISION_TOKENS}
     text = dict(
@@ -76,8 +82,22 @@ def tiny_vl_config(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int = 64,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    vision = dict(depth=2, embed_dim=32, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=14)
-    return Qwen2VLConfig(
+    vision: dict[str, Any] = dict(
+        depth=2, embed_dim=32, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=14
+    )
+    if arch == "qwen2_5_vl":
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            out_hidden_size=hidden_size,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=14,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        )
+    config_class = Qwen2_5_VLConfig if arch == "qwen2_5_vl" else Qwen2VLConfig
+    return config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -94,26 +114,28 @@ def tiny_vl_config(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int = 64,
 def build_tiny_vlm(
     path: str | os.PathLike[str],
     *,
+    arch: VLArch = "qwen2_vl",
     seed: int = 0,
     dtype: str = "float32",
     min_pixels: int = 28 * 28,
     max_pixels: int = 112 * 112,
 ) -> Path:
-    """Build a random tiny Qwen2-VL with its tokenizer and image processor; save them under ``path``.
+    """Build a random tiny Qwen2-VL (``arch``: or Qwen2.5-VL) with its tokenizer and image processor; save them
+    under ``path``.
 
     Deterministic given ``seed``. Images are resized to between ``min_pixels`` and ``max_pixels`` (a 56x56
     image is a 4x4 patch grid: 4 placeholder tokens). Returns the directory.
     """
     import torch
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_vl_tokenizer()
-    config = tiny_vl_config(tokenizer)
+    config = tiny_vl_config(tokenizer, arch=arch)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(getattr(torch, dtype))
+    model = AutoModelForImageTextToText.from_config(config).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)

@@ -83,6 +83,11 @@ def test_images_are_rendered_with_the_models_template_and_processor(vlm: dict[st
         f"<|im_start|>user\n<|vision_start|>{pads * 4}<|vision_end|><|im_end|>\n<|im_start|>assistant\n"
     )
     assert red.metadata["images"] == [str(data / "red.png")]  # resolved: engines may run elsewhere
+    # what a rollout sends an engine: one placeholder per image (SGLang's form), which the engine expands again
+    from miles.data.vision import collapse_placeholders
+
+    one = collapse_placeholders(red.prompt_ids, red.metadata["image_token_id"])
+    assert tokenizer.decode(one).startswith(f"<|im_start|>user\n<|vision_start|>{pads}<|vision_end|>how many")
     assert red.metadata["image_grid_thw"] == [[1, 4, 4]] and blue.metadata["image_grid_thw"] == [[1, 6, 6]]
     assert red.label == 2 and "image_grid_thw" not in text.metadata and pads not in tokenizer.decode(text.prompt_ids)
 

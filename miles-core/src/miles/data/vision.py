@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IMAGES",
+    "IMAGE_TOKEN",
     "VisionInputs",
     "VisionPromptPipeline",
     "check_row_images",
+    "collapse_placeholders",
     "expand_placeholders",
     "image_token_id",
     "is_vision_model",
@@ -48,6 +50,8 @@ __all__ = [
 
 IMAGES = "images"
 """The metadata key of a prompt's (and its samples') image references, in placeholder order."""
+IMAGE_TOKEN = "image_token_id"
+"""The metadata key of the placeholder token of those images (what an engine request collapses)."""
 
 
 def is_vision_model(model_path: str | os.PathLike[str]) -> bool:
@@ -128,6 +132,12 @@ def expand_placeholders(ids: Sequence[int], counts: Sequence[int], token_id: int
         last = end
     out.extend(ids[last:])
     return out
+
+
+def collapse_placeholders(ids: Sequence[int], token_id: int) -> list[int]:
+    """``ids`` with each run of image placeholders made one token: SGLang's form of a pre-tokenised image
+    prompt, which its engines (and the local engine) expand again by the image's grid."""
+    return [t for i, t in enumerate(ids) if t != token_id or i == 0 or ids[i - 1] != token_id]
 
 
 def _part_ref(part: dict[str, Any]) -> Any:
@@ -239,8 +249,8 @@ class VisionPromptPipeline(PromptPipeline):
 
     def __call__(self, prompts: list[Prompt]) -> list[Prompt]:
         """Render, check and tokenise every prompt; ``metadata["images"]`` (:data:`IMAGES`) becomes the image
-        references in placeholder order (relative paths resolved), and ``metadata["image_grid_thw"]`` their
-        grids."""
+        references in placeholder order (relative paths resolved), ``metadata["image_grid_thw"]`` their
+        grids and ``metadata["image_token_id"]`` (:data:`IMAGE_TOKEN`) the placeholder token."""
         kept: list[Prompt] = []
         self.dropped = 0
         for prompt in prompts:
@@ -269,6 +279,7 @@ class VisionPromptPipeline(PromptPipeline):
                 except ValueError as exc:
                     raise DataError(f"{exc} (does the chat template write one placeholder per image?)") from None
                 metadata["image_grid_thw"] = vision.image_grid_thw.tolist()
+                metadata[IMAGE_TOKEN] = self.image_token_id
             elif self.image_token_id in ids:
                 raise DataError(f"{prompt.source}: the prompt holds an image placeholder but no image")
             metadata.pop(self.image_key, None)

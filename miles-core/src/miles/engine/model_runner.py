@@ -4,7 +4,9 @@ The weights and the sub-modules (norms, projections, MLP / MoE blocks, rotary em
 model's own, so every supported architecture computes exactly what ``transformers`` computes; only the
 attention is driven here, against a KV buffer of shape ``[layers, slots, kv_heads, capacity, head_dim]``
 in which running request ``i`` owns slot ``i``. Supported: Llama, Qwen2, Qwen3 (q/k norms), and the
-MoE variants Qwen2-MoE / Qwen3-MoE, whose routers are observed to report routed experts.
+MoE variants Qwen2-MoE / Qwen3-MoE, whose routers are observed to report routed experts; and the
+vision-language Qwen2-VL / Qwen2.5-VL, whose vision tower and M-RoPE are the model's own too (images:
+:mod:`miles.engine.multimodal`).
 
 On CPU, the dense matmuls of a float32 model, and of a bfloat16 one where the CPU has native bfloat16
 (AVX512-BF16 / AMX), run on weights prepacked once in oneDNN's blocked layout (``torch.ops.mkldnn``, the

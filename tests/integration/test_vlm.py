@@ -1,7 +1,7 @@
 """GRPO on a vision-language policy through ``miles train``: a tiny Qwen2-VL built from a config, the "how many
 red squares?" rows (PNG images beside the prompts), a real engine given each row's image, a trainer given its
 pixel values; every push (vision tower included) verified, the trainer's logprobs equal to the engine's, in
-the sync mode and one-step-off."""
+the sync mode (one rank) and one-step-off (two FSDP2 ranks)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_grpo_on_a_tiny_vlm_end_to_end(tmp_path: Path, task: tuple[Path, Path], 
 
     model, data = task
     run_dir = tmp_path / "run"
-    config = write_run_config(tmp_path, model, data, run_dir, ranks=1, rollouts=2)
+    # one_step_off on two FSDP2 ranks: the vision tower sharded, its pushes gathered and verified
+    config = write_run_config(tmp_path, model, data, run_dir, ranks=1 if mode == "sync" else 2, rollouts=2)
     if mode != "sync":
         config.write_text(config.read_text().replace("temperature = 1.0", f'temperature = 1.0\nmode = "{mode}"'))
     out = run_miles("train", str(config))

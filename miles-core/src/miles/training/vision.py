@@ -53,12 +53,13 @@ def attach_images(batch: TrainBatch, samples: Sequence[Sample], model_path: str,
     """
     import torch
 
-    from miles.data.vision import load_images, process_images
+    from miles.data.vision import VisionInputs, load_images, process_images
 
     processor, token_id, merge = _vision_of(model_path)
     pixels: list[torch.Tensor] = []
     grids: list[torch.Tensor] = []
     counts: list[int] = []
+    seen: dict[tuple[str, ...], VisionInputs] = {}
     for i, sample in enumerate(samples):
         where = str(sample.metadata.get("source") or f"sample {i} (group {sample.group_id})")
         refs = sample.metadata.get(image_key) or []
@@ -71,11 +72,14 @@ def attach_images(batch: TrainBatch, samples: Sequence[Sample], model_path: str,
                 )
             counts.append(0)
             continue
-        images = load_images(list(refs), where=where, image_key=image_key, base_dir=None)
-        vision = process_images(processor, images)
+        key = tuple(map(str, refs))
+        vision = seen.get(key)
+        if vision is None:  # once per prompt: its n samples share it
+            images = load_images(list(refs), where=where, image_key=image_key, base_dir=None)
+            vision = seen[key] = process_images(processor, images)
         if sum(vision.token_counts(merge)) != placeholders:
             raise DataError(
-                f"{where}: the prompt holds {placeholders} image placeholder tokens, its {len(images)} image(s) "
+                f"{where}: the prompt holds {placeholders} image placeholder tokens, its {len(refs)} image(s) "
                 f"need {sum(vision.token_counts(merge))}"
             )
         pixels.append(vision.pixel_values.float())

@@ -15,6 +15,7 @@ a missing, undecodable or oversized image fails the run before any engine starts
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -46,6 +47,8 @@ __all__ = [
     "process_images",
     "render_images",
 ]
+
+log = logging.getLogger(__name__)
 
 
 IMAGES = "images"
@@ -263,7 +266,9 @@ class VisionPromptPipeline(PromptPipeline):
                 max_pixels=self.max_image_pixels,
             )
             try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
             except Exception as exc:
                 raise DataError(f"{prompt.source}: chat template failed: {exc}") from exc
             if not isinstance(ids, list):
@@ -288,6 +293,13 @@ class VisionPromptPipeline(PromptPipeline):
                 self.dropped += 1
                 continue
             kept.append(replace(prompt, metadata=metadata, prompt_ids=ids))
+        if self.dropped:
+            log.warning(
+                "dropped %d of %d prompts longer than data.max_prompt_tokens=%d (image tokens included)",
+                self.dropped,
+                len(prompts),
+                self.max_prompt_tokens,
+            )
         return kept
 
     def _resolved(self, ref: Any) -> Any:

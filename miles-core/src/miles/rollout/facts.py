@@ -132,7 +132,7 @@ class RoutedExpertsClient(EngineClient):
             return_routed_experts=True,
             routing_key=routing_key,
             rid=rid,
-            image_data=image_data,
+            **({"image_data": image_data} if image_data else {}),
         )
         return [shape_routed_experts(output, self.layout) for output in outputs]
 

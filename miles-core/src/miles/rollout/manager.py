@@ -154,9 +154,8 @@ async def single_turn(client: EngineClient, sample: Sample, sampling_params: Sam
         images = [ref if str(ref).startswith("data:") else to_data_url(image_bytes(ref)) for ref in images]
         if IMAGE_TOKEN in sample.metadata:  # SGLang's form: it expands each placeholder token it is given
             prompt_ids = collapse_placeholders(prompt_ids, int(sample.metadata[IMAGE_TOKEN]))
-    outputs = await client.generate(
-        prompt_ids, replace(sampling_params, n=1), routing_key=routing_key, image_data=images
-    )
+    extra: dict[str, Any] = {"image_data": images} if images else {}  # (a plugin's engine client may not take it)
+    outputs = await client.generate(prompt_ids, replace(sampling_params, n=1), routing_key=routing_key, **extra)
     return sample_from_output(sample, outputs[0])
 
 

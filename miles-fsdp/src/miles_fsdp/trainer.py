@@ -157,7 +157,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         from miles_fsdp.routing import patch_routers
 
         self._routing = patch_routers(actor, replay=train.routing_replay)
-        if vision:
+        if vision:  # what would score a vision-language policy without its images is refused
+            if need_values or train.true_on_policy:
+                what = "a PPO critic (need_values)" if need_values else "train.true_on_policy"
+                raise SettingsError(f"train.model_path: {what} is not supported for a vision-language model yet")
             self._vision = VisionInputs(actor, train_vision_tower=opts.train_vision_tower)
         if self.adapter is not None:  # the base frozen; the reference is this model with its adapters off
             if train.true_on_policy:

@@ -38,6 +38,7 @@ SUITE: dict[str, dict[str, list[str]]] = {
     "router": {"full": [], "quick": ["--quick"]},
     "sessions": {"full": [], "quick": ["--quick"]},
     "sampling_mask": {"full": [], "quick": ["--model", "tiny", "--quick"]},
+    "vlm": {"full": [], "quick": ["--quick"]},
     "async": {
         "full": [
             "--model",
@@ -69,6 +70,7 @@ OWN_JSON = {
     "router",
     "sessions",
     "sampling_mask",
+    "vlm",
 }
 """Benchmarks that take ``--device`` / ``--threads`` / ``--results-dir`` and write their own JSON."""
 

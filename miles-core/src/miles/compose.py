@@ -487,7 +487,8 @@ class Run:
         updates = {k: v for k, v in (("path", path), ("shuffle", shuffle)) if v is not None}
         if updates:
             data = data.model_copy(update=updates)
-        return create_data_source(self["data.source"].create, data, tokenizer=tokenizer)
+        model_path = self.settings.train.model_path
+        return create_data_source(self["data.source"].create, data, tokenizer=tokenizer, model_path=model_path)
 
     @functools.cached_property
     def tokenizer(self) -> Any:

@@ -50,6 +50,12 @@ class PackedMicroBatch:
     """On CUDA: the same layout as one variable-length flash-attention call takes it
     (:func:`~miles_fsdp.packed_attention.varlen_layout`), copied to the device once per micro-batch."""
 
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """More inputs of the forward, over ``position_ids`` (a vision-language actor's images and M-RoPE
+    positions: :mod:`miles_fsdp.vision`)."""
+    image_mask: torch.Tensor | None = None
+    """``[1, L]`` the prompts' image placeholders (the tokens that take image features)."""
+
     @property
     def is_empty(self) -> bool:
         return not self.indices

@@ -57,14 +57,20 @@ def load_config(model_path: str) -> PretrainedConfig:
 
 
 def load_causal_lm(model_path: str, *, seed: int, attn_implementation: str) -> PreTrainedModel:
-    """An fp32 ``AutoModelForCausalLM`` on the CPU.
+    """An fp32 ``AutoModelForCausalLM`` (``AutoModelForImageTextToText`` for a vision-language model) on the CPU.
 
     A directory with weights (safetensors) loads them; a directory with only ``config.json`` builds the
     model from the config with ``seed`` (identical on every rank); a ``.gguf`` file is dequantised.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(model_path)
+    if path.suffix != ".gguf" and getattr(load_config(model_path), "vision_config", None) is not None:
+        auto: Any = AutoModelForImageTextToText  # a vision-language model: its vision tower too
+        if _has_weights(path):
+            return auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        torch.manual_seed(seed)
+        return auto.from_config(load_config(model_path), dtype=torch.float32, attn_implementation=attn_implementation)
     if path.suffix == ".gguf":
         return AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation=attn_implementation

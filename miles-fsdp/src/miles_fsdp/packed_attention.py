@@ -243,6 +243,8 @@ def packed_sdpa_attention(
 def packed_unsupported(config: Any) -> str | None:
     """Why a model with this (Hugging Face) config cannot attend with :func:`packed_sdpa_attention`, or
     ``None``: sliding windows, attention logit soft-capping and attention sinks are not implemented."""
+    if getattr(config, "vision_config", None) is not None:
+        return f"{config.model_type} has a vision tower (whose attention has its own layout)"
     configs = [config, *(getattr(config, name, None) for name in ("text_config", "language_config"))]
     for cfg in filter(None, configs):
         layer_types = getattr(cfg, "layer_types", None) or []

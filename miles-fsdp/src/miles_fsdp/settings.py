@@ -61,3 +61,6 @@ class FSDPSettings(ComponentSettings):
     group's samples) hold it once in the packed row, each response attending to it as its own copy would
     (:mod:`miles_fsdp.packed_attention`): the same logprobs and gradients to float32 rounding, the prompt's
     forward and backward computed once per group instead of once per sample. Off: every sequence whole."""
+    train_vision_tower: bool = True
+    """A vision-language actor (Qwen2-VL family): train its vision tower with the rest; ``False`` freezes it
+    (its weights are still pushed to the engines and verified with the others)."""

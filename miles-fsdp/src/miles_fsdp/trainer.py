@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from miles_fsdp.fused_head import FusedHead
     from miles_fsdp.microbatch import PackedMicroBatch
     from miles_fsdp.true_on_policy import EngineReplica
+    from miles_fsdp.vision import VisionInputs
 
     Part = tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
     """A trained model with its optimizer and learning-rate scheduler."""
@@ -79,6 +80,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._routing: RouterReplay | None = None
         """MoE actors: the :class:`~miles.training.routing.RouterReplay` its routers go through (R3 and the
         routing-agreement metric; :mod:`miles_fsdp.routing`)."""
+        self._vision: VisionInputs | None = None
+        """A vision-language actor's image inputs (:mod:`miles_fsdp.vision`)."""
         self._replica: EngineReplica | None = None
         """``train.true_on_policy``: the engine's model runner at the actor's weights (:mod:`miles_fsdp.true_on_policy`)."""
 
@@ -142,7 +145,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             if reason is not None:
                 log.info("attention: sdpa (%s, which packed_sdpa does not implement)", reason)
             attn = "sdpa" if reason is not None else register_packed_attention()
-        self._share_prefixes = opts.share_prefixes and attn == PACKED_SDPA
+        from miles_fsdp.vision import VisionInputs, is_vision_config
+
+        vision = is_vision_config(load_config(train.model_path))
+        self._share_prefixes = opts.share_prefixes and attn == PACKED_SDPA and not vision  # M-RoPE rows are whole
         self._packed_attention = attn == PACKED_SDPA
 
         actor = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
@@ -152,6 +158,11 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         from miles_fsdp.routing import patch_routers
 
         self._routing = patch_routers(actor, replay=train.routing_replay)
+        if vision:  # what would score a vision-language policy without its images is refused
+            if need_values or train.true_on_policy:
+                what = "a PPO critic (need_values)" if need_values else "train.true_on_policy"
+                raise SettingsError(f"train.model_path: {what} is not supported for a vision-language model yet")
+            self._vision = VisionInputs(actor, train_vision_tower=opts.train_vision_tower)
         if self.adapter is not None:  # the base frozen; the reference is this model with its adapters off
             if train.true_on_policy:
                 raise SettingsError("train.true_on_policy: not supported with train.adapter")
@@ -169,6 +180,8 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._parts = {"actor": (self.actor, optimizer, build_scheduler(optimizer, train))}
         if need_ref and self.adapter is None:
             ref = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
+            if self._vision is not None:  # the same image placeholders as the actor's
+                self._vision.attach(ref)
             ref.requires_grad_(False)
             ref.eval()
             if self._onednn:
@@ -229,15 +242,20 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         lengths = batch.lengths
         count = agree_max(len(first_fit_decreasing(lengths, budget)), self.device)
         for indices in balanced_bins(lengths, budget, count):
-            yield pack(batch, indices, self.device, self._pad_token_id, share_prefixes=self._share_prefixes)
+            mb = pack(batch, indices, self.device, self._pad_token_id, share_prefixes=self._share_prefixes)
+            if self._vision is not None:
+                self._vision.annotate(mb, batch, self.device)
+            yield mb
 
     def _inputs(self, mb: PackedMicroBatch) -> dict[str, Any]:
         """The forward's inputs: token ids, positions and, with ``packed_sdpa``, the row's layout."""
-        inputs: dict[str, Any] = {"input_ids": mb.input_ids, "position_ids": mb.position_ids}
+        inputs: dict[str, Any] = {"input_ids": mb.input_ids, "position_ids": mb.position_ids, **mb.model_inputs}
         if self._packed_attention:
             inputs["packed_segments"] = mb.segments
             if mb.varlen is not None:
                 inputs["packed_varlen"] = mb.varlen
+        if self._vision is not None:
+            self._vision.allowed = mb.image_mask
         return inputs
 
     def _logits(self, module: nn.Module, mb: PackedMicroBatch) -> torch.Tensor:

@@ -335,3 +335,35 @@ def test_the_environment_miles_sets_is_sglangs(source: SGLangSource) -> None:
 
     assert set(ENGINE_ENV) <= fields("sglang.srt.environ")
     assert set(CPU_ENV) <= strings("sglang.srt.platforms")
+
+
+def test_image_data_of_a_vision_language_rollout_is_sglangs(
+    source: SGLangSource, engine: EngineProcess, tmp_path: Path
+) -> None:
+    """A vision-language rollout (the default rollout function on a sample whose row had an image) sends its
+    image as SGLang's ``image_data``: recorded from a real call, to this module's text engine, which refuses
+    it by name."""
+    pytest.importorskip("PIL")
+    from miles.data.vision import IMAGES
+    from miles.rollout.http_errors import EngineHTTPError
+    from miles.rollout.manager import single_turn
+    from miles.testing.vlm import squares_image
+    from miles.types import Sample
+
+    squares_image({"red": 2}).save(tmp_path / "red.png")
+
+    async def main() -> list[Call]:
+        client = RecordingClient([engine.url])
+        try:
+            sample = Sample(prompt_ids=[5, 6, 7], metadata={IMAGES: [str(tmp_path / "red.png")]})
+            with pytest.raises(EngineHTTPError, match="image_data: the served model is not a vision-language model"):
+                await single_turn(client, sample, SamplingParams(max_new_tokens=2))
+        finally:
+            await client.close()
+        return client.calls
+
+    calls = asyncio.run(main())
+    generate = next(c for c in calls if c.endpoint == "/generate")
+    assert generate.payload is not None and generate.payload["image_data"][0].startswith("data:image;base64,")
+    problems = [p for call in calls for p in request_problems(call, source)]
+    assert problems == [], "\n".join(problems)

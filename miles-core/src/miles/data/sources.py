@@ -9,6 +9,7 @@ uninterrupted run would have seen.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from abc import abstractmethod
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from miles.components import ComponentSettings, SettingsT
 from miles.data.base import DataSource, Prompt
 from miles.data.rows import DATASETS, PYARROW, Row, iter_hf_rows, iter_jsonl_rows, iter_parquet_rows, row_to_prompt
+from miles.data.vision import check_row_images, is_vision_model
 from miles.errors import DataError, SettingsError
 
 if TYPE_CHECKING:
@@ -130,13 +132,20 @@ class JsonlDataSource(FileDataSource[ComponentSettings]):
         from miles.settings.loader import sources_of
 
         data = settings.data
+        model = settings.train.model_path
+        vision = model is not None and is_vision_model(model)
         for field, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
             if path is None:
                 continue
             source = sources_of(settings).of(field)
+            base_dir = os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else path
             try:
                 for row, where in iter_jsonl_rows(path):
-                    row_to_prompt(row, where, prompt_key=data.prompt_key, label_key=data.label_key)
+                    prompt = row_to_prompt(row, where, prompt_key=data.prompt_key, label_key=data.label_key)
+                    if vision:  # every image decoded once, before any engine starts
+                        check_row_images(
+                            prompt, image_key=data.image_key, base_dir=base_dir, max_pixels=data.max_image_pixels
+                        )
             except DataError as exc:
                 raise SettingsError(f"{field} ({source}): {exc}" if source else f"{field}: {exc}") from None
 

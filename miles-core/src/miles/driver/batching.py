@@ -15,8 +15,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from miles.algorithms.base import AdvantageInputs
+from miles.data.vision import is_vision_model
 from miles.training.batch import TrainBatch
 from miles.training.comm import all_gather_rows, broadcast_tensors
+from miles.training.vision import attach_images
 from miles.types import Sample, SampleGroup, SampleStatus
 
 if TYPE_CHECKING:
@@ -92,6 +94,9 @@ def prepare_minibatches(
         if len(samples) % global_batch_size:
             raise ValueError(f"{len(samples)} samples do not split into optimizer steps of {global_batch_size}")
         everything = TrainBatch.from_samples(samples)
+        model_path = trainer.train_settings.model_path
+        if model_path is not None and is_vision_model(model_path):  # pixel values for the trainer's forwards
+            attach_images(everything, samples, model_path)
         if not needs.rollout:
             everything.rollout_logprobs = None  # SFT targets were not sampled by any engine
         tensors = everything.to_tensors()

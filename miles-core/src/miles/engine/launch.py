@@ -54,6 +54,12 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
         quantization=opts.quantization,
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
+    images = None
+    if runner.is_vision:
+        from miles.data.vision import load_image_processor
+        from miles.engine.multimodal import ImageParser
+
+        images = ImageParser(runner.model, load_image_processor(path))
 
     def text_of(ids: list[int], skip_special: bool) -> str:
         return str(tokenizer.decode(ids, skip_special_tokens=skip_special))
@@ -81,6 +87,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
         admin_api_key=opts.admin_api_key,
         server_args=opts.server_info(),
         return_original_logprob=opts.return_original_logprob,
+        images=images,
         weight_dirs=WeightDirs(
             [
                 path,

@@ -4,7 +4,9 @@ The weights and the sub-modules (norms, projections, MLP / MoE blocks, rotary em
 model's own, so every supported architecture computes exactly what ``transformers`` computes; only the
 attention is driven here, against a KV buffer of shape ``[layers, slots, kv_heads, capacity, head_dim]``
 in which running request ``i`` owns slot ``i``. Supported: Llama, Qwen2, Qwen3 (q/k norms), and the
-MoE variants Qwen2-MoE / Qwen3-MoE, whose routers are observed to report routed experts.
+MoE variants Qwen2-MoE / Qwen3-MoE, whose routers are observed to report routed experts; and the
+vision-language Qwen2-VL / Qwen2.5-VL, whose vision tower and M-RoPE are the model's own too (images:
+:mod:`miles.engine.multimodal`).
 
 On CPU, the dense matmuls of a float32 model, and of a bfloat16 one where the CPU has native bfloat16
 (AVX512-BF16 / AMX), run on weights prepacked once in oneDNN's blocked layout (``torch.ops.mkldnn``, the
@@ -19,7 +21,6 @@ memory (:meth:`drop_packed` frees them).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,52 +30,23 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.lora import GATE_UP, QKV
+from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, module_name, place_images
 from miles.engine.options import ATTENTION_BACKENDS
+from miles.engine.packing import PACK_BATCH, plain_linear
+from miles.engine.packing import packing_works as _packing_works
 
 __all__ = ["ATTENTION_BACKENDS", "SUPPORTED_MODEL_TYPES", "ModelRunner"]
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral")
-_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm")
+_RMS_NORMS = tuple(
+    f"{m}RMSNorm" for m in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Qwen2VL", "Qwen2_5_VL")
+)
 """HF norm classes that compute ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (the fused kernel's formula)."""
 """``sdpa``: PyTorch ops only; ``miles_cpu``: decode attention, RMSNorm and rotary on Miles' CPU kernels
 (:mod:`miles.engine.cpu_kernels`); ``auto``: the kernels on CPU where they build. Prefill attention always
 runs SDPA."""
-
-
-PACK_BATCH = 32
-"""Rows the packed layout is tuned for (a decode batch); any number of rows works."""
-
-
-@functools.cache
-def _packing_works(dtype: torch.dtype) -> bool:
-    """Whether this torch/CPU offers oneDNN weight packing for ``dtype`` and it gives ``F.linear``'s result:
-    bit for bit in bfloat16 (``F.linear`` runs the same oneDNN GEMM), to float32 rounding in float32
-    (``F.linear`` runs MKL's sgemm there; oneDNN sums in another order)."""
-    if dtype not in (torch.bfloat16, torch.float32):
-        return False
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return False
-        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return False
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(48, 40, generator=g).to(dtype)
-        x = torch.randn(3, 5, 40, generator=g).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH)
-        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        want = F.linear(x, w)
-        return bool(
-            torch.equal(got, want) if dtype == torch.bfloat16 else torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-        )
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def plain_linear(module: Any) -> bool:
-    """An ``nn.Linear`` (not a quantized projection, :mod:`miles.engine.quantized`)."""
-    return type(module) is torch.nn.Linear
 
 
 class ModelRunner:
@@ -89,7 +61,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         quantization: str | None = None,
     ) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -99,17 +71,21 @@ class ModelRunner:
         self.model_path = Path(model_path)
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(self.model_path)
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
+        self.is_vision = config.model_type in VISION_MODEL_TYPES
+        """A vision-language model: its prompts may hold images (:mod:`miles.engine.multimodal`)."""
+        if config.model_type not in SUPPORTED_MODEL_TYPES + VISION_MODEL_TYPES:
             raise ValueError(
                 f"{self.model_path}/config.json: model_type {config.model_type!r} is not supported by the "
-                f"local engine (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"local engine (supported: {', '.join(SUPPORTED_MODEL_TYPES + VISION_MODEL_TYPES)})"
             )
-        if getattr(config, "use_sliding_window", False):
+        text = config.get_text_config()
+        if getattr(text, "use_sliding_window", False):
             raise ValueError(f"{self.model_path}/config.json: sliding-window attention is not supported")
         torch_dtype = getattr(torch, dtype) if dtype != "auto" else None
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=torch_dtype or "auto", attn_implementation="sdpa"
-        ).to(self.device)
+        auto = AutoModelForImageTextToText if self.is_vision else AutoModelForCausalLM
+        self.model = auto.from_pretrained(self.model_path, dtype=torch_dtype or "auto", attn_implementation="sdpa").to(
+            self.device
+        )
         self.model.eval()
         self.model.requires_grad_(False)
         self.config = config
@@ -119,16 +95,17 @@ class ModelRunner:
             from miles.engine.quantized import quantize_model
 
             quantize_model(self.model, quantization, pack=PACK_BATCH if self.pack_weights else 0)
-        base = self.model.model
-        self.layers = list(base.layers)
+        self.text_model: Any = self.model.model.language_model if self.is_vision else self.model.model
+        """The decoder (embeddings, layers, rotary embedding, final norm) of the model."""
+        self.layers = list(self.text_model.layers)
         attn0 = self.layers[0].self_attn
         self.head_dim: int = attn0.head_dim
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
+        self.num_heads: int = text.num_attention_heads
+        self.num_kv_heads: int = text.num_key_value_heads
         self.group = self.num_heads // self.num_kv_heads
         self.scaling: float = attn0.scaling
-        self.vocab_size: int = config.vocab_size
-        self.context_length: int = int(getattr(config, "max_position_embeddings", 4096))
+        self.vocab_size: int = text.vocab_size
+        self.context_length: int = int(getattr(text, "max_position_embeddings", 4096))
         # MoE routers: record top-k expert indices of every forward
         self._routed: list[torch.Tensor | None] = []
         self.moe_layers: list[int] = []
@@ -142,6 +119,8 @@ class ModelRunner:
                 self._routed.append(None)
                 gate.register_forward_hook(self._router_hook(slot))
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.weights_generation = 0
+        """Bumped whenever weights change (what encoded images are checked against)."""
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
         self._fused_mlp: list[torch.Tensor | None] = []
         self._dequantized_qkv: list[tuple[Any, ...] | None] = []
@@ -280,6 +259,7 @@ class ModelRunner:
         """Free the packed weights, and the quantized projections' dequantized ones (memory release; they are
         rebuilt on the next forward)."""
         self._packed.clear()
+        self.weights_generation += 1
         for module in self.model.modules():
             drop = getattr(module, "drop_cache", None)
             if drop is not None:
@@ -385,7 +365,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run the decoder on ``x`` ``[B, T, hidden]`` (a fresh tensor: the residual stream is updated in
         place); ``attend(layer, q, k, v)`` stores k/v and attends."""
-        base = self.model.model
+        base = self.text_model
         cos, sin = base.rotary_emb(x, positions)
         b, t = x.shape[:2]
         delta: torch.Tensor | None = None  # the last block's output, added to the residual by the next norm
@@ -439,10 +419,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(
-        self, first_slot: int, chunks: list[list[int]], starts: list[int], want_logits: list[bool]
+        self,
+        first_slot: int,
+        chunks: list[list[int]],
+        starts: list[int],
+        want_logits: list[bool],
+        images: list[ImageInputs | None] | None = None,
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Feed ``chunks[b]`` at positions ``starts[b]..`` of slot ``first_slot + b`` (earlier positions of
-        each slot already hold its cached prefix), all in one padded forward.
+        each slot already hold its cached prefix), all in one padded forward. ``images[b]``: the images of
+        chunk ``b``'s prompt (encoded, :meth:`encode_images`): their embeddings replace the chunk's
+        placeholder tokens and their M-RoPE positions its rotary positions.
 
         Returns, per chunk, fp32 logits ``[n, vocab]`` (where ``want_logits``) and routed experts
         ``[n, layers, topk]`` (MoE models).
@@ -478,8 +465,11 @@ class ModelRunner:
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True
             )
 
-        x = self.model.model.embed_tokens(ids)
-        hidden = self._layers(x, positions, attend)
+        x = self.text_model.embed_tokens(ids)
+        rotary = positions
+        if images is not None and any(i is not None for i in images):
+            rotary = place_images(x, positions, starts, lengths, images)
+        hidden = self._layers(x, rotary, attend)
         logits: list[torch.Tensor | None] = []
         for b, n in enumerate(lengths):
             logits.append(self._lm_head(hidden[b, :n]) if want_logits[b] else None)
@@ -492,9 +482,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(
-        self, tokens: list[int], positions: list[int], first_slot: int = 0
+        self, tokens: list[int], positions: list[int], first_slot: int = 0, rope_deltas: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token for each of the requests in slots ``first_slot..`` (``tokens[i]`` at ``positions[i]``).
+        """One token for each of the requests in slots ``first_slot..`` (``tokens[i]`` at ``positions[i]``;
+        at rotary position ``positions[i] + rope_deltas[i]``, M-RoPE's offset after a prompt's images).
 
         Attention spans the longest request's positions only, so a single request (deterministic
         inference) attends over exactly its own KV. Returns fp32 logits ``[B, vocab]`` and routed experts
@@ -531,10 +522,21 @@ class ModelRunner:
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
             return out.reshape(b, self.num_heads, 1, self.head_dim)
 
-        x = self.model.model.embed_tokens(ids)
-        hidden = self._layers(x, pos[:, None], attend)
+        x = self.text_model.embed_tokens(ids)
+        rotary = pos if not rope_deltas or not any(rope_deltas) else pos + torch.tensor(rope_deltas, device=self.device)
+        hidden = self._layers(x, rotary[:, None], attend)
         logits = self._lm_head(hidden[:, 0])
         return logits, self._take_routed()
+
+    @torch.inference_mode()
+    def encode_images(self, prompts: list[ImageInputs]) -> None:
+        """Run the vision tower once over the images of ``prompts``: the embeddings of their placeholders."""
+        grid = torch.cat([p.grid_thw for p in prompts]).to(self.device)
+        pixels = torch.cat([p.pixel_values for p in prompts]).to(self.device)
+        per_image = list(self.model.model.get_image_features(pixels, grid, return_dict=True).pooler_output)
+        for inputs in prompts:
+            mine, per_image = per_image[: len(inputs.hashes)], per_image[len(inputs.hashes) :]
+            inputs.embeds, inputs.weights = torch.cat(mine).to(self.dtype), self.weights_generation
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """A boolean attention mask as an additive one in the model's dtype (0 / -inf): SDPA converts a
@@ -580,6 +582,8 @@ class ModelRunner:
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for where, name, tensor in named:
             target = params.get(name)
+            if target is None and self.is_vision:  # a checkpoint in transformers' saved layout
+                target = params.get(module_name(name))
             if target is None:
                 raise ValueError(f"{where}: tensor {name!r} is not a parameter of the served model")
             if tuple(tensor.shape) != tuple(target.shape):
@@ -589,6 +593,7 @@ class ModelRunner:
             staged.append((target, tensor))
         for target, tensor in staged:
             target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+        self.weights_generation += 1
         if getattr(self.config, "tie_word_embeddings", False):
             self.model.tie_weights()
         return len(staged)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.engine.request import Request
 from miles.rollout.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from miles.engine.multimodal import ImageInputs, ImageParser
 
 __all__ = ["MAX_N", "GenerateBatch", "RequestError", "parse_generate"]
 
@@ -125,6 +128,27 @@ def _sampling_mask_modes(body: dict[str, Any], count: int) -> list[str | None]:
     return out
 
 
+def _images(
+    image_data: Any, prompts: list[list[int]], batched: bool, parser: ImageParser | None
+) -> list[ImageInputs | None]:
+    """Each prompt's images (``prompts`` expanded in place); a text model refuses ``image_data``."""
+    if parser is None:
+        if image_data not in (None, []):
+            raise RequestError("image_data: the served model is not a vision-language model")
+        return [None] * len(prompts)
+    from miles.engine.multimodal import image_lists
+
+    try:
+        lists = image_lists(image_data, len(prompts), batched)
+        out: list[ImageInputs | None] = []
+        for i, refs in enumerate(lists):
+            prompts[i], inputs = parser(refs, prompts[i], f"input_ids[{i}]" if batched else "input_ids")
+            out.append(inputs)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    return out
+
+
 def parse_generate(
     body: Any,
     *,
@@ -133,10 +157,13 @@ def parse_generate(
     context_length: int,
     sink_factory: Callable[[int], Callable[[Request, bool], None]],
     return_original_logprob_default: bool = False,
+    images: ImageParser | None = None,
 ) -> GenerateBatch:
     """Turn a ``/generate`` body into :class:`Request` objects (``n`` per prompt, in order).
 
     :param sink_factory: ``sink_factory(i)`` is the sink of the ``i``-th request of the answer.
+    :param images: the served vision-language model's ``image_data`` parser (``None``: a text model, which
+        refuses ``image_data``).
     """
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -156,6 +183,7 @@ def parse_generate(
         prompts = [encode(t) for t in texts]
     if not prompts:
         raise RequestError("empty batch")
+    image_inputs = _images(body.get("image_data"), prompts, batched, images)
     raw_params = body.get("sampling_params")
     params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
     if len(params_list) != len(prompts):
@@ -190,8 +218,8 @@ def parse_generate(
     if len(loras) != len(prompts) or not all(n is None or (isinstance(n, str) and n) for n in loras):
         raise RequestError("lora_path: an adapter name, or a list with one name (or null) per prompt")
     requests: list[Request] = []
-    for prompt, cfg, parent, top_num, start, lora_name, mask_mode in zip(
-        prompts, configs, rids, top_nums, starts, loras, mask_modes, strict=True
+    for prompt, cfg, parent, top_num, start, lora_name, mask_mode, prompt_images in zip(
+        prompts, configs, rids, top_nums, starts, loras, mask_modes, image_inputs, strict=True
     ):
         parent = str(parent) if parent is not None else uuid.uuid4().hex
         for j in range(cfg.n):
@@ -211,6 +239,7 @@ def parse_generate(
                     return_sampling_mask=mask_mode,
                     stream=bool(body.get("stream", False)),
                     lora_name=lora_name,
+                    images=prompt_images,
                 )
             )
     batched = batched or (len(requests) > 1)

@@ -12,6 +12,7 @@ from miles.rollout.protocol import FinishReason, SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from miles.engine.multimodal import ImageInputs
     from miles.engine.sampling import KeptSet
 
 __all__ = ["Request"]
@@ -73,10 +74,23 @@ class Request:
     """Why generation stopped (``None`` while it runs)."""
     text: str = ""
     generator: torch.Generator | None = None
+    images: ImageInputs | None = None
+    """The prompt's images (a vision-language model), shared by the ``n`` requests of one prompt."""
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        """The prefix-cache key of :attr:`tokens`: the tokens, with image placeholders standing for their
+        image's content hash (:mod:`miles.engine.multimodal`)."""
+        return self.tokens if self.images is None else self.images.key_ids + self.output_ids
+
+    @property
+    def rope_delta(self) -> int:
+        """Rotary position minus sequence position past the prompt (M-RoPE; 0 without images)."""
+        return 0 if self.images is None else self.images.rope_delta
 
     @property
     def last_token(self) -> int:

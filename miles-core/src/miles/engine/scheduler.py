@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from miles.engine.model_runner import ModelRunner
+from miles.engine.multimodal import ImageInputs
 from miles.engine.radix_cache import ExactPrefixCache, PrefixCache, PrefixMatch, RadixCache
 from miles.engine.request import Request
 from miles.engine.sampling import KeptSet, sample_rows
@@ -55,6 +56,8 @@ class _Plan:
 
     req: Request
     seq: list[int]
+    key: list[int]
+    """``seq`` as the prefix cache knows it (:attr:`Request.cache_tokens`)."""
     need: int
     want_input: bool
     match: PrefixMatch
@@ -319,7 +322,7 @@ class Scheduler:
         later: list[Request] = []
         seen: set[tuple[int, ...]] = set()
         for req in batch:
-            key = tuple(req.tokens[:-1])
+            key = tuple(req.cache_tokens[:-1])
             if self.cache.max_tokens > 0 and key and key in seen:
                 later.append(req)
             else:
@@ -340,8 +343,18 @@ class Scheduler:
             need = len(seq) - 1  # the last token is fed by the decode step
             want_input = not req.admitted and req.return_logprob and 0 <= req.logprob_start_len < len(req.prompt_ids)
             limit = min(need, max(req.logprob_start_len - 1, 0)) if want_input else need
-            match = self.cache.match(seq[:need], limit=0 if req.lora_name else limit)  # KV depends on the adapter
-            plans.append(_Plan(req, seq, need, want_input, match))
+            key = req.cache_tokens
+            match = self.cache.match(key[:need], limit=0 if req.lora_name else limit)  # KV depends on the adapter
+            plans.append(_Plan(req, seq, key, need, want_input, match))
+        # the vision tower on the prefill that first feeds a prompt's placeholders, one forward for all of them
+        generation = self.runner.weights_generation
+        todo: dict[int, ImageInputs] = {}  # (the n requests of a prompt share its images)
+        for plan in plans:
+            images = plan.req.images
+            if images is not None and images.needs_encoding(plan.match.length, generation):
+                todo[id(images)] = images
+        if todo:
+            self.runner.encode_images(list(todo.values()))
         plans.sort(key=lambda plan: plan.need - plan.match.length)
         first_slot = len(self.running)
         self.runner.ensure(first_slot + len(plans), max(len(plan.seq) for plan in plans) + 1)  # grows once
@@ -370,8 +383,9 @@ class Scheduler:
                 group.append(item)
             chunks = [p.seq[p.done : min(p.need, p.done + _CHUNK)] for _, p in group]
             self.runner.lora.set_rows([p.req.lora_name for _, p in group])
+            chunk_images = [p.req.images for _, p in group]
             logits, experts = self.runner.prefill(
-                group[0][0], chunks, [p.done for _, p in group], [p.want_input for _, p in group]
+                group[0][0], chunks, [p.done for _, p in group], [p.want_input for _, p in group], chunk_images
             )
             for (_, plan), chunk, lg, ex in zip(group, chunks, logits, experts, strict=True):
                 plan.done += len(chunk)
@@ -386,7 +400,7 @@ class Scheduler:
             if plan.need > plan.match.length and req.lora_name is None:
                 k, v = self.runner.read_kv(first_slot + offset, plan.need)
                 experts = torch.cat(plan.routed) if self.runner.is_moe and plan.routed else None
-                self.cache.insert(plan.seq[: plan.need], k, v, experts)
+                self.cache.insert(plan.key[: plan.need], k, v, experts)
             if plan.want_input:
                 if plan.logits:
                     self._input_logprobs(req, torch.cat(plan.logits), plan.match.length)
@@ -426,11 +440,12 @@ class Scheduler:
         lora = self.runner.lora
         if not self.config.deterministic:
             lora.set_rows([r.lora_name for r in running])
-            return self.runner.decode([r.last_token for r in running], [r.kv_len for r in running])
+            deltas = [r.rope_delta for r in running]
+            return self.runner.decode([r.last_token for r in running], [r.kv_len for r in running], rope_deltas=deltas)
         rows = []
         for i, r in enumerate(running):
             lora.set_rows([r.lora_name])
-            rows.append(self.runner.decode([r.last_token], [r.kv_len], first_slot=i))
+            rows.append(self.runner.decode([r.last_token], [r.kv_len], first_slot=i, rope_deltas=[r.rope_delta]))
         routed = None if rows[0][1] is None else torch.cat([r for _, r in rows if r is not None])
         return torch.cat([lg for lg, _ in rows]), routed
 
@@ -516,7 +531,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, cache: bool = True) -> None:
         req.finish_reason = reason
         if req in self.running:
-            seq = req.tokens[: req.kv_len]
+            seq = req.cache_tokens[: req.kv_len]
             # deterministic mode caches prefills only: decode-step KV differs in the last bits from a prefill's
             cacheable = cache and req.lora_name is None  # an adapter's KV is not the base model's
             if cacheable and reason.type != "abort" and req.kv_len and not self.config.deterministic:

@@ -29,6 +29,7 @@ from miles.engine.weight_paths import WeightDirs
 if TYPE_CHECKING:
     import torch
 
+    from miles.engine.multimodal import ImageParser
     from miles.engine.parsing import GenerateBatch
     from miles.engine.request import Request
     from miles.engine.scheduler import Scheduler
@@ -77,6 +78,8 @@ class EngineState(ServedEngine):
     """``/generate`` calls answered so far (``/server_info`` reports it: which engine served how much)."""
     generated_samples: int = 0
     """Completions those calls asked for (a call with ``n = 4`` counts 4)."""
+    images: ImageParser | None = None
+    """Parses ``image_data`` for a vision-language model (``None``: a text model)."""
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
     """This engine process's identity, in every ``/health`` answer (the ``x-miles-instance`` header): a
     client tells an engine restarted at the same URL from the one it knew, even if it never saw it die."""
@@ -146,6 +149,7 @@ class EngineState(ServedEngine):
             context_length=sched.context_length,
             sink_factory=sink_factory,
             return_original_logprob_default=self.return_original_logprob,
+            images=self.images,
         )
         unknown = sorted(
             {r.lora_name for r in batch.requests if r.lora_name and r.lora_name not in sched.runner.lora.adapters}
@@ -182,6 +186,7 @@ class EngineState(ServedEngine):
             "moe_layers": runner.moe_layers,
             "num_experts_per_tok": runner.topk,
             "vocab_size": runner.vocab_size,
+            "is_multimodal": self.images is not None,
             "context_length": self.scheduler.context_length,
         }
 

@@ -47,12 +47,15 @@ class EngineClient(ABC):
         return_routed_experts: bool = False,
         routing_key: str | None = None,
         rid: str | None = None,
+        image_data: Sequence[str] | None = None,
     ) -> list[GenerateOutput]:
         """Generate ``sampling_params.n`` completions of one prompt.
 
         :param routing_key: requests with the same key go to the same engine (a group, a session), so
             they share its prefix cache; ``None`` routes to the least-loaded engine.
         :param rid: request id, for :meth:`abort`.
+        :param image_data: the prompt's images (SGLang's ``image_data``: paths, ``file://`` or ``data:`` URLs,
+            base64), for a vision-language model; its ``input_ids`` hold their placeholders.
         """
 
     @abstractmethod

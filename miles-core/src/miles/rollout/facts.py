@@ -122,6 +122,7 @@ class RoutedExpertsClient(EngineClient):
         return_routed_experts: bool = True,
         routing_key: str | None = None,
         rid: str | None = None,
+        image_data: Sequence[str] | None = None,
     ) -> list[GenerateOutput]:
         """:meth:`EngineClient.generate` with ``return_routed_experts`` always on, shaped."""
         outputs = await self.inner.generate(
@@ -131,6 +132,7 @@ class RoutedExpertsClient(EngineClient):
             return_routed_experts=True,
             routing_key=routing_key,
             rid=rid,
+            **({"image_data": image_data} if image_data else {}),
         )
         return [shape_routed_experts(output, self.layout) for output in outputs]
 

@@ -416,6 +416,7 @@ class HttpEngineClient(EngineClient):
         return_routed_experts: bool = False,
         routing_key: str | None = None,
         rid: str | None = None,
+        image_data: Sequence[str] | None = None,
     ) -> list[GenerateOutput]:
         """See :meth:`EngineClient.generate`. Each output's ``meta_info["engine_url"]`` names the engine."""
         payload: dict[str, Any] = {
@@ -425,6 +426,8 @@ class HttpEngineClient(EngineClient):
         }
         if return_routed_experts:
             payload["return_routed_experts"] = True
+        if image_data:
+            payload["image_data"] = list(image_data)
         if rid is not None:
             payload["rid"] = rid
         if self.lora_path is not None:

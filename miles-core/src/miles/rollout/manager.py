@@ -154,7 +154,16 @@ def sample_from_output(sample: Sample, output: GenerateOutput) -> Sample:
 async def single_turn(client: EngineClient, sample: Sample, sampling_params: SamplingParams) -> Sample:
     """The default rollout function: one ``/generate`` call for one sample."""
     routing_key = str(sample.metadata.get("routing_key", f"group-{sample.group_id}"))
-    outputs = await client.generate(sample.prompt_ids, replace(sampling_params, n=1), routing_key=routing_key)
+    prompt_ids, images = sample.prompt_ids, sample.metadata.get("images") or None  # (miles.data.vision)
+    if images:  # as data (the engine may run on another host than the data's files), one placeholder each
+        from miles.data.images import image_bytes, to_data_url
+        from miles.data.vision import IMAGE_TOKEN, collapse_placeholders
+
+        images = [ref if str(ref).startswith("data:") else to_data_url(image_bytes(ref)) for ref in images]
+        if IMAGE_TOKEN in sample.metadata:  # SGLang's form: it expands each placeholder token it is given
+            prompt_ids = collapse_placeholders(prompt_ids, int(sample.metadata[IMAGE_TOKEN]))
+    extra: dict[str, Any] = {"image_data": images} if images else {}  # (a plugin's engine client may not take it)
+    outputs = await client.generate(prompt_ids, replace(sampling_params, n=1), routing_key=routing_key, **extra)
     return sample_from_output(sample, outputs[0])
 
 

@@ -183,6 +183,11 @@ class DataSettings(_Section):
     """Drop prompts longer than this many tokens (``None``: keep all)."""
     eval_path: str | None = None
     """Eval prompt file (same format as ``path``), used every ``train.eval_interval`` steps."""
+    image_key: str = "images"
+    """Key of a row's images (a list of file paths, ``file://`` URLs or base64; a vision-language policy
+    only), placed by the prompt's ``{"type": "image"}`` parts or, for a text prompt, before its text."""
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """Refuse images with more pixels (width x height) than this, when the data is loaded."""
 
 
 class TeacherSettings(_Section):

@@ -166,6 +166,13 @@ class TrainBatch:
     token_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per sequence token tensors (``[N, ...]``, aligned with :attr:`tokens`, any dtype): the engine's
     routed experts (:data:`~miles.training.routing.ROUTED_EXPERTS`)."""
+    pixel_values: torch.Tensor | None = None
+    """A vision-language policy's images (:mod:`miles.training.vision`): ``[patches, patch_dim]`` float32 of
+    every image of every sequence, in order."""
+    image_grid_thw: torch.Tensor | None = None
+    """``[images, 3]`` int64: each image's patch grid (temporal, height, width)."""
+    image_counts: torch.Tensor | None = None
+    """``[B]`` int64: images of each sequence's prompt."""
 
     def __post_init__(self) -> None:
         import torch
@@ -196,6 +203,7 @@ class TrainBatch:
                     f"TrainBatch.token_tensors[{name!r}] has shape {tuple(tensor.shape)}, the batch has "
                     f"{self.num_tokens} tokens ([N, ...] expected)"
                 )
+        self._check_images()
         ids, logprobs = self.teacher_topk_ids, self.teacher_topk_logprobs
         if (ids is None) != (logprobs is None):
             raise ValueError("TrainBatch.teacher_topk_ids and teacher_topk_logprobs must be set together")
@@ -206,6 +214,37 @@ class TrainBatch:
                     f"TrainBatch.teacher_topk_ids {tuple(ids.shape)} and teacher_topk_logprobs "
                     f"{tuple(logprobs.shape)} must both be [{r}, k] (one row per response token)"
                 )
+
+    def _check_images(self) -> None:
+        values = (self.pixel_values, self.image_grid_thw, self.image_counts)
+        if all(v is None for v in values):
+            return
+        if any(v is None for v in values):
+            raise ValueError("TrainBatch.pixel_values, image_grid_thw and image_counts must be set together")
+        assert self.pixel_values is not None and self.image_grid_thw is not None and self.image_counts is not None
+        if self.image_counts.shape != (len(self),) or int(self.image_counts.sum()) != self.image_grid_thw.shape[0]:
+            raise ValueError(
+                f"TrainBatch.image_counts {tuple(self.image_counts.shape)} must give each of the {len(self)} "
+                f"sequences its images, {self.image_grid_thw.shape[0]} in all (image_grid_thw's rows)"
+            )
+        if int(self.image_grid_thw.prod(-1).sum()) != self.pixel_values.shape[0]:
+            raise ValueError(
+                f"TrainBatch.pixel_values has {self.pixel_values.shape[0]} patches, the grids "
+                f"{int(self.image_grid_thw.prod(-1).sum())}"
+            )
+
+    def image_index(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of :attr:`image_grid_thw` and :attr:`pixel_values` of sequences ``indices``' images."""
+        import torch
+
+        assert self.image_counts is not None and self.image_grid_thw is not None
+        image_start = torch.cat([torch.zeros(1, dtype=torch.int64), self.image_counts.cumsum(0)]).tolist()
+        patches = self.image_grid_thw.prod(-1)
+        patch_start = torch.cat([torch.zeros(1, dtype=torch.int64), patches.cumsum(0)]).tolist()
+        images = [j for i in indices for j in range(image_start[i], image_start[i + 1])]
+        rows = [torch.arange(patch_start[j], patch_start[j + 1]) for j in images]
+        empty = torch.zeros(0, dtype=torch.int64)
+        return torch.tensor(images, dtype=torch.int64), torch.cat(rows) if rows else empty
 
     def _check_token_field(self, name: str, value: torch.Tensor | None) -> None:
         if value is None:
@@ -367,6 +406,11 @@ class TrainBatch:
             updates[name] = None if value is None else value[resp_index]
         updates["response_tensors"] = {name: t[resp_index] for name, t in self.response_tensors.items()}
         updates["token_tensors"] = {name: t[tok_index] for name, t in self.token_tensors.items()}
+        if self.image_counts is not None and self.pixel_values is not None and self.image_grid_thw is not None:
+            images, patches = self.image_index(indices)
+            updates["image_counts"] = self.image_counts[index]
+            updates["image_grid_thw"] = self.image_grid_thw[images].reshape(-1, 3)
+            updates["pixel_values"] = self.pixel_values[patches]
         return replace(self, **updates)
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:
@@ -402,6 +446,22 @@ class TrainBatch:
         }
         per_token = set.intersection(*(set(p.token_tensors) for p in parts))
         out["token_tensors"] = {name: torch.cat([p.token_tensors[name] for p in parts]) for name in sorted(per_token)}
+        with_images = [p for p in parts if p.pixel_values is not None]
+        if with_images:  # a part without images has none in each of its sequences
+            dim = with_images[0].pixel_values.shape[1]  # type: ignore[union-attr]
+            none = torch.zeros(0, dtype=torch.int64)
+            out["image_counts"] = torch.cat(
+                [
+                    p.image_counts if p.image_counts is not None else torch.zeros(len(p), dtype=torch.int64)
+                    for p in parts
+                ]
+            )
+            out["image_grid_thw"] = torch.cat(
+                [p.image_grid_thw if p.image_grid_thw is not None else none.reshape(0, 3) for p in parts]
+            )
+            out["pixel_values"] = torch.cat(
+                [p.pixel_values if p.pixel_values is not None else torch.zeros(0, dim) for p in parts]
+            )
         return cls(**out)
 
     # -- across ranks ---------------------------------------------------------------------------------

@@ -33,8 +33,12 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "added_tokens.json",
     "generation_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
-"""Files copied from the source model next to the exported weights (those that exist)."""
+"""Files copied from the source model next to the exported weights (those that exist): the tokenizer's, and a
+vision-language model's image processor."""
 
 
 def write_hf_checkpoint(

@@ -1,0 +1,198 @@
+"""A vision-language actor (a tiny Qwen2-VL built from a config) against a real local engine serving it: the
+trainer's logprobs of sampled responses equal the engine's with the same images (one packed micro-batch of
+image, two-image and text-only sequences, fp32 within 1e-5); a step trains the vision tower (or not, by
+setting), and the pushed weights, vision tower included, are what the engine then serves (its checksums
+and, again, its logprobs); a text-only batch for image prompts is refused naming the row."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsdp_job as job
+import httpx
+import pytest
+import torch
+
+from miles.net import free_port
+from miles.testing.engine import EngineProcess
+
+pytest.importorskip("PIL")
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[Any]:
+    from miles_fsdp.distributed import init_distributed, shutdown_distributed
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(0, 1, master_port=free_port())
+    try:
+        yield ctx
+    finally:
+        shutdown_distributed()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from miles.testing.vlm import build_tiny_vlm, squares_image
+
+    root = tmp_path_factory.mktemp("fsdp-vlm")
+    model = build_tiny_vlm(root / "model", seed=3)
+    for name, counts, size in (("red", {"red": 3}, 56), ("mixed", {"red": 1, "blue": 2}, 84)):
+        squares_image(counts, size=size, seed=4).save(root / f"{name}.png")
+    rows = [
+        {"prompt": "how many red squares?", "images": ["red.png"]},
+        {"prompt": "compare them", "images": ["red.png", "mixed.png"]},
+        {"prompt": "no picture"},
+    ]
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": model, "root": root}
+
+
+@pytest.fixture(scope="module")
+def engine(vlm: dict[str, Any]) -> Iterator[EngineProcess]:
+    with EngineProcess(vlm["model"], log_path=vlm["root"] / "engine.log") as proc:
+        yield proc
+
+
+def _prompts(vlm: dict[str, Any]) -> list[Any]:
+    from transformers import AutoTokenizer
+
+    from miles.components import ComponentSettings
+    from miles.data.factory import create_data_source
+    from miles.data.sources import JsonlDataSource
+    from miles.settings.model import DataSettings
+
+    settings = DataSettings(path=str(vlm["root"] / "rows.jsonl"), shuffle=False)
+    tokenizer = AutoTokenizer.from_pretrained(vlm["model"])
+    source = create_data_source(
+        functools.partial(JsonlDataSource, ComponentSettings()),
+        settings,
+        tokenizer=tokenizer,
+        model_path=str(vlm["model"]),
+    )
+    assert isinstance(source, JsonlDataSource)
+    return source.prompts
+
+
+def _rollout(engine: EngineProcess, prompts: list[Any]) -> list[Any]:
+    """One sampled response of each prompt, as the rollout manager's samples."""
+    from miles.types import Sample
+
+    body = {
+        "input_ids": [p.prompt_ids for p in prompts],
+        "image_data": [p.metadata["images"] or None for p in prompts],
+        "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7},
+        "return_logprob": True,
+    }
+    answers = httpx.post(engine.url + "/generate", json=body, timeout=120).json()
+    samples = []
+    for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        logprobs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+        samples.append(
+            Sample(
+                prompt_ids=list(prompt.prompt_ids),
+                response_ids=answer["output_ids"],
+                rollout_logprobs=logprobs,
+                loss_mask=[1] * len(logprobs),
+                group_id=i,
+                metadata=dict(prompt.metadata, source=prompt.source),
+            )
+        )
+    return samples
+
+
+def _batch(samples: list[Any], model: Path) -> Any:
+    from miles.training.batch import TrainBatch
+    from miles.training.vision import attach_images
+
+    batch = TrainBatch.from_samples(samples)
+    attach_images(batch, samples, str(model))
+    return TrainBatch.from_tensors(batch.to_tensors())  # as it crosses ranks
+
+
+def _trainer(model: Path, world: Any, **options: Any) -> Any:
+    from miles.precision.builtin import FP32
+    from miles.settings.model import TrainSettings
+    from miles_fsdp.settings import FSDPSettings
+    from miles_fsdp.trainer import FSDPTrainer
+
+    train = TrainSettings(model_path=str(model), **{**job.TRAIN, "max_tokens_per_micro_batch": 4096})  # type: ignore[arg-type]
+    trainer = FSDPTrainer(train, FSDPSettings(wrap_single_rank=False, **options), FP32(None), world)
+    trainer.setup()
+    return trainer
+
+
+def _visual(trainer: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.actor.named_parameters() if ".visual." in f".{n}"}
+
+
+def test_trainer_logprobs_equal_the_engines_and_pushes_cover_the_vision_tower(
+    vlm: dict[str, Any], engine: EngineProcess, world: Any, tmp_path: Path
+) -> None:
+    from miles.training.hf_export import write_hf_checkpoint
+    from miles.transport.verify import tensor_checksum
+
+    model = vlm["model"]
+    samples = _rollout(engine, _prompts(vlm))
+    batch = _batch(samples, model)
+    assert batch.image_counts.tolist() == [1, 2, 0] and batch.image_grid_thw.tolist() == [[1, 4, 4]] * 2 + [[1, 6, 6]]
+    trainer = _trainer(model, world)
+    try:
+        got = trainer.compute_logprobs(batch).logprobs
+        want = torch.tensor([lp for s in samples for lp in s.rollout_logprobs])
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+
+        before = _visual(trainer)
+        batch.set_token_field("advantages", torch.linspace(-1.0, 1.0, batch.num_response_tokens))
+        batch.set_token_field("old_logprobs", got)
+        trainer.train_step(batch, job.PolicyGradient())
+        after = _visual(trainer)
+        assert before and all(not torch.equal(before[n], after[n]) for n in ("model.visual.merger.mlp.0.weight",))
+
+        out = tmp_path / "pushed"
+        config = trainer.actor.config
+        write_hf_checkpoint(trainer.iter_weights(1 << 30), out, rank=0, config=config, source_dir=str(model))
+        pushed = httpx.post(engine.url + "/update_weights_from_disk", json={"model_path": str(out)}, timeout=120)
+        assert pushed.status_code == 200, pushed.text
+        served = httpx.post(engine.url + "/weights_checksum", timeout=60).json()["checksums"]
+        assert {n: served[n] for n in after} == {n: tensor_checksum(t) for n, t in after.items()}
+        again = _rollout(engine, _prompts(vlm))  # the new weights, the same images
+        got = trainer.compute_logprobs(_batch(again, model)).logprobs
+        want = torch.tensor([lp for s in again for lp in s.rollout_logprobs])
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    finally:
+        trainer.close()
+
+
+def test_a_frozen_vision_tower_stays_and_a_text_only_batch_is_refused(
+    vlm: dict[str, Any], engine: EngineProcess, world: Any
+) -> None:
+    from miles.errors import DataError
+    from miles.training.batch import TrainBatch
+    from miles.training.vision import attach_images
+
+    model = vlm["model"]
+    samples = _rollout(engine, _prompts(vlm))
+    trainer = _trainer(model, world, train_vision_tower=False)
+    try:
+        batch = _batch(samples, model)
+        batch.set_token_field("advantages", torch.ones(batch.num_response_tokens))
+        batch.set_token_field("old_logprobs", batch.rollout_logprobs)
+        before = _visual(trainer)
+        language = trainer.actor.lm_head.weight.detach().clone()
+        trainer.train_step(batch, job.PolicyGradient())
+        assert all(torch.equal(before[n], t) for n, t in _visual(trainer).items())
+        assert not torch.equal(language, trainer.actor.lm_head.weight)
+
+        text_only = TrainBatch.from_samples(samples)  # the images never attached
+        with pytest.raises(ValueError, match="TrainBatch sequence 0: its prompt holds image placeholders"):
+            trainer.compute_logprobs(text_only)
+        samples[1].metadata.pop("images")
+        with pytest.raises(DataError, match=r"rows.jsonl:2: the prompt holds 13 image placeholder tokens"):
+            attach_images(TrainBatch.from_samples(samples), samples, str(model))
+    finally:
+        trainer.close()

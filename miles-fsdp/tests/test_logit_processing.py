@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 
-from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
@@ -48,18 +47,6 @@ def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[En
         yield proc
 
 
-@pytest.fixture(scope="module")
-def dist_world() -> Iterator[Any]:
-    from miles_fsdp.distributed import init_distributed, shutdown_distributed
-
-    torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=free_port())
-    try:
-        yield ctx
-    finally:
-        shutdown_distributed()
-
-
 def new_trainer(model_path: Path, ctx: Any) -> Any:
     from miles.precision.builtin import FP32
     from miles.settings.model import TrainSettings
@@ -72,8 +59,8 @@ def new_trainer(model_path: Path, ctx: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def trainer(model: Path, dist_world: Any) -> Iterator[Any]:
-    t = new_trainer(model, dist_world)
+def trainer(model: Path, world: Any) -> Iterator[Any]:
+    t = new_trainer(model, world)
     yield t
     t.close()
 

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
@@ -58,18 +57,6 @@ def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[En
     logs = tmp_path_factory.mktemp("logs")
     with EngineProcess(model, extra_args=["--dtype", "bfloat16"], log_path=logs / "engine.log") as proc:
         yield proc
-
-
-@pytest.fixture(scope="module")
-def dist_world() -> Iterator[Any]:
-    from miles_fsdp.distributed import init_distributed, shutdown_distributed
-
-    torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=free_port())
-    try:
-        yield ctx
-    finally:
-        shutdown_distributed()
 
 
 def new_trainer(model_path: Path, ctx: Any, *, replay: bool) -> Any:
@@ -119,7 +106,7 @@ def with_advantages(samples: Sequence[Sample]) -> TrainBatch:
 
 
 @pytest.mark.slow
-def test_replay_makes_the_trainer_route_as_the_engine(engine: EngineProcess, model: Path, dist_world: Any) -> None:
+def test_replay_makes_the_trainer_route_as_the_engine(engine: EngineProcess, model: Path, world: Any) -> None:
     samples = rollout(engine.url)
     batch = TrainBatch.from_samples(samples)
     routed = batch.token_tensors[ROUTED_EXPERTS]
@@ -129,8 +116,8 @@ def test_replay_makes_the_trainer_route_as_the_engine(engine: EngineProcess, mod
         samples
     )
 
-    replaying = new_trainer(model, dist_world, replay=True)
-    own = new_trainer(model, dist_world, replay=False)
+    replaying = new_trainer(model, world, replay=True)
+    own = new_trainer(model, world, replay=False)
     try:
         with_replay = differences(replaying, batch)
         without = differences(own, batch)

@@ -4,27 +4,12 @@ trainer, on one in-process gloo rank and a tiny Llama with tied embeddings."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import fsdp_job as job
 import pytest
 import torch
-
-from miles.net import free_port
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[Any]:
-    from miles_fsdp.distributed import init_distributed, shutdown_distributed
-
-    torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=free_port())
-    try:
-        yield ctx
-    finally:
-        shutdown_distributed()
 
 
 @pytest.fixture(scope="module")

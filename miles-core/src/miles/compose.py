@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles.components import ComponentKind, missing_requirements
+from miles.components import Component, ComponentKind, missing_requirements
 from miles.errors import MilesError, PluginLoadError, SettingsError
 
 if TYPE_CHECKING:
@@ -125,8 +125,11 @@ def build_run(
     for kind in wanted:
         for field, value in _selections(settings, kind):
             try:
-                if kind is ComponentKind.ROLLOUT_FUNCTION:  # a registered name or module:function
-                    functions[field] = _resolve_function(pm, value, field, source_of(field))
+                if kind is ComponentKind.ROLLOUT_FUNCTION:  # a registered name (with its settings) or module:function
+                    function, missing = _resolve_function(pm, value, field, source_of, settings)
+                    problems.extend(missing)
+                    if not missing:
+                        functions[field] = function
                     continue
                 entry, options = pm.resolve(kind, value, field=field, source_of=source_of)
                 selected[field] = Resolved(field, entry, options)
@@ -305,11 +308,35 @@ def _engine_serves_transport(resolved: dict[str, Resolved]) -> list[SettingsErro
     ]
 
 
-def _resolve_function(pm: PluginManager, ref: str, field: str, source: str | None) -> Any:
-    where = f"{field} ({source})" if source else field
-    if ":" in ref:
-        return _import_function(ref, where)
-    return pm.get(ComponentKind.ROLLOUT_FUNCTION, ref, field=where).component
+def _resolve_function(
+    pm: PluginManager, value: Any, field: str, source_of: Callable[[str], str | None], settings: MilesSettings
+) -> tuple[Any, list[MilesError]]:
+    """``rollout.function``: ``package.module:function`` (imported), a registered function, or a registered
+    :class:`~miles.components.Component` class, made here with its settings (the table's other keys); and the
+    missing requirements of the latter (each a :class:`~miles.errors.MissingExtraError` naming the field). Its
+    ``check_settings(options, settings)``, where it has one, refuses combinations before anything starts."""
+    from miles.settings.model import PluginSpec
+
+    spec = PluginSpec.model_validate(value)
+    if ":" in spec.name:
+        source = source_of(field)
+        where = f"{field} ({source})" if source else field
+        if spec.options:
+            raise SettingsError(f"{where}: {spec.name!r} is imported, not registered: it takes no settings")
+        return _import_function(spec.name, where), []
+    entry, options = pm.resolve(ComponentKind.ROLLOUT_FUNCTION, spec, field=field, source_of=source_of)
+    component = entry.component
+    if not (isinstance(component, type) and issubclass(component, Component)):
+        return component, []  # (a function or an instance, registered as it is: no settings but none)
+    missing = missing_requirements(component, options)
+    if missing:
+        source = source_of(field)
+        where = f"{field} ({source})" if source else field
+        return None, [r.missing_error(f"{where}: rollout function {entry.name!r}") for r in missing]
+    check = getattr(component, "check_settings", None)
+    if check is not None:
+        check(options, settings)
+    return component(options), []
 
 
 class Run:
@@ -405,6 +432,10 @@ class Run:
         """``rollout.function``, or ``None`` for the default single-turn generate."""
         function: RolloutFunction | None = self._functions.get("rollout.function")
         return function
+
+    def set_rollout_function(self, function: RolloutFunction) -> None:
+        """Replace ``rollout.function``'s instance (with the URL of the server the launcher started for it)."""
+        self._functions["rollout.function"] = function
 
     # -- components built where they are used -----------------------------------------------------
     def trainer(self, dist: DistContext) -> Trainer:

@@ -202,4 +202,41 @@ def start_reward_servers(
         resolved = run.resolved[where]
         run.resolved[where] = Resolved(where, resolved.registration, resolved.options.model_copy(update={"url": url}))
         log.info("reward %s (%s): starting its server %s at %s on %s", name, where, server.model_path, url, device)
+    _start_function_server(run, launcher, settings, keys=keys, env=env, out=out)
     return out
+
+
+def _start_function_server(
+    run: Run, launcher: Launcher, settings: MilesSettings, *, keys: ServiceKeys, env: dict[str, str], out: RewardServers
+) -> None:
+    """The server of ``rollout.function`` (an environment server), when the function declares one: a
+    :class:`~miles.rewards.base.RewardServer` with a ``module`` from its ``server()``, started as a reward's is,
+    its URL set as the function's ``url`` setting (in ``settings`` and in ``run``'s function)."""
+    from miles.auth import check_bind
+    from miles.launch.base import ProcessSpec
+    from miles.settings.model import PluginSpec
+
+    function = run.rollout_function
+    declare = getattr(function, "server", None)
+    server = declare() if declare is not None else None
+    if server is None or settings.rollout.function is None:
+        return
+    where = "rollout.function"
+    spec_ = PluginSpec.model_validate(settings.rollout.function)
+    if server.module is None:
+        raise SettingsError(f"{where}: rollout function {spec_.name!r} asks for a server without a module")
+    host, (port,) = launcher.service_address(f"env-{spec_.name}", settings.cluster.host)
+    check_bind(host, keys, service=f"the environment server of {where}", setting="cluster.api_key")
+    argv = [sys.executable, "-m", server.module, "--model", server.model_path, "--host", host, "--port", str(port)]
+    argv += ["--device", "cpu" if server.device == "auto" else server.device, "--dtype", server.dtype, *server.args]
+    url = f"http://{host}:{port}"
+    spec = ProcessSpec(name=f"env-{spec_.name}", argv=argv, env=dict(env))
+    process = launcher.start_process(spec)
+    out.started.append(
+        _Started(
+            where, spec.name, url, url + server.health_path, process, server.startup_timeout, spec, server.restarts
+        )
+    )
+    settings.rollout.function = PluginSpec.model_validate({**spec_.model_dump(), "url": url})
+    run.set_rollout_function(type(function)(function.settings.model_copy(update={"url": url})))  # type: ignore[union-attr]
+    log.info("rollout function %s: starting its server %s at %s", spec_.name, server.model_path, url)

@@ -263,8 +263,9 @@ class RolloutSettings(_Section):
     again once the next weight push has reached it. Past the budget the run goes on with the engines left,
     and stops when none is left. Ignored with a router (it would send traffic to a restarted engine before
     it has the trainer's weights)."""
-    function: str | None = None
-    """Custom rollout function: a registered name or ``package.module:function`` (default: single-turn)."""
+    function: str | PluginSpec | None = None
+    """Custom rollout function: a registered name or ``package.module:function`` (default: single-turn); a
+    table (``[rollout.function] name = "openenv"  env = "..."``) gives a registered function its settings."""
     mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
     """``sync``: generate then train; ``one_step_off``: overlap one batch; ``fully_async``: a producer."""
     rollout_batch_size: int = Field(8, ge=1)

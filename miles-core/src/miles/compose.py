@@ -126,9 +126,9 @@ def build_run(
         for field, value in _selections(settings, kind):
             try:
                 if kind is ComponentKind.ROLLOUT_FUNCTION:  # a registered name (with its settings) or module:function
-                    function, missing = _resolve_function(pm, value, field, source_of, settings)
-                    problems.extend(missing)
-                    if not missing:
+                    function, absent = _resolve_function(pm, value, field, source_of, settings)
+                    problems.extend(absent)
+                    if not absent:
                         functions[field] = function
                     continue
                 entry, options = pm.resolve(kind, value, field=field, source_of=source_of)
@@ -391,7 +391,7 @@ class Run:
         for field, function in self._functions.items():
             from miles.plugins.registry import Registration
 
-            name = getattr(function, "__name__", str(function))
+            name = str(getattr(function, "name", None) or getattr(function, "__name__", function))
             out[field] = Registration(ComponentKind.ROLLOUT_FUNCTION, name, function, "(import)", _no_settings())
         return out
 

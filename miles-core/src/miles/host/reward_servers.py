@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles.components import ComponentKind
 from miles.compose import Resolved
@@ -216,7 +216,7 @@ def _start_function_server(
     from miles.launch.base import ProcessSpec
     from miles.settings.model import PluginSpec
 
-    function = run.rollout_function
+    function: Any = run.rollout_function
     declare = getattr(function, "server", None)
     server = declare() if declare is not None else None
     if server is None or settings.rollout.function is None:
@@ -238,5 +238,5 @@ def _start_function_server(
         )
     )
     settings.rollout.function = PluginSpec.model_validate({**spec_.model_dump(), "url": url})
-    run.set_rollout_function(type(function)(function.settings.model_copy(update={"url": url})))  # type: ignore[union-attr]
+    run.set_rollout_function(type(function)(function.settings.model_copy(update={"url": url})))
     log.info("rollout function %s: starting its server %s at %s", spec_.name, server.model_path, url)

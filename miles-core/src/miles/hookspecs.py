@@ -57,9 +57,13 @@ def miles_register_rollout_functions(register: Register) -> None:
     """Register custom rollout functions (:class:`miles.rollout.function.RolloutFunction`): agents,
     tools, multi-turn episodes that replace the default single-turn generate.
 
-    Selected by ``rollout.function``. Register a function with ``register(fn, name="my_agent")``.
+    Selected by ``rollout.function``. Register a function with ``register(fn, name="my_agent")``, or a
+    :class:`~miles.components.Component` class (``register(MyEnv)``, named by its ``name``) that a
+    ``[rollout.function]`` table configures: the run makes one instance with its validated settings. Such a
+    class may declare a server the run starts for it (``server()``, see
+    :class:`~miles.rollout.function.RolloutFunction`).
 
-    :param register: call ``register(fn, name=...)``.
+    :param register: call ``register(fn, name=...)`` or ``register(cls)``.
 
     .. versionadded:: 0.1
     """

@@ -115,7 +115,9 @@ def test_a_missing_requirement_names_the_field_and_the_extra() -> None:
         _run("needs_missing")
 
 
-def test_the_server_a_rollout_function_declares_is_started_and_its_url_set(tmp_path: Path) -> None:
+def test_the_server_a_rollout_function_declares_is_started_and_its_url_set(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "tiny_health_server.py").write_text(
         textwrap.dedent(
             """
@@ -138,8 +140,10 @@ def test_the_server_a_rollout_function_declares_is_started_and_its_url_set(tmp_p
     settings = run.settings
     with LocalLauncher(run_dir=str(tmp_path / "run")) as launcher:
         servers = start_reward_servers(run, launcher, settings, keys=ServiceKeys(), env={"PYTHONPATH": str(tmp_path)})
-        servers.wait()
+        with caplog.at_level("INFO", logger="miles.host.reward_servers"):
+            servers.wait()
         (started,) = servers.started
+        assert f"environment server env-echo_env (rollout.function) is up at {started.url}" in caplog.text
         assert started.field == "rollout.function" and started.name == "env-echo_env"
         assert httpx.get(started.url + "/health", timeout=5).status_code == 200
         spec = settings.rollout.function

@@ -47,6 +47,11 @@ class _Started:
     restarts_left: int
     gone: bool = False
 
+    @property
+    def what(self) -> str:
+        """``reward server``, or ``environment server`` for the rollout function's."""
+        return "reward server" if self.field.startswith("reward.") else "environment server"
+
 
 @dataclass
 class RewardServers:
@@ -72,17 +77,17 @@ class RewardServers:
                 server.restarts_left -= 1
                 self.restarted += 1
                 log.warning(
-                    "reward server %s (%s) exited (%s); starting it again at %s (%d restart(s) left); its log "
+                    "%s %s (%s) exited (%s); starting it again at %s (%d restart(s) left); its log "
                     "ended with:\n%s",
-                    server.name, server.field, describe_exit(code), server.url, server.restarts_left, tail,
+                    server.what, server.name, server.field, describe_exit(code), server.url, server.restarts_left, tail,
                 )  # fmt: skip
                 server.process = launcher.start_process(server.spec)
             else:
                 server.gone = True
                 log.error(
-                    "reward server %s (%s) exited (%s) with no restart left: the samples it scores fail from now "
+                    "%s %s (%s) exited (%s) with no restart left: the samples it scores fail from now "
                     "on; its log ended with:\n%s",
-                    server.name, server.field, describe_exit(code), tail,
+                    server.what, server.name, server.field, describe_exit(code), tail,
                 )  # fmt: skip
 
     @property
@@ -104,7 +109,7 @@ class RewardServers:
                     code = server.process.exit_status()
                     if code is not None:
                         raise LaunchError(
-                            f"reward server {server.name} ({server.field}) exited before it answered: "
+                            f"{server.what} {server.name} ({server.field}) exited before it answered: "
                             f"{describe_exit(code)}; last lines of its log:\n{server.process.log_tail(20)}",
                             process=server.name,
                         )
@@ -115,12 +120,12 @@ class RewardServers:
                         pass
                     if time.monotonic() >= deadline:
                         raise LaunchError(
-                            f"reward server {server.name} ({server.field}) did not answer {server.health} within "
+                            f"{server.what} {server.name} ({server.field}) did not answer {server.health} within "
                             f"{server.timeout:g} s; last lines of its log:\n{server.process.log_tail(20)}",
                             process=server.name,
                         )
                     time.sleep(poll_interval)
-                log.info("reward server %s (%s) is up at %s", server.name, server.field, server.url)
+                log.info("%s %s (%s) is up at %s", server.what, server.name, server.field, server.url)
 
 
 def server_device(

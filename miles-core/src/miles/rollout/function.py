@@ -24,6 +24,12 @@ class RolloutFunction(Protocol):
     first sample, must be idempotent), ``async aclose()`` (called when the run ends, also when nothing
     was started) and ``metrics(samples) -> dict[str, float]`` (added to each rollout's metrics);
     :class:`miles.sessions.rollout.SessionRollout` does.
+
+    A function registered as a :class:`~miles.components.Component` class gets its settings from the
+    ``[rollout.function]`` table, and may define ``server()`` returning a
+    :class:`~miles.rewards.base.RewardServer` with a ``module`` (an environment server): ``miles train`` starts it
+    through the launcher before the trainer ranks, as it starts a reward model's server, and sets the function's
+    ``url`` setting to it (its settings model needs a ``url`` field; ``server()`` answers ``None`` once it is set).
     """
 
     async def __call__(self, client: EngineClient, sample: Sample, sampling_params: SamplingParams) -> Sample: ...

@@ -71,7 +71,7 @@ def keyed_server() -> Iterator[str]:
         process.wait(timeout=30)
 
 
-def test_episodes_over_openenv_sessions_need_the_run_key(keyed_server: str) -> None:
+def test_episodes_over_openenv_sessions_need_the_run_key(keyed_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
     url = keyed_server
     assert httpx.get(url + "/schema", timeout=5).status_code == 401  # every route but /health needs the key
     schema = httpx.get(url + "/schema", headers={"Authorization": "Bearer run-key"}, timeout=5).json()
@@ -80,6 +80,11 @@ def test_episodes_over_openenv_sessions_need_the_run_key(keyed_server: str) -> N
         OpenEnvText(url, action_field="message", observation_field="prompt").reset(seed=1)
     with pytest.raises(ConnectionError):
         OpenEnvText(url, action_field="message", observation_field="prompt", api_key="wrong").reset(seed=1)
+
+    # a server that already runs, reached by url (its key from api_key_env): checked, and nothing to start
+    monkeypatch.setenv("LETTERS_KEY", "run-key")
+    reached = _resolve({"name": "openenv", "url": url, "api_key_env": "LETTERS_KEY"}).rollout_function
+    assert isinstance(reached, OpenEnvRollout) and reached.server() is None
 
     letters = _letters(seed=7)
     envs = [OpenEnvText(url, action_field="message", observation_field="prompt", api_key="run-key") for _ in range(2)]

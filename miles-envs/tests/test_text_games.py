@@ -42,6 +42,14 @@ def test_a_game_is_won_by_bisection_and_replays_from_its_seed() -> None:
     assert terminated and reward == 1.0 and turns <= 5
     assert "Congratulations" not in seen[0] or turns == 1  # (each observation holds only the new messages)
 
+    import random
+
+    random.seed(5)
+    expected = random.random()
+    random.seed(5)
+    TextArenaEnv("GuessTheNumber-v0").reset(seed=99)
+    assert random.random() == expected  # textarena's reseeding of the global stream does not leak out
+
     again = TextArenaEnv("GuessTheNumber-v0", min_number=1, max_number=20, max_turns=10)
     assert again.reset(seed=11)[0] == first
     assert _bisect(again, 1, 20)[0] == turns  # the same number, found in the same guesses

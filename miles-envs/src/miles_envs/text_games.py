@@ -10,6 +10,7 @@ the history, which those wrappers would repeat in every observation.
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,7 +30,8 @@ TEXTARENA = Requirement("textarena", extra="textarena", distribution="miles-envs
 """What the ``text_game`` rollout function imports."""
 
 _RESET_LOCK = threading.Lock()
-"""textarena seeds Python's global ``random`` in ``reset`` and games draw from it right after: one reset at a time."""
+"""textarena seeds Python's global ``random`` in ``reset`` and games draw from it right after: one reset at a time,
+the global stream restored after it (a game that draws in ``step`` too draws from the process's stream)."""
 
 
 class TextArenaEnv:
@@ -46,8 +48,12 @@ class TextArenaEnv:
         return "\n".join(str(m[1]).strip() for m in messages if str(m[1]).strip())
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-        with _RESET_LOCK:
-            self.env.reset(num_players=1, seed=seed)
+        with _RESET_LOCK:  # (the process's own random stream is left as it was)
+            outside = random.getstate()
+            try:
+                self.env.reset(num_players=1, seed=seed)
+            finally:
+                random.setstate(outside)
         return self._observation(), {}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:

@@ -85,6 +85,10 @@ def test_episodes_over_openenv_sessions_need_the_run_key(keyed_server: str, monk
     monkeypatch.setenv("LETTERS_KEY", "run-key")
     reached = _resolve({"name": "openenv", "url": url, "api_key_env": "LETTERS_KEY"}).rollout_function
     assert isinstance(reached, OpenEnvRollout) and reached.server() is None
+    assert reached._schema_fields() == ("message", "prompt")  # the one text field of each, from /schema
+    wrong = OpenEnvRollout(reached.settings.model_copy(update={"action_field": "text"}))
+    with pytest.raises(SettingsError, match=r"rollout\.function\.action_field: the environment's action fields are"):
+        wrong._schema_fields()
 
     letters = _letters(seed=7)
     envs = [OpenEnvText(url, action_field="message", observation_field="prompt", api_key="run-key") for _ in range(2)]

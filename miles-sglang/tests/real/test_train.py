@@ -535,17 +535,6 @@ def test_lora_adapters_pushed_to_sglang(tmp_path: Path, tiny_llamas: Any, prompt
     assert children_of_run(run_dir) == []
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3-MoE: 8 experts, top-2, both layers sparse, head size 32 (the CPU kernels' multiple)."""
-    from miles.testing.models import build_tiny_model
-
-    dims: dict[str, Any] = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
-    return build_tiny_model(
-        tmp_path_factory.mktemp("moe") / "qwen3-moe", "qwen3_moe", seed=0, num_experts=8, num_experts_per_tok=2, **dims
-    )
-
-
 @longer_run
 def test_colocated_sglang_tensor_reads_the_trainers_tensors_in_place(
     tmp_path: Path, tiny_llamas: Any, prompts: Path

@@ -489,11 +489,6 @@ class MilesSettings(BaseSettings):
                 "rollout.replay_sampling_mask: nothing is truncated (rollout.top_k = -1, rollout.top_p = 1.0): the "
                 "kept set would be the whole vocabulary; set top_k or top_p, or turn replay off"
             )
-        if rollout.replay_sampling_mask and train.backend.name == "megatron":
-            raise ValueError(
-                "rollout.replay_sampling_mask: the megatron trainer does not apply the engine's logit masks yet "
-                "(use train.backend = 'fsdp')"
-            )
         if rollout.replay_sampling_mask and train.true_on_policy:
             raise ValueError(
                 "rollout.replay_sampling_mask: train.true_on_policy replays the engine's untruncated logprobs; "

@@ -111,7 +111,9 @@ def _module_from_file(path: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise VerifiersEnvError(f"verifiers environment file {path!r} failed to import: {type(exc).__name__}: {exc}")
+        raise VerifiersEnvError(
+            f"verifiers environment file {path!r} failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
     return module
 
 

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,50 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_grpo_on_a_two_turn_verifiers_environment(tmp_path: Path, tiny_model: Path, envs_dir: Path) -> None:  # noqa: F811
-    env_file = envs_dir / "two_turn_sums.py"
+def test_grpo_on_a_two_turn_verifiers_environment(tmp_path: Path, tiny_model: Path) -> None:  # noqa: F811
+    # the example run, as a reader runs it from the repository root, on this module's tiny model
+    config = ROOT / "examples" / "verifiers" / "grpo_tiny_verifiers.toml"
     run_dir = tmp_path / "run"
-    config = tmp_path / "run.toml"
-    config.write_text(
-        textwrap.dedent(
-            f"""
-            [cluster]
-            trainer_ranks = 1
-            num_engines = 1
-
-            [data]
-            source = {{ name = "verifiers", args = {{ num_examples = 4 }} }}
-            path = "{env_file}"
-
-            [rollout]
-            function = "verifiers"
-            rollout_batch_size = 2
-            n_samples_per_prompt = 4
-            max_new_tokens = 6
-            temperature = 1.0
-
-            [train]
-            model_path = "{tiny_model}"
-            num_rollouts = 2
-            global_batch_size = 8
-            lr = 1e-3
-
-            [algorithm]
-            name = "grpo"
-
-            [[reward.functions]]
-            name = "verifiers"
-
-            [transport]
-            name = "disk"
-
-            [log]
-            run_dir = "{run_dir}"
-            """
-        )
-    )
+    overrides = [f"train.model_path={tiny_model}", f"log.run_dir={run_dir}"]
     out = subprocess.run(
-        [sys.executable, "-m", "miles", "train", str(config)],
+        [sys.executable, "-m", "miles", "train", str(config), *(a for o in overrides for a in ("--set", o))],
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -42,9 +42,9 @@ class FollowUpEnv(vf.MultiTurnEnv):
     async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs: Any) -> vf.Messages:
         reply = _last_reply([m if isinstance(m, dict) else m.model_dump() for m in messages])
         if state["answer"] in reply:
-            state["final_env_response"] = [{"role": "user", "content": "Correct."}]
+            state["final_env_response"] = [vf.UserMessage(content="Correct.")]
             return state["final_env_response"]
-        return [{"role": "user", "content": FOLLOW_UP}]
+        return [vf.UserMessage(content=FOLLOW_UP)]
 
 
 def load_environment(num_examples: int = 8, max_turns: int = 2) -> vf.Environment:

@@ -37,10 +37,11 @@ def test_grpo_on_a_two_turn_verifiers_environment(tmp_path: Path, tiny_model: Pa
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = read_metrics(run_dir)
+    # the session server's live check at start: a session's tokens and logprobs equal a direct /generate
+    assert "live check passed: 3 turns equal a direct /generate" in (run_dir / "logs" / "trainer-0.log").read_text()
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        # the session server's own checks: its live check passed at start (else the run stops), and no turn of
-        # any episode re-rendered the history (the tokens trained on are the tokens sampled)
+        # no turn of any episode re-rendered the history: the tokens trained on are the tokens sampled
         assert row["sessions/episodes"] == 8 and row["sessions/append_only_violations"] == 0
         assert row["sessions/branches"] == 0
         assert 0 < row["sessions/masked_fraction"] < 1  # the environment's turn is in the sample, masked

@@ -126,3 +126,22 @@ def test_plugin_conforms_and_imports_cheaply() -> None:
     )
     check_rollout_function(next(e for e in entries if e.kind.value == "rollout_function").component, name="verifiers")
     check_light_import("miles_envs.verifiers.plugin", forbidden=("torch", "transformers", "openai", "verifiers"))
+
+
+def test_a_run_is_checked_before_anything_starts(envs_dir: Path) -> None:
+    from miles.errors import SettingsError
+    from miles.settings.model import MilesSettings
+
+    def settings(path: str, function: str | None = "verifiers") -> MilesSettings:
+        return MilesSettings.model_validate(
+            {"data": {"path": path, "source": {"name": "verifiers"}}, "rollout": {"function": function}}
+        )
+
+    options = VerifiersDataSource.Settings()
+    VerifiersDataSource.check_settings(options, settings(str(envs_dir / "two_turn_sums.py")))
+    with pytest.raises(SettingsError, match=r"^data\.path.*group-level reward functions \(rank_in_group\)"):
+        VerifiersDataSource.check_settings(options, settings(str(envs_dir / "grouped.py")))
+    with pytest.raises(SettingsError, match="needs rollout.function = 'verifiers'"):
+        VerifiersDataSource.check_settings(options, settings(str(envs_dir / "two_turn_sums.py"), function=None))
+    with pytest.raises(SettingsError, match="rubric score of the 'verifiers' rollout function"):
+        VerifiersReward.check_settings(VerifiersReward.Settings(), settings("x.py", function="calculator_agent"))

@@ -75,10 +75,13 @@ class VerifiersDataSource(FileDataSource[VerifiersDataSettings]):
                 f"rollout.function: the verifiers data source needs rollout.function = 'verifiers' (the "
                 f"environment's own multi-turn protocol), got {settings.rollout.function!r}"
             )
+        from miles.settings.loader import sources_of
+
         try:
             load_env(EnvSpec(settings.data.path, options.args))
         except SettingsError as exc:
-            raise SettingsError(f"data.path: {exc}") from None
+            source = sources_of(settings).of("data.path")
+            raise SettingsError(f"data.path ({source}): {exc}" if source else f"data.path: {exc}") from None
 
     def rows(self) -> Iterator[Row]:
         spec = EnvSpec(self.path, dict(self.settings.args))

@@ -1,7 +1,8 @@
 """A verifiers tool environment (``vf.ToolEnv``) played through the session server against a real engine: the
 tool definitions verifiers derives from a Python function reach the policy's chat template, the policy's tool
 calls come back to verifiers parsed, the tool's results go into the session as tool messages, and none of
-their tokens is trained on. The policy is the test kit's tiny model fine-tuned to call a calculator.
+their tokens is trained on; and how an environment's errors end an episode. The policy is the test kit's tiny
+model fine-tuned to call a calculator.
 (``MILES_LONG_RUNS=1``: the engine and the tool model cost about a minute; the training test shows the
 connector in the default run.)"""
 
@@ -102,3 +103,42 @@ def test_tool_environment_episodes_mask_every_tool_token(engine: Any, envs_dir: 
     assert calls >= 4  # the policy really calls the tool that verifiers defined from a Python function
     assert result.metrics["sessions/append_only_violations"] == 0.0
     assert result.metrics["verifiers/error_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["infra", "tool"])
+def test_environment_errors_fail_the_sample_only_when_they_are_infrastructure(
+    engine: Any, envs_dir: Path, kind: str
+) -> None:
+    """``vf.InfraError`` (a sandbox gone): the sample fails with the reason, the run goes on; any other error
+    verifiers records (a tool that crashed): the episode ends as verifiers ends it and is scored."""
+    from miles_envs.verifiers.data import VerifiersDataSource
+    from miles_envs.verifiers.rollout import VERIFIERS_ROLLOUT
+    from transformers import AutoTokenizer
+
+    from miles.rollout.http_client import HttpEngineClient
+    from miles.rollout.protocol import SamplingParams
+    from miles.types import Sample, SampleStatus
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(engine.model_path))
+    path = str(envs_dir / "failing.py")
+    prompt = VerifiersDataSource(VerifiersDataSource.Settings(args={"kind": kind}), path=path, seed=0, shuffle=False)
+    p = prompt.next_batch(1)[0]
+    ids = tokenizer.apply_chat_template(p.prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    sample = Sample(prompt_ids=ids, prompt_messages=p.messages, label=p.label, metadata=dict(p.metadata))
+
+    async def run() -> Sample:
+        async with HttpEngineClient([engine.url]) as client:
+            try:
+                return await VERIFIERS_ROLLOUT(client, sample, SamplingParams(max_new_tokens=8, sampling_seed=1))
+            finally:
+                await VERIFIERS_ROLLOUT.aclose()
+
+    out = asyncio.run(run())
+    if kind == "infra":
+        assert out.status == SampleStatus.FAILED
+        assert "SandboxError: the sandbox is gone" in out.status_reason and "failing.py" in out.status_reason
+    else:
+        assert out.status != SampleStatus.FAILED and out.response_ids
+        info = out.metadata["verifiers"]
+        assert info["error"] == "ToolCallError: the tool crashed" and info["stop_condition"] == "has_error"
+        assert info["reward"] == 1.0 and info["turns"] == 1

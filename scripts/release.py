@@ -1,14 +1,14 @@
 """Build and check the release: ``python scripts/release.py build|check [--out DIR]`` (``tox -e release``
 runs ``check``).
 
-``build`` makes a wheel and an sdist of each of the seven Miles packages with ``python -m build`` (the wheel
+``build`` makes a wheel and an sdist of each of the eight Miles packages with ``python -m build`` (the wheel
 is built from the sdist, so an sdist that misses a file fails here), into ``--out`` (default ``./dist``),
 and refuses versions that are not in lockstep: every package's version, every ``miles-*==`` pin between
 them and ``miles/_version.py`` must be the one version (``scripts/bump_version.py`` sets them).
 
-``check`` builds, runs ``twine check`` on every file, installs the seven wheels into a fresh virtual
+``check`` builds, runs ``twine check`` on every file, installs the eight wheels into a fresh virtual
 environment (with the repository's ``constraints.txt``: torch's pin), and there runs ``miles --version``
-(all seven at the version) and ``miles plugins list --json`` (every plugin of the seven loads: status
+(all eight at the version) and ``miles plugins list --json`` (every plugin of the eight loads: status
 ``ok``). Until the packages are on PyPI this is how a release is installed: ``pip install dist/*.whl``.
 """
 
@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("miles-core", "miles-fsdp", "miles-megatron", "miles-sglang", "miles-p2p", "miles-lora", "miles-diffusion")
+PACKAGES = (
+    "miles-core", "miles-fsdp", "miles-megatron", "miles-sglang", "miles-p2p", "miles-lora", "miles-diffusion", "miles-envs",
+)  # fmt: skip
 """The distributions released together, in dependency order."""
 
 

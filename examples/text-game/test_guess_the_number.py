@@ -30,10 +30,11 @@ def test_the_text_game_example_is_a_valid_run(monkeypatch: pytest.MonkeyPatch) -
     from miles.plugins.builtin import BUILTIN_PLUGINS
     from miles.plugins.manager import PluginManager
     from miles.settings.loader import load_settings
-    from miles_envs.text_games import TextGameRollout
+    from miles_envs.text_games.games import TextGameRollout
 
     monkeypatch.chdir(ROOT)
-    plugins = PluginManager(builtins=(*BUILTIN_PLUGINS, ("envs", "miles_envs.plugin")), entry_points=False).load()
+    envs = (("gym_text", "miles_envs.gym_text.plugin"), ("text_games", "miles_envs.text_games.plugin"))
+    plugins = PluginManager(builtins=(*BUILTIN_PLUGINS, *envs), entry_points=False).load()
     kinds = (ComponentKind.DATA_SOURCE, ComponentKind.ROLLOUT_FUNCTION, ComponentKind.REWARD)
     run = build_run(load_settings(CONFIG), plugins, kinds=kinds)
     function = run.rollout_function

@@ -26,10 +26,10 @@ from miles.net import free_port
 from miles.settings.model import MilesSettings
 from miles.testing.runs import children_of_run, read_metrics, run_miles, tiny_model  # noqa: F401  (a fixture)
 from miles.types import Sample
-from miles_envs.openenv import OpenEnvRollout, OpenEnvText
-from miles_envs.openenv_letters import LetterAction, LetterHunt
+from miles_envs.openenv.letters import LetterAction, LetterHunt
+from miles_envs.openenv.rollout import OpenEnvRollout, OpenEnvText
 
-LETTERS = "miles_envs.openenv_letters:LetterHunt"
+LETTERS = "miles_envs.openenv.letters:LetterHunt"
 
 
 def _letters(seed: int, turns: int = 3) -> list[str]:
@@ -57,10 +57,10 @@ def _wait(url: str, process: subprocess.Popen[bytes], timeout: float = 60.0) -> 
 
 @pytest.fixture(scope="module")
 def keyed_server() -> Iterator[str]:
-    """``python -m miles_envs.openenv_server`` serving LetterHunt with a run key in its environment."""
+    """``python -m miles_envs.openenv.server`` serving LetterHunt with a run key in its environment."""
     port = free_port("127.0.0.1")
     env = {**os.environ, "MILES_API_KEY": "run-key"}
-    argv = [sys.executable, "-m", "miles_envs.openenv_server", "--model", LETTERS, "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "miles_envs.openenv.server", "--model", LETTERS, "--host", "127.0.0.1"]
     process = subprocess.Popen([*argv, "--port", str(port)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -107,11 +107,18 @@ def test_episodes_over_openenv_sessions_need_the_run_key(keyed_server: str, monk
             env.close()
 
 
+ENVS_PLUGINS = (
+    ("gym_text", "miles_envs.gym_text.plugin"),
+    ("openenv", "miles_envs.openenv.plugin"),
+    ("text_games", "miles_envs.text_games.plugin"),
+)
+
+
 def _resolve(function: dict[str, Any]) -> Any:
     from miles.plugins.builtin import BUILTIN_PLUGINS
     from miles.plugins.manager import PluginManager
 
-    pm = PluginManager(builtins=(*BUILTIN_PLUGINS, ("envs", "miles_envs.plugin")), entry_points=False)
+    pm = PluginManager(builtins=(*BUILTIN_PLUGINS, *ENVS_PLUGINS), entry_points=False)
     settings = MilesSettings.model_validate({"rollout": {"function": function}})
     return build_run(settings, pm.load(), kinds=(ComponentKind.ROLLOUT_FUNCTION,))
 
@@ -121,7 +128,7 @@ def test_the_rollout_function_resolves_with_its_settings() -> None:
     function = run.rollout_function
     assert isinstance(function, OpenEnvRollout) and function.settings.max_turns == 5
     server = function.server()
-    assert server is not None and server.module == "miles_envs.openenv_server" and server.model_path == LETTERS
+    assert server is not None and server.module == "miles_envs.openenv.server" and server.model_path == LETTERS
 
 
 @pytest.mark.parametrize(
@@ -129,12 +136,12 @@ def test_the_rollout_function_resolves_with_its_settings() -> None:
     [
         ({}, r"rollout\.function\.env: the openenv rollout function needs an environment"),
         (
-            {"env": "miles_envs.openenv_letters.LetterHunt"},
+            {"env": "miles_envs.openenv.letters.LetterHunt"},
             r"rollout\.function\.env: expected .*package\.module:attribute",
         ),
         ({"env": "no_such_package_xyz:Env"}, r"rollout\.function\.env: cannot import 'no_such_package_xyz'"),
-        ({"env": "miles_envs.openenv_letters:NoSuchEnv"}, r"rollout\.function\.env: module .* no attribute 'NoSuch"),
-        ({"env": "miles_envs.openenv_letters:LetterAction"}, r"rollout\.function\.env: .* neither an OpenEnv Env"),
+        ({"env": "miles_envs.openenv.letters:NoSuchEnv"}, r"rollout\.function\.env: module .* no attribute 'NoSuch"),
+        ({"env": "miles_envs.openenv.letters:LetterAction"}, r"rollout\.function\.env: .* neither an OpenEnv Env"),
         ({"url": "ftp://127.0.0.1:80"}, r"rollout\.function\.url: expected http://host:port"),
         ({"url": "http://127.0.0.1"}, r"rollout\.function\.url: expected http://host:port"),
         ({"url": "http://127.0.0.1:9/reset"}, r"rollout\.function\.url: .*the server's root"),
@@ -262,7 +269,7 @@ def test_openenv_episodes_train_through_miles_train(tmp_path: Path, tiny_model: 
 
     # the server was the run's: its log in the run directory, its address dead, no process of the run left
     log = (run_dir / "logs" / "env-openenv.log").read_text()
-    assert "OpenEnv environment miles_envs.openenv_letters:LetterHunt serving on 127.0.0.1" in log
+    assert "OpenEnv environment miles_envs.openenv.letters:LetterHunt serving on 127.0.0.1" in log
     url = json.loads((run_dir / "settings.json").read_text())["rollout"]["function"]["url"]
     assert url.startswith("http://127.0.0.1:")
     with pytest.raises(httpx.ConnectError):

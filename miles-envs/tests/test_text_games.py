@@ -12,8 +12,8 @@ from miles.components import ComponentKind
 from miles.compose import build_run
 from miles.errors import SettingsError
 from miles.settings.model import MilesSettings
-from miles_envs.gym_text import GymTextRollout
-from miles_envs.text_games import TextArenaEnv, TextGameRollout
+from miles_envs.gym_text.episode import GymTextRollout
+from miles_envs.text_games.games import TextArenaEnv, TextGameRollout
 
 pytest.importorskip("textarena")
 
@@ -64,11 +64,18 @@ def test_invalid_moves_end_the_game_with_its_reward() -> None:
     assert terminated and reward == 0.0 and info["invalid_move"] is True and "Invalid Move" in info["reason"]
 
 
+ENVS_PLUGINS = (
+    ("gym_text", "miles_envs.gym_text.plugin"),
+    ("openenv", "miles_envs.openenv.plugin"),
+    ("text_games", "miles_envs.text_games.plugin"),
+)
+
+
 def _resolve(function: dict[str, Any]) -> Any:
     from miles.plugins.builtin import BUILTIN_PLUGINS
     from miles.plugins.manager import PluginManager
 
-    pm = PluginManager(builtins=(*BUILTIN_PLUGINS, ("envs", "miles_envs.plugin")), entry_points=False)
+    pm = PluginManager(builtins=(*BUILTIN_PLUGINS, *ENVS_PLUGINS), entry_points=False)
     settings = MilesSettings.model_validate({"rollout": {"function": function}})
     return build_run(settings, pm.load(), kinds=(ComponentKind.ROLLOUT_FUNCTION,))
 
@@ -80,7 +87,9 @@ def test_the_rollout_functions_resolve_with_their_settings() -> None:
     }
     env = game.rollout_function.make_env(None)
     assert "between 1 and 10" in env.reset(seed=0)[0]
-    gym = _resolve({"name": "gym_text", "env": "miles_envs.text_games:TextArenaEnv", "kwargs": {"game": "Nim-v0"}})
+    gym = _resolve(
+        {"name": "gym_text", "env": "miles_envs.text_games.games:TextArenaEnv", "kwargs": {"game": "Nim-v0"}}
+    )
     assert isinstance(gym.rollout_function, GymTextRollout)
 
 
@@ -93,7 +102,10 @@ def test_the_rollout_functions_resolve_with_their_settings() -> None:
         ({"name": "text_game", "game": "GuessTheNumber-v0", "options": {"colour": 1}}, r"rollout\.function\.options"),
         ({"name": "gym_text", "env": "nope"}, r"rollout\.function\.env: expected 'package\.module:callable'"),
         ({"name": "gym_text", "env": "no_such_pkg_xyz:make"}, r"rollout\.function\.env: cannot import"),
-        ({"name": "gym_text", "env": "miles_envs.text_games:TEXTARENA"}, r"rollout\.function\.env: .* not callable"),
+        (
+            {"name": "gym_text", "env": "miles_envs.text_games.games:TEXTARENA"},
+            r"rollout\.function\.env: .* not callable",
+        ),
     ],
 )
 def test_bad_games_and_factories_are_refused_naming_the_field(function: dict[str, Any], message: str) -> None:

@@ -176,6 +176,26 @@ def eval_batch(vocab: int) -> TrainBatch:
     return make_batch(7, 6, vocab)
 
 
+def kept_sets(batch: TrainBatch, vocab: int) -> list[list[int]]:
+    """A kept set per response token of ``batch``, as top-k sampling reports them (issue 40's sampling-mask
+    replay): the token itself and four ids spread over the vocabulary (so with tensor parallelism the set spans
+    both halves of the vocabulary-parallel logits)."""
+    targets = [t for seq, p in zip(batch.sequences(), batch.prompt_lengths.tolist(), strict=True) for t in seq[p:]]
+    return [[t, *((t + 37 * j) % vocab for j in range(1, 5))] for t in targets]
+
+
+def with_kept_sets(batch: TrainBatch, vocab: int) -> TrainBatch:
+    """``batch`` whose every response token carries its :func:`kept_sets` entry in the engine's logit-mask
+    rows (:func:`miles.training.logit_masks.encode_kept`), as a sample with ``sampling_mask`` packs."""
+    import torch
+
+    from miles.training.logit_masks import LOGIT_MASK_IDS, encode_kept
+
+    out = batch.select(range(len(batch)))
+    out.response_tensors[LOGIT_MASK_IDS] = torch.tensor([encode_kept(k) for k in kept_sets(batch, vocab)])
+    return out
+
+
 def _vocab(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
@@ -222,6 +242,9 @@ def _run_layout(trainer: Any, rank: int, world: int, model: str, out: Path) -> d
         "entropy": [t.tolist() for t in lp.entropy.split(my_eval.response_lengths)],
         "eval_indices": list(range(rank * len(my_eval), (rank + 1) * len(my_eval))),
     }
+    kept = with_kept_sets(evals, vocab).shard(rank, world)
+    renormalised = trainer.compute_logprobs(kept, temperature=EVAL_TEMPERATURE).logprobs
+    results["kept_logprobs"] = [t.tolist() for t in renormalised.split(my_eval.response_lengths)]
     results["buckets"] = [[(n, list(t.shape)) for n, t in b] for b in trainer.iter_weights(bucket_bytes=20_000)]
     metrics = []
     for step, batch in enumerate(step_batches(vocab)):

@@ -67,12 +67,21 @@ def _hf_model(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
 
 
-def _hf_logprobs(model: Any, batch: Any, temperature: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One sequence at a time, no packing: logprobs and entropy of the response tokens."""
+def _hf_logprobs(
+    model: Any, batch: Any, temperature: float, *, kept: list[list[int]] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One sequence at a time, no packing: logprobs and entropy of the response tokens (with ``kept``, one
+    set per response token, renormalised over it)."""
     lps, ents = [], []
+    sets = iter(kept or [])
     with torch.no_grad():
         for tokens, prompt in zip(batch.sequences(), batch.prompt_lengths.tolist(), strict=True):
             logits = model(torch.tensor([tokens])).logits[0, prompt - 1 : -1].float() / temperature
+            if kept is not None:
+                outside = torch.ones_like(logits, dtype=torch.bool)
+                for row in range(logits.shape[0]):
+                    outside[row, next(sets)] = False
+                logits = logits.masked_fill(outside, float("-inf"))
             logp = torch.log_softmax(logits, dim=-1)
             lps.append(logp.gather(-1, torch.tensor(tokens[prompt:])[:, None])[:, 0])
             ents.append(-(logp.exp() * logp).sum(-1))
@@ -111,6 +120,17 @@ def test_logprobs_and_entropy_equal_a_hf_forward(run: Run, layout: str) -> None:
     assert _max_diff(run.logprobs(layout), lps) <= TOL
     assert _max_diff(run.logprobs(layout, "entropy"), ents) <= TOL
     assert _max_diff(run.logprobs(layout), run.fsdp["logprobs"]) <= TOL
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sampling_mask_replay_scores_the_kept_sets(run: Run, layout: str) -> None:
+    """Sampling-mask replay (issue 40) on megatron: with each token's kept set (top-k's, spread over both
+    tensor-parallel halves of the vocabulary) the logprobs are HF's renormalised over the set, on every
+    layout."""
+    batch = job.eval_batch(run.vocab)
+    lps, _ = _hf_logprobs(_hf_model(run.model), batch, job.EVAL_TEMPERATURE, kept=job.kept_sets(batch, run.vocab))
+    assert _max_diff(run.logprobs(layout, "kept_logprobs"), lps) <= TOL
+    assert _max_diff(run.logprobs(layout), lps) > 0.1  # the whole vocabulary's logprobs are far from them
 
 
 def test_reference_model_keeps_the_initial_weights(run: Run) -> None:

@@ -121,6 +121,13 @@ def test_cpu_launch_command() -> None:
     assert "--disable-overlap-schedule" not in launch(SGLangEngineSettings())
     with pytest.raises(SettingsError, match='rollout.engine_dtype: .* no float32 path .* = "bfloat16"'):
         launch(SGLangEngineSettings(), device="cpu", devices=[], dtype="float32")
+    # "auto" (a judge reward's default: the checkpoint's dtype) serves bfloat16 on a CPU: a float32 checkpoint
+    # served as float32 failed at its first forward; on CUDA "auto" stays SGLang's
+    for auto in ("auto", ""):
+        argv = launch(SGLangEngineSettings(), device="cpu", devices=[], dtype=auto)
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    argv = launch(SGLangEngineSettings(), dtype="auto")
+    assert argv[argv.index("--dtype") + 1] == "auto"
 
 
 def test_health_does_not_generate() -> None:

@@ -107,6 +107,26 @@ def test_a_judge_engine_that_does_not_exist_is_refused_before_anything_starts(
         assert launcher.processes == []
 
 
+def test_a_reward_server_on_a_gpu_is_refused_with_the_ray_launcher(two_label_classifier: Path) -> None:
+    """The ``ray`` launcher starts reward servers on the driver's host without reserving a GPU for them: a server
+    on a GPU would take one a trainer rank or an engine holds, so it is refused before anything starts; on the
+    CPU, or behind ``url``, it is not."""
+    from miles.compose import build_run
+    from miles.settings.model import MilesSettings, RewardSettings
+
+    manager = PluginManager(entry_points=False, disabled=(), only=())
+    base = {"name": "model", "kind": "classifier", "model_path": str(two_label_classifier), "label": 1}
+    cluster = {"device": "cuda", "launcher": {"name": "ray"}}
+    settings = MilesSettings(reward=RewardSettings(functions=[base]), cluster=cluster)
+    with pytest.raises(SettingsError, match=r"reward\.functions: the classifier reward model .* on a GPU .* 'ray'"):
+        build_run(settings, manager, kinds=[ComponentKind.REWARD])
+    for fine in ({"device": "cpu"}, {"url": "http://127.0.0.1:9"}):
+        settings = MilesSettings(reward=RewardSettings(functions=[{**base, **fine}]), cluster=cluster)
+        build_run(settings, manager, kinds=[ComponentKind.REWARD])
+    local = MilesSettings(reward=RewardSettings(functions=[base]), cluster={"device": "cuda"})
+    build_run(local, manager, kinds=[ComponentKind.REWARD])  # the local launcher gives it a GPU of its own
+
+
 def test_reward_servers_get_a_gpu_of_their_own_after_the_run_s_or_share_the_first() -> None:
     from miles.host.reward_servers import server_device
     from miles.rewards.base import RewardServer

@@ -93,6 +93,9 @@ def test_a_registered_component_gets_its_settings_from_the_table() -> None:
     plain_name = _run("plain")  # a bare name still selects a registered function, and stays a string
     assert plain_name.settings.rollout.function == "plain" and callable(plain_name.rollout_function)
     assert isinstance(_run("echo_env").rollout_function, EchoEnv)  # (defaults)
+    table = _run({"name": "plain"})  # a table without settings selects a plain function too
+    assert table.settings.rollout.function_name == "plain" == plain_name.settings.rollout.function_name
+    assert run.settings.rollout.function_name == "echo_env" and MilesSettings().rollout.function_name is None
 
 
 @pytest.mark.parametrize(

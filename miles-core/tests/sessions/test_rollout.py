@@ -127,6 +127,33 @@ def test_the_manager_runs_a_grpo_group_of_episodes_per_prompt(engine: EngineProc
     assert [s.tokens for s in again.samples] == [s.tokens for s in result.samples]
 
 
+def test_episodes_sampled_with_top_k_carry_their_kept_sets_to_the_trainer(engine: EngineProcess) -> None:
+    """``rollout.replay_sampling_mask`` with sessions: the manager asks the engines for the kept sets, and each
+    episode's sample (the session's, copied into the group) carries one set per policy token and an empty row
+    for the tokens no request sampled (sampling-mask replay, issue 40)."""
+    from transformers import AutoTokenizer
+
+    data = prompts(AutoTokenizer.from_pretrained(engine.model_path))
+    function = SessionRollout(three_turns)
+    rollout_settings = settings()
+    rollout_settings.top_k, rollout_settings.replay_sampling_mask = 4, True
+
+    async def rollout() -> Any:
+        async with HttpEngineClient([engine.url]) as client:
+            manager = RolloutManager(client, rollout_settings, scorer=score, rollout_function=function, seed=5)
+            try:
+                return await manager.rollout(data)
+            finally:
+                await manager.close()
+
+    result = asyncio.run(rollout())
+    for s in result.samples:
+        s.validate()
+        assert s.sampling_mask is not None and len(s.sampling_mask) == len(s.response_ids)
+        for token, kept, in_loss in zip(s.response_ids, s.sampling_mask, s.loss_mask, strict=True):
+            assert (token in kept and 1 <= len(kept) <= 4) if in_loss else kept == [], (token, kept, in_loss)
+
+
 async def one_turn_then_fail(ctx: EpisodeContext) -> dict[str, Any]:
     client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=3)

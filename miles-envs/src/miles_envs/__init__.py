@@ -1,6 +1,10 @@
-"""Environment libraries for Miles, played through the TITO session server (exact tokens, environment text never
-in the loss): OpenEnv servers (:mod:`miles_envs.openenv`), Gymnasium-style text environments
-(:mod:`miles_envs.gym_text`) and textarena games (:mod:`miles_envs.text_games`); the ``env_return`` reward."""
+"""Miles connectors to the agent-environment libraries people already use.
+
+Each library is an extra of ``miles-envs`` and a subpackage here, registered as a plugin of its own:
+``miles_envs.verifiers`` (``[verifiers]``), ``miles_envs.openenv`` (OpenEnv servers, ``[openenv]``),
+``miles_envs.text_games`` (textarena, ``[textarena]``), and ``miles_envs.gym_text`` (any Gymnasium-style text
+environment, and the ``env_return`` reward; no extra). Importing this package imports none of them.
+"""
 
 from __future__ import annotations
 

@@ -111,6 +111,8 @@ class SGLangEngine(RolloutEngine[SGLangEngineSettings]):
                 "rollout.engine_dtype: SGLang's CPU kernels have no float32 path (its first forward fails in "
                 'rmsnorm); serve bfloat16 on a CPU: rollout.engine_dtype = "bfloat16"'
             )
+        if on_cpu and dtype in ("auto", ""):  # its CPU kernels' dtype: a float32 checkpoint "as is" fails too
+            dtype = "bfloat16"
         if not on_cpu and len(devices) != self.settings.tp_size:
             raise SettingsError(
                 f"rollout.engine.tp_size: engine {rank} was placed on GPUs {devices}, expected {self.settings.tp_size}"

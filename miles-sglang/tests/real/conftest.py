@@ -77,6 +77,17 @@ def tiny_llamas(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     )
 
 
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE: 8 experts, top-2, both layers sparse, head size 32 (the CPU kernels' multiple)."""
+    from miles.testing.models import build_tiny_model
+
+    dims: dict[str, Any] = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
+    return build_tiny_model(
+        tmp_path_factory.mktemp("moe") / "qwen3-moe", "qwen3_moe", seed=0, num_experts=8, num_experts_per_tok=2, **dims
+    )
+
+
 SERVED_DTYPE = "bfloat16"
 """The dtype the test servers serve: the CPU kernels have no float32 path (``rmsnorm_kernel`` refuses
 ``Float``), so the checkpoints (float32) are served in bfloat16, and transformers runs them in bfloat16 too."""

@@ -1,24 +1,23 @@
 """``miles train`` with ``rollout.engine = "sglang"`` on this CPU, end to end: real SGLang 0.5.23 servers
 started by the run (``python -m miles_sglang.serve``), real FSDP trainer ranks, every push verified.
 
-A run starts its own servers (a start costs 1-5 minutes of these cores and 2.3 GB), so CI runs one, which
-packs what the others share: one-step-off, ``broadcast`` over gloo, ``retract`` pauses, 3 steps; it trains,
-every push is verified (by logprobs where this CPU's AMX kernels repack the layers), each sample keeps the
-weight versions it was sampled under (partial rollouts across a push), and no process of the run is left.
-The refusal of ``in_place`` pauses starts no server.
-
-The other runs take 4-10 minutes each and run with ``MILES_SGLANG_ALL_RUNS=1`` (``tox -e sglang-real``
-passes it on):
+Each run starts its own servers (a start costs 20-60 s of these cores and 2.3 GB); CI runs the four below
+(about 4 minutes on an idle 2-core host, measured 235 s for the last three at load 3-5). The first packs
+what the others share: one-step-off, ``broadcast`` over gloo, ``retract`` pauses, 3 steps; it trains, every
+push is verified (by logprobs where this CPU's AMX kernels repack the layers), each sample keeps the weight
+versions it was sampled under (partial rollouts across a push), and no process of the run is left. The
+refusals of ``in_place`` pauses and of an MoE model start no server. Then:
 
 - sync, ``disk`` transport, colocated (memory released and resumed around every training step), the engine
   SIGKILLed after step 1 and restarted by the launcher: told by its launch weight version, pushed the current
   weights, verified;
 - two engines behind smg, fully async with ``abort`` pauses, ``disk`` commits overlapped with training: each
   group's samples on one engine, from SGLang's own counters (``/metrics``) and cached-token counts;
-- LoRA adapters pushed with miles-lora's ``lora`` transport (``/load_lora_adapter``);
-- a tiny Qwen3-MoE with routing replay: SGLang's routed experts in the trainer, pushes verified by logprobs
-  (SGLang answers no ``/get_weights_by_name`` for Qwen3). Expected to fail: SGLang's CPU path takes no weight
-  update of a Qwen3-MoE (its router gate is held transposed after loading).
+- LoRA adapters pushed with miles-lora's ``lora`` transport (``/load_lora_adapter``).
+
+With ``MILES_SGLANG_ALL_RUNS=1`` (``tox -e sglang-real`` passes it on) also:
+
+- colocated ``sglang_tensor`` (the trainer's tensors by handle; the GPU path of issue 38, on a CPU).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT + 300)]
 ALL_RUNS = os.environ.get("MILES_SGLANG_ALL_RUNS") == "1"
 longer_run = pytest.mark.skipif(
     not ALL_RUNS,
-    reason="one of the longer SGLang runs (4-10 minutes each, beyond CI's budget): MILES_SGLANG_ALL_RUNS=1 runs it",
+    reason="the colocated sglang_tensor run (the CUDA-IPC path's CPU form; CI runs it through tensor_ipc on the local engine): MILES_SGLANG_ALL_RUNS=1 runs it",
 )
 
 
@@ -291,7 +290,6 @@ class ServerWatch:
 
 
 # ------------------------------------------------------------------------------------------------- runs
-@longer_run
 def test_sync_disk_colocated_with_the_engine_killed_and_restarted(
     tmp_path: Path, tiny_llamas: Any, prompts: Path
 ) -> None:
@@ -464,7 +462,6 @@ def test_one_step_off_broadcast_with_retract_pauses_keeps_partial_rollouts(
     assert children_of_run(run_dir) == []
 
 
-@longer_run
 def test_two_engines_behind_smg_fully_async_with_abort_pauses(tmp_path: Path, tiny_llamas: Any, prompts: Path) -> None:
     """Two SGLang engines behind smg (``manual`` policy: each group's routing key pinned to one engine), fully
     async with ``abort`` pauses and ``disk`` pushes committed while the next step trains. From SGLang's own
@@ -513,7 +510,6 @@ def test_two_engines_behind_smg_fully_async_with_abort_pauses(tmp_path: Path, ti
     assert children_of_run(run_dir) == []
 
 
-@longer_run
 def test_lora_adapters_pushed_to_sglang(tmp_path: Path, tiny_llamas: Any, prompts: Path) -> None:
     """A LoRA run (``train.adapter``): SGLang launched with its LoRA flags (on a CPU its ``torch_native``
     kernels), each push an adapter directory loaded with ``/load_lora_adapter`` (the previous one unloaded
@@ -537,17 +533,6 @@ def test_lora_adapters_pushed_to_sglang(tmp_path: Path, tiny_llamas: Any, prompt
     for row in rows[1:]:
         assert row["fidelity/train_rollout_logprob_abs_diff"] < 0.02, row
     assert children_of_run(run_dir) == []
-
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3-MoE: 8 experts, top-2, both layers sparse, head size 32 (the CPU kernels' multiple)."""
-    from miles.testing.models import build_tiny_model
-
-    dims: dict[str, Any] = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
-    return build_tiny_model(
-        tmp_path_factory.mktemp("moe") / "qwen3-moe", "qwen3_moe", seed=0, num_experts=8, num_experts_per_tok=2, **dims
-    )
 
 
 @longer_run

@@ -115,7 +115,11 @@ class PolicyGradientAlgorithm(Algorithm[PolicyT]):
         return [len(set(g.rewards)) > 1 for g in groups]
 
     def shaped_rewards(self, group: SampleGroup) -> list[float]:
-        """The group's rewards plus DAPO's overlong penalty (when ``overlong_buffer_length`` > 0)."""
+        """The group's rewards plus DAPO's overlong penalty (when ``overlong_buffer_length`` > 0).
+
+        A response's length is the tokens the policy generated (``loss_mask`` 1): in a multi-turn episode the
+        environment's and tools' tokens between its turns count toward no generation budget.
+        """
         s = self.settings
         rewards = group.rewards
         if s.overlong_buffer_length <= 0:
@@ -123,7 +127,7 @@ class PolicyGradientAlgorithm(Algorithm[PolicyT]):
         return [
             r
             + overlong_penalty(
-                sample.response_length,
+                sum(sample.loss_mask),
                 max_length=s.max_response_length,
                 buffer_length=s.overlong_buffer_length,
                 factor=s.overlong_penalty_factor,

@@ -80,7 +80,8 @@ class PolicyLossSettings(ComponentSettings):
     """DAPO: train only on groups whose rewards differ (the rollout manager samples more to fill the batch)."""
     overlong_buffer_length: int = Field(0, ge=0)
     """DAPO's soft overlong punishment: the last this-many tokens before ``max_response_length`` cost up
-    to ``overlong_penalty_factor`` reward (0 turns it off)."""
+    to ``overlong_penalty_factor`` reward (0 turns it off). Only the policy's tokens count: a multi-turn
+    episode's environment and tool tokens do not."""
     overlong_penalty_factor: float = Field(1.0, ge=0.0)
     """Reward lost by a response of ``max_response_length`` tokens or more under overlong shaping."""
 

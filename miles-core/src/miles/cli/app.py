@@ -73,7 +73,8 @@ def _root(
         handlers=[_StderrNow()],
     )
     if not verbose:
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        for client in ("httpx", "httpx2"):  # openai 3 logs its requests through httpx2
+            logging.getLogger(client).setLevel(logging.WARNING)
 
 
 @functools.cache

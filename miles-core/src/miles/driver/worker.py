@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("MILES_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s",
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise at RL rates
+    for client in ("httpx", "httpx2"):  # one line per request is noise at RL rates (openai 3 logs through httpx2)
+        logging.getLogger(client).setLevel(logging.WARNING)
     threads = os.environ.get("MILES_TORCH_THREADS")
     if threads:
         from miles.torch_threads import set_torch_threads

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from miles.components import ComponentSettings
+from miles.errors import SettingsError
 from miles.rewards.base import Reward, RewardOutput, RewardServer
 from miles.rewards.text import RegexPattern
 from miles.rewards.verdicts import VerdictParser, check_template
@@ -39,6 +40,8 @@ from miles.types import Sample
 
 if TYPE_CHECKING:
     import httpx
+
+    from miles.settings.model import MilesSettings
 
 __all__ = ["DEFAULT_JUDGE_TEMPLATE", "ModelReward", "RewardModelError", "RewardModelSettings"]
 
@@ -282,6 +285,23 @@ class ModelReward(Reward[RewardModelSettings]):
         self._prompt_limit: int | None = None
         """The judge's longest prompt: ``max_length``, or its context less ``max_new_tokens``."""
         self.parser = VerdictParser(settings.labels, settings.pattern, settings.score_range, settings.normalize)
+
+    @classmethod
+    def check_settings(cls, options: RewardModelSettings, settings: MilesSettings) -> None:
+        """Before anything starts: a server the run would start on a GPU needs the ``local`` launcher, which
+        gives it a GPU of its own; the ``ray`` launcher starts it on the driver's host without reserving one (so
+        it would take a GPU a trainer rank or an engine holds)."""
+        if options.url is not None:
+            return
+        device = settings.cluster.device if options.device == "auto" else options.device
+        launcher = settings.cluster.launcher.name
+        if device == "cuda" and launcher != "local":
+            raise SettingsError(
+                f"reward.functions: the {options.kind} reward model {options.model_path!r} would start on a GPU "
+                f"(device = {options.device!r}, cluster.device = {settings.cluster.device!r}), which the "
+                f"{launcher!r} launcher does not reserve for it (it runs reward servers on the driver's host): set "
+                'its device = "cpu", or url to a server you start on a GPU node'
+            )
 
     def server(self) -> RewardServer | None:
         s = self.settings

@@ -175,6 +175,7 @@ class SessionRollout:
             request_spans=main.request_spans,
             routed_experts=main.routed_experts,
             routed_experts_shape=main.routed_experts_shape,
+            sampling_mask=main.sampling_mask,
             metadata={**sample.metadata, **main.metadata, **(result or {})},
         )
         if error is not None:

@@ -82,6 +82,10 @@ class Turn:
     """Weight versions of the output tokens, positions relative to ``output_ids``."""
     routed: bytes | None = None
     routed_shape: tuple[int, int, int] | None = None
+    kept: list[list[int]] | None = None
+    """Sampling-mask replay (``rollout.replay_sampling_mask``): each output token's kept set under top-k /
+    top-p, and ``behaviour`` its logprob under that set renormalised (what the engine sampled from)."""
+    behaviour: list[float] | None = None
     cached_tokens: int = 0
     children: list[Turn] = field(default_factory=list)
     truncated: str = ""
@@ -244,6 +248,9 @@ class Session:
             turn.weight_spans = [WeightSpan(a, b, _version(v)) for a, b, v in output.weight_version_spans]
         elif ids:
             turn.weight_spans = [WeightSpan(0, len(ids), _version(output.weight_version))]
+        if output.sampling_mask is not None and output.sampling_logprobs is not None:
+            turn.kept = [list(k) for k in output.sampling_mask]
+            turn.behaviour = [float(v) for v in output.sampling_logprobs]
         shape = output.meta_info.get("routed_experts_shape")
         if output.routed_experts is not None and shape is not None:
             turn.routed = output.routed_experts
@@ -289,14 +296,20 @@ class Session:
         mask: list[int] = []
         spans: list[WeightSpan] = []
         policy_spans: list[list[int]] = []
+        # with sampling-mask replay: every policy token's kept set and behaviour logprob; an empty row for the
+        # tokens no request sampled (tool results, user turns, template), whose distribution stays whole
+        replay = all(t.kept is not None and t.behaviour is not None for t in path)
+        kept: list[list[int]] = []
         for k, turn in enumerate(path):
             if k:
                 response += turn.prompt_ids
                 logprobs += [0.0] * len(turn.prompt_ids)
                 mask += [0] * len(turn.prompt_ids)
+                kept += [[] for _ in turn.prompt_ids]
             start = len(response)
             response += turn.output_ids
-            logprobs += turn.output_logprobs
+            logprobs += turn.behaviour if replay and turn.behaviour is not None else turn.output_logprobs
+            kept += turn.kept if replay and turn.kept is not None else []
             mask += [1] * len(turn.output_ids)
             spans += [WeightSpan(start + s.start, start + s.end, s.version) for s in turn.weight_spans]
             policy_spans.append([start, len(response)])
@@ -336,6 +349,7 @@ class Session:
             request_spans=[(a, b) for a, b in policy_spans],
             routed_experts=routed,
             routed_experts_shape=shape,
+            sampling_mask=kept if replay else None,
             metadata={
                 **self.metadata,
                 "session": info,

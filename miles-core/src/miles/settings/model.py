@@ -312,6 +312,13 @@ class RolloutSettings(_Section):
     sessions: SessionSettings = Field(default_factory=SessionSettings)
     """Agentic rollouts: the TITO session server agents talk to (``[rollout.sessions]``)."""
 
+    @property
+    def function_name(self) -> str | None:
+        """The rollout function ``function`` selects, by name, whether given bare or as a table (``None``: the
+        default single-turn generate)."""
+        function = self.function
+        return function.name if isinstance(function, PluginSpec) else function
+
 
 class TrainSettings(_Section):
     """Training."""
@@ -489,11 +496,6 @@ class MilesSettings(BaseSettings):
             raise ValueError(
                 "rollout.replay_sampling_mask: nothing is truncated (rollout.top_k = -1, rollout.top_p = 1.0): the "
                 "kept set would be the whole vocabulary; set top_k or top_p, or turn replay off"
-            )
-        if rollout.replay_sampling_mask and train.backend.name == "megatron":
-            raise ValueError(
-                "rollout.replay_sampling_mask: the megatron trainer does not apply the engine's logit masks yet "
-                "(use train.backend = 'fsdp')"
             )
         if rollout.replay_sampling_mask and train.true_on_policy:
             raise ValueError(

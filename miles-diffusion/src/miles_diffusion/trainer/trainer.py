@@ -73,10 +73,10 @@ class DiffusionTrainer(Trainer[DiffusionTrainerSettings]):
     @classmethod
     def check_settings(cls, options: DiffusionTrainerSettings, settings: MilesSettings) -> None:
         """Refuse runs whose samples are not image trajectories, or that sample with a temperature."""
-        if settings.rollout.function != "diffusion":
+        if settings.rollout.function_name != "diffusion":
             raise SettingsError(
                 f'rollout.function: the diffusion trainer needs the "diffusion" rollout function (it keeps each '
-                f"trajectory's latents), got {settings.rollout.function!r}"
+                f"trajectory's latents), got {settings.rollout.function_name!r}"
             )
         if settings.rollout.temperature != 1.0:
             raise SettingsError("rollout.temperature: diffusion sampling has no temperature; leave it at 1.0")

@@ -11,7 +11,7 @@ tokens are recorded exactly, with ``loss_mask`` 1) is the action, and ``step`` f
 terminates, is truncated or reaches ``max_turns``. The environment's text reaches the sample as the tokens
 of the next prompt (``loss_mask`` 0: never in the loss). The rewards ``step`` returned go into the sample's
 metadata (``env_rewards``, ``env_return``), which the ``env_return`` reward
-(:class:`~miles_envs.rewards.EnvReturn`) makes the sample's reward.
+(:class:`~miles_envs.gym_text.reward.EnvReturn`) makes the sample's reward.
 
 The data set picks the episodes: a row's ``env_seed`` is the seed of ``reset`` (default: one derived from
 the prompt's text), so the ``n_samples_per_prompt`` episodes of a prompt (its GRPO group) play the same game;
@@ -19,7 +19,7 @@ the prompt's text itself is not shown to the policy (a ``system`` message of the
 
 Environments are synchronous (Gymnasium's API is): their calls run in a worker thread, one environment per
 episode. The ``gym_text`` rollout function (:class:`GymTextRollout`) serves any factory of such an environment;
-:mod:`miles_envs.text_games` (textarena) and :mod:`miles_envs.openenv` build on the same loop.
+:mod:`miles_envs.text_games.games` (textarena) and :mod:`miles_envs.openenv.rollout` build on the same loop.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import Field, field_validator
 
-from miles.components import Component, ComponentSettings, SettingsT
+from miles.components import Component, ComponentSettings, Requirement, SettingsT
 from miles.errors import SettingsError
 from miles.sessions.rollout import EpisodeContext, SessionRollout
 
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from miles.types import Sample
 
 __all__ = [
+    "OPENAI",
     "GymTextRollout",
     "GymTextSettings",
     "TextEnv",
@@ -53,6 +54,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+OPENAI = Requirement("openai", extra="gym", distribution="miles-envs")
+"""The chat client of every episode (each extra of an environment library installs it too)."""
 
 
 class TextEnv(Protocol):
@@ -207,6 +211,7 @@ class GymTextRollout(TextEnvRollout[GymTextSettings]):
     """Episodes of a Gymnasium-style text environment (``env``: its factory) through the session server."""
 
     name: ClassVar[str] = "gym_text"
+    requires: ClassVar[tuple[Requirement, ...]] = (OPENAI,)
 
     def __init__(self, settings: GymTextSettings) -> None:
         super().__init__(settings)

@@ -1,8 +1,8 @@
-"""An OpenEnv environment server as a process of a run: ``python -m miles_envs.openenv_server``.
+"""An OpenEnv environment server as a process of a run: ``python -m miles_envs.openenv.server``.
 
 ``miles train`` starts it for the ``openenv`` rollout function's ``env`` (:meth:`~miles_envs.openenv.OpenEnvRollout.server`)::
 
-    python -m miles_envs.openenv_server --model my_env.server:MyEnvironment --host 127.0.0.1 --port P \\
+    python -m miles_envs.openenv.server --model my_env.server:MyEnvironment --host 127.0.0.1 --port P \\
         --device cpu --dtype auto --max-concurrent-envs 64
 
 ``--model`` names an OpenEnv ``Environment`` subclass (served with ``create_app`` and the action and observation
@@ -23,7 +23,7 @@ from miles.errors import SettingsError
 
 __all__ = ["build_app", "environment_types", "main"]
 
-log = logging.getLogger("miles_envs.openenv_server")
+log = logging.getLogger("miles_envs.openenv.server")
 
 
 def environment_types(cls: type, *, field: str = "--model") -> tuple[type, type]:
@@ -79,7 +79,7 @@ def build_app(target: Any, *, max_concurrent_envs: int, keys: Any = None) -> Any
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miles_envs.openenv_server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m miles_envs.openenv.server", description=__doc__)
     parser.add_argument("--model", required=True, help="package.module:attribute of the environment or its app")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from miles.auth import ServiceKeys, check_bind
-    from miles_envs.gym_text import load_object
+    from miles_envs.gym_text.episode import load_object
 
     keys = ServiceKeys.from_env()
     check_bind(args.host, keys, service="the OpenEnv environment server", setting="cluster.api_key")

@@ -1,5 +1,5 @@
 """The ``text_game`` rollout function: single-player `textarena <https://github.com/LeonGuertler/TextArena>`_ games
-(``pip install "miles-envs[textarena]"``) as Gymnasium-style text environments (:mod:`miles_envs.gym_text`).
+(``pip install "miles-envs[textarena]"``) as Gymnasium-style text environments (:mod:`miles_envs.gym_text.episode`).
 
 ``game`` is a textarena id (``GuessTheNumber-v0``, ``Wordle-v0``, ``TowerOfHanoi-v0`` ...; one player, no
 opponent model). :class:`TextArenaEnv` gives it the Gymnasium API: ``reset(seed)`` returns the game's prompt,
@@ -18,7 +18,7 @@ from pydantic import Field
 
 from miles.components import Requirement
 from miles.errors import SettingsError
-from miles_envs.gym_text import TextEnvRollout, TextEnvSettings
+from miles_envs.gym_text.episode import OPENAI, TextEnvRollout, TextEnvSettings
 
 if TYPE_CHECKING:
     from miles.settings.model import MilesSettings
@@ -35,7 +35,7 @@ the global stream restored after it (a game that draws in ``step`` too draws fro
 
 
 class TextArenaEnv:
-    """A single-player textarena game with the Gymnasium text API (:class:`~miles_envs.gym_text.TextEnv`)."""
+    """A single-player textarena game with the Gymnasium text API (:class:`~miles_envs.gym_text.episode.TextEnv`)."""
 
     def __init__(self, game: str, *, raw: bool = True, **kwargs: Any) -> None:
         import textarena as ta
@@ -91,7 +91,7 @@ class TextGameRollout(TextEnvRollout[TextGameSettings]):
     """Episodes of a single-player textarena game through the session server."""
 
     name: ClassVar[str] = "text_game"
-    requires: ClassVar[tuple[Requirement, ...]] = (TEXTARENA,)
+    requires: ClassVar[tuple[Requirement, ...]] = (TEXTARENA, OPENAI)
 
     @classmethod
     def check_settings(cls, options: TextGameSettings, settings: MilesSettings | None) -> None:

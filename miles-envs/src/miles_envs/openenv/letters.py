@@ -2,7 +2,7 @@
 
 Each turn the environment names a letter; the reply earns 1.0 when it contains that letter (any case), else
 0.0. An episode is ``turns`` letters long (3 by default), drawn from the ``reset`` seed, so the episodes of one
-seed ask for the same letters. Serve it with ``env = "miles_envs.openenv_letters:LetterHunt"``.
+seed ask for the same letters. Serve it with ``env = "miles_envs.openenv.letters:LetterHunt"``.
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@ An OpenEnv environment is a server (``openenv.core.env_server.create_app``) that
 typed actions and observations over a WebSocket session (``/ws``), one environment instance per connection.
 ``env`` names one — an ``Environment`` subclass parametrised with its action and observation types, or the
 FastAPI app ``create_app`` made (``my_env.server.app:app``, OpenEnv's layout) — and ``miles train`` starts
-its server through the launcher as a process of the run (``python -m miles_envs.openenv_server``: on
+its server through the launcher as a process of the run (``python -m miles_envs.openenv.server``: on
 ``cluster.host``, its log ``logs/env-openenv.log`` in the run directory, the run's API key required where
 the run has one, restarted once if it dies, stopped with the run). ``url`` instead reaches a server that
 already runs.
 
 Each episode opens its own session (OpenEnv's ``GenericEnvClient``), resets it with the episode's seed, and
-plays it as :mod:`miles_envs.gym_text` plays any text environment: an observation is rendered as a user
+plays it as :mod:`miles_envs.gym_text.episode` plays any text environment: an observation is rendered as a user
 message (its ``observation_field``; by default its one text field, else its fields as JSON), the policy's
 reply becomes the action (its ``action_field``; by default the action's one text field), ``step`` until
 ``done``; the observations' rewards are the episode's rewards (the ``env_return`` reward).
@@ -30,7 +30,7 @@ from pydantic import Field, field_validator
 from miles.components import Requirement
 from miles.errors import SettingsError
 from miles.rewards.base import RewardServer
-from miles_envs.gym_text import TextEnvRollout, TextEnvSettings, load_object
+from miles_envs.gym_text.episode import OPENAI, TextEnvRollout, TextEnvSettings, load_object
 
 if TYPE_CHECKING:
     from miles.rollout.client import EngineClient
@@ -108,7 +108,7 @@ def _served_object(obj: Any, *, field: str) -> None:
     from openenv.core.env_server import Environment
 
     if isinstance(obj, type) and issubclass(obj, Environment):
-        from miles_envs.openenv_server import environment_types
+        from miles_envs.openenv.server import environment_types
 
         environment_types(obj, field=field)
         return
@@ -118,7 +118,7 @@ def _served_object(obj: Any, *, field: str) -> None:
 
 
 class OpenEnvText:
-    """One OpenEnv session as a :class:`~miles_envs.gym_text.TextEnv` (synchronous, like OpenEnv's client)."""
+    """One OpenEnv session as a :class:`~miles_envs.gym_text.episode.TextEnv` (synchronous, like OpenEnv's client)."""
 
     def __init__(
         self,
@@ -173,7 +173,7 @@ class OpenEnvRollout(TextEnvRollout[OpenEnvSettings]):
     """Episodes of an OpenEnv environment server (started by the run, or at ``url``) through the session server."""
 
     name: ClassVar[str] = "openenv"
-    requires: ClassVar[tuple[Requirement, ...]] = (OPENENV,)
+    requires: ClassVar[tuple[Requirement, ...]] = (OPENENV, OPENAI)
 
     def __init__(self, settings: OpenEnvSettings) -> None:
         super().__init__(settings)
@@ -200,7 +200,7 @@ class OpenEnvRollout(TextEnvRollout[OpenEnvSettings]):
             return None
         return RewardServer(
             model_path=s.env,
-            module="miles_envs.openenv_server",
+            module="miles_envs.openenv.server",
             args=("--max-concurrent-envs", str(s.max_concurrent_envs)),
             device="cpu",
             startup_timeout=s.startup_timeout,

@@ -1,0 +1,127 @@
+"""The ``verifiers`` rollout function: a verifiers environment's own episode, played through Miles' session server.
+
+For each sample, the environment the sample names (``metadata["verifiers_env"]``, written by the ``verifiers``
+data source) runs its ``rollout`` — its multi-turn protocol: ``env_response`` after each model turn, tools,
+stop conditions, ``max_turns`` — with an OpenAI chat-completions client whose ``base_url`` is the sample's
+session. The session server records the exact tokens the policy sampled and masks every token it did not
+(environment, tool and template tokens), so the sample trains on what was sampled (TITO); verifiers' own view
+of the episode (its messages) is used only for scoring. When the episode ends, the environment's rubric
+scores it (as verifiers scores a rollout: the weighted sum of its reward functions, each function's value as a
+metric) and the result goes to ``metadata["verifiers"]``, which the ``verifiers`` reward hands on.
+
+An episode that verifiers ends with an infrastructure error (``vf.InfraError``: a sandbox, a tunnel) fails
+its sample with the reason; any other error verifiers records (an empty reply, a tool error, a timeout) ends
+the episode as verifiers ends it, and the rubric scores what was played, as in verifiers' own training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from miles.sessions.rollout import EpisodeContext, SessionRollout
+from miles.types import Sample
+from miles_envs.verifiers.loading import EnvSpec, VerifiersEnvError, load_env
+
+__all__ = ["VERIFIERS_ROLLOUT", "VerifiersRollout", "verifiers_episode"]
+
+log = logging.getLogger(__name__)
+
+MODEL = "policy"
+"""The model name the environment's client asks for (the session server serves the run's policy whatever the
+name)."""
+
+
+class VerifiersEpisodeError(VerifiersEnvError):
+    """verifiers ended an episode with an infrastructure error (the sample fails with it)."""
+
+
+def rollout_input(ctx: EpisodeContext) -> dict[str, Any]:
+    """verifiers' ``RolloutInput`` of the sample: the data set row (its label) with the sample's conversation
+    as ``prompt`` (``data.system_prompt`` included when the run sets one)."""
+    label = ctx.sample.label
+    row: dict[str, Any] = dict(label) if isinstance(label, dict) else {"answer": "" if label is None else str(label)}
+    row["prompt"] = ctx.messages
+    row.setdefault("example_id", ctx.sample.group_id)
+    return row
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _error_text(error: Any) -> str | None:
+    if error is None:
+        return None
+    return f"{type(error).__name__}: {error}"
+
+
+async def verifiers_episode(ctx: EpisodeContext) -> dict[str, Any]:
+    """Play the sample's environment through the session at ``ctx.base_url``; score it with its rubric."""
+    import openai
+    from verifiers.legacy.clients import OpenAIChatCompletionsClient
+    from verifiers.legacy.errors import InfraError
+
+    sample = ctx.sample
+    spec = EnvSpec.from_metadata(sample.metadata, f"sample {sample.group_id}/{sample.index}")
+    env = load_env(spec)
+    client = OpenAIChatCompletionsClient(openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0))
+    sampling_args = {**env.sampling_args, "max_tokens": ctx.max_tokens}
+    try:
+        state = await env.rollout(rollout_input(ctx), client, MODEL, sampling_args)
+        error = state.get("error")
+        if isinstance(error, InfraError):
+            raise VerifiersEpisodeError(f"verifiers environment {spec.id!r}: {_error_text(error)}")
+        if env.score_rollouts:
+            await env.rubric.score_group([state])  # the individual functions, as score_rollout runs them
+        else:
+            await env.rubric.dummy_score_group([state])
+        await env.rubric.cleanup(state)
+    finally:
+        await client.close()
+    numbers = {str(k): _number(v) for k, v in (state.get("metrics") or {}).items()}
+    metrics = {k: v for k, v in numbers.items() if v is not None}
+    return {
+        "verifiers": {
+            "reward": _number(state.get("reward")),
+            "metrics": metrics,
+            "turns": len(state.get("trajectory") or []),
+            "stop_condition": state.get("stop_condition"),
+            "truncated": bool(state.get("is_truncated")),
+            "error": _error_text(error),
+        }
+    }
+
+
+class VerifiersRollout(SessionRollout):
+    """:class:`~miles.sessions.rollout.SessionRollout` over :func:`verifiers_episode`, with ``verifiers/*``
+    rollout metrics besides the sessions' own."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            verifiers_episode,
+            description="A verifiers environment's multi-turn episode through the TITO session server, scored by "
+            "its rubric (data.source = 'verifiers').",
+        )
+
+    def metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """The sessions' metrics, and ``verifiers/turns_mean``, ``verifiers/error_fraction`` (episodes that
+        verifiers ended with an error) and ``verifiers/truncated_fraction``."""
+        out = super().metrics(samples)
+        infos = [s.metadata["verifiers"] for s in samples if isinstance(s.metadata.get("verifiers"), dict)]
+        if infos:
+            n = len(infos)
+            out["verifiers/turns_mean"] = sum(float(i["turns"]) for i in infos) / n
+            out["verifiers/error_fraction"] = sum(i["error"] is not None for i in infos) / n
+            out["verifiers/truncated_fraction"] = sum(bool(i["truncated"]) for i in infos) / n
+        return out
+
+
+VERIFIERS_ROLLOUT = VerifiersRollout()
+"""The rollout function the plugin registers as ``verifiers``."""

@@ -117,7 +117,9 @@ def build_run(
     pm = plugins if plugins is not None else PluginManager().load()
     source_of = sources_of(settings).of
     wanted = tuple(ComponentKind if kinds is None else kinds)
-    choices = _choose_automatic(settings, pm, wanted, machine)
+    from miles.auto_choice import choose_automatic
+
+    choices = choose_automatic(settings, pm, wanted, machine)
     resolved: dict[str, Resolved] = {}
     selected: dict[str, Resolved] = {}  # (with those whose requirements are missing: the cross-checks below)
     functions: dict[str, Any] = {}
@@ -168,116 +170,6 @@ def build_run(
         kind_of_error = PluginLoadError if any(isinstance(p, PluginLoadError) for p in problems) else SettingsError
         raise kind_of_error("\n".join(str(p) for p in problems))
     return Run(settings, pm, resolved, functions, choices)
-
-
-def _choose_automatic(
-    settings: MilesSettings, pm: PluginManager, kinds: tuple[ComponentKind, ...], machine: MachineFacts | None
-) -> dict[str, Choice]:
-    """Replace ``precision = "auto"`` and ``transport = "auto"`` in ``settings`` with the names
-    :mod:`miles.defaults` chooses; return every choice (those set by the user too) with its reason."""
-    from miles.defaults import AUTO, Choice, MachineFacts, choose_precision
-    from miles.settings.loader import sources_of
-    from miles.settings.model import PluginSpec
-
-    source_of = sources_of(settings).of
-    out: dict[str, Choice] = {}
-    if ComponentKind.PRECISION in kinds:
-        spec = settings.precision
-        if spec.name == AUTO:
-            facts = machine if machine is not None else MachineFacts.of_this_host()
-            out["precision"] = choice = choose_precision(
-                device=settings.cluster.device,
-                cpu_flags=facts.cpu_flags,
-                true_on_policy=settings.train.true_on_policy,
-                engine_dtype=settings.rollout.engine_dtype,
-            )
-            settings.precision = PluginSpec(name=choice.value, **spec.options)
-        else:
-            out["precision"] = Choice("precision", spec.name, _as_set(source_of("precision")))
-    if ComponentKind.TRANSPORT in kinds:
-        if settings.transport.name == AUTO:
-            out["transport"] = _choose_transport(settings, pm)
-        else:
-            out["transport"] = Choice("transport", settings.transport.name, _as_set(source_of("transport")))
-    return out
-
-
-def _as_set(source: str | None) -> str:
-    return f"as set ({source})" if source else "the default"
-
-
-def _choose_transport(settings: MilesSettings, pm: PluginManager) -> Choice:
-    """``transport = "auto"``: the first of :func:`miles.defaults.transport_candidates` that the transport and the
-    rollout engine accept (their ``check_settings``); ``settings.transport`` becomes it."""
-    from miles.defaults import Choice, TransportFacts, transport_candidates
-    from miles.settings.model import TransportSpec
-
-    spec = settings.transport
-    if spec.options:
-        raise SettingsError(
-            f"transport: 'auto' chooses the transport and its options; {', '.join(sorted(spec.options))} "
-            "belong to a named transport: set transport.name too"
-        )
-
-    def component(kind: ComponentKind, value: Any) -> tuple[Any, BaseModel] | None:
-        try:
-            entry, options = pm.resolve(kind, value, field=kind.field)
-        except MilesError:
-            return None  # (reported by build_run's own resolution)
-        return entry.component, options
-
-    launcher = component(ComponentKind.LAUNCHER, settings.cluster.launcher)
-    engine = component(ComponentKind.ROLLOUT_ENGINE, settings.rollout.engine)
-    precision = component(ComponentKind.PRECISION, settings.precision)
-    transports = pm.registry(ComponentKind.TRANSPORT)
-    facts = TransportFacts(
-        device=settings.cluster.device,
-        num_engines=settings.cluster.num_engines,
-        colocate=settings.cluster.colocate,
-        engines_on_trainer_host=launcher is not None and not _may_span_hosts(*launcher),
-        p2p_installed="p2p" in transports,
-        engine_serves_p2p=engine is not None
-        and getattr(engine[0], "capabilities", None) is not None
-        and engine[0].capabilities.miles_weight_routes,
-        precision_sends_slices=precision is None or precision[0].converts_shards(),
-        adapter=settings.train.adapter is not None,
-        lora_installed="lora" in transports,
-    )
-    common = spec.model_dump(exclude={"name"})
-    refused: list[str] = []
-    candidates = transport_candidates(facts)
-    for candidate in candidates:
-        chosen = TransportSpec(name=candidate.name, **common, **candidate.options)
-        problem = _refusal(pm, settings.model_copy(update={"transport": chosen}), engine)
-        if problem is None or candidate is candidates[-1]:
-            settings.transport = chosen
-            reason = candidate.reason + (f"; refused: {'; '.join(refused)}" if refused else "")
-            return Choice("transport", candidate.name, reason)
-        refused.append(f"{candidate.name} ({problem})")
-    raise AssertionError("unreachable: the last candidate is always taken")
-
-
-def _may_span_hosts(launcher: Any, options: BaseModel) -> bool:
-    """Whether the launcher may place engines on other hosts (one that cannot tell: yes)."""
-    ask = getattr(launcher, "may_span_hosts", None)
-    return True if ask is None else bool(ask(options))
-
-
-def _refusal(pm: PluginManager, trial: MilesSettings, engine: tuple[Any, BaseModel] | None) -> str | None:
-    """Why ``trial.transport`` cannot serve the run (its requirements, its ``check_settings`` or the engine's),
-    or ``None``."""
-    try:
-        entry, options = pm.resolve(ComponentKind.TRANSPORT, trial.transport, field="transport")
-        missing = missing_requirements(entry.component, options)
-        if missing:
-            return "; ".join(str(r.missing_error(entry.name)) for r in missing)
-        for component, own in ((entry.component, options), engine or (None, None)):
-            check = getattr(component, "check_settings", None)
-            if check is not None:
-                check(own, trial)
-    except MilesError as exc:
-        return str(exc)
-    return None
 
 
 def _engine_serves_transport(resolved: dict[str, Resolved]) -> list[SettingsError]:

@@ -163,6 +163,26 @@ def test_prompts_that_differ_only_in_the_image_never_share_kv(vlm: dict[str, Any
     assert inside["output_ids"] == red["output_ids"]
 
 
+def test_a_cache_hit_past_every_image_prefills_the_text_after_it(vlm: dict[str, Any], engine: EngineProcess) -> None:
+    """The next turn of a conversation (or another question on the same image) finds the image's KV in the
+    cache and prefills only text: no vision embeddings are needed, nor encoded (this failed: the prefill asked
+    for embeddings that were never encoded)."""
+    model, paths = vlm["model"], vlm["paths"]
+    image_token = _config(model)["image_token_id"]
+    first = _prompt(model, 1, "how many blue squares are there?")
+    assert httpx.post(engine.url + "/flush_cache", timeout=30).status_code == 200
+    start = _generate(engine, {"input_ids": first, "image_data": str(paths["blue"]), "logprob_start_len": -1})
+    longer = first + start["output_ids"] + _prompt(model, 0, "and red ones?")  # a second turn, text only
+    after = len(first) + 3 + len(start["output_ids"])  # the image expanded to 4 tokens
+    answer = _generate(engine, {"input_ids": longer, "image_data": str(paths["blue"]), "logprob_start_len": after})
+    assert answer["meta_info"]["finish_reason"]["type"] != "abort", answer["meta_info"]["finish_reason"]
+    assert answer["meta_info"]["cached_tokens"] >= first.index(image_token) + 4  # past the image
+    got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+    full = _expanded(model, longer, answer["meta_info"]["prompt_tokens"]) + answer["output_ids"]
+    want = _hf_logprobs(model, full, [paths["blue"]])
+    assert torch.allclose(got, want[-len(got) :], atol=1e-5, rtol=0), (got - want[-len(got) :]).abs().max()
+
+
 @pytest.mark.parametrize(
     ("image_data", "images", "message"),
     [

@@ -123,8 +123,9 @@ class SessionVision:
     def expand(self, ids: list[int], images: Sequence[PartImage], *, first_new: int) -> list[int]:
         """``ids`` (the template's tokens of the new messages) with each image's placeholder expanded; a
         :class:`RequestError` when the template did not write one placeholder per image."""
+        counts = self.token_counts(images)  # (its own RequestError names the image)
         try:
-            return expand_placeholders(ids, self.token_counts(images), self.image_token_id, what="messages")
+            return expand_placeholders(ids, counts, self.image_token_id, what="messages")
         except ValueError as exc:
             where = f"messages[{first_new}:]"
             raise RequestError(

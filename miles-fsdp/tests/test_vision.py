@@ -223,7 +223,9 @@ def test_a_multi_turn_session_with_images_in_two_turns_trains(
         batch.set_token_field("advantages", torch.ones(batch.num_response_tokens))
         batch.set_token_field("old_logprobs", got)
         trainer.train_step(batch, job.PolicyGradient())
-        assert not torch.equal(before["model.visual.merger.mlp.0.weight"], _visual(trainer)["model.visual.merger.mlp.0.weight"])
+        assert not torch.equal(
+            before["model.visual.merger.mlp.0.weight"], _visual(trainer)["model.visual.merger.mlp.0.weight"]
+        )
     finally:
         trainer.close()
 

@@ -172,4 +172,3 @@ def test_a_vision_language_model_is_refused_at_start_saying_why(tmp_path: Path, 
 
     with pytest.raises(SettingsError, match=why):
         build_bridge(AutoConfig.from_pretrained(model), cpu=True, dtype=torch.float32, options=None, vocab_divisor=None)
-

@@ -152,7 +152,9 @@ def test_bad_image_parts_are_400_naming_the_message_and_part(vlm: dict[str, Any]
                 resp = await http.post(url, json={"messages": messages})
                 assert resp.status_code == 400, (ref, resp.text)
                 error = resp.json()["error"]
-                assert error["param"] == param and error["message"].startswith(param) and text in error["message"], error
+                assert error["param"] == param and error["message"].startswith(param) and text in error["message"], (
+                    error
+                )
             image_in_system = [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": good}}]}]
             resp = await http.post(url, json={"messages": image_in_system})
             assert resp.status_code == 400 and "images go in user messages" in resp.json()["error"]["message"]

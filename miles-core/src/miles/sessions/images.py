@@ -96,7 +96,9 @@ class SessionVision:
         """Token counts of recent images, by digest."""
 
     @classmethod
-    def for_model(cls, model_path: str | os.PathLike[str], *, max_image_pixels: int = MAX_IMAGE_PIXELS) -> SessionVision:
+    def for_model(
+        cls, model_path: str | os.PathLike[str], *, max_image_pixels: int = MAX_IMAGE_PIXELS
+    ) -> SessionVision:
         from miles.data.vision import image_token_id, load_image_processor
 
         return cls(load_image_processor(model_path), image_token_id(model_path), max_image_pixels=max_image_pixels)

@@ -42,7 +42,9 @@ def _content(content: Any) -> Any:
     """Template form of a message's content: its text, or its parts where it holds images."""
     if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
         return [
-            {"type": "image", "sha256": p["sha256"]} if p.get("type") == "image" else {"type": "text", "text": p["text"]}
+            {"type": "image", "sha256": p["sha256"]}
+            if p.get("type") == "image"
+            else {"type": "text", "text": p["text"]}
             for p in content
         ]
     return content_text(content)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -20,7 +21,6 @@ import pytest
 from miles.rollout.http_client import HttpEngineClient
 from miles.sessions.server import SessionServer
 from miles.settings.sessions import SessionSettings
-from miles.testing.engine import EngineProcess
 from miles.types import Sample
 
 pytest.importorskip("PIL")
@@ -28,20 +28,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from miles.testing.vlm import build_tiny_vlm, squares_image
+def vlm(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_engine: tuple[Path, str]) -> dict[str, Any]:
+    from miles.testing.vlm import squares_image
 
     root = tmp_path_factory.mktemp("session-vlm")
-    model = build_tiny_vlm(root / "model", seed=5)
+    model = tiny_vlm_engine[0]
     for name, counts, size in (("a", {"red": 2}, 56), ("b", {"red": 1, "blue": 2}, 84), ("c", {"blue": 3}, 56)):
         squares_image(counts, size=size, seed=9).save(root / f"{name}.png")
-    return {"model": model, "root": root}
+    return {"model": model, "root": root, "url": tiny_vlm_engine[1]}
 
 
 @pytest.fixture(scope="module")
-def engine(vlm: dict[str, Any]) -> Iterator[EngineProcess]:
-    with EngineProcess(vlm["model"], log_path=vlm["root"] / "engine.log") as proc:
-        yield proc
+def engine(vlm: dict[str, Any]) -> Any:
+    """The shared engine (``conftest.tiny_vlm_engine``): what the tests use of it is its ``url``."""
+    return SimpleNamespace(url=vlm["url"])
 
 
 @asynccontextmanager
@@ -65,7 +65,7 @@ def look(text: str, *urls: str) -> dict[str, Any]:
                                         {"type": "text", "text": text}]}  # fmt: skip
 
 
-def test_images_in_two_user_turns_are_exact_and_never_in_the_loss(vlm: dict[str, Any], engine: EngineProcess) -> None:
+def test_images_in_two_user_turns_are_exact_and_never_in_the_loss(vlm: dict[str, Any], engine: Any) -> None:
     openai = pytest.importorskip("openai")
     from miles.data.images import to_data_url
 
@@ -130,7 +130,7 @@ def png(size: tuple[int, int]) -> bytes:
     return out.getvalue()
 
 
-def test_bad_image_parts_are_400_naming_the_message_and_part(vlm: dict[str, Any], engine: EngineProcess) -> None:
+def test_bad_image_parts_are_400_naming_the_message_and_part(vlm: dict[str, Any], engine: Any) -> None:
     good = "data:image/png;base64," + base64.b64encode(png((28, 28))).decode()
     big = "data:image/png;base64," + base64.b64encode(png((80, 80))).decode()
     not_image = "data:image/png;base64," + base64.b64encode(b"these bytes are no picture" * 4).decode()

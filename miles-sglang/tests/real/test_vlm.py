@@ -2,7 +2,7 @@
 32, what the CPU attention kernels take) and saved with its tokenizer and image processor. Miles' own rollout
 request (:func:`miles.rollout.manager.single_turn`: one placeholder per image, each image a ``data:`` URL in
 ``image_data``) is expanded by SGLang to the token count Miles' data pipeline gives the trainer, and its
-logprobs equal transformers' on the same images (bfloat16, greedy); a multi-turn session with images in two
+logprobs equal transformers' on the same images within 1e-2 (bfloat16, greedy; 4e-3 measured); a multi-turn session with images in two
 user turns runs through the session server on SGLang, each turn's prompt extending the last exactly.
 
 Starting the server costs 20-30 s on idle cores (minutes on busy ones): ``MILES_SGLANG_ALL_RUNS=1`` runs it.
@@ -118,7 +118,7 @@ def test_miles_rollout_requests_with_images_equal_transformers(vlm: dict[str, An
         for got, ref in zip(sample.rollout_logprobs, want, strict=True):
             worst = max(worst, abs(got - ref))
     assert [s.response_length for s in samples] == [8, 8, 8]
-    assert worst < 2e-2, f"SGLang's logprobs differ from transformers' (bfloat16, same images) by {worst:.4f}"
+    assert worst < 1e-2, f"SGLang's logprobs differ from transformers' (bfloat16, same images) by {worst:.4f}"
 
 
 def test_a_session_with_images_in_two_turns_on_sglang_is_exact(vlm: dict[str, Any], vlm_server: Any) -> None:
@@ -158,4 +158,4 @@ def test_a_session_with_images_in_two_turns_on_sglang_is_exact(vlm: dict[str, An
     assert sample.metadata["images"] == [to_data_url((root / n).read_bytes()) for n in ("red.png", "mixed.png")]
     want = hf_logprobs(vlm["model"], sample.tokens, sample.metadata["images"])[len(sample.prompt_ids) :]
     diffs = [abs(g - w) for g, w, m in zip(sample.rollout_logprobs, want, sample.loss_mask, strict=True) if m]
-    assert len(diffs) == 12 and max(diffs) < 2e-2, diffs
+    assert len(diffs) == 12 and max(diffs) < 1e-2, diffs

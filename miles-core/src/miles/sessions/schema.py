@@ -5,6 +5,8 @@ the field (``messages[2].tool_call_id: field required``), which the server answe
 OpenAI's error shape. Fields OpenAI defines that do not change what is generated (``user``,
 ``metadata``, ``parallel_tool_calls`` ...) are accepted and ignored, so agent frameworks work unchanged;
 fields a session cannot honour (``n > 1``, ``stream``, penalties, ``logit_bias``) are refused by name.
+A user message's content may hold ``image_url`` parts (a vision-language policy: :mod:`miles.sessions.images`;
+a part that does not parse is named down to its field, ``messages[1].content[0].image_url.url``).
 Extensions: ``chat_template_kwargs`` (template variables, e.g. ``enable_thinking``) and
 ``return_token_ids`` (the turn's prompt and completion token ids in the answer, as vLLM's).
 """

@@ -8,7 +8,9 @@ the first token for token (else :class:`AppendOnlyViolation`), and what it adds 
 template's closing of the parent's reply (``\\n`` after ``<|im_end|>``) — to the stored tokens, whose
 model part stays exactly as sampled. A request whose parent already has a reply of its own (an edited
 or dropped message, a retried turn) starts a new branch; every root-to-leaf path is one trajectory
-(:meth:`Session.sample`).
+(:meth:`Session.sample`). A vision-language policy's images are part of their messages (by digest) and of the
+turn that brought them; a trajectory's sample carries its images in placeholder order
+(:mod:`miles.sessions.images`).
 """
 
 from __future__ import annotations
@@ -336,8 +338,8 @@ class Session:
         routed, shape = self._routed(path)
         images = self.image_data(leaf)
         vision: dict[str, Any] = {}
-        if images and self.image_token_id is not None:  # what the trainer reads (miles.training.vision)
-            vision = {"images": images, "image_token_id": self.image_token_id}
+        if self.image_token_id is not None:  # what the trainer reads (miles.training.vision): the episode's
+            vision = {"images": images, "image_token_id": self.image_token_id}  # images, not its data row's
         prompt_lengths = [t.start + len(t.prompt_ids) for t in path]
         info = {
             "id": self.id,

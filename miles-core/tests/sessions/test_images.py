@@ -75,7 +75,7 @@ def test_images_in_two_user_turns_are_exact_and_never_in_the_loss(vlm: dict[str,
     async def run() -> None:
         async with serving(engine.url, max_tokens=5) as (server, http):
             assert server.live is not None and server.live.ok, server.live  # the VL template passes both checks
-            assert server.vision is not None and server.report.ok
+            assert server.vision is not None and server.report.ok and server.info()["images"] is True
             sid = (await http.post("/sessions", json={"sampling": {"seed": 3, "override": True}})).json()["id"]
             client = openai.AsyncOpenAI(base_url=f"{server.url}/sessions/{sid}/v1", api_key="unused", max_retries=0)
             messages: list[Any] = [

@@ -309,7 +309,8 @@ class SessionService:
         )
 
     def info(self) -> dict[str, Any]:
-        """What ``GET /info`` answers: the template, its checks, the parsers, the context length."""
+        """What ``GET /info`` answers: the template, its checks, the parsers, the context length, whether user
+        messages may hold images."""
         return {
             "template": self.renderer.name,
             "append_only": {"ok": self.report.ok, "summary": self.report.summary(), "skipped": self.report.skipped},
@@ -317,5 +318,6 @@ class SessionService:
             "tool_parser": self.tool_parser,
             "reasoning_parser": self.reasoning_parser,
             "context_length": self.context_length,
+            "images": self.vision is not None,
             "sessions": len(self.sessions),
         }

@@ -13,6 +13,21 @@ import pytest
 from miles.testing.fixtures import engines_may_load_test_weights  # noqa: F401  (autouse)
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """``(model, url)``: a tiny Qwen2-VL (:func:`miles.testing.vlm.build_tiny_vlm`, seed 0) and one local engine
+    serving it, shared by the engine's and the session server's VLM tests (a start costs 15-50 s here). Tests
+    must leave its weights as they found them."""
+    pytest.importorskip("PIL")
+    from miles.testing.engine import EngineProcess
+    from miles.testing.vlm import build_tiny_vlm
+
+    root = tmp_path_factory.mktemp("tiny-vlm")
+    model = build_tiny_vlm(root / "model")
+    with EngineProcess(model, log_path=root / "engine.log") as proc:
+        yield model, proc.url
+
+
 @pytest.fixture
 def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
     """Install a real (path-based) distribution exposing ``miles.plugins`` entry points.

@@ -168,3 +168,128 @@ def test_a_frozen_vision_tower_stays_and_a_text_only_batch_is_refused(
             attach_images(TrainBatch.from_samples(samples), samples, str(model))
     finally:
         trainer.close()
+
+
+def test_a_multi_turn_session_with_images_in_two_turns_trains(
+    vlm: dict[str, Any], engine: EngineProcess, world: Any
+) -> None:
+    """An episode through the session service (images in the first and in a later user turn): the later
+    turn's placeholders lie in the sample's response, outside the policy's spans; they take their image's
+    features (the trainer's logprobs of every sampled token equal the engine's within 1e-5), never the loss."""
+    import asyncio
+
+    from miles.rollout.http_client import HttpEngineClient
+    from miles.sessions.service import SessionService
+    from miles.sessions.session import SessionSampling
+    from miles.settings.sessions import SessionSettings
+
+    root, model = vlm["root"], vlm["model"]
+
+    def look(text: str, image: str) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                            {"type": "text", "text": text}]}  # fmt: skip
+
+    async def episode() -> list[Any]:
+        async with HttpEngineClient([engine.url]) as client:
+            service = await SessionService.for_engines(client, SessionSettings(max_tokens=5))
+            session = service.create_session(sampling=SessionSampling(seed=11, override=True))
+            messages: list[Any] = [look("how many red squares?", str(root / "red.png"))]
+            follow = [look("and in this one?", str(root / "mixed.png")), {"role": "user", "content": "sure?"}]
+            for k in range(3):
+                answer = await service.chat(session.id, {"messages": messages})
+                messages.append(answer["choices"][0]["message"])
+                if k < 2:
+                    messages.append(follow[k])
+            return session.samples()
+
+    # the policy's own weights (an earlier test pushed trained ones)
+    restored = httpx.post(engine.url + "/update_weights_from_disk", json={"model_path": str(model)}, timeout=120)
+    assert restored.status_code == 200, restored.text
+    (sample,) = asyncio.run(episode())
+    token = int(json.loads((model / "config.json").read_text())["image_token_id"])
+    later = [i for i, t in enumerate(sample.response_ids) if t == token]
+    assert sample.prompt_ids.count(token) == 4 and len(later) == 9 and not any(sample.loss_mask[i] for i in later)
+    batch = _batch([sample], model)
+    assert batch.image_grid_thw.tolist() == [[1, 4, 4], [1, 6, 6]]
+    trainer = _trainer(model, world)
+    try:
+        got = trainer.compute_logprobs(batch).logprobs
+        sampled = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        want = torch.tensor(sample.rollout_logprobs)
+        assert int(sampled.sum()) >= 3 and torch.allclose(got[sampled], want[sampled], atol=1e-5, rtol=0), (
+            (got - want)[sampled].abs().max()
+        )
+        before = _visual(trainer)
+        batch.set_token_field("advantages", torch.ones(batch.num_response_tokens))
+        batch.set_token_field("old_logprobs", got)
+        trainer.train_step(batch, job.PolicyGradient())
+        assert not torch.equal(
+            before["model.visual.merger.mlp.0.weight"], _visual(trainer)["model.visual.merger.mlp.0.weight"]
+        )
+    finally:
+        trainer.close()
+
+
+def test_qwen2_5_vl_logprobs_equal_the_engines_and_a_step_trains(
+    vlm: dict[str, Any], world: Any, tmp_path: Path
+) -> None:
+    """Qwen2.5-VL (windowed attention in the vision tower: an 84x84 image is 3x3 merged patches in 2x2 windows;
+    its RMSNorm vision blocks and gated MLP merger; its own M-RoPE index): sampled with the local engine
+    (in-process), its trainer logprobs equal the engine's within 1e-5 with the same images, and a step trains
+    the vision tower."""
+    import threading
+
+    from miles.engine.launch import build_engine
+    from miles.engine.request import Request
+    from miles.rollout.protocol import SamplingParams
+    from miles.testing.vlm import build_tiny_vlm, vlm_jsonl_source
+    from miles.types import Sample
+
+    model = build_tiny_vlm(tmp_path / "qwen2_5_vl", arch="qwen2_5_vl", seed=3)
+    assert json.loads((model / "config.json").read_text())["model_type"] == "qwen2_5_vl"
+    prompts = vlm_jsonl_source(model, vlm["root"] / "rows.jsonl").prompts
+    token = int(json.loads((model / "config.json").read_text())["image_token_id"])
+    state = build_engine(model)
+    samples = []
+    try:
+        for i, prompt in enumerate(prompts):
+            refs = prompt.metadata["images"]
+            one_each = [t for k, t in enumerate(prompt.prompt_ids) if t != token or prompt.prompt_ids[k - 1] != token]
+            ids, images = state.images(refs, one_each, "input_ids")
+            assert ids == prompt.prompt_ids  # the engine expands as the data pipeline does
+            finished = threading.Event()
+            request = Request(
+                rid=f"r{i}", parent_rid=f"r{i}", index=0, prompt_ids=ids, images=images, return_logprob=True,
+                config=SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, sampling_seed=7 + i),
+                sink=lambda req, done, ev=finished: ev.set() if done else None,
+            )  # fmt: skip
+            state.scheduler.add([request])
+            assert finished.wait(120)
+            samples.append(
+                Sample(
+                    prompt_ids=list(ids),
+                    response_ids=list(request.output_ids),
+                    rollout_logprobs=list(request.output_logprobs),
+                    loss_mask=[1] * len(request.output_ids),
+                    group_id=i,
+                    metadata=dict(prompt.metadata, source=prompt.source),
+                )
+            )
+    finally:
+        state.scheduler.stop()
+    batch = _batch(samples, model)
+    assert batch.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4], [1, 6, 6]]
+    trainer = _trainer(model, world)
+    try:
+        got = trainer.compute_logprobs(batch).logprobs
+        want = torch.tensor([lp for s in samples for lp in s.rollout_logprobs])
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+        before = _visual(trainer)
+        batch.set_token_field("advantages", torch.linspace(-1.0, 1.0, batch.num_response_tokens))
+        batch.set_token_field("old_logprobs", got)
+        trainer.train_step(batch, job.PolicyGradient())
+        after = _visual(trainer)
+        changed = [n for n in before if not torch.equal(before[n], after[n])]
+        assert "model.visual.blocks.0.attn.qkv.weight" in changed and "model.visual.merger.mlp.0.weight" in changed
+    finally:
+        trainer.close()

@@ -100,6 +100,13 @@ CONFIG = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads"
             {**CONFIG, "model_type": "gpt2"},
             "model_type 'gpt2' is not supported by the megatron trainer; supported: llama",
         ),
+        (
+            {},
+            1,
+            {**CONFIG, "model_type": "qwen2_5_vl", "vision_config": {"depth": 2}},
+            "train.model_path: model_type 'qwen2_5_vl' is a vision-language model; the megatron trainer does not "
+            "train vision-language models: mbridge 0.15.1 has no Qwen2-VL bridge",
+        ),
     ],
 )
 def test_layout_errors_name_the_field(options: dict, world: int, config: dict, message: str) -> None:  # type: ignore[type-arg]
@@ -138,3 +145,30 @@ def test_the_settings_pass_checks_the_layout_before_anything_starts(tmp_path: Pa
     build_run(load_settings(config, overrides=replay))
     with pytest.raises(SettingsError, match="train.routing_replay with train.backend.recompute = 'full'"):
         build_run(load_settings(config, overrides=[*replay, "train.backend.recompute=full"]))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_vision_language_model_is_refused_at_start_saying_why(tmp_path: Path, arch: str) -> None:
+    """``miles train`` with the megatron trainer and a VLM stops in the settings check, naming the field and
+    what mbridge lacks (before: the unsupported-family message, which did not say why); ``miles convert``'s
+    bridge refuses it the same way."""
+    from miles.compose import build_run
+    from miles.settings.loader import load_settings
+    from miles.testing.vlm import build_vl_tokenizer, tiny_vl_config
+    from miles_megatron.bridge import build_bridge
+
+    model = tmp_path / "vlm"
+    tiny_vl_config(build_vl_tokenizer(), arch=arch).save_pretrained(model)  # type: ignore[arg-type]  # (its config is what is checked)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "[rollout]\nrollout_batch_size = 2\nn_samples_per_prompt = 2\n"
+        f'[train]\nmodel_path = "{model}"\n[train.backend]\nname = "megatron"\n'
+    )
+    why = rf"train.model_path: model_type '{arch}' is a vision-language model; .* TransformerEngine layers"
+    with pytest.raises(SettingsError, match=why):
+        build_run(load_settings(config))
+    import torch
+    from transformers import AutoConfig
+
+    with pytest.raises(SettingsError, match=why):
+        build_bridge(AutoConfig.from_pretrained(model), cpu=True, dtype=torch.float32, options=None, vocab_divisor=None)

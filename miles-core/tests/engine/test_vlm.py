@@ -6,26 +6,24 @@ never shares KV between prompts whose images differ, and bad images refused nami
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from miles.testing.engine import EngineProcess
-
 pytest.importorskip("PIL")
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from miles.testing.vlm import build_tiny_vlm, squares_image
+def vlm(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_engine: tuple[Path, str]) -> dict[str, Any]:
+    from miles.testing.vlm import squares_image
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("vlm")
-    model = build_tiny_vlm(root / "model")
+    model = tiny_vlm_engine[0]
     images = {
         "red": squares_image({"red": 3}, seed=1),
         "blue": squares_image({"blue": 3}, seed=1),  # same size: same placeholder count as red
@@ -36,13 +34,13 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         paths[name] = root / f"{name}.png"
         image.save(paths[name])
     (root / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
-    return {"model": model, "paths": paths, "root": root}
+    return {"model": model, "paths": paths, "root": root, "url": tiny_vlm_engine[1]}
 
 
 @pytest.fixture(scope="module")
-def engine(vlm: dict[str, Any]) -> Iterator[EngineProcess]:
-    with EngineProcess(vlm["model"], log_path=vlm["root"] / "engine.log") as proc:
-        yield proc
+def engine(vlm: dict[str, Any]) -> Any:
+    """The shared engine (``conftest.tiny_vlm_engine``): what the tests use of it is its ``url``."""
+    return SimpleNamespace(url=vlm["url"])
 
 
 def _prompt(model: Path, images: int, text: str = "how many red squares?") -> list[int]:
@@ -55,7 +53,7 @@ def _prompt(model: Path, images: int, text: str = "how many red squares?") -> li
     return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]
 
 
-def _generate(engine: EngineProcess, body: dict[str, Any]) -> Any:
+def _generate(engine: Any, body: dict[str, Any]) -> Any:
     body = {"return_logprob": True, "logprob_start_len": 0, **body}
     body.setdefault("sampling_params", {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True})
     response = httpx.post(engine.url + "/generate", json=body, timeout=120)
@@ -102,7 +100,7 @@ def _engine_logprobs(entry: dict[str, Any]) -> tuple[list[int], torch.Tensor]:
     return prompt + entry["output_ids"], torch.tensor(values)
 
 
-def test_logprobs_equal_a_transformers_forward_with_the_same_images(vlm: dict[str, Any], engine: EngineProcess) -> None:
+def test_logprobs_equal_a_transformers_forward_with_the_same_images(vlm: dict[str, Any], engine: Any) -> None:
     model, paths = vlm["model"], vlm["paths"]
     one, two = _prompt(model, 1), _prompt(model, 2, "compare")
     wide_b64 = base64.b64encode(paths["wide"].read_bytes()).decode()
@@ -129,7 +127,7 @@ def test_logprobs_equal_a_transformers_forward_with_the_same_images(vlm: dict[st
     assert again["output_ids"] == answers[0]["output_ids"]
 
 
-def test_prompts_that_differ_only_in_the_image_never_share_kv(vlm: dict[str, Any], engine: EngineProcess) -> None:
+def test_prompts_that_differ_only_in_the_image_never_share_kv(vlm: dict[str, Any], engine: Any) -> None:
     model, paths = vlm["model"], vlm["paths"]
     prompt = _prompt(model, 1, "what colour are the squares?")
     first_image = prompt.index(_config(model)["image_token_id"])
@@ -163,6 +161,26 @@ def test_prompts_that_differ_only_in_the_image_never_share_kv(vlm: dict[str, Any
     assert inside["output_ids"] == red["output_ids"]
 
 
+def test_a_cache_hit_past_every_image_prefills_the_text_after_it(vlm: dict[str, Any], engine: Any) -> None:
+    """The next turn of a conversation (or another question on the same image) finds the image's KV in the
+    cache and prefills only text: no vision embeddings are needed, nor encoded (this failed: the prefill asked
+    for embeddings that were never encoded)."""
+    model, paths = vlm["model"], vlm["paths"]
+    image_token = _config(model)["image_token_id"]
+    first = _prompt(model, 1, "how many blue squares are there?")
+    assert httpx.post(engine.url + "/flush_cache", timeout=30).status_code == 200
+    start = _generate(engine, {"input_ids": first, "image_data": str(paths["blue"]), "logprob_start_len": -1})
+    longer = first + start["output_ids"] + _prompt(model, 0, "and red ones?")  # a second turn, text only
+    after = len(first) + 3 + len(start["output_ids"])  # the image expanded to 4 tokens
+    answer = _generate(engine, {"input_ids": longer, "image_data": str(paths["blue"]), "logprob_start_len": after})
+    assert answer["meta_info"]["finish_reason"]["type"] != "abort", answer["meta_info"]["finish_reason"]
+    assert answer["meta_info"]["cached_tokens"] >= first.index(image_token) + 4  # past the image
+    got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+    full = _expanded(model, longer, answer["meta_info"]["prompt_tokens"]) + answer["output_ids"]
+    want = _hf_logprobs(model, full, [paths["blue"]])
+    assert torch.allclose(got, want[-len(got) :], atol=1e-5, rtol=0), (got - want[-len(got) :]).abs().max()
+
+
 @pytest.mark.parametrize(
     ("image_data", "images", "message"),
     [
@@ -173,7 +191,7 @@ def test_prompts_that_differ_only_in_the_image_never_share_kv(vlm: dict[str, Any
     ],
 )
 def test_bad_images_are_refused_naming_the_field(
-    vlm: dict[str, Any], engine: EngineProcess, image_data: Any, images: int, message: str
+    vlm: dict[str, Any], engine: Any, image_data: Any, images: int, message: str
 ) -> None:
     named = {"RED": str(vlm["paths"]["red"]), "BROKEN": str(vlm["root"] / "broken.png")}
     if isinstance(image_data, list):

@@ -112,12 +112,19 @@ def test_openai_client_drives_a_session_and_the_samples_are_exact(engine: Engine
     asyncio.run(run())
 
 
+TINY_PNG = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+)
+"""A 1x1 PNG."""
+
 BAD = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "tool", "content": "5"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "user", "content": ["hi", {"type": "image_url", "image_url": {"url": TINY_PNG}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": TINY_PNG}}]}]}, "messages[0].content[1].image_url.url"),  # a text policy
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}]}, "messages[0].tool_calls[0].function.name"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, "stream"),

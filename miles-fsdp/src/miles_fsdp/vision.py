@@ -3,8 +3,9 @@
 The model's own forward runs the vision tower (FSDP gathers its blocks as it gathers the decoder's) and puts
 the image features at the placeholder tokens; this module gives it, per packed micro-batch, the sequences'
 pixel values and grids, M-RoPE positions equal to the engine's (:func:`miles.training.vision.mrope_positions`),
-and restricts the placeholders that take features to the prompts' (a placeholder token the policy sampled
-into a response is an ordinary token, as it was in the engine).
+and restricts the placeholders that take features to the prompts' and, in a multi-turn session's sample, to
+the later user turns' (:func:`miles.training.vision.image_placeholders`: a placeholder token the policy
+sampled into a response is an ordinary token, as it was in the engine).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles.training.vision import image_rows, mrope_positions, prompt_image_mask
+from miles.training.request_spans import REQUEST_INDEX
+from miles.training.vision import image_placeholders, image_rows, mrope_positions
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,7 +58,7 @@ class VisionInputs:
                 image = image & self.allowed[..., None].to(image.device)
             if image_features is not None and int(image.sum()) != image_features.shape[0]:
                 raise ValueError(
-                    f"{int(image.sum())} prompt image placeholders for {image_features.shape[0]} image feature rows"
+                    f"{int(image.sum())} image placeholders for {image_features.shape[0]} image feature rows"
                 )
             return image, video
 
@@ -69,10 +71,14 @@ class VisionInputs:
             return
         sequences = [batch.sequence(i) for i in mb.indices]
         prompts = [int(batch.prompt_lengths[i]) for i in mb.indices]
+        masks = [
+            image_placeholders(tokens, prompt, batch.response_tensor_rows(REQUEST_INDEX, [i]), self.image_token_id)
+            for i, tokens, prompt in zip(mb.indices, sequences, prompts, strict=True)
+        ]
         grids = []
-        for i, tokens, prompt in zip(mb.indices, sequences, prompts, strict=True):
+        for i, mask in zip(mb.indices, masks, strict=True):
             rows = image_rows(batch, [i])
-            if rows is None and bool((tokens[:prompt] == self.image_token_id).any()):
+            if rows is None and bool(mask.any()):
                 raise ValueError(
                     f"TrainBatch sequence {i}: its prompt holds image placeholders but the batch carries no images "
                     "for it (a text-only batch for a vision-language policy: attach them with "
@@ -81,9 +87,9 @@ class VisionInputs:
             grids.append(None if rows is None else rows[1])
         # always the four rows: the first, each sequence's own positions, is what the attention mask of a
         # packed row is built from (with three, the model would let the sequences see each other)
-        positions = mrope_positions(self.rope_index, sequences, prompts, grids, self.image_token_id)
+        positions = mrope_positions(self.rope_index, sequences, prompts, grids, masks)
         mb.model_inputs = {"position_ids": positions.to(device)}
         images = image_rows(batch, mb.indices)
         if images is not None:
             mb.model_inputs.update(pixel_values=images[0].to(device), image_grid_thw=images[1].to(device))
-            mb.image_mask = prompt_image_mask(sequences, prompts, self.image_token_id).to(device)
+            mb.image_mask = torch.cat(masks)[None].to(device)

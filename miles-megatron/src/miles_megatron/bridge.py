@@ -37,8 +37,21 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
-def check_model_type(model_type: str) -> None:
-    """Raise :class:`~miles.errors.SettingsError` naming ``model_type`` and the supported list when the family is not supported."""
+VISION_REFUSAL = (
+    "the megatron trainer does not train vision-language models: mbridge 0.15.1 has no Qwen2-VL bridge, and its "
+    "Qwen2.5-VL bridge builds the vision tower and projector only from TransformerEngine layers "
+    "(TEColumnParallelLinear, the TE ViT layer spec), which a CPU (or a GPU without TransformerEngine) cannot "
+    'build; train it with train.backend.name = "fsdp"'
+)
+"""Why a vision-language ``train.model_path`` is refused (checked against mbridge 0.15.1's sources)."""
+
+
+def check_model_type(model_type: str, *, vision: bool = False) -> None:
+    """Raise :class:`~miles.errors.SettingsError` naming ``model_type`` and the supported list when the family is
+    not supported, or saying why when the model is a vision-language one (``vision``: its config has a
+    ``vision_config``)."""
+    if vision:
+        raise SettingsError(f"train.model_path: model_type {model_type!r} is a vision-language model; {VISION_REFUSAL}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise SettingsError(
             f"train.model_path: model_type {model_type!r} is not supported by the megatron trainer; "
@@ -199,7 +212,7 @@ def build_bridge(
     :param local_spec: build Megatron's local layer spec even where TransformerEngine is installed (LoRA
         adapts the local spec's parallel linears).
     """
-    check_model_type(hf_config.model_type)
+    check_model_type(hf_config.model_type, vision=getattr(hf_config, "vision_config", None) is not None)
     import mbridge  # noqa: F401  (registers the families)
     from mbridge.core.bridge import _MODEL_REGISTRY
 

@@ -87,7 +87,7 @@ def check_parallel_layout(options: MegatronSettings, world_size: int, hf_config:
     if hf_config is not None:
         from miles_megatron.bridge import check_model_type
 
-        check_model_type(str(hf_config.get("model_type")))
+        check_model_type(str(hf_config.get("model_type")), vision="vision_config" in hf_config)
         heads = int(hf_config["num_attention_heads"])
         kv_heads = int(hf_config.get("num_key_value_heads") or heads)
         layers = int(hf_config["num_hidden_layers"])

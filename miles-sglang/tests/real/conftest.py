@@ -190,6 +190,26 @@ def _serving(launch: EngineLaunch, run_dir: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
+def serve_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``serve_model(path)``: a context manager that serves another checkpoint as :func:`server` serves the
+    first tiny Llama (the same command, :data:`SERVED_DTYPE`, :data:`MAX_TOTAL_TOKENS`), for modules that need
+    their own model."""
+    from miles.net import free_port
+    from miles_sglang.engine import SGLangEngine
+    from miles_sglang.settings import SGLangEngineSettings
+
+    def serve(model_path: Path) -> Any:
+        settings = SGLangEngineSettings(max_total_tokens=MAX_TOTAL_TOKENS, log_level="warning")
+        launch = SGLangEngine(settings).launch(
+            model_path=str(model_path), host="127.0.0.1", port=free_port(), device="cpu", dtype=SERVED_DTYPE,
+            devices=[], seed=1234,
+        )  # fmt: skip
+        return _serving(launch, tmp_path_factory.mktemp("server"))
+
+    return serve
+
+
+@pytest.fixture(scope="session")
 def server(tiny_llamas: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One SGLang server for the whole session (each start costs 20-26 s on idle cores, minutes on busy ones,
     and 2-3 GB), serving the first tiny Llama, started the way Miles starts it: the command of

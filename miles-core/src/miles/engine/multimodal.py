@@ -68,12 +68,13 @@ class ImageInputs:
         return torch.cat(parts, dim=1)
 
     def chunk_embeds(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The placeholder positions of ``start..end`` (relative to ``start``) and their embeddings."""
-        if self.embeds is None:
-            raise RuntimeError("vision embeddings are needed before they were encoded")
+        """The placeholder positions of ``start..end`` (relative to ``start``) and their embeddings (``None``: the
+        chunk has no placeholder, e.g. the text after an image whose KV came from the cache)."""
         inside = (self.placeholders >= start) & (self.placeholders < end)
         if not bool(inside.any()):
             return None
+        if self.embeds is None:
+            raise RuntimeError("vision embeddings are needed before they were encoded")
         return self.placeholders[inside] - start, self.embeds[inside]
 
     def needs_encoding(self, start: int, weights: int) -> bool:

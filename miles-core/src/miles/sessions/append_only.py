@@ -3,7 +3,7 @@
 A session tokenises each request's new messages as a suffix of what it stored, so a template must keep
 rendering the past the same way while a conversation grows. The check renders probe conversations —
 system / user / assistant / tool turns, consecutive tool messages, tool calls (one and two per turn),
-thinking blocks, with and without tools — one *turn* at a time, where a turn is an assistant reply or the
+thinking blocks, with and without tools, and for a vision-language policy user messages with images — one *turn* at a time, where a turn is an assistant reply or the
 run of other messages between two replies (consecutive tool messages are one turn: they arrive in one
 request, and templates like Qwen's close the shared ``user`` block only after the last one; checking them
 one by one was slime#2263). For every turn it asserts, on token ids:
@@ -30,6 +30,7 @@ from miles.sessions.templates import ChatRenderer, TemplateRenderError
 
 __all__ = [
     "CALCULATOR_TOOL",
+    "IMAGE_PROBES",
     "PROBES",
     "Probe",
     "TemplateFailure",
@@ -159,6 +160,28 @@ PROBES: tuple[Probe, ...] = (
     ),
 )
 """The probe conversations of the render check."""
+
+
+def _look(text: str, *digests: str) -> tuple[Message, ...]:
+    parts: list[dict[str, Any]] = [{"type": "image", "sha256": d} for d in digests]
+    return ({"role": "user", "content": [*parts, {"type": "text", "text": text}]},)
+
+
+IMAGE_PROBES: tuple[Probe, ...] = (
+    Probe(
+        "images",
+        (
+            (SYSTEM, *_look("How many red squares are there?", "a" * 64)),
+            (_say("Two."),),
+            _look("And in these two?", "b" * 64, "c" * 64),
+            (_say("One and three."),),
+            _user("Thanks."),
+            (_say("You are welcome."),),
+        ),
+    ),
+)
+"""Probes of a vision-language policy's template: user messages with image parts (template form, see
+:mod:`miles.sessions.images`), in the first turn and a later one."""
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Chat messages in the two forms a session needs: what templates render, and what identifies a message.
 
-*Template form* is what Hugging Face chat templates expect: ``content`` always a string, ``developer``
+*Template form* is what Hugging Face chat templates expect: ``content`` a string (a list of parts only where
+it holds images: ``{"type": "text", "text": ...}`` and ``{"type": "image", "sha256": ...}``, see
+:mod:`miles.sessions.images`), ``developer``
 as ``system``, tool-call ``arguments`` as a JSON object (the templates ``tojson`` them), keys that are
 ``None`` left out (Llama-3.1's template tests ``'tool_calls' in message``).
 
@@ -8,8 +10,8 @@ as ``system``, tool-call ``arguments`` as a JSON object (the templates ``tojson`
 many shapes — ``content`` ``None`` or ``""``, ``arguments`` as a re-serialised string, extra ``null``
 fields (``refusal``, ``audio``), the reasoning dropped, tool-call ids regenerated — none of which changes
 what the policy saw, so none of them makes a different message (slime#2288: treating them as edits forked
-every turn). What does count: role, content, the tool calls' names and arguments (as JSON values), a tool
-result's content, and the reasoning when the request carries it.
+every turn). What does count: role, content (an image by its bytes' digest), the tool calls' names and
+arguments (as JSON values), a tool result's content, and the reasoning when the request carries it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from miles.data.base import content_text
 
-__all__ = ["Message", "same_message", "template_message", "template_messages", "tools_key"]
+__all__ = ["Message", "images_of", "same_message", "template_message", "template_messages", "tools_key"]
 
 Message = dict[str, Any]
 """A chat message (OpenAI's shape in requests, template form in the session's record)."""
@@ -36,10 +38,30 @@ def _arguments(value: Any) -> Any:
     return value
 
 
+def _content(content: Any) -> Any:
+    """Template form of a message's content: its text, or its parts where it holds images."""
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+        return [
+            {"type": "image", "sha256": p["sha256"]}
+            if p.get("type") == "image"
+            else {"type": "text", "text": p["text"]}
+            for p in content
+        ]
+    return content_text(content)
+
+
+def images_of(message: Message) -> list[str]:
+    """Digests of a template-form message's images, in order."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    return [str(p["sha256"]) for p in content if p.get("type") == "image"]
+
+
 def template_message(message: Message) -> Message:
     """``message`` (OpenAI's shape) in template form."""
     role = "system" if message.get("role") == "developer" else str(message.get("role"))
-    out: Message = {"role": role, "content": content_text(message.get("content"))}
+    out: Message = {"role": role, "content": _content(message.get("content"))}
     calls = message.get("tool_calls")
     if calls:
         out["tool_calls"] = [

@@ -5,6 +5,8 @@ the field (``messages[2].tool_call_id: field required``), which the server answe
 OpenAI's error shape. Fields OpenAI defines that do not change what is generated (``user``,
 ``metadata``, ``parallel_tool_calls`` ...) are accepted and ignored, so agent frameworks work unchanged;
 fields a session cannot honour (``n > 1``, ``stream``, penalties, ``logit_bias``) are refused by name.
+A user message's content may hold ``image_url`` parts (a vision-language policy: :mod:`miles.sessions.images`;
+a part that does not parse is named down to its field, ``messages[1].content[0].image_url.url``).
 Extensions: ``chat_template_kwargs`` (template variables, e.g. ``enable_thinking``) and
 ``return_token_ids`` (the turn's prompt and completion token ids in the answer, as vLLM's).
 """
@@ -43,7 +45,19 @@ class _TextPart(_Model):
     text: str
 
 
+class _ImageURL(_Model):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class _ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: _ImageURL
+
+
 Content = str | list[_TextPart]
+UserContent = str | list[Annotated[_TextPart | _ImagePart, Field(discriminator="type")]]
+"""A user message may hold images (a vision-language policy: :mod:`miles.sessions.images`)."""
 
 
 class _Function(_Model):
@@ -65,7 +79,7 @@ class _System(_Model):
 
 class _User(_Model):
     role: Literal["user"]
-    content: Content
+    content: UserContent
     name: str | None = None
 
 
@@ -149,18 +163,40 @@ class ChatRequest(_Model):
         return [m.model_dump(exclude_none=True) for m in self.messages]
 
 
+_BRANCHES = ("str", "list[_TextPart]", "list[tagged-union[_TextPart,_ImagePart]]")
+"""Pydantic's names of the content union's branches (not fields)."""
+
+
 def _loc(loc: tuple[int | str, ...]) -> str:
     parts: list[str] = []
     for i, item in enumerate(loc):
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif i and isinstance(loc[i - 1], int) and item in _ROLES:
-            continue  # the discriminator's tag, not a field
-        elif item in ("str", "list[_TextPart]", "function-after[_stops(), union[str,list[str]]]"):
+        elif i and isinstance(loc[i - 1], int) and (item in _ROLES or item in ("text", "image_url")):
+            if item == "image_url" and i + 1 < len(loc) and loc[i + 1] == "image_url":
+                continue  # the part's tag, then its field of the same name
+            if item in _ROLES or loc[i - 2] in _BRANCHES:
+                continue  # the discriminator's tag, not a field
+            parts.append("." + str(item))
+        elif item in (*_BRANCHES, "function-after[_stops(), union[str,list[str]]]"):
             continue
         else:
             parts.append(("." if parts else "") + str(item))
     return "".join(parts) or "body"
+
+
+def _content_error(errors: list[Any]) -> Any:
+    """The first error, or where it is the string branch of a content that is a list, the error inside
+    one of the list's parts (``messages[0].content[1].image_url.url``)."""
+    first = errors[0]
+    loc = tuple(first["loc"])
+    if loc[-1:] != ("str",):
+        return first
+    for err in errors[1:]:
+        other = tuple(err["loc"])
+        if other[: len(loc) - 1] == loc[:-1] and len(other) > len(loc) and other[len(loc) - 1] in _BRANCHES[1:]:
+            return err
+    return first
 
 
 _EXPLAIN = {
@@ -180,11 +216,24 @@ def parse_chat_request(body: Any) -> ChatRequest:
     try:
         return ChatRequest.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
+        errors = exc.errors(include_url=False)
+        err = _content_error(errors)
         where = _loc(tuple(err["loc"]))
         detail = _EXPLAIN.get(where, err["msg"])
         if where.endswith(".content") and err["type"] != "missing":
-            detail = "must be a string or a list of text parts ({'type': 'text', 'text': ...})"
+            user = "user" in err["loc"]
+            detail = "must be a string or a list of " + (
+                "text and image_url parts ({'type': 'text', 'text': ...}, "
+                "{'type': 'image_url', 'image_url': {'url': ...}})"
+                if user
+                else "text parts ({'type': 'text', 'text': ...}); images go in user messages"
+            )
+        elif err["type"] == "union_tag_invalid":
+            detail = f"unknown part type (expected 'text' or 'image_url'): {err['msg']}"
+        elif where.endswith(".image_url") and err["type"] == "model_type":
+            detail = "must be an object {'url': 'data:image/png;base64,...' or a file path}"
+        elif where.endswith(".type") and err["type"] == "literal_error":
+            detail = "only text parts here: images go in user messages"
         raise RequestError(f"{where}: {detail}", param=where) from None
 
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from miles.rollout.client import EngineClient
+    from miles.sessions.images import SessionVision
     from miles.sessions.live_check import LiveCheckReport
     from miles.settings.sessions import SessionSettings
 
@@ -83,6 +84,8 @@ class SessionServer(SessionService):
     :param client: the engines (generation goes through :meth:`EngineClient.generate`).
     :param tokenizer: the policy's tokenizer.
     :param context_length: the engines' context length (``settings.context_length`` wins).
+    :param vision: a vision-language policy's image processor and placeholder token (see
+        :class:`~miles.sessions.service.SessionService`).
     :param api_key: the key every request must carry (``Authorization: Bearer``; what an OpenAI client sends
         as its ``api_key``); default the run's, :data:`~miles.auth.API_KEY_ENV`. Needed to listen beyond
         loopback.
@@ -97,8 +100,9 @@ class SessionServer(SessionService):
         *,
         context_length: int | None = None,
         api_key: str | None = None,
+        vision: SessionVision | None = None,
     ) -> None:
-        super().__init__(client, tokenizer, settings, context_length=context_length)
+        super().__init__(client, tokenizer, settings, context_length=context_length, vision=vision)
         self.ready = False
         self.live: LiveCheckReport | None = None
         self.keys = ServiceKeys(api_key or ServiceKeys.from_env().api_key)

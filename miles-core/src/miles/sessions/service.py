@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from miles.errors import EngineError, SettingsError
 from miles.rollout.protocol import SamplingParams
-from miles.sessions.append_only import TemplateReport, check_append_only
+from miles.sessions.append_only import IMAGE_PROBES, PROBES, TemplateReport, check_append_only
+from miles.sessions.images import SessionVision, read_image_parts
 from miles.sessions.messages import template_messages, tools_key
 from miles.sessions.parsers import choose_parsers
 from miles.sessions.schema import RequestError, completion, parse_chat_request
@@ -58,6 +59,8 @@ class SessionService:
     :param client: the engines (generation goes through :meth:`EngineClient.generate`).
     :param tokenizer: the policy's tokenizer.
     :param context_length: the engines' context length (``settings.context_length`` wins).
+    :param vision: a vision-language policy's image processor and placeholder token (user messages may then
+        hold image parts, :mod:`miles.sessions.images`); ``None``: a text policy, which refuses them.
     :raises TemplateNotAppendOnly: the chat template fails the CPU render check.
     """
 
@@ -68,6 +71,7 @@ class SessionService:
         settings: SessionSettings | None = None,
         *,
         context_length: int | None = None,
+        vision: SessionVision | None = None,
     ) -> None:
         self.client = client
         self.settings = settings = settings or SessionSettings()
@@ -79,9 +83,12 @@ class SessionService:
             template_kwargs=settings.chat_template_kwargs,
             end_tokens=settings.end_tokens,
         )
-        self.report = check_append_only(self.renderer)
+        self.vision = vision
+        self.report = check_append_only(self.renderer, PROBES + IMAGE_PROBES if vision is not None else PROBES)
         if not self.report.ok:
             raise TemplateNotAppendOnly(self.report)
+        if vision is not None:
+            vision.check_template(self.renderer)
         log.info("%s", self.report.summary())
         self.tool_parser, self.reasoning_parser = choose_parsers(
             template, settings.tool_parser, settings.reasoning_parser
@@ -95,8 +102,11 @@ class SessionService:
 
     @classmethod
     async def for_engines(cls: type[_S], client: EngineClient, settings: SessionSettings | None = None) -> _S:
-        """A server for the engines behind ``client``, with the tokenizer their ``/model_info`` names."""
+        """A server for the engines behind ``client``, with the tokenizer their ``/model_info`` names (and, for
+        a vision-language model, its image processor)."""
         from transformers import AutoTokenizer
+
+        from miles.data.vision import is_vision_model
 
         info = (await client.model_info())[0]
         path = info.get("tokenizer_path") or info.get("model_path")
@@ -104,7 +114,12 @@ class SessionService:
             raise SettingsError("rollout.sessions: the engine's /model_info names no tokenizer_path")
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
         context = info.get("context_length")
-        return cls(client, tokenizer, settings, context_length=int(context) if context else None)
+        model = info.get("model_path") or path
+        vision = None
+        if is_vision_model(model):
+            limit = (settings or SessionSettings()).max_image_pixels
+            vision = await asyncio.to_thread(SessionVision.for_model, model, max_image_pixels=limit)
+        return cls(client, tokenizer, settings, context_length=int(context) if context else None, vision=vision)
 
     # -- sessions ----------------------------------------------------------------------------------
     def create_session(
@@ -125,6 +140,7 @@ class SessionService:
             metadata=metadata,
             tool_parser=self.tool_parser,
             reasoning_parser=self.reasoning_parser,
+            image_token_id=self.vision.image_token_id if self.vision is not None else None,
         )
         self.sessions[sid] = session
         return session
@@ -146,7 +162,14 @@ class SessionService:
         """Serve one chat-completions request of a session (raises :class:`RequestError`)."""
         session = self.get(session_id)
         request = parse_chat_request(body)
-        messages = template_messages(request.message_dicts())
+        raw, images = read_image_parts(request.message_dicts())
+        if images and self.vision is None:
+            raise RequestError(
+                f"{images[0].where}: the policy is not a vision-language model (its config has no vision_config); "
+                "image parts need one",
+                param=images[0].where,
+            )
+        messages = template_messages(raw)
         tools = list(body["tools"]) if request.tools else None
         kwargs = request.chat_template_kwargs or {}
         key = tools_key(tools, kwargs)
@@ -170,6 +193,10 @@ class SessionService:
                 ) from None
             except TemplateRenderError as exc:
                 raise RequestError(f"messages: {exc}", param="messages") from None
+            first_new = len(messages) - len(new)
+            new_images = [image for image in images if image.message >= first_new]
+            if self.vision is not None:  # each placeholder made the image's token count (images checked)
+                append = self.vision.expand(append, new_images, first_new=first_new)
             prompt = (parent.sequence() if parent is not None else []) + append
             room = self.context_length - len(prompt)
             if room < 1:
@@ -186,9 +213,18 @@ class SessionService:
                     cached_tokens=0,
                     extra={"session_id": session.id, "turn": None, "branch": branch, "reason": reason},
                 )
-            turn = session.add_turn(parent, new, key=key, prompt_ids=append, template_ids=template_ids, branch=branch)
+            session.images.update((image.digest, SessionVision.data_url(image)) for image in new_images)
+            turn = session.add_turn(
+                parent,
+                new,
+                key=key,
+                prompt_ids=append,
+                template_ids=template_ids,
+                branch=branch,
+                images=[image.digest for image in new_images],
+            )
             try:
-                output = await self._generate(session, request, prompt, room)
+                output = await self._generate(session, request, prompt, room, turn)
             except BaseException:
                 session.discard(turn)
                 if branch:
@@ -214,8 +250,14 @@ class SessionService:
             sampling_seed=seed,
         )
 
-    async def _generate(self, session: Session, request: Any, prompt: list[int], room: int) -> GenerateOutput:
+    async def _generate(
+        self, session: Session, request: Any, prompt: list[int], room: int, turn: Turn
+    ) -> GenerateOutput:
         params = self._params(session, request, room, len(session.turns) - 1)
+        images = session.image_data(turn)
+        extra: dict[str, Any] = {"image_data": images} if images else {}  # (a plugin's client may not take it)
+        if self.vision is not None:  # SGLang's form: one placeholder per image, expanded by the engine
+            prompt = self.vision.engine_prompt(prompt, len(images))
         try:
             outputs = await self.client.generate(
                 prompt,
@@ -223,6 +265,7 @@ class SessionService:
                 return_logprob=True,
                 return_routed_experts=self.settings.return_routed_experts,
                 routing_key=session.routing_key if self.settings.affinity else None,
+                **extra,
             )
         except EngineError as exc:
             raise RequestError(f"engine: {exc}", status=502, kind="engine_error") from None
@@ -266,7 +309,8 @@ class SessionService:
         )
 
     def info(self) -> dict[str, Any]:
-        """What ``GET /info`` answers: the template, its checks, the parsers, the context length."""
+        """What ``GET /info`` answers: the template, its checks, the parsers, the context length, whether user
+        messages may hold images."""
         return {
             "template": self.renderer.name,
             "append_only": {"ok": self.report.ok, "summary": self.report.summary(), "skipped": self.report.skipped},
@@ -274,5 +318,6 @@ class SessionService:
             "tool_parser": self.tool_parser,
             "reasoning_parser": self.reasoning_parser,
             "context_length": self.context_length,
+            "images": self.vision is not None,
             "sessions": len(self.sessions),
         }

@@ -8,7 +8,9 @@ the first token for token (else :class:`AppendOnlyViolation`), and what it adds 
 template's closing of the parent's reply (``\\n`` after ``<|im_end|>``) — to the stored tokens, whose
 model part stays exactly as sampled. A request whose parent already has a reply of its own (an edited
 or dropped message, a retried turn) starts a new branch; every root-to-leaf path is one trajectory
-(:meth:`Session.sample`).
+(:meth:`Session.sample`). A vision-language policy's images are part of their messages (by digest) and of the
+turn that brought them; a trajectory's sample carries its images in placeholder order
+(:mod:`miles.sessions.images`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class Turn:
     """Sampling-mask replay (``rollout.replay_sampling_mask``): each output token's kept set under top-k /
     top-p, and ``behaviour`` its logprob under that set renormalised (what the engine sampled from)."""
     behaviour: list[float] | None = None
+    images: list[str] = field(default_factory=list)
+    """Digests of the images of :attr:`messages`, in placeholder order (:mod:`miles.sessions.images`)."""
     cached_tokens: int = 0
     children: list[Turn] = field(default_factory=list)
     truncated: str = ""
@@ -135,8 +139,13 @@ class Session:
         metadata: dict[str, Any] | None = None,
         tool_parser: ToolParser = "hermes",
         reasoning_parser: ReasoningParser = "none",
+        image_token_id: int | None = None,
     ) -> None:
         self.id = session_id
+        self.image_token_id = image_token_id
+        """A vision-language policy's image placeholder token (``None``: a text policy)."""
+        self.images: dict[str, str] = {}
+        """Every image of the session as a ``data:`` URL, by digest."""
         self.renderer = renderer
         self.tool_parser: ToolParser = tool_parser
         self.reasoning_parser: ReasoningParser = reasoning_parser
@@ -225,11 +234,14 @@ class Session:
         prompt_ids: list[int],
         template_ids: list[int],
         branch: bool,
+        images: Sequence[str] = (),
     ) -> Turn:
-        """Record a turn whose prompt is about to be generated from (its outputs are filled in after)."""
+        """Record a turn whose prompt is about to be generated from (its outputs are filled in after);
+        ``images``: the digests of the new messages' images (in :attr:`images` already)."""
         turn = Turn(
             next(_ids), parent, key, list(new), prompt_ids, template_ids, parent.end if parent is not None else 0
         )
+        turn.images = list(images)
         (parent.children if parent is not None else self.roots).append(turn)
         self.turns.append(turn)
         self.latest = turn
@@ -283,6 +295,10 @@ class Session:
         if self.latest is turn:
             self.latest = self.turns[-1] if self.turns else None
 
+    def image_data(self, turn: Turn) -> list[str]:
+        """The images of the conversation through ``turn``'s prompt, in placeholder order (``data:`` URLs)."""
+        return [self.images[d] for t in turn.path() for d in t.images]
+
     # -- samples -----------------------------------------------------------------------------------
     def leaves(self) -> list[Turn]:
         return [t for t in self.turns if not t.children]
@@ -320,6 +336,10 @@ class Session:
         else:
             status, reason = SampleStatus.COMPLETED, ""
         routed, shape = self._routed(path)
+        images = self.image_data(leaf)
+        vision: dict[str, Any] = {}
+        if self.image_token_id is not None:  # what the trainer reads (miles.training.vision): the episode's
+            vision = {"images": images, "image_token_id": self.image_token_id}  # images, not its data row's
         prompt_lengths = [t.start + len(t.prompt_ids) for t in path]
         info = {
             "id": self.id,
@@ -356,6 +376,7 @@ class Session:
                 "messages": leaf.history(),
                 "cached_tokens": first.cached_tokens,
                 "prompt_tokens": len(first.prompt_ids),
+                **vision,
             },
         )
 

@@ -53,5 +53,8 @@ class SessionSettings(BaseModel):
     affinity: bool = True
     """Route every turn of a session to one engine (consistent hashing on its routing key) so its
     history stays in that engine's prefix cache; false: the least-loaded engine per turn."""
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """A vision-language policy: the most pixels (width x height) an image of a request may have, checked
+    before decoding (a larger one is a 400 naming the message and part)."""
     max_sessions: int = Field(100_000, ge=1)
     """Open sessions at most (a create beyond answers 503)."""

@@ -61,11 +61,18 @@ def build_vl_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def _mrope_section(head_dim: int) -> list[int]:
+    """M-RoPE's temporal / height / width split of a head's rotary pairs (Qwen2-VL's 16/24/24 of 64, scaled)."""
+    pairs = head_dim // 2
+    third = pairs * 3 // 8
+    return [pairs - 2 * third, third, third]
+
+
 def tiny_vl_config(
     tokenizer: PreTrainedTokenizerFast, *, arch: VLArch = "qwen2_vl", hidden_size: int = 64, num_layers: int = 2
 ) -> Any:
-    """A Qwen2-VL (or Qwen2.5-VL) config: a 2-layer text model (4 heads of 16, 2 KV heads, M-RoPE sections
-    2/3/3) and a 2-block vision tower (14-pixel patches, 2x2 merge) whose merger outputs the text width
+    """A Qwen2-VL (or Qwen2.5-VL) config: a 2-layer text model (4 heads of ``hidden_size / 4``, 2 KV heads,
+    M-RoPE sections 2/3/3 for heads of 16) and a 2-block vision tower (14-pixel patches, 2x2 merge) whose merger outputs the text width
     (Qwen2.5-VL: windowed attention in the first block, full in the second)."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
@@ -79,7 +86,11 @@ def tiny_vl_config(
         intermediate_size=2 * hidden_size,
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": _mrope_section(hidden_size // 4),
+        },
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -122,12 +133,14 @@ def build_tiny_vlm(
     dtype: str = "float32",
     min_pixels: int = 28 * 28,
     max_pixels: int = 112 * 112,
+    hidden_size: int = 64,
 ) -> Path:
     """Build a random tiny Qwen2-VL (``arch``: or Qwen2.5-VL) with its tokenizer and image processor; save them
     under ``path``.
 
     Deterministic given ``seed``. Images are resized to between ``min_pixels`` and ``max_pixels`` (a 56x56
-    image is a 4x4 patch grid: 4 placeholder tokens). Returns the directory.
+    image is a 4x4 patch grid: 4 placeholder tokens). ``hidden_size`` 128 gives heads of 32 (what SGLang's CPU
+    attention kernels need). Returns the directory.
     """
     import torch
     from transformers import AutoModelForImageTextToText
@@ -136,7 +149,7 @@ def build_tiny_vlm(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_vl_tokenizer()
-    config = tiny_vl_config(tokenizer, arch=arch)
+    config = tiny_vl_config(tokenizer, arch=arch, hidden_size=hidden_size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).to(getattr(torch, dtype))
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -9,10 +9,12 @@ policy's image processor into the batch's :attr:`~miles.training.batch.TrainBatc
 holds image placeholders but that carries no images is refused, naming its row: a vision-language model
 trained on placeholders without their images would look healthy and learn nothing about the images.
 
-Only the prompt's placeholders take image features: the response is what the policy sampled (a placeholder
-token it sampled is an ordinary token there, as in the engine), and loss masks cover response tokens only,
-so image placeholders never enter the loss. :func:`mrope_positions` gives a packed row the positions the
-engine used: M-RoPE over each prompt (the model's own ``get_rope_index``), then ``position + rope_delta``.
+The placeholders that take image features are the prompt's and, in a multi-turn session's sample, those of
+the response tokens no engine request sampled (a later user turn's images: outside
+:attr:`~miles.types.Sample.request_spans`, loss mask 0). A placeholder token the policy sampled is an ordinary
+token, as it was in the engine, and loss masks cover sampled tokens only, so image placeholders never enter
+the loss. :func:`mrope_positions` gives a packed row the positions the engine used: M-RoPE through the last
+image (the model's own ``get_rope_index``), then ``position + rope_delta``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from miles.training.batch import TrainBatch
     from miles.types import Sample
 
-__all__ = ["attach_images", "image_rows", "mrope_positions", "prompt_image_mask"]
+__all__ = ["attach_images", "image_placeholders", "image_rows", "mrope_positions", "placeholder_count"]
 
 
 @functools.cache
@@ -43,6 +45,18 @@ def _vision_of(model_path: str) -> tuple[Any, int, int]:
     config = json.loads((Path(model_path) / "config.json").read_text())
     merge = int(config.get("vision_config", {}).get("spatial_merge_size", 2))
     return load_image_processor(model_path), int(config["image_token_id"]), merge
+
+
+def placeholder_count(sample: Sample, token_id: int) -> int:
+    """Image placeholders of ``sample``: its prompt's, and its response's outside the policy's request spans
+    (a multi-turn session's later user turns)."""
+    count = sum(1 for t in sample.prompt_ids if t == token_id)
+    end = 0
+    for start, stop in [*sample.request_spans, (sample.response_length, sample.response_length)]:
+        if sample.request_spans:
+            count += sum(1 for t in sample.response_ids[end:start] if t == token_id)
+        end = stop
+    return count
 
 
 def attach_images(batch: TrainBatch, samples: Sequence[Sample], model_path: str, *, image_key: str = "images") -> None:
@@ -63,7 +77,7 @@ def attach_images(batch: TrainBatch, samples: Sequence[Sample], model_path: str,
     for i, sample in enumerate(samples):
         where = str(sample.metadata.get("source") or f"sample {i} (group {sample.group_id})")
         refs = sample.metadata.get(image_key) or []
-        placeholders = sum(1 for t in sample.prompt_ids if t == token_id)
+        placeholders = placeholder_count(sample, token_id)
         if not refs:
             if placeholders:
                 raise DataError(
@@ -103,43 +117,45 @@ def image_rows(batch: TrainBatch, indices: Sequence[int]) -> tuple[torch.Tensor,
     return batch.pixel_values[patches], batch.image_grid_thw[images]
 
 
+def image_placeholders(
+    tokens: torch.Tensor, prompt_length: int, requests: torch.Tensor | None, image_token_id: int
+) -> torch.Tensor:
+    """``[L]`` bool: the placeholders of one sequence that take image features: the prompt's, and the
+    response's that no request sampled (``requests``: its :data:`~miles.training.request_spans.REQUEST_INDEX`
+    row, ``-1`` where no request sampled; ``None``: one request sampled the whole response)."""
+    mask = tokens == image_token_id
+    if requests is None:
+        mask[prompt_length:] = False
+    else:
+        mask[prompt_length:] &= requests.to(mask.device) < 0
+    return mask
+
+
 def mrope_positions(
     rope_index: Any,
     sequences: Sequence[torch.Tensor],
     prompt_lengths: Sequence[int],
     grids: Sequence[torch.Tensor | None],
-    image_token_id: int,
+    placeholders: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """``[4, 1, L]`` positions of a packed row of ``sequences``: row 0 each sequence's own positions (the
     attention's packing layout), rows 1-3 its M-RoPE positions (``rope_index``: the model's
-    ``get_rope_index``; the prompt's images ``grids[i]``, ``None`` without)."""
+    ``get_rope_index``, over the prompt or through the last image placeholder if later; the images
+    ``grids[i]``, ``None`` without; ``placeholders[i]``: :func:`image_placeholders`)."""
     import torch
 
     rows = []
-    for tokens, prompt, grid in zip(sequences, prompt_lengths, grids, strict=True):
+    for tokens, prompt, grid, mask in zip(sequences, prompt_lengths, grids, placeholders, strict=True):
         n = tokens.numel()
         plain = torch.arange(n, dtype=torch.long)
         if grid is None:
             rows.append(torch.stack([plain] * 4))
             continue
-        ids = tokens[:prompt].reshape(1, -1).long()
-        types = (ids == image_token_id).to(torch.int32)
+        found = mask.nonzero()
+        upto = max(prompt, int(found[-1]) + 1 if found.numel() else 0)
+        ids = tokens[:upto].reshape(1, -1).long()
+        types = mask[:upto].reshape(1, -1).to(torch.int32)
         rope, delta = rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid)
-        tail = (torch.arange(prompt, n, dtype=torch.long) + int(delta.reshape(-1)[0]))[None].expand(3, -1)
+        tail = (torch.arange(upto, n, dtype=torch.long) + int(delta.reshape(-1)[0]))[None].expand(3, -1)
         rows.append(torch.cat([plain[None], torch.cat([rope[:, 0].cpu(), tail], dim=1)]))
     return torch.cat(rows, dim=1)[:, None]
-
-
-def prompt_image_mask(
-    sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int], image_token_id: int
-) -> torch.Tensor:
-    """``[1, L]`` bool: the prompts' image placeholders of a packed row (what takes image features; a
-    placeholder token in a response is an ordinary token)."""
-    import torch
-
-    parts = []
-    for tokens, prompt in zip(sequences, prompt_lengths, strict=True):
-        mask = tokens == image_token_id
-        mask[prompt:] = False
-        parts.append(mask)
-    return torch.cat(parts)[None]

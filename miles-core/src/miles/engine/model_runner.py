@@ -29,6 +29,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles.engine.invariant import attention as invariant_attention
+from miles.engine.invariant import linear as invariant_linear
+from miles.engine.invariant import rms_norm as invariant_rms_norm
+from miles.engine.invariant import silu as invariant_silu
 from miles.engine.lora import GATE_UP, QKV
 from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, module_name, place_images
 from miles.engine.options import ATTENTION_BACKENDS
@@ -60,6 +64,7 @@ class ModelRunner:
         dtype: str = "float32",
         attention_backend: str = "auto",
         quantization: str | None = None,
+        invariant: bool = False,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -91,6 +96,9 @@ class ModelRunner:
         self.config = config
         self.dtype = next(self.model.parameters()).dtype
         self.pack_weights = self.device.type == "cpu" and _packing_works(self.dtype)
+        self.invariant = invariant and self._invariant_works(quantization)
+        """Compute with the batch-invariant ops (:mod:`miles.engine.invariant`; deterministic inference on CPU):
+        a row's numbers do not depend on the batch, and are those of the trainer's true on-policy forward."""
         if quantization is not None:  # projections hold and compute with the pushed low-precision weights
             from miles.engine.quantized import quantize_model
 
@@ -126,14 +134,18 @@ class ModelRunner:
         self._dequantized_qkv: list[tuple[Any, ...] | None] = []
         """Per layer: q/k/v as quantized projections that dequantize (one prepacked matmul for the three)."""
         self._dequantized_gate_up: list[tuple[Any, ...] | None] = []
-        self._fuse_projections()
+        if not self.invariant:  # (invariant: each projection alone, as the trainer's forward computes it)
+            self._fuse_projections()
+        else:
+            self._fused_qkv = self._dequantized_qkv = [None] * len(self.layers)  # type: ignore[assignment]
+            self._fused_mlp = self._dequantized_gate_up = [None] * len(self.layers)  # type: ignore[assignment]
         from miles.engine.lora import EngineLoras
 
         self.lora = EngineLoras(self)
         """LoRA adapters served over this base model, applied per batch row (:mod:`miles.engine.lora`)."""
         self.attention_backend = self._decode_attention_backend(attention_backend)
         self._ops: Any = None  # Miles' CPU kernels for the fused norm and rotary steps
-        if self.attention_backend == "miles_cpu" and self.dtype in (torch.bfloat16, torch.float32):
+        if self.attention_backend == "miles_cpu" and self.dtype in (torch.bfloat16, torch.float32) and not invariant:
             from miles.engine.cpu_kernels import load
 
             self._ops = load()
@@ -152,6 +164,25 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ helpers
+    def _invariant_works(self, quantization: str | None) -> bool:
+        """Whether the batch-invariant ops can serve this model here (else deterministic inference falls back
+        to one request per forward, and says why)."""
+        from miles.engine.invariant import invariance_problem
+
+        text = self.config.get_text_config()
+        reason = None
+        if self.device.type != "cpu":
+            reason = f"they run on CPU only (the engine runs on {self.device})"
+        elif quantization is not None or self.is_vision:
+            reason = "quantized projections and vision-language models are not covered"
+        elif getattr(text, "hidden_act", "silu") != "silu":
+            reason = f"the activation {text.hidden_act!r} is not covered (silu is)"
+        else:
+            reason = invariance_problem()
+        if reason is not None:
+            log.warning("deterministic inference without the batch-invariant ops: %s", reason)
+        return reason is None
+
     def _decode_attention_backend(self, wanted: str) -> str:
         """``sdpa`` or ``miles_cpu`` (:mod:`miles.engine.cpu_kernels`) for decode steps; ``auto`` takes the
         CPU kernel on CPU where it builds and supports the model, SDPA otherwise."""
@@ -242,13 +273,22 @@ class ModelRunner:
         """``F.linear(x, weight, bias)``, on a prepacked weight when packing is on (``sources``: the
         parameters ``weight`` is built from, whose versions say when to repack)."""
         if not self.pack_weights:
-            return F.linear(x, weight, bias)
+            return invariant_linear(x, weight, bias) if self.invariant else F.linear(x, weight, bias)
         versions = tuple(p._version for p in sources)
         entry = self._packed.get(key)
         if entry is None or entry[0] != versions:
             entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH))
             self._packed[key] = entry
+        if self.invariant:  # the packed weight gives the plain one's bits (:mod:`miles.engine.invariant`)
+            return invariant_linear(x, entry[1], bias)
         return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+
+    def _proj(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        """A projection module's output: through :meth:`_linear` (``invariant``) or its own forward."""
+        if self.invariant and plain_linear(module):
+            return self._linear(f"p{id(module)}", x, module.weight, module.bias, (module.weight,))
+        out: torch.Tensor = module(x)
+        return out
 
     def _with_lora(self, y: torch.Tensor, layer: int, modules: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
         """``y`` plus the LoRA adapters' addition of each row that has one (``y`` itself when none does)."""
@@ -355,7 +395,16 @@ class ModelRunner:
             return x, self._ops.rms_norm(x, delta, norm.weight, norm.variance_epsilon)
         if delta is not None:
             x = x + delta
+        if self.invariant and type(norm).__name__ in _RMS_NORMS:
+            return x, invariant_rms_norm(x, norm.weight, norm.variance_epsilon)
         return x, norm(x)
+
+    def _head_norm(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head q / k norm."""
+        if self.invariant and type(norm).__name__ in _RMS_NORMS:
+            return invariant_rms_norm(x, norm.weight, norm.variance_epsilon)
+        out: torch.Tensor = norm(x)
+        return out
 
     def _layers(
         self,
@@ -376,7 +425,7 @@ class ModelRunner:
             if fused is None and dequantized is not None:
                 qkv = self._dequantized_linear(f"qkv{i}", h, dequantized)
             elif fused is None:
-                qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+                qkv = torch.cat([self._proj(attn.q_proj, h), self._proj(attn.k_proj, h), self._proj(attn.v_proj, h)], -1)
             else:
                 sources = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
                 qkv = self._linear(f"qkv{i}", h, fused[0], fused[1], sources)
@@ -385,8 +434,8 @@ class ModelRunner:
             heads = self.num_heads
             if hasattr(attn, "q_norm"):
                 q, k = (
-                    self._rotate(attn.q_norm(qkv[:, :, :heads]), cos, sin),
-                    self._rotate(attn.k_norm(qkv[:, :, heads : heads + self.num_kv_heads]), cos, sin),
+                    self._rotate(self._head_norm(attn.q_norm, qkv[:, :, :heads]), cos, sin),
+                    self._rotate(self._head_norm(attn.k_norm, qkv[:, :, heads : heads + self.num_kv_heads]), cos, sin),
                 )
             else:  # queries and keys rotated in one go
                 qk = self._rotate(qkv[:, :, : heads + self.num_kv_heads], cos, sin)
@@ -398,7 +447,11 @@ class ModelRunner:
             delta = self._with_lora(o_out, i, ("o_proj",), attn_out)
             x, h = self._norm(layer.post_attention_layernorm, x, delta)
             gate_up, dequantized = self._fused_mlp[i], self._dequantized_gate_up[i]
-            if gate_up is None and dequantized is None:
+            if gate_up is None and dequantized is None and self.invariant and hasattr(layer.mlp, "gate_proj"):
+                mlp = layer.mlp  # a dense MLP, projection by projection, with the invariant SiLU
+                act = invariant_silu(self._proj(mlp.gate_proj, h)) * self._proj(mlp.up_proj, h)
+                delta = self._proj(mlp.down_proj, act)
+            elif gate_up is None and dequantized is None:
                 delta = layer.mlp(h)
             else:
                 mlp = layer.mlp
@@ -461,6 +514,8 @@ class ModelRunner:
             self.v[i][rows, :, positions] = v.transpose(1, 2)
             keys = self.k[i, slots, :, :span]
             values = self.v[i, slots, :, :span]
+            if self.invariant:
+                return invariant_attention(q, keys, values, positions, self.scaling)
             return F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True
             )
@@ -497,12 +552,12 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = torch.arange(first_slot, first_slot + b, device=self.device)
-        kernel = self.attention_backend == "miles_cpu"
+        kernel = self.attention_backend == "miles_cpu" and not self.invariant
         if kernel:
             from miles.engine.cpu_kernels import decode_attention
         # SDPA: no mask when every request attends over the same span (uniform lengths); else an additive one
         mask = None
-        if not kernel and min(positions) != longest - 1:
+        if not kernel and not self.invariant and min(positions) != longest - 1:
             mask = self._additive(
                 (torch.arange(longest, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
             )
@@ -517,6 +572,8 @@ class ModelRunner:
             self.v[i, rows, :, pos] = v[:, :, 0]
             keys = self.k[i, first_slot : first_slot + b, :, :longest]
             values = self.v[i, first_slot : first_slot + b, :, :longest]
+            if self.invariant:
+                return invariant_attention(q, keys, values, pos[:, None], self.scaling)
             # grouped-query attention without repeating K/V: a head group is a query block
             qg = q.reshape(b, self.num_kv_heads, g, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)

@@ -44,7 +44,7 @@ def load_runner(
     """
     from miles.engine.model_runner import ModelRunner
 
-    return ModelRunner(model_path, device=device, dtype=dtype, attention_backend=attention_backend)
+    return ModelRunner(model_path, device=device, dtype=dtype, attention_backend=attention_backend, invariant=True)
 
 
 def _chunk_size() -> int:

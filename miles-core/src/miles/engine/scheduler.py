@@ -374,7 +374,7 @@ class Scheduler:
                 sizes = [min(p.need - p.done, _CHUNK) for _, p in [*group, item]]
                 padded = max(sizes) * len(sizes)
                 if (
-                    self.config.deterministic  # one request per forward
+                    self._one_per_forward  # deterministic without the batch-invariant ops
                     or item[0] != group[-1][0] + 1
                     or padded > 1.25 * sum(sizes)
                     or padded > _BATCH_TOKENS
@@ -438,7 +438,7 @@ class Scheduler:
         """Logits ``[B, vocab]`` (and routed experts) of the next token of every running request: one
         batched forward, or one forward per request in deterministic mode."""
         lora = self.runner.lora
-        if not self.config.deterministic:
+        if not self._one_per_forward:
             lora.set_rows([r.lora_name for r in running])
             deltas = [r.rope_delta for r in running]
             return self.runner.decode([r.last_token for r in running], [r.kv_len for r in running], rope_deltas=deltas)
@@ -455,7 +455,7 @@ class Scheduler:
         """One token per running request, with its logprobs and, where asked, its kept set."""
         kept: list[KeptSet | None] = []
         masks = [r.return_sampling_mask for r in running]
-        if not self.config.deterministic:
+        if not self._one_per_forward:  # (sampling is row by row: batch-invariant given invariant logits)
             configs, generators = [r.config for r in running], [r.generator for r in running]
             ids, logprobs, raws = sample_rows(logits, configs, generators, banned, kept=kept, masks=masks)
             return ids, logprobs, raws, kept
@@ -468,6 +468,11 @@ class Scheduler:
             logprobs += one[1]
             raws += one[2]
         return ids, logprobs, raws, kept
+
+    @property
+    def _one_per_forward(self) -> bool:
+        """Deterministic inference where the model's ops are not batch-invariant: each request alone."""
+        return self.config.deterministic and not getattr(self.runner, "invariant", False)
 
     def _decode_step(self) -> None:
         running = self.running

@@ -49,6 +49,7 @@ __all__ = [
     "MIN_QUERIES",
     "MIN_ROWS",
     "attention",
+    "engine_unsupported",
     "invariance_problem",
     "linear",
     "rms_norm",
@@ -174,6 +175,26 @@ def attention(
     return out.reshape(b, heads, rows, dim)[:, :, :n]
 
 
+def engine_unsupported(
+    config: Any, device: torch.device, dtype: torch.dtype, *, quantization: str | None
+) -> str | None:
+    """Why the local engine cannot compute this model with these ops, or ``None``: they cover dense decoders
+    with SiLU MLPs and RMSNorms in float32 on CPU (MoE expert blocks, vision towers, quantized projections and
+    bfloat16 are not covered yet)."""
+    text = config.get_text_config()
+    if device.type != "cpu":
+        return f"they run on CPU only (the engine runs on {device})"
+    if dtype != torch.float32:
+        return f"they cover float32 (the engine serves {dtype})"
+    if quantization is not None or getattr(config, "vision_config", None) is not None:
+        return "quantized projections and vision-language models are not covered"
+    if getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0):
+        return "MoE expert blocks are not covered"
+    if getattr(text, "hidden_act", "silu") != "silu":
+        return f"the activation {text.hidden_act!r} is not covered (silu is)"
+    return invariance_problem()
+
+
 @functools.cache
 def invariance_problem() -> str | None:
     """``None`` when this machine's GEMM and batched matmul give a row the same bits whatever the row count and
@@ -193,7 +214,9 @@ def invariance_problem() -> str | None:
     pos = torch.arange(40)[None]
     whole = attention(q, kv, kv, pos, 0.25, chunk=16)
     for at in (0, 5, 39):
-        one = attention(q[:, :, at : at + 1], kv[:, :, : at + 1], kv[:, :, : at + 1], pos[:, at : at + 1], 0.25, chunk=16)
+        one = attention(
+            q[:, :, at : at + 1], kv[:, :, : at + 1], kv[:, :, : at + 1], pos[:, at : at + 1], 0.25, chunk=16
+        )
         if not torch.equal(one, whole[:, :, at : at + 1]):
             return f"the batched matmul gives a query other bits alone than in a prefill (position {at})"
     return None

@@ -34,7 +34,7 @@ from miles.engine.invariant import linear as invariant_linear
 from miles.engine.invariant import rms_norm as invariant_rms_norm
 from miles.engine.invariant import silu as invariant_silu
 from miles.engine.lora import GATE_UP, QKV
-from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, module_name, place_images
+from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, place_images
 from miles.engine.options import ATTENTION_BACKENDS
 from miles.engine.packing import PACK_BATCH, plain_linear
 from miles.engine.packing import packing_works as _packing_works
@@ -134,16 +134,14 @@ class ModelRunner:
         self._dequantized_qkv: list[tuple[Any, ...] | None] = []
         """Per layer: q/k/v as quantized projections that dequantize (one prepacked matmul for the three)."""
         self._dequantized_gate_up: list[tuple[Any, ...] | None] = []
-        if not self.invariant:  # (invariant: each projection alone, as the trainer's forward computes it)
-            self._fuse_projections()
-        else:
-            self._fused_qkv = self._dequantized_qkv = [None] * len(self.layers)  # type: ignore[assignment]
-            self._fused_mlp = self._dequantized_gate_up = [None] * len(self.layers)  # type: ignore[assignment]
+        self._fuse_projections()
         from miles.engine.lora import EngineLoras
 
         self.lora = EngineLoras(self)
         """LoRA adapters served over this base model, applied per batch row (:mod:`miles.engine.lora`)."""
-        self.attention_backend = self._decode_attention_backend(attention_backend)
+        from miles.engine.cpu_kernels import resolve_attention_backend
+
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device, self.group, self.head_dim)
         self._ops: Any = None  # Miles' CPU kernels for the fused norm and rotary steps
         if self.attention_backend == "miles_cpu" and self.dtype in (torch.bfloat16, torch.float32) and not invariant:
             from miles.engine.cpu_kernels import load
@@ -165,48 +163,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ helpers
     def _invariant_works(self, quantization: str | None) -> bool:
-        """Whether the batch-invariant ops can serve this model here (else deterministic inference falls back
-        to one request per forward, and says why)."""
-        from miles.engine.invariant import invariance_problem
+        """Whether the batch-invariant ops serve this model here (else deterministic inference runs each request
+        alone on the usual kernels, and says why)."""
+        from miles.engine.invariant import engine_unsupported
 
-        text = self.config.get_text_config()
-        reason = None
-        if self.device.type != "cpu":
-            reason = f"they run on CPU only (the engine runs on {self.device})"
-        elif quantization is not None or self.is_vision:
-            reason = "quantized projections and vision-language models are not covered"
-        elif getattr(text, "hidden_act", "silu") != "silu":
-            reason = f"the activation {text.hidden_act!r} is not covered (silu is)"
-        else:
-            reason = invariance_problem()
+        reason = engine_unsupported(self.config, self.device, self.dtype, quantization=quantization)
         if reason is not None:
             log.warning("deterministic inference without the batch-invariant ops: %s", reason)
         return reason is None
-
-    def _decode_attention_backend(self, wanted: str) -> str:
-        """``sdpa`` or ``miles_cpu`` (:mod:`miles.engine.cpu_kernels`) for decode steps; ``auto`` takes the
-        CPU kernel on CPU where it builds and supports the model, SDPA otherwise."""
-        if wanted == "sdpa":
-            return "sdpa"
-        from miles.engine.cpu_kernels import MAX_GROUP, MAX_HEAD_DIM, KernelUnavailable, load
-
-        reason = None
-        if self.device.type != "cpu":
-            reason = f"it runs on CPU only (the engine runs on {self.device})"
-        elif self.group > MAX_GROUP or self.head_dim > MAX_HEAD_DIM:
-            reason = f"{self.group} query heads per KV head / head_dim {self.head_dim} are beyond what it supports"
-        else:
-            try:
-                load()
-            except KernelUnavailable as exc:
-                reason = str(exc)
-        if reason is None:
-            return "miles_cpu"
-        if wanted == "miles_cpu":
-            raise ValueError(f"attention_backend 'miles_cpu': {reason}")
-        if self.device.type == "cpu":
-            log.warning("running PyTorch ops (SDPA) instead of Miles' CPU kernels: %s", reason)
-        return "sdpa"
 
     @property
     def is_moe(self) -> bool:
@@ -232,8 +196,8 @@ class ModelRunner:
                 offset += size
             return weight, bias
 
-        def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused
-            return all(plain_linear(m) for m in modules)
+        def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused; invariant: each
+            return not self.invariant and all(plain_linear(m) for m in modules)  # alone, as the trainer computes
 
         def dequantized(*modules: Any) -> tuple[Any, ...] | None:
             """``modules`` if all are quantized projections computing on dequantized, prepacked weights."""
@@ -425,7 +389,9 @@ class ModelRunner:
             if fused is None and dequantized is not None:
                 qkv = self._dequantized_linear(f"qkv{i}", h, dequantized)
             elif fused is None:
-                qkv = torch.cat([self._proj(attn.q_proj, h), self._proj(attn.k_proj, h), self._proj(attn.v_proj, h)], -1)
+                qkv = torch.cat(
+                    [self._proj(attn.q_proj, h), self._proj(attn.k_proj, h), self._proj(attn.v_proj, h)], -1
+                )
             else:
                 sources = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
                 qkv = self._linear(f"qkv{i}", h, fused[0], fused[1], sources)
@@ -613,18 +579,9 @@ class ModelRunner:
         Raises ``ValueError`` naming the file and tensor on an unknown name or a shape mismatch, before
         any weight is changed. Returns the number of tensors loaded.
         """
-        from miles.transport.files import map_safetensors
+        from miles.engine.weight_copy import safetensors_tensors
 
-        path = Path(model_path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.exists() for f in files):
-            raise ValueError(f"{path}: no .safetensors files found")
-        named: list[tuple[str, str, torch.Tensor]] = []
-        for file in files:
-            # views of the file's memory map: each tensor is copied once, page cache -> parameter
-            for name, tensor in map_safetensors(file).items():
-                named.append((str(file), name, tensor))
-        return self._copy_in(named)
+        return self._copy_in(safetensors_tensors(model_path))
 
     @torch.no_grad()
     def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], *, source: str = "weights") -> int:
@@ -634,23 +591,10 @@ class ModelRunner:
         return self._copy_in([(source, name, tensor) for name, tensor in tensors])
 
     def _copy_in(self, named: list[tuple[str, str, torch.Tensor]]) -> int:
-        """Check every ``(source, name, tensor)`` against the model, then copy them all in (casting)."""
-        params = dict(self.model.state_dict(keep_vars=True))  # includes tied aliases (lm_head.weight)
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for where, name, tensor in named:
-            target = params.get(name)
-            if target is None and self.is_vision:  # a checkpoint in transformers' saved layout
-                target = params.get(module_name(name))
-            if target is None:
-                raise ValueError(f"{where}: tensor {name!r} is not a parameter of the served model")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                )
-            staged.append((target, tensor))
-        for target, tensor in staged:
-            target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+        from miles.engine.weight_copy import copy_in
+
+        count = copy_in(self.model, named, vision=self.is_vision)
         self.weights_generation += 1
         if getattr(self.config, "tie_word_embeddings", False):
             self.model.tie_weights()
-        return len(staged)
+        return count

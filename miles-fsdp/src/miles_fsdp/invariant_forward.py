@@ -144,10 +144,10 @@ def install_invariant_forward(model: nn.Module) -> int:
     count = 0
     for module in list(model.modules()):
         if type(module) is nn.Linear:
-            module.forward = types.MethodType(_linear_forward, module)  # type: ignore[method-assign]
+            module.forward = types.MethodType(_linear_forward, module)
             count += 1
         elif type(module).__name__ in _RMS_NORMS:
-            module.forward = types.MethodType(_norm_forward, module)  # type: ignore[method-assign]
+            module.forward = types.MethodType(_norm_forward, module)
             count += 1
         elif all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             module.act_fn = InvariantSiLU()

@@ -62,7 +62,7 @@ def true_on_policy_mode(settings: MilesSettings) -> tuple[Literal["invariant", "
     fp32 = settings.precision.name in ("fp32", "auto") and settings.rollout.engine_dtype in ("auto", "float32")
     dtype = torch.float32 if fp32 else torch.bfloat16
     try:
-        config = load_config(settings.train.model_path)
+        config = load_config(settings.train.model_path or "")
     except (OSError, ValueError) as exc:
         return "replay", f"train.model_path: {exc}"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -18,12 +18,12 @@ GEMM kinds on the machine it runs on, and the engine and the trainer refuse to s
   ``F.linear``, changes a row's sum order with the row count and, for some shapes, the thread count.)
 - **Attention** (:func:`attention`): the keys are cut into fixed chunks of :data:`KEY_CHUNK` positions counted
   from position 0; scores per chunk (a batched matmul over the head dim), the exact maximum over all of a
-  query's keys, ``exp``, and per chunk ``P . [V | 1]`` (one matmul gives the chunk's values and its sum of
-  weights), accumulated over the chunks in order 0, 1, 2 ...; positions after the query (and a cache's
+  query's keys, ``exp``, and per chunk ``P . V`` and the sum of ``P``, accumulated over the chunks in order
+  0, 1, 2 ...; positions after the query (and a cache's
   unused tail) weigh exactly 0, so the chunks past a query's position add exact zeros. A query's output is
-  therefore the same in a causal prefill over its whole sequence as in a decode step over its cache. Queries
-  are padded to at least :data:`MIN_QUERIES` per sequence (the batched matmul, like the GEMM, sums a lone
-  row in another order).
+  therefore the same in a causal prefill over its whole sequence as in a decode step over its cache. A
+  lone query row (one query of a model without grouped heads) is padded (the batched matmul, like the GEMM,
+  sums a lone row in another order).
 - **RMSNorm** (:func:`rms_norm`): Hugging Face's formula; the mean of squares reduces each row alone (rows are
   padded as for the GEMM, so a lone long row is never split across threads).
 - **SiLU** (:func:`silu`): ``x / (1 + exp(-x))``. ``F.silu`` computes the tail of a tensor that does not fill
@@ -50,16 +50,18 @@ __all__ = [
     "MIN_ROWS",
     "attention",
     "engine_unsupported",
+    "fusion_exact",
     "invariance_problem",
     "linear",
     "rms_norm",
     "silu",
 ]
 
-MIN_ROWS = 16
-"""Fewest rows a GEMM or a norm is called with (fewer are padded with zero rows)."""
+MIN_ROWS = 2
+"""Fewest rows a GEMM or a norm is called with (a lone row is padded with a zero row: oneDNN's GEMM sums a
+lone row in another order, and a reduction with one output splits it across threads)."""
 MIN_QUERIES = 2
-"""Fewest queries per sequence an attention call computes (fewer are padded)."""
+"""Fewest query rows (queries x heads per KV head) per sequence an attention call computes (fewer are padded)."""
 KEY_CHUNK = 64
 """Key positions per attention chunk: the unit of the attention's fixed summation order."""
 
@@ -148,7 +150,7 @@ def attention(
     b, heads, n, dim = q.shape
     kv_heads, span = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    rows = max(n, MIN_QUERIES)
+    rows = max(n, -(-MIN_QUERIES // group))  # the batched matmul sums a lone row in another order
     if rows > n:  # padded queries attend position 0 (always a key); their outputs are dropped
         q = torch.cat([q, q.new_zeros(b, heads, rows - n, dim)], dim=2)
         q_pos = torch.cat([q_pos, q_pos.new_zeros(b, rows - n)], dim=1)
@@ -159,7 +161,7 @@ def attention(
         k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
     # every operand contiguous in one layout, whatever the caller's strides (a KV cache's, a transposed view's)
     kc = k.contiguous().reshape(b, kv_heads, chunks, chunk, dim)
-    vc = torch.cat([v, v.new_ones(b, kv_heads, padded, 1)], dim=-1).reshape(b, kv_heads, chunks, chunk, dim + 1)
+    vc = v.contiguous().reshape(b, kv_heads, chunks, chunk, dim)
     qg = q.contiguous().reshape(b, kv_heads, 1, group * rows, dim)  # a head group is a block of query rows
     scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # [B, kv_heads, chunks, group x rows, chunk]
     after = torch.arange(padded, device=q.device)[None, None, :] > q_pos[:, :, None]  # [B, rows, padded]
@@ -167,12 +169,12 @@ def attention(
     after = after.reshape(b, 1, group * rows, chunks, chunk).transpose(2, 3)
     scores = scores.masked_fill(after, float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
-    parts = torch.matmul(weights, vc)  # per chunk: [P . V | sum P], [B, kv_heads, chunks, group x rows, dim + 1]
-    acc = parts[:, :, 0]
+    values = torch.matmul(weights, vc)  # per chunk: P . V, [B, kv_heads, chunks, group x rows, dim]
+    sums = weights.sum(dim=-1, keepdim=True)  # per chunk: the weights' sum (each row reduced alone)
+    acc, total = values[:, :, 0], sums[:, :, 0]
     for c in range(1, chunks):  # chunk by chunk, in order: the fixed summation order
-        acc = acc + parts[:, :, c]
-    out = acc[..., :dim] / acc[..., dim:]
-    return out.reshape(b, heads, rows, dim)[:, :, :n]
+        acc, total = acc + values[:, :, c], total + sums[:, :, c]
+    return (acc / total).reshape(b, heads, rows, dim)[:, :, :n]
 
 
 def engine_unsupported(
@@ -193,6 +195,25 @@ def engine_unsupported(
     if getattr(text, "hidden_act", "silu") != "silu":
         return f"the activation {text.hidden_act!r} is not covered (silu is)"
     return invariance_problem()
+
+
+@functools.cache
+def fusion_exact(in_features: int, out_features: tuple[int, ...], bias: bool) -> bool:
+    """Whether one GEMM over the concatenated weights of projections with these shapes (their outputs
+    side by side, the weights prepacked as the engine packs them) gives each projection's columns the bits
+    of its own :func:`linear`: then the engine may fuse q / k / v and gate / up while the trainer computes them
+    one by one. Checked on random operands of these shapes, once per shape."""
+    g = torch.Generator().manual_seed(in_features)
+    x = torch.randn(37, in_features, generator=g)
+    weights = [torch.randn(n, in_features, generator=g) for n in out_features]
+    biases = [torch.randn(n, generator=g) if bias else None for n in out_features]
+    fused_bias = torch.cat([b for b in biases if b is not None]) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), 32)
+    for rows in (1, 2, 37):
+        fused = linear(x[:rows], packed, fused_bias).split(list(out_features), dim=-1)
+        if not all(torch.equal(f, linear(x[:rows], w, b)) for f, w, b in zip(fused, weights, biases, strict=True)):
+            return False
+    return True
 
 
 @functools.cache

@@ -8,12 +8,13 @@ waits for a long one. Running request ``i`` always sits in KV slot ``i``; when o
 moved into its slot.
 
 With ``deterministic`` (``--enable-deterministic-inference``, SGLang's flag) every forward is
-batch-invariant: each request is prefilled alone from position 0 (chunked at fixed boundaries) and decoded
-alone over exactly its own KV, and the prefix cache is an :class:`ExactPrefixCache`, whose hits are bit for
-bit what a recomputation gives. A request's tokens and logprobs are then a function of the request alone
-(its tokens, sampling parameters and seed) and the weights: not of what else runs, of timing, or of what
-the cache holds, which is what an exact resume of a training run needs. It costs the batching: decode
-runs one request at a time.
+batch-invariant, and the prefix cache is an :class:`ExactPrefixCache`, whose hits are bit for bit what a
+recomputation gives. Where the model runner computes with the batch-invariant ops (:mod:`miles.engine.invariant`:
+dense float32 models on CPU) requests are batched as usual, each row's numbers being independent of the
+others; elsewhere each request is prefilled alone from position 0 (chunked at fixed boundaries) and decoded
+alone over exactly its own KV (decode then runs one request at a time). A request's tokens and logprobs are
+then a function of the request alone (its tokens, sampling parameters and seed) and the weights: not of what
+else runs, of timing, or of what the cache holds, which is what an exact resume of a training run needs.
 """
 
 from __future__ import annotations
@@ -471,8 +472,11 @@ class Scheduler:
 
     @property
     def _one_per_forward(self) -> bool:
-        """Deterministic inference where the model's ops are not batch-invariant: each request alone."""
-        return self.config.deterministic and not getattr(self.runner, "invariant", False)
+        """Deterministic inference where the model's ops are not batch-invariant (or LoRA adapters, whose
+        per-row additions are not, are loaded): each request alone."""
+        if not self.config.deterministic:
+            return False
+        return not getattr(self.runner, "invariant", False) or bool(self.runner.lora.adapters)
 
     def _decode_step(self) -> None:
         running = self.running

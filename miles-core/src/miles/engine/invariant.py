@@ -50,7 +50,6 @@ __all__ = [
     "MIN_ROWS",
     "attention",
     "engine_unsupported",
-    "fusion_exact",
     "invariance_problem",
     "linear",
     "rms_norm",
@@ -195,25 +194,6 @@ def engine_unsupported(
     if getattr(text, "hidden_act", "silu") != "silu":
         return f"the activation {text.hidden_act!r} is not covered (silu is)"
     return invariance_problem()
-
-
-@functools.cache
-def fusion_exact(in_features: int, out_features: tuple[int, ...], bias: bool) -> bool:
-    """Whether one GEMM over the concatenated weights of projections with these shapes (their outputs
-    side by side, the weights prepacked as the engine packs them) gives each projection's columns the bits
-    of its own :func:`linear`: then the engine may fuse q / k / v and gate / up while the trainer computes them
-    one by one. Checked on random operands of these shapes, once per shape."""
-    g = torch.Generator().manual_seed(in_features)
-    x = torch.randn(37, in_features, generator=g)
-    weights = [torch.randn(n, in_features, generator=g) for n in out_features]
-    biases = [torch.randn(n, generator=g) if bias else None for n in out_features]
-    fused_bias = torch.cat([b for b in biases if b is not None]) if bias else None
-    packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights), 32)
-    for rows in (1, 2, 37):
-        fused = linear(x[:rows], packed, fused_bias).split(list(out_features), dim=-1)
-        if not all(torch.equal(f, linear(x[:rows], w, b)) for f, w, b in zip(fused, weights, biases, strict=True)):
-            return False
-    return True
 
 
 @functools.cache

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine.invariant import attention as invariant_attention
-from miles.engine.invariant import fusion_exact as invariant_fusion_exact
 from miles.engine.invariant import linear as invariant_linear
 from miles.engine.invariant import rms_norm as invariant_rms_norm
 from miles.engine.invariant import silu as invariant_silu
@@ -197,11 +196,8 @@ class ModelRunner:
                 offset += size
             return weight, bias
 
-        def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused; invariant: fused
-            if not all(plain_linear(m) for m in modules):  # where that gives each the bits of its own GEMM
-                return False
-            sizes, bias = tuple(m.out_features for m in modules), modules[0].bias is not None
-            return not self.invariant or invariant_fusion_exact(modules[0].in_features, sizes, bias)
+        def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused; invariant: each
+            return not self.invariant and all(plain_linear(m) for m in modules)  # alone, as the trainer computes
 
         def dequantized(*modules: Any) -> tuple[Any, ...] | None:
             """``modules`` if all are quantized projections computing on dequantized, prepacked weights."""

@@ -1,9 +1,11 @@
 """``miles train`` end to end with ``train.true_on_policy``: every step's trainer logprobs are the engine's.
 
-GRPO on a tiny dense model with a real engine process (deterministic inference), two fsdp trainer ranks over
-gloo and real weight pushes, with a ``min_new_tokens`` mask on part of every response. With the mode on the
-mismatch metric (every trained token's |trainer - rollout| logprob before the step) is exactly 0.0 at every
-step; the same run with it off measures the float32 rounding of the trainer's own forward.
+GRPO on a tiny dense model with a real engine process (deterministic inference on the batch-invariant ops),
+two fsdp trainer ranks over gloo and real weight pushes, with a ``min_new_tokens`` mask on part of every
+response and a reward that moves the policy. With the mode on the mismatch metric (every trained token's
+|trainer - rollout| logprob before the step) is exactly 0.0 at every step, in ``sync`` and ``fully_async``
+mode; a tiny MoE (routing replay on), which the invariant ops do not cover, is exact by the trainer's replay
+of the engine; with the mode off the MoE run measures the float32 rounding of the trainer's own forward.
 """
 
 from __future__ import annotations
@@ -119,8 +121,7 @@ def test_true_on_policy_grpo_has_no_mismatch_at_any_step(tmp_path: Path) -> None
         assert row["fidelity/train_rollout_logprob_abs_diff"] == 0.0
         assert row["weight_sync/verified"] == 1.0
     assert any(r["train/grad_norm"] > 0.0 for r in exact[:-1])  # the weights move: later steps score new weights
-    plain = run(tmp_path / "off", False, reward=LETTER_E)
-    assert all(0.0 < r["fidelity/train_rollout_logprob_abs_diff"] < 1e-4 for r in plain)
+    # (that the mode off, or one op summed in another order, differs: miles-fsdp/tests/test_true_on_policy.py)
 
 
 def test_true_on_policy_fully_async_has_no_mismatch_at_any_step(tmp_path: Path) -> None:

@@ -122,7 +122,7 @@ def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: P
         assert row["weight_sync/verified"] == 1.0
         # tool, user and template tokens are masked out of the comparison; every policy token matches
         assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
-        if true_on_policy:  # each turn replayed as the engine ran its request: exact, not merely close
+        if true_on_policy:  # the trainer computes with the engine's batch-invariant ops: exact, not merely close
             assert row["fidelity/train_rollout_logprob_abs_diff"] == 0.0
     # the episodes start from the data's conversation (data.system_prompt, then the question): the tool
     # model calls the calculator on nearly every question it was trained on, and goes on after the result

@@ -232,8 +232,7 @@ def test_fifty_turn_episodes_replay_bit_for_bit_on_the_deterministic_engine(fami
     replay is the engine's own arithmetic whatever the weights, so one family's tool model shows it in CI
     (Qwen3's: thinking blocks too) and ``MILES_LONG_RUNS=1`` adds the other two; SmolLM2 (77 s of CI for the
     same check) is the subject of the test above."""
-    from miles.engine.model_runner import ModelRunner
-    from miles.engine.replay import request_logprobs
+    from miles.engine.replay import load_runner, request_logprobs
     from miles.testing.tool_model import tool_model_for
 
     torch.set_num_threads(1)
@@ -243,7 +242,7 @@ def test_fifty_turn_episodes_replay_bit_for_bit_on_the_deterministic_engine(fami
         _, turns, sample = run_episode(engine, family)
     sample.validate()
     assert len(sample.request_spans) == TURNS and sum(1 for t in turns if t["calls"]) >= MIN_TOOL_TURNS
-    runner = ModelRunner(model_dir, dtype="float32")
+    runner = load_runner(model_dir, dtype="float32")  # as the engine runs it (its batch-invariant ops here)
     replayed = request_logprobs(runner, sample.tokens, len(sample.prompt_ids), sample.request_spans, TEMPERATURE)
     policy = torch.tensor(sample.loss_mask, dtype=torch.bool)
     engine_lp = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)

@@ -83,7 +83,11 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._vision: VisionInputs | None = None
         """A vision-language actor's image inputs (:mod:`miles_fsdp.vision`)."""
         self._replica: EngineReplica | None = None
-        """``train.true_on_policy``: the engine's model runner at the actor's weights (:mod:`miles_fsdp.true_on_policy`)."""
+        """``train.true_on_policy`` by replay: the engine's model runner at the actor's weights
+        (:mod:`miles_fsdp.true_on_policy`)."""
+        self._invariant = False
+        """``train.true_on_policy`` by the invariant forward: the actor computes with the engine's batch-invariant
+        ops (:mod:`miles_fsdp.invariant_forward`)."""
 
     @classmethod
     def check_settings(cls, options: FSDPSettings, settings: MilesSettings) -> None:
@@ -133,6 +137,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             param_dtype=param_dtype,
             reduce_dtype=torch_dtype(self.precision.reduce_dtype),
         )
+        from miles_fsdp.invariant_forward import INVARIANT_ATTENTION, invariant_unsupported
         from miles_fsdp.packed_attention import PACKED_SDPA
 
         attn: str = opts.attn_implementation
@@ -145,11 +150,25 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             if reason is not None:
                 log.info("attention: sdpa (%s, which packed_sdpa does not implement)", reason)
             attn = "sdpa" if reason is not None else register_packed_attention()
+        ref_attn = attn
+        if train.true_on_policy:
+            config = load_config(train.model_path)
+            text = config.get_text_config()
+            moe = getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)
+            why = "MoE" if moe else invariant_unsupported(config, param_dtype, self.device.type)
+            self._invariant = why is None
+            if self._invariant:
+                from miles_fsdp.invariant_forward import register_invariant_attention
+
+                attn = register_invariant_attention()
+            else:
+                log.info("true on-policy by replaying the engine (%s)", why)
         from miles_fsdp.vision import VisionInputs, is_vision_config
 
         vision = is_vision_config(load_config(train.model_path))
-        self._share_prefixes = opts.share_prefixes and attn == PACKED_SDPA and not vision  # M-RoPE rows are whole
-        self._packed_attention = attn == PACKED_SDPA
+        packed = attn in (PACKED_SDPA, INVARIANT_ATTENTION)
+        self._share_prefixes = opts.share_prefixes and packed and not vision  # M-RoPE rows are whole
+        self._packed_attention = packed
 
         actor = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
         actor.config.use_cache = False
@@ -167,7 +186,11 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             if train.true_on_policy:
                 raise SettingsError("train.true_on_policy: not supported with train.adapter")
             actor = self.adapter.apply(actor)
-        if self._onednn:
+        if self._invariant:
+            from miles_fsdp.invariant_forward import install_invariant_forward
+
+            install_invariant_forward(actor)
+        elif self._onednn:
             install_onednn_linears(actor)
         self.actor = wrap_model(
             actor,
@@ -179,7 +202,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         optimizer = build_optimizer(self.actor.parameters(), train)
         self._parts = {"actor": (self.actor, optimizer, build_scheduler(optimizer, train))}
         if need_ref and self.adapter is None:
-            ref = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=attn)
+            ref = load_causal_lm(train.model_path, seed=train.seed, attn_implementation=ref_attn)
             if self._vision is not None:  # the same image placeholders as the actor's
                 self._vision.attach(ref)
             ref.requires_grad_(False)
@@ -209,7 +232,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             critic_train = train.model_copy(update={"lr": opts.critic_lr or train.lr})
             critic_opt = build_optimizer(self.critic.parameters(), critic_train)
             self._parts["critic"] = (self.critic, critic_opt, build_scheduler(critic_opt, critic_train))
-        if train.true_on_policy:
+        if train.true_on_policy and not self._invariant:
             from miles_fsdp.true_on_policy import EngineReplica
 
             self._replica = EngineReplica(train.model_path, dtype=self.precision.param_dtype)
@@ -334,7 +357,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         was_training = module.training
         module.eval()
         with torch.no_grad():
-            fused = model == "ref" or self._replica is None  # true on-policy: the full logits, as before
+            fused = model == "ref" or not self.train_settings.true_on_policy  # true on-policy: the full logits
             for mb in self._micro_batches(batch):
                 scored = self._fused_logprobs(module, mb, temperature, with_entropy, False) if fused else None
                 if scored is None:
@@ -400,7 +423,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             micro_batches=self._micro_batches,
             logits=self._logits,
             values=self._values,
-            fused_logprobs=self._fused_logprobs if self._replica is None else None,
+            fused_logprobs=self._fused_logprobs if not self.train_settings.true_on_policy else None,
             step=self.step,
             exact_logprobs=exact,
         )

@@ -28,25 +28,45 @@ def scoring_temperature_of(settings: MilesSettings) -> float:
     return scoring_temperature(rollout.temperature, top_k=rollout.top_k, original_logprobs=original)
 
 
-def mismatch_metrics(batches: list[TrainBatch]) -> dict[str, float]:
-    """|trainer - rollout| logprob difference over trained tokens, before the step's updates, all ranks."""
-    total = count = largest = 0.0
+def mismatch_metrics(batches: list[TrainBatch], version: int | None = None) -> dict[str, float]:
+    """|trainer - rollout| logprob difference over trained tokens, before the step's updates, all ranks.
+
+    With ``version`` (the weight version the trainer holds), also over the *fresh* samples alone, those whose
+    every token was sampled by that version (``fidelity/train_rollout_logprob_abs_diff_fresh``, when there are
+    any): in the async modes the older samples differ by the policy's change as well, the fresh ones only by
+    how the engine and the trainer compute (exactly 0.0 with ``train.true_on_policy``)."""
+    import torch
+
+    total = count = largest = fresh_total = fresh_count = fresh_largest = 0.0
     for batch in batches:
         if batch.old_logprobs is None or batch.rollout_logprobs is None:
             return {}
         trained = batch.loss_mask != 0
-        diff = (batch.old_logprobs.double() - batch.rollout_logprobs.double()).abs()[trained]
-        total += float(diff.sum())
-        count += float(diff.numel())
-        largest = max(largest, float(diff.max())) if diff.numel() else largest
-    parts = all_gather_json([total, count, largest])
+        diff = (batch.old_logprobs.double() - batch.rollout_logprobs.double()).abs()
+        total += float(diff[trained].sum())
+        count += float(trained.sum())
+        largest = max(largest, float(diff[trained].max())) if bool(trained.any()) else largest
+        if version is not None:
+            lengths = torch.diff(torch.tensor(batch.response_offsets))
+            fresh_rows = torch.repeat_interleave(batch.weight_versions == version, lengths)
+            fresh = trained & fresh_rows
+            fresh_total += float(diff[fresh].sum())
+            fresh_count += float(fresh.sum())
+            fresh_largest = max(fresh_largest, float(diff[fresh].max())) if bool(fresh.any()) else fresh_largest
+    parts = all_gather_json([total, count, largest, fresh_total, fresh_count, fresh_largest])
     tokens = sum(p[1] for p in parts)
     if not tokens:
         return {}
-    return {
+    out = {
         "fidelity/train_rollout_logprob_abs_diff": sum(p[0] for p in parts) / tokens,
         "fidelity/train_rollout_logprob_abs_diff_max": max(p[2] for p in parts),
     }
+    fresh_tokens = sum(p[4] for p in parts)
+    if fresh_tokens:
+        out["fidelity/train_rollout_logprob_abs_diff_fresh"] = sum(p[3] for p in parts) / fresh_tokens
+        out["fidelity/train_rollout_logprob_abs_diff_fresh_max"] = max(p[5] for p in parts)
+        out["fidelity/fresh_token_fraction"] = fresh_tokens / tokens
+    return out
 
 
 def optimizer_step_metrics(step_metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -306,7 +306,8 @@ class TrainingLoop:
             temperature=temperature,
             on_policy=settings.rollout.mode == "sync" and settings.log.trainer_logprobs != "always",
         )
-        metrics = mismatch_metrics(batches)  # before any update: the engine/trainer mismatch itself
+        # before any update: the engine/trainer mismatch itself (the trainer holds weight version ``self.step``)
+        metrics = mismatch_metrics(batches, self.step)
         if settings.log.signals.enabled:
             metrics.update(logprob_spread(batches))
         if settings.log.trainer_logprobs != "never":

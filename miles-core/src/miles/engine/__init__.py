@@ -22,8 +22,10 @@ their meaning across releases (a module that moves leaves a re-export for one re
 - :mod:`miles.engine.protocol_app`: the protocol-server skeleton another engine builds on (``ServedEngine``,
   ``create_protocol_app``; miles-diffusion's image engine);
 - :mod:`miles.engine.faults`: fault injection for failover tests of a weight path;
+- :mod:`miles.engine.invariant`: the batch-invariant ops the deterministic engine computes with (miles-fsdp's
+  true on-policy forward computes with them too);
 - :mod:`miles.engine.replay`: the deterministic engine's logprobs replayed outside it (miles-fsdp's true
-  on-policy replica);
+  on-policy replica, for the models the invariant ops do not cover);
 - :mod:`miles.engine.plugin`: the ``local`` backend (``LocalEngine``, ``LocalEngineSettings``);
 - :mod:`miles.engine.process`: deprecated, re-exports :class:`miles.testing.engine.EngineProcess` (goes in 0.2).
 
@@ -41,6 +43,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "miles.engine.responses",
     "miles.engine.protocol_app",
     "miles.engine.faults",
+    "miles.engine.invariant",
     "miles.engine.replay",
     "miles.engine.plugin",
     "miles.engine.process",

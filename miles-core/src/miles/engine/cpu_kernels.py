@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "KernelUnavailable", "decode_attention", "load"]
+__all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "KernelUnavailable", "decode_attention", "load", "resolve_attention_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +111,28 @@ def decode_attention(
     kernel = load()
     scores = kernel.decode_scores(q, k_cache, v_cache, k_new, v_new, pos, span, scale)
     return kernel.decode_values(torch.softmax(scores, dim=-1), v_cache, pos)
+
+
+def resolve_attention_backend(wanted: str, device: torch.device, group: int, head_dim: int) -> str:
+    """``sdpa`` or ``miles_cpu`` for a model's decode steps (``group`` query heads per KV head): ``auto`` takes
+    the kernel on CPU where it builds and supports the model, SDPA otherwise (with a warning saying why);
+    ``miles_cpu`` where it cannot run raises ``ValueError`` with the reason."""
+    if wanted == "sdpa":
+        return "sdpa"
+    reason = None
+    if device.type != "cpu":
+        reason = f"it runs on CPU only (the engine runs on {device})"
+    elif group > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+        reason = f"{group} query heads per KV head / head_dim {head_dim} are beyond what it supports"
+    else:
+        try:
+            load()
+        except KernelUnavailable as exc:
+            reason = str(exc)
+    if reason is None:
+        return "miles_cpu"
+    if wanted == "miles_cpu":
+        raise ValueError(f"attention_backend 'miles_cpu': {reason}")
+    if device.type == "cpu":
+        log.warning("running PyTorch ops (SDPA) instead of Miles' CPU kernels: %s", reason)
+    return "sdpa"

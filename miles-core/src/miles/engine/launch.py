@@ -52,6 +52,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
         dtype=opts.dtype,
         attention_backend=opts.attention_backend,
         quantization=opts.quantization,
+        invariant=opts.enable_deterministic_inference,
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
     images = None

@@ -29,8 +29,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles.engine.invariant import attention as invariant_attention
+from miles.engine.invariant import linear as invariant_linear
+from miles.engine.invariant import rms_norm as invariant_rms_norm
+from miles.engine.invariant import silu as invariant_silu
 from miles.engine.lora import GATE_UP, QKV
-from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, module_name, place_images
+from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, place_images
 from miles.engine.options import ATTENTION_BACKENDS
 from miles.engine.packing import PACK_BATCH, plain_linear
 from miles.engine.packing import packing_works as _packing_works
@@ -60,6 +64,7 @@ class ModelRunner:
         dtype: str = "float32",
         attention_backend: str = "auto",
         quantization: str | None = None,
+        invariant: bool = False,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -91,6 +96,9 @@ class ModelRunner:
         self.config = config
         self.dtype = next(self.model.parameters()).dtype
         self.pack_weights = self.device.type == "cpu" and _packing_works(self.dtype)
+        self.invariant = invariant and self._invariant_works(quantization)
+        """Compute with the batch-invariant ops (:mod:`miles.engine.invariant`; deterministic inference on CPU):
+        a row's numbers do not depend on the batch, and are those of the trainer's true on-policy forward."""
         if quantization is not None:  # projections hold and compute with the pushed low-precision weights
             from miles.engine.quantized import quantize_model
 
@@ -131,9 +139,11 @@ class ModelRunner:
 
         self.lora = EngineLoras(self)
         """LoRA adapters served over this base model, applied per batch row (:mod:`miles.engine.lora`)."""
-        self.attention_backend = self._decode_attention_backend(attention_backend)
+        from miles.engine.cpu_kernels import resolve_attention_backend
+
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device, self.group, self.head_dim)
         self._ops: Any = None  # Miles' CPU kernels for the fused norm and rotary steps
-        if self.attention_backend == "miles_cpu" and self.dtype in (torch.bfloat16, torch.float32):
+        if self.attention_backend == "miles_cpu" and self.dtype in (torch.bfloat16, torch.float32) and not invariant:
             from miles.engine.cpu_kernels import load
 
             self._ops = load()
@@ -152,30 +162,15 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ helpers
-    def _decode_attention_backend(self, wanted: str) -> str:
-        """``sdpa`` or ``miles_cpu`` (:mod:`miles.engine.cpu_kernels`) for decode steps; ``auto`` takes the
-        CPU kernel on CPU where it builds and supports the model, SDPA otherwise."""
-        if wanted == "sdpa":
-            return "sdpa"
-        from miles.engine.cpu_kernels import MAX_GROUP, MAX_HEAD_DIM, KernelUnavailable, load
+    def _invariant_works(self, quantization: str | None) -> bool:
+        """Whether the batch-invariant ops serve this model here (else deterministic inference runs each request
+        alone on the usual kernels, and says why)."""
+        from miles.engine.invariant import engine_unsupported
 
-        reason = None
-        if self.device.type != "cpu":
-            reason = f"it runs on CPU only (the engine runs on {self.device})"
-        elif self.group > MAX_GROUP or self.head_dim > MAX_HEAD_DIM:
-            reason = f"{self.group} query heads per KV head / head_dim {self.head_dim} are beyond what it supports"
-        else:
-            try:
-                load()
-            except KernelUnavailable as exc:
-                reason = str(exc)
-        if reason is None:
-            return "miles_cpu"
-        if wanted == "miles_cpu":
-            raise ValueError(f"attention_backend 'miles_cpu': {reason}")
-        if self.device.type == "cpu":
-            log.warning("running PyTorch ops (SDPA) instead of Miles' CPU kernels: %s", reason)
-        return "sdpa"
+        reason = engine_unsupported(self.config, self.device, self.dtype, quantization=quantization)
+        if reason is not None:
+            log.warning("deterministic inference without the batch-invariant ops: %s", reason)
+        return reason is None
 
     @property
     def is_moe(self) -> bool:
@@ -201,8 +196,8 @@ class ModelRunner:
                 offset += size
             return weight, bias
 
-        def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused
-            return all(plain_linear(m) for m in modules)
+        def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused; invariant: each
+            return not self.invariant and all(plain_linear(m) for m in modules)  # alone, as the trainer computes
 
         def dequantized(*modules: Any) -> tuple[Any, ...] | None:
             """``modules`` if all are quantized projections computing on dequantized, prepacked weights."""
@@ -216,7 +211,7 @@ class ModelRunner:
             mlp = layer.mlp
             dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             no_bias = dense and mlp.gate_proj.bias is None and mlp.up_proj.bias is None
-            if no_bias and plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if no_bias and plain(mlp.gate_proj, mlp.up_proj) and plain_linear(mlp.down_proj):
                 self._fused_mlp.append(fuse([mlp.gate_proj, mlp.up_proj])[0])
             else:
                 self._fused_mlp.append(None)
@@ -242,13 +237,22 @@ class ModelRunner:
         """``F.linear(x, weight, bias)``, on a prepacked weight when packing is on (``sources``: the
         parameters ``weight`` is built from, whose versions say when to repack)."""
         if not self.pack_weights:
-            return F.linear(x, weight, bias)
+            return invariant_linear(x, weight, bias) if self.invariant else F.linear(x, weight, bias)
         versions = tuple(p._version for p in sources)
         entry = self._packed.get(key)
         if entry is None or entry[0] != versions:
             entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH))
             self._packed[key] = entry
+        if self.invariant:  # the packed weight gives the plain one's bits (:mod:`miles.engine.invariant`)
+            return invariant_linear(x, entry[1], bias)
         return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+
+    def _proj(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        """A projection module's output: through :meth:`_linear` (``invariant``) or its own forward."""
+        if self.invariant and plain_linear(module):
+            return self._linear(f"p{id(module)}", x, module.weight, module.bias, (module.weight,))
+        out: torch.Tensor = module(x)
+        return out
 
     def _with_lora(self, y: torch.Tensor, layer: int, modules: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
         """``y`` plus the LoRA adapters' addition of each row that has one (``y`` itself when none does)."""
@@ -355,7 +359,16 @@ class ModelRunner:
             return x, self._ops.rms_norm(x, delta, norm.weight, norm.variance_epsilon)
         if delta is not None:
             x = x + delta
+        if self.invariant and type(norm).__name__ in _RMS_NORMS:
+            return x, invariant_rms_norm(x, norm.weight, norm.variance_epsilon)
         return x, norm(x)
+
+    def _head_norm(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head q / k norm."""
+        if self.invariant and type(norm).__name__ in _RMS_NORMS:
+            return invariant_rms_norm(x, norm.weight, norm.variance_epsilon)
+        out: torch.Tensor = norm(x)
+        return out
 
     def _layers(
         self,
@@ -376,7 +389,9 @@ class ModelRunner:
             if fused is None and dequantized is not None:
                 qkv = self._dequantized_linear(f"qkv{i}", h, dequantized)
             elif fused is None:
-                qkv = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+                qkv = torch.cat(
+                    [self._proj(attn.q_proj, h), self._proj(attn.k_proj, h), self._proj(attn.v_proj, h)], -1
+                )
             else:
                 sources = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
                 qkv = self._linear(f"qkv{i}", h, fused[0], fused[1], sources)
@@ -385,8 +400,8 @@ class ModelRunner:
             heads = self.num_heads
             if hasattr(attn, "q_norm"):
                 q, k = (
-                    self._rotate(attn.q_norm(qkv[:, :, :heads]), cos, sin),
-                    self._rotate(attn.k_norm(qkv[:, :, heads : heads + self.num_kv_heads]), cos, sin),
+                    self._rotate(self._head_norm(attn.q_norm, qkv[:, :, :heads]), cos, sin),
+                    self._rotate(self._head_norm(attn.k_norm, qkv[:, :, heads : heads + self.num_kv_heads]), cos, sin),
                 )
             else:  # queries and keys rotated in one go
                 qk = self._rotate(qkv[:, :, : heads + self.num_kv_heads], cos, sin)
@@ -398,7 +413,11 @@ class ModelRunner:
             delta = self._with_lora(o_out, i, ("o_proj",), attn_out)
             x, h = self._norm(layer.post_attention_layernorm, x, delta)
             gate_up, dequantized = self._fused_mlp[i], self._dequantized_gate_up[i]
-            if gate_up is None and dequantized is None:
+            if gate_up is None and dequantized is None and self.invariant and hasattr(layer.mlp, "gate_proj"):
+                mlp = layer.mlp  # a dense MLP, projection by projection, with the invariant SiLU
+                act = invariant_silu(self._proj(mlp.gate_proj, h)) * self._proj(mlp.up_proj, h)
+                delta = self._proj(mlp.down_proj, act)
+            elif gate_up is None and dequantized is None:
                 delta = layer.mlp(h)
             else:
                 mlp = layer.mlp
@@ -461,6 +480,8 @@ class ModelRunner:
             self.v[i][rows, :, positions] = v.transpose(1, 2)
             keys = self.k[i, slots, :, :span]
             values = self.v[i, slots, :, :span]
+            if self.invariant:
+                return invariant_attention(q, keys, values, positions, self.scaling)
             return F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=True
             )
@@ -497,12 +518,12 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = torch.arange(first_slot, first_slot + b, device=self.device)
-        kernel = self.attention_backend == "miles_cpu"
+        kernel = self.attention_backend == "miles_cpu" and not self.invariant
         if kernel:
             from miles.engine.cpu_kernels import decode_attention
         # SDPA: no mask when every request attends over the same span (uniform lengths); else an additive one
         mask = None
-        if not kernel and min(positions) != longest - 1:
+        if not kernel and not self.invariant and min(positions) != longest - 1:
             mask = self._additive(
                 (torch.arange(longest, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
             )
@@ -517,6 +538,8 @@ class ModelRunner:
             self.v[i, rows, :, pos] = v[:, :, 0]
             keys = self.k[i, first_slot : first_slot + b, :, :longest]
             values = self.v[i, first_slot : first_slot + b, :, :longest]
+            if self.invariant:
+                return invariant_attention(q, keys, values, pos[:, None], self.scaling)
             # grouped-query attention without repeating K/V: a head group is a query block
             qg = q.reshape(b, self.num_kv_heads, g, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scaling)
@@ -556,18 +579,9 @@ class ModelRunner:
         Raises ``ValueError`` naming the file and tensor on an unknown name or a shape mismatch, before
         any weight is changed. Returns the number of tensors loaded.
         """
-        from miles.transport.files import map_safetensors
+        from miles.engine.weight_copy import safetensors_tensors
 
-        path = Path(model_path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.exists() for f in files):
-            raise ValueError(f"{path}: no .safetensors files found")
-        named: list[tuple[str, str, torch.Tensor]] = []
-        for file in files:
-            # views of the file's memory map: each tensor is copied once, page cache -> parameter
-            for name, tensor in map_safetensors(file).items():
-                named.append((str(file), name, tensor))
-        return self._copy_in(named)
+        return self._copy_in(safetensors_tensors(model_path))
 
     @torch.no_grad()
     def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], *, source: str = "weights") -> int:
@@ -577,23 +591,10 @@ class ModelRunner:
         return self._copy_in([(source, name, tensor) for name, tensor in tensors])
 
     def _copy_in(self, named: list[tuple[str, str, torch.Tensor]]) -> int:
-        """Check every ``(source, name, tensor)`` against the model, then copy them all in (casting)."""
-        params = dict(self.model.state_dict(keep_vars=True))  # includes tied aliases (lm_head.weight)
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for where, name, tensor in named:
-            target = params.get(name)
-            if target is None and self.is_vision:  # a checkpoint in transformers' saved layout
-                target = params.get(module_name(name))
-            if target is None:
-                raise ValueError(f"{where}: tensor {name!r} is not a parameter of the served model")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                )
-            staged.append((target, tensor))
-        for target, tensor in staged:
-            target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+        from miles.engine.weight_copy import copy_in
+
+        count = copy_in(self.model, named, vision=self.is_vision)
         self.weights_generation += 1
         if getattr(self.config, "tie_word_embeddings", False):
             self.model.tie_weights()
-        return len(staged)
+        return count

@@ -43,10 +43,12 @@ class EngineOptions(ComponentSettings):
     return_original_logprob: bool = False
     """Report logprobs of the raw logits (before temperature) by default, as ``SGLANG_RETURN_ORIGINAL_LOGPROB``."""
     enable_deterministic_inference: bool = False
-    """Batch-invariant inference (SGLang's ``--enable-deterministic-inference``): every request is prefilled
-    and decoded on its own and the prefix cache hits whole prompts only, so tokens and logprobs do not
+    """Batch-invariant inference (SGLang's ``--enable-deterministic-inference``): tokens and logprobs do not
     depend on batching, timing or the cache's contents — a resumed run reproduces the engine's logprobs bit
-    for bit. Slower: decode runs one request at a time."""
+    for bit, and ``train.true_on_policy`` trains on them exactly. Dense float32 models on CPU compute with the
+    batch-invariant ops (:mod:`miles.engine.invariant`, which the trainer's true on-policy forward shares) and
+    stay batched; other models (MoE, bfloat16, GPU) are prefilled and decoded one request at a time (slower).
+    The prefix cache hits whole prompts only."""
     attention_backend: Literal["auto", "sdpa", "miles_cpu"] = "auto"
     """Attention and fused kernels: ``miles_cpu`` runs decode attention and the RMSNorm / rotary steps on
     Miles' CPU kernels (compiled on first use: a C++ compiler and ``ninja``); ``sdpa`` runs PyTorch ops

@@ -1,8 +1,10 @@
 """The deterministic engine's logprobs, recomputed outside it: the engine's schedule for one request, replayed.
 
 A declared public module of the local engine (see :mod:`miles.engine`): the FSDP trainer's true on-policy
-replica (``train.true_on_policy``, miles-fsdp) loads the engine's model runner with :func:`load_runner` and
-replays each request with :func:`request_logprobs`. Its names keep their meaning across releases.
+replica (``train.true_on_policy``, miles-fsdp, for the models the batch-invariant ops of
+:mod:`miles.engine.invariant` do not cover: MoE, bfloat16) loads the engine's model runner with
+:func:`load_runner` and replays each request with :func:`request_logprobs`. Its names keep their meaning
+across releases.
 
 With ``enable_deterministic_inference`` the local engine computes each request the same way whatever else
 runs: it prefills the request's tokens but the last prompt token from position 0 (in chunks of the
@@ -44,7 +46,7 @@ def load_runner(
     """
     from miles.engine.model_runner import ModelRunner
 
-    return ModelRunner(model_path, device=device, dtype=dtype, attention_backend=attention_backend)
+    return ModelRunner(model_path, device=device, dtype=dtype, attention_backend=attention_backend, invariant=True)
 
 
 def _chunk_size() -> int:

@@ -8,12 +8,13 @@ waits for a long one. Running request ``i`` always sits in KV slot ``i``; when o
 moved into its slot.
 
 With ``deterministic`` (``--enable-deterministic-inference``, SGLang's flag) every forward is
-batch-invariant: each request is prefilled alone from position 0 (chunked at fixed boundaries) and decoded
-alone over exactly its own KV, and the prefix cache is an :class:`ExactPrefixCache`, whose hits are bit for
-bit what a recomputation gives. A request's tokens and logprobs are then a function of the request alone
-(its tokens, sampling parameters and seed) and the weights: not of what else runs, of timing, or of what
-the cache holds, which is what an exact resume of a training run needs. It costs the batching: decode
-runs one request at a time.
+batch-invariant, and the prefix cache is an :class:`ExactPrefixCache`, whose hits are bit for bit what a
+recomputation gives. Where the model runner computes with the batch-invariant ops (:mod:`miles.engine.invariant`:
+dense float32 models on CPU) requests are batched as usual, each row's numbers being independent of the
+others; elsewhere each request is prefilled alone from position 0 (chunked at fixed boundaries) and decoded
+alone over exactly its own KV (decode then runs one request at a time). A request's tokens and logprobs are
+then a function of the request alone (its tokens, sampling parameters and seed) and the weights: not of what
+else runs, of timing, or of what the cache holds, which is what an exact resume of a training run needs.
 """
 
 from __future__ import annotations
@@ -374,7 +375,7 @@ class Scheduler:
                 sizes = [min(p.need - p.done, _CHUNK) for _, p in [*group, item]]
                 padded = max(sizes) * len(sizes)
                 if (
-                    self.config.deterministic  # one request per forward
+                    self._one_per_forward  # deterministic without the batch-invariant ops
                     or item[0] != group[-1][0] + 1
                     or padded > 1.25 * sum(sizes)
                     or padded > _BATCH_TOKENS
@@ -438,7 +439,7 @@ class Scheduler:
         """Logits ``[B, vocab]`` (and routed experts) of the next token of every running request: one
         batched forward, or one forward per request in deterministic mode."""
         lora = self.runner.lora
-        if not self.config.deterministic:
+        if not self._one_per_forward:
             lora.set_rows([r.lora_name for r in running])
             deltas = [r.rope_delta for r in running]
             return self.runner.decode([r.last_token for r in running], [r.kv_len for r in running], rope_deltas=deltas)
@@ -455,7 +456,7 @@ class Scheduler:
         """One token per running request, with its logprobs and, where asked, its kept set."""
         kept: list[KeptSet | None] = []
         masks = [r.return_sampling_mask for r in running]
-        if not self.config.deterministic:
+        if not self._one_per_forward:  # (sampling is row by row: batch-invariant given invariant logits)
             configs, generators = [r.config for r in running], [r.generator for r in running]
             ids, logprobs, raws = sample_rows(logits, configs, generators, banned, kept=kept, masks=masks)
             return ids, logprobs, raws, kept
@@ -468,6 +469,14 @@ class Scheduler:
             logprobs += one[1]
             raws += one[2]
         return ids, logprobs, raws, kept
+
+    @property
+    def _one_per_forward(self) -> bool:
+        """Deterministic inference where the model's ops are not batch-invariant (or LoRA adapters, whose
+        per-row additions are not, are loaded): each request alone."""
+        if not self.config.deterministic:
+            return False
+        return not getattr(self.runner, "invariant", False) or bool(self.runner.lora.adapters)
 
     def _decode_step(self) -> None:
         running = self.running

@@ -499,7 +499,7 @@ class MilesSettings(BaseSettings):
             )
         if rollout.replay_sampling_mask and train.true_on_policy:
             raise ValueError(
-                "rollout.replay_sampling_mask: train.true_on_policy replays the engine's untruncated logprobs; "
+                "rollout.replay_sampling_mask: train.true_on_policy reproduces the engine's untruncated logprobs; "
                 "use one of the two"
             )
         if train.eval_interval is not None and self.data.eval_path is None:

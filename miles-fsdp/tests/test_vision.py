@@ -50,8 +50,8 @@ def _prompts(vlm: dict[str, Any]) -> list[Any]:
     return vlm_jsonl_source(vlm["model"], vlm["root"] / "rows.jsonl").prompts
 
 
-def _rollout(engine: EngineProcess, prompts: list[Any]) -> list[Any]:
-    """One sampled response of each prompt, as the rollout manager's samples."""
+def _rollout(url: str, prompts: list[Any]) -> list[Any]:
+    """One sampled response of each prompt from the engine at ``url``, as the rollout manager's samples."""
     from miles.types import Sample
 
     body = {
@@ -60,7 +60,7 @@ def _rollout(engine: EngineProcess, prompts: list[Any]) -> list[Any]:
         "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7},
         "return_logprob": True,
     }
-    answers = httpx.post(engine.url + "/generate", json=body, timeout=120).json()
+    answers = httpx.post(url + "/generate", json=body, timeout=120).json()
     samples = []
     for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
         logprobs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
@@ -109,7 +109,7 @@ def test_trainer_logprobs_equal_the_engines_and_pushes_cover_the_vision_tower(
     from miles.transport.verify import tensor_checksum
 
     model = vlm["model"]
-    samples = _rollout(engine, _prompts(vlm))
+    samples = _rollout(engine.url, _prompts(vlm))
     batch = _batch(samples, model)
     assert batch.image_counts.tolist() == [1, 2, 0] and batch.image_grid_thw.tolist() == [[1, 4, 4]] * 2 + [[1, 6, 6]]
     trainer = _trainer(model, world)
@@ -132,7 +132,7 @@ def test_trainer_logprobs_equal_the_engines_and_pushes_cover_the_vision_tower(
         assert pushed.status_code == 200, pushed.text
         served = httpx.post(engine.url + "/weights_checksum", timeout=60).json()["checksums"]
         assert {n: served[n] for n in after} == {n: tensor_checksum(t) for n, t in after.items()}
-        again = _rollout(engine, _prompts(vlm))  # the new weights, the same images
+        again = _rollout(engine.url, _prompts(vlm))  # the new weights, the same images
         got = trainer.compute_logprobs(_batch(again, model)).logprobs
         want = torch.tensor([lp for s in again for lp in s.rollout_logprobs])
         assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
@@ -148,7 +148,7 @@ def test_a_frozen_vision_tower_stays_and_a_text_only_batch_is_refused(
     from miles.training.vision import attach_images
 
     model = vlm["model"]
-    samples = _rollout(engine, _prompts(vlm))
+    samples = _rollout(engine.url, _prompts(vlm))
     trainer = _trainer(model, world, train_vision_tower=False)
     try:
         batch = _batch(samples, model)
@@ -235,48 +235,17 @@ def test_qwen2_5_vl_logprobs_equal_the_engines_and_a_step_trains(
 ) -> None:
     """Qwen2.5-VL (windowed attention in the vision tower: an 84x84 image is 3x3 merged patches in 2x2 windows;
     its RMSNorm vision blocks and gated MLP merger; its own M-RoPE index): sampled with the local engine
-    (in-process), its trainer logprobs equal the engine's within 1e-5 with the same images, and a step trains
-    the vision tower."""
-    import threading
-
-    from miles.engine.launch import build_engine
-    from miles.engine.request import Request
-    from miles.rollout.protocol import SamplingParams
+    (in-process, over HTTP: ``image_data`` as Miles' rollout sends it), its trainer logprobs equal the engine's
+    within 1e-5 with the same images, and a step trains the vision tower."""
+    from miles.engine.plugin import LocalEngine, LocalEngineSettings
     from miles.testing.vlm import build_tiny_vlm, vlm_jsonl_source
-    from miles.types import Sample
 
     model = build_tiny_vlm(tmp_path / "qwen2_5_vl", arch="qwen2_5_vl", seed=3)
     assert json.loads((model / "config.json").read_text())["model_type"] == "qwen2_5_vl"
     prompts = vlm_jsonl_source(model, vlm["root"] / "rows.jsonl").prompts
-    token = int(json.loads((model / "config.json").read_text())["image_token_id"])
-    state = build_engine(model)
-    samples = []
-    try:
-        for i, prompt in enumerate(prompts):
-            refs = prompt.metadata["images"]
-            one_each = [t for k, t in enumerate(prompt.prompt_ids) if t != token or prompt.prompt_ids[k - 1] != token]
-            ids, images = state.images(refs, one_each, "input_ids")
-            assert ids == prompt.prompt_ids  # the engine expands as the data pipeline does
-            finished = threading.Event()
-            request = Request(
-                rid=f"r{i}", parent_rid=f"r{i}", index=0, prompt_ids=ids, images=images, return_logprob=True,
-                config=SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True, sampling_seed=7 + i),
-                sink=lambda req, done, ev=finished: ev.set() if done else None,
-            )  # fmt: skip
-            state.scheduler.add([request])
-            assert finished.wait(120)
-            samples.append(
-                Sample(
-                    prompt_ids=list(ids),
-                    response_ids=list(request.output_ids),
-                    rollout_logprobs=list(request.output_logprobs),
-                    loss_mask=[1] * len(request.output_ids),
-                    group_id=i,
-                    metadata=dict(prompt.metadata, source=prompt.source),
-                )
-            )
-    finally:
-        state.scheduler.stop()
+    engine = LocalEngine(LocalEngineSettings())
+    with engine.start_in_process(model_path=str(model), host="127.0.0.1", device="cpu", dtype="float32") as url:
+        samples = _rollout(url, prompts)
     batch = _batch(samples, model)
     assert batch.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4], [1, 6, 6]]
     trainer = _trainer(model, world)

@@ -143,7 +143,7 @@ def test_router_health_and_registration(fleet: Any) -> None:
 
 def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_model: Path) -> None:
     """Two engines behind a real smg (``manual`` policy) and the rollout's client: 8 keyed requests in flight,
-    one engine SIGKILLed once it runs some of them. smg re-sends them to the engine left, so every request is
+    one engine SIGKILLed once it holds all of its share (paused in place, so none is answered before). smg re-sends them to the engine left, so every request is
     answered once, with the tokens the healthy fleet produced for it (same seeds, same weights); later
     requests of the dead engine's keys go to the engine left. Then smg itself is SIGKILLed with requests in
     flight: the client routes them, and every later request, to the engines itself, with the same tokens.
@@ -196,8 +196,21 @@ def test_an_engine_sigkilled_behind_smg_loses_no_request(tmp_path: Path, tiny_mo
                 assert set(owners) == set(urls), owners  # both engines hold keys
                 victim, survivor = engines[1], engines[0]
 
+                # the victim holds its requests (paused in place) until every one it owns has arrived, then dies
+                # with all of them in flight: killing it at its first running request let another finish
+                # first under load (a flake: its answer came from the victim)
+                paused = await probe.post(victim.url + "/pause_generation", json={"mode": "in_place"})
+                assert paused.status_code == 200, paused.text
                 task = asyncio.ensure_future(generate_all(client))
-                while (await probe.get(victim.url + "/server_info")).json()["num_running_reqs"] == 0:
+                mine = owners.count(victim.url)
+                deadline = time.monotonic() + 60
+                while True:
+                    info = (await probe.get(victim.url + "/server_info")).json()
+                    if info["num_running_reqs"] + info["num_waiting_reqs"] >= mine:
+                        break
+                    assert time.monotonic() < deadline and not task.done(), (
+                        f"the victim never held its requests: {info}"
+                    )
                     await asyncio.sleep(0.005)
                 assert victim.proc is not None
                 os.kill(victim.proc.pid, signal.SIGKILL)

@@ -140,7 +140,11 @@ class EngineLoras:
             layer, module, half = int(match.group(1)), match.group(2), match.group(3)
             if layer >= len(self.runner.layers) or module not in (*QKV, "o_proj", *GATE_UP, "down_proj"):
                 raise ValueError(f"{source}: tensor {tensor_name!r}: no such projection in the served model")
-            if module in (*GATE_UP, "down_proj") and self.runner._fused_mlp[layer] is None:
+            runner = self.runner  # (a dense MLP: fused, or projection by projection with the invariant ops)
+            dense = runner._fused_mlp[layer] is not None or (
+                getattr(runner, "invariant", False) and hasattr(runner.layers[layer].mlp, "gate_proj")
+            )
+            if module in (*GATE_UP, "down_proj") and not dense:
                 # (an MoE MLP, or projections holding low-precision weights: the adapter could not apply)
                 raise ValueError(f"{source}: tensor {tensor_name!r}: the layer's MLP is not a dense gate/up MLP")
             served = tensor.to(device=device, dtype=dtype)

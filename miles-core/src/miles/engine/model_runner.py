@@ -414,9 +414,12 @@ class ModelRunner:
             x, h = self._norm(layer.post_attention_layernorm, x, delta)
             gate_up, dequantized = self._fused_mlp[i], self._dequantized_gate_up[i]
             if gate_up is None and dequantized is None and self.invariant and hasattr(layer.mlp, "gate_proj"):
-                mlp = layer.mlp  # a dense MLP, projection by projection, with the invariant SiLU
-                act = invariant_silu(self._proj(mlp.gate_proj, h)) * self._proj(mlp.up_proj, h)
-                delta = self._proj(mlp.down_proj, act)
+                mlp = layer.mlp  # a dense MLP, projection by projection, with the invariant SiLU (and adapters)
+                gu = self._with_lora(
+                    torch.cat([self._proj(mlp.gate_proj, h), self._proj(mlp.up_proj, h)], -1), i, GATE_UP, h
+                )
+                act = invariant_silu(gu[..., : gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2 :]
+                delta = self._with_lora(self._proj(mlp.down_proj, act), i, ("down_proj",), act)
             elif gate_up is None and dequantized is None:
                 delta = layer.mlp(h)
             else:

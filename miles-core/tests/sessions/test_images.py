@@ -9,19 +9,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
 
 from miles.rollout.http_client import HttpEngineClient
 from miles.sessions.server import SessionServer
 from miles.settings.sessions import SessionSettings
 from miles.types import Sample
+
+from .conftest import serving
 
 pytest.importorskip("PIL")
 pytestmark = pytest.mark.slow
@@ -42,18 +41,6 @@ def vlm(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_engine: tuple[Path, s
 def engine(vlm: dict[str, Any]) -> Any:
     """The shared engine (``conftest.tiny_vlm_engine``): what the tests use of it is its ``url``."""
     return SimpleNamespace(url=vlm["url"])
-
-
-@asynccontextmanager
-async def serving(url: str, **settings: Any) -> AsyncIterator[tuple[SessionServer, httpx.AsyncClient]]:
-    async with HttpEngineClient([url]) as client:
-        server = await SessionServer.for_engines(client, SessionSettings(**settings))
-        base = await server.start()
-        try:
-            async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-                yield server, http
-        finally:
-            await server.stop()
 
 
 def data_url(path: Path) -> str:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,8 @@ from miles.settings.sessions import SessionSettings
 from miles.testing.chat_templates import build_chat_tokenizer
 from miles.testing.engine import EngineProcess
 from miles.types import Sample, SampleStatus
+
+from .conftest import serving
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +39,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def engine(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     with EngineProcess(models["dense"], log_path=tmp_path_factory.mktemp("logs") / "engine.log") as proc:
         yield proc
-
-
-@asynccontextmanager
-async def serving(url: str, **settings: Any) -> AsyncIterator[tuple[SessionServer, httpx.AsyncClient]]:
-    async with HttpEngineClient([url]) as client:
-        server = await SessionServer.for_engines(client, SessionSettings(**settings))
-        base = await server.start()
-        try:
-            async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-                yield server, http
-        finally:
-            await server.stop()
 
 
 async def new_session(http: httpx.AsyncClient, **body: Any) -> str:

@@ -385,7 +385,7 @@ def test_the_run_keys_reach_sglang_through_the_environment_only() -> None:
         "--port",
         "1",
     ]
-    assert key_argv(ServiceKeys("k1")) == ["--api-key", "k1"] and key_argv(ServiceKeys()) == []
+    assert key_argv(ServiceKeys("k1")) == ["--api-key=k1"] and key_argv(ServiceKeys()) == []
     before = logging.getLogRecordFactory()
     try:
         _redact_records(["k1", "a2"])

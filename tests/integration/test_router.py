@@ -25,6 +25,22 @@ policy = "manual"
 """
 
 
+def test_a_key_that_starts_with_a_dash_reaches_smg_whole() -> None:
+    """A generated key starts with "-" once in 64 runs; as a separate argument after ``--api-key`` smg's
+    argparse took it for a flag and smg exited ("expected one argument"), failing a multinode CI run."""
+    from smg.cli import create_parser
+    from smg.launch_router import parse_router_args
+
+    from miles.auth import ServiceKeys
+    from miles.rollout.router import smg_key_flags
+
+    flags = smg_key_flags(ServiceKeys("-k3y", "--adm1n"))
+    _, rest = create_parser().parse_known_args(["launch", "--worker-urls", "http://127.0.0.1:1", *flags])
+    args = parse_router_args(rest)
+    assert args.api_key == "-k3y"
+    assert [(name, key, role) for name, _, key, role in args.control_plane_api_keys] == [("miles", "--adm1n", "admin")]
+
+
 def test_grpo_through_smg_with_two_engines(tmp_path: Path, tiny_model: Path, prompts: Path) -> None:
     """``miles train`` with 2 engines behind smg: trains, broadcasts to both engines, verifies, and each
     group's samples share one engine's prefix cache (only a group's first sample computes its prompt)."""

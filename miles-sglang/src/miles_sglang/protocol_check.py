@@ -62,12 +62,18 @@ def argv_problems(argv: Sequence[str], source: SGLangSource, *, skip: Iterable[s
     problems = []
     i = 0
     while i < len(args):
-        flag = args[i]
-        if not flag.startswith("--"):
-            problems.append(f"{flag!r}: a value without a flag")
+        if not args[i].startswith("--"):
+            problems.append(f"{args[i]!r}: a value without a flag")
             i += 1
             continue
-        takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+        flag, eq, inline = args[i].partition("=")
+        value: str | None
+        if eq:  # --flag=value: the value is this argument's, whatever it starts with
+            value, step = inline, 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, step = args[i + 1], 2
+        else:
+            value, step = None, 1
         declared = source.flags.get(flag)
         values = 1
         if declared is not None and declared.nargs in ("*", "+") and flag not in skipped:
@@ -89,15 +95,15 @@ def argv_problems(argv: Sequence[str], source: SGLangSource, *, skip: Iterable[s
             problems.append(f"{flag}: not a flag of SGLang {source.version}")
         elif declared.deprecated:
             problems.append(f"{flag}: deprecated in SGLang {source.version}")
-        elif declared.switch and takes_value:
-            problems.append(f"{flag}: a switch in SGLang, given the value {args[i + 1]!r}")
-        elif not declared.switch and not takes_value:
+        elif declared.switch and value is not None:
+            problems.append(f"{flag}: a switch in SGLang, given the value {value!r}")
+        elif not declared.switch and value is None:
             problems.append(f"{flag}: SGLang expects a value")
-        elif takes_value:
-            problem = _value_problem(flag, declared.kind, args[i + 1], declared.choices)
+        elif value is not None:
+            problem = _value_problem(flag, declared.kind, value, declared.choices)
             if problem:
                 problems.append(problem)
-        i += 2 if takes_value else 1
+        i += step
     return problems
 
 

@@ -72,8 +72,8 @@ def sweep_segments(root: Path = Path("/dev/shm"), *, own: bool = False) -> list[
 def key_argv(keys: ServiceKeys) -> list[str]:
     """SGLang's flags for ``keys``: ``--api-key`` (every route; the ``NORMAL`` ones only with an admin key) and
     ``--admin-api-key`` (its ``ADMIN_OPTIONAL`` control routes)."""
-    flags = ["--api-key", keys.api_key] if keys.api_key else []
-    return flags + (["--admin-api-key", keys.admin_api_key] if keys.admin_api_key else [])
+    flags = [f"--api-key={keys.api_key}"] if keys.api_key else []  # one argument: a key may start with "-"
+    return flags + ([f"--admin-api-key={keys.admin_api_key}"] if keys.admin_api_key else [])
 
 
 def keyed_launch(argv: list[str]) -> list[str]:

@@ -61,8 +61,11 @@ def test_every_launch_flag_is_an_sglang_flag(source: SGLangSource) -> None:
     from miles.auth import ServiceKeys
     from miles_sglang.serve import key_argv
 
-    assert key_argv(ServiceKeys("k", "a")) == ["--api-key", "k", "--admin-api-key", "a"]
+    assert key_argv(ServiceKeys("k", "a")) == ["--api-key=k", "--admin-api-key=a"]
     assert argv_problems(key_argv(ServiceKeys("k", "a")), source) == []
+    # a generated key may start with "-" (or "--"): it stays the flag's value, never read as a flag
+    assert argv_problems(key_argv(ServiceKeys("--k", "-a")), source) == []
+    assert argv_problems(["--tp-size=two"], source) == ["--tp-size 'two': SGLang expects int"]
 
 
 def test_renamed_flags_and_fields_are_caught(source: SGLangSource) -> None:

@@ -98,9 +98,9 @@ def smg_key_flags(keys: ServiceKeys) -> list[str]:
     """smg's flags for the run's keys: ``--api-key`` (checked on the data plane, ``/generate`` ..., and sent to
     the engines), and with an admin key a control-plane key of role ``admin`` (``/workers``, ``/flush_cache``
     ... then need it, and the API key no longer opens them)."""
-    flags = ["--api-key", keys.api_key] if keys.api_key else []
+    flags = [f"--api-key={keys.api_key}"] if keys.api_key else []  # one argument: a key may start with "-"
     if keys.admin_api_key:
-        flags += ["--control-plane-api-keys", f"miles:miles:admin:{keys.admin_api_key}"]
+        flags += [f"--control-plane-api-keys=miles:miles:admin:{keys.admin_api_key}"]
     return flags
 
 

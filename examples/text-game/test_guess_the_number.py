@@ -1,13 +1,12 @@
 """The text-game example as a reader runs it, from the repository root: its settings resolved as ``miles train``
-resolves them (the game exists and is single-player), and with ``MILES_LONG_RUNS=1`` the run itself —
+resolves them (the game exists and is single-player), and the run itself —
 ``miles train examples/text-game/guess_the_number.toml`` on the tiny random model (built here, as
 ``examples/tiny/build_model.py`` builds it), two GRPO steps of textarena's GuessTheNumber played through the
-session server (about 45 s of processes starting and training on 2 cores: longer than the default run allows)."""
+session server (about 40 s of processes starting and training on 2 cores)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -44,7 +43,6 @@ def test_the_text_game_example_is_a_valid_run(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MILES_LONG_RUNS") != "1", reason="a whole training run: MILES_LONG_RUNS=1")
 def test_the_text_game_example_trains(tmp_path: Path, tiny_model: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
     out = run_miles(

@@ -7,8 +7,9 @@ With the mode on they are ``torch.equal`` to the rollout's, before and after an 
 are pushed to the engine; with it off, or with the attention's summation order changed on the trainer's side
 only (key chunks of 8 positions where the engine's are 64), the same comparison shows a float32 rounding
 difference (so the test can fail). The step's gradient is that
-forward's: one step with the mode on moves the weights as one with it off, to float rounding. MoE models and
-bfloat16, which the invariant ops do not cover yet, are exact by replaying the engine.
+forward's: one step with the mode on moves the weights as one with it off, to float rounding. Tiny Qwen3-MoE and
+Qwen2-MoE are exact on the invariant expert blocks; bfloat16, which the invariant ops do not cover yet, is exact
+by replaying the engine.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def new_trainer(model_path: Path, ctx: Any, *, true_on_policy: bool) -> Any:
     return trainer
 
 
-def rollout(url: str, model_path: Path, temperature: float, seed: int) -> list[Sample]:
-    """Two samples per prompt as a run gets them (the manager's single-turn generate, the engine's EOS ids)."""
+def rollout(url: str, model_path: Path, temperature: float, seed: int, *, routed: bool = False) -> list[Sample]:
+    """Two samples per prompt as a run gets them (the manager's single-turn generate, the engine's EOS ids;
+    ``routed``: with the experts an MoE engine routed each token to)."""
     from miles.data.base import Prompt
     from miles.models import eos_token_ids
 
@@ -79,8 +81,9 @@ def rollout(url: str, model_path: Path, temperature: float, seed: int) -> list[S
                 temperature=temperature,
             )
             manager = RolloutManager(
-                client, settings, scorer=no_reward, seed=seed, eos_token_ids=eos_token_ids(model_path)
-            )
+                client, settings, scorer=no_reward, seed=seed, eos_token_ids=eos_token_ids(model_path),
+                return_routed_experts=routed,
+            )  # fmt: skip
             pending = [s for p in PROMPTS for s in manager.new_group(Prompt(prompt="", prompt_ids=p))]
             return list(await asyncio.gather(*(manager.generate_sample(s) for s in pending)))
         finally:
@@ -260,34 +263,33 @@ def test_settings_that_cannot_be_exact_are_refused_naming_the_setting(tmp_path: 
     for override in ("rollout.mode=one_step_off", "rollout.engine.attention_backend=sdpa"):
         build_run(load_settings(config, overrides=[override]))
     build_run(load_settings(config, overrides=["rollout.function=miles.rollout.manager:single_turn"]))
-    # an MoE model is replayed: sync only
+    # an MoE model is on the invariant forward too: any rollout mode
     moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=0)
-    with pytest.raises(SettingsError, match="rollout.mode = 'one_step_off'.*MoE"):
-        build_run(load_settings(config, overrides=["rollout.mode=one_step_off", f"train.model_path={moe}"]))
+    build_run(load_settings(config, overrides=["rollout.mode=fully_async", f"train.model_path={moe}"]))
+    # bfloat16 is replayed: sync only
+    with pytest.raises(SettingsError, match="rollout.mode = 'one_step_off'.*float32"):
+        build_run(load_settings(config, overrides=["rollout.mode=one_step_off", "precision.name=bf16"]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "dtype"), [("qwen2", "bfloat16"), ("qwen3_moe", "float32")])
-def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, world: Any, tmp_path: Path) -> None:
-    """A bfloat16 engine with a bfloat16 precision recipe, and a tiny MoE, which the invariant ops do not cover,
-    are exact by the replay (the replica is the engine's computation: it routes as the engine does); the mode
-    off differs."""
-    from miles.precision.builtin import BF16, FP32
+def test_exact_in_bfloat16_by_the_replay(world: Any, tmp_path: Path) -> None:
+    """A bfloat16 engine with a bfloat16 precision recipe, which the invariant ops do not cover, is exact by the
+    replay (the replica is the engine's computation); the mode off differs."""
+    from miles.precision.builtin import BF16
     from miles.settings.model import TrainSettings
     from miles.testing.models import build_tiny_model
     from miles_fsdp.settings import FSDPSettings
     from miles_fsdp.trainer import FSDPTrainer
 
-    model = build_tiny_model(tmp_path / arch, arch, seed=9)  # type: ignore[arg-type]
-    args = ["--enable-deterministic-inference", "--dtype", dtype]
-    precision = BF16(None) if dtype == "bfloat16" else FP32(None)
+    model = build_tiny_model(tmp_path / "qwen2", "qwen2", seed=9)
+    args = ["--enable-deterministic-inference", "--dtype", "bfloat16"]
     trainers = {}
     with EngineProcess(model, extra_args=args, log_path=tmp_path / "engine.log") as engine:
         samples = rollout(engine.url, model, 0.9, 5)
     try:
         for mode in (True, False):
             train = TrainSettings(model_path=str(model), true_on_policy=mode)  # type: ignore[call-arg]
-            trainers[mode] = FSDPTrainer(train, FSDPSettings(), precision, world)
+            trainers[mode] = FSDPTrainer(train, FSDPSettings(), BF16(None), world)
             trainers[mode].setup()
         assert trainers[True]._replica is not None and not trainers[True]._invariant
         equal, largest = compare(trainers[True], samples, 0.9)
@@ -297,6 +299,52 @@ def test_exact_in_bfloat16_and_for_moe(arch: str, dtype: str, world: Any, tmp_pa
     finally:
         for trainer in trainers.values():
             trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "replay"), [("qwen3_moe", True), ("qwen2_moe", False)])
+def test_moe_is_exact_on_the_invariant_forward(arch: str, replay: bool, world: Any, tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE (routing replay on: the trainer's routers take the engine's experts) and Qwen2-MoE (its
+    shared expert; the trainer's own top-k): the trainer's own forward on the invariant expert blocks gives the
+    engine's logprobs bit for bit, before and after a step whose weights are pushed; the mode off differs."""
+    from miles.precision.builtin import FP32
+    from miles.settings.model import TrainSettings
+    from miles.testing.models import build_tiny_model
+    from miles_fsdp.settings import FSDPSettings
+    from miles_fsdp.trainer import FSDPTrainer
+
+    model = build_tiny_model(tmp_path / arch, arch, seed=9)  # type: ignore[arg-type]
+    trainers = {}
+    args = ["--enable-deterministic-inference"]
+    with EngineProcess(model, extra_args=args, log_path=tmp_path / "engine.log") as engine:
+        samples = rollout(engine.url, model, 0.9, 5, routed=True)
+        assert all(s.routed_experts is not None for s in samples)
+        try:
+            for mode in (True, False):
+                train = TrainSettings(  # type: ignore[call-arg]
+                    model_path=str(model), true_on_policy=mode, routing_replay=replay, lr=1e-3
+                )
+                trainers[mode] = FSDPTrainer(train, FSDPSettings(), FP32(None), world)
+                trainers[mode].setup()
+            exact = trainers[True]
+            assert exact._invariant and exact._replica is None
+            equal, largest = compare(exact, samples, 0.9)
+            assert equal and largest == 0.0
+            equal, largest = compare(trainers[False], samples, 0.9)
+            assert not equal and 0.0 < largest < 1e-3
+            if not replay:
+                return  # (Qwen2-MoE: the shared expert's forward checked; the step and the push as for Qwen3-MoE)
+            metrics = exact.train_step(with_advantages(samples), RatioPG(), temperature=0.9)
+            assert metrics["train_rollout_logprob_abs_diff"] == 0.0
+            assert metrics["fidelity/routing_agreement"] == 1.0  # one minibatch: the trainer's top-k is the engine's
+            push(exact, engine.url, tmp_path / "step1", "1")
+            samples = rollout(engine.url, model, 0.9, 6, routed=True)
+            assert all(s.oldest_weight_version == 1 for s in samples)
+            equal, largest = compare(exact, samples, 0.9)
+            assert equal and largest == 0.0
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@ GRPO on a tiny dense model with a real engine process (deterministic inference o
 two fsdp trainer ranks over gloo and real weight pushes, with a ``min_new_tokens`` mask on part of every
 response and a reward that moves the policy. With the mode on the mismatch metric (every trained token's
 |trainer - rollout| logprob before the step) is exactly 0.0 at every step, in ``sync`` and ``fully_async``
-mode; a tiny MoE (routing replay on), which the invariant ops do not cover, is exact by the trainer's replay
-of the engine; with the mode off the MoE run measures the float32 rounding of the trainer's own forward.
+mode; a tiny MoE (routing replay on) is exact too, fully async, on the invariant expert blocks; with the mode
+off the MoE run measures the float32 rounding of the trainer's own forward.
 """
 
 from __future__ import annotations
@@ -140,13 +140,20 @@ def test_true_on_policy_fully_async_has_no_mismatch_at_any_step(tmp_path: Path) 
 
 
 def test_true_on_policy_moe_grpo_with_routing_replay_has_no_mismatch(tmp_path: Path) -> None:
-    """A tiny Qwen3-MoE with R3 and true on-policy: the replica routes as the engine did, so every step's
-    mismatch is exactly 0.0; with the mode off (R3 still on) it is not."""
-    exact = run(tmp_path / "on", True, arch="qwen3_moe", replay=True, rollouts=2)
+    """A tiny Qwen3-MoE with R3 and true on-policy, fully async: the trainer's own forward on the invariant
+    expert blocks (the replay would refuse an async mode), its routers taking the engine's experts, so every
+    step's mismatch is exactly 0.0 while the weights move; with the mode off (sync, R3 still on) it is not."""
+    staleness = 'max_staleness = 0\nstale_policy = "retry"'
+    exact = run(
+        tmp_path / "on", True, arch="qwen3_moe", replay=True, rollouts=2, mode="fully_async",
+        rollout_extra=staleness, reward=LETTER_E,
+    )  # fmt: skip
     assert [r["step"] for r in exact] == [1, 2]
     for row in exact:
-        assert row["fidelity/train_rollout_logprob_abs_diff"] == 0.0 and row["weight_sync/verified"] == 1.0
+        assert row["fidelity/train_rollout_logprob_abs_diff"] == 0.0 and row["fidelity/fresh_token_fraction"] == 1.0
         assert row["rollout/routed_experts_bytes_per_sample"] > 0
+    assert exact[0]["train/grad_norm"] > 0.0 and exact[-1]["rollout/weight_version_min"] == 1.0
+    assert exact[-1]["weight_sync/verified"] == 1.0  # (fully async: a push's verification lands a step later)
     plain = run(tmp_path / "off", False, arch="qwen3_moe", replay=True, rollouts=2)
     assert all(0.0 < r["fidelity/train_rollout_logprob_abs_diff"] < 1e-4 for r in plain)
 

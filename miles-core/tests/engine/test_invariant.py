@@ -90,7 +90,7 @@ def test_another_key_chunk_changes_the_bits() -> None:
     assert not torch.equal(invariant.attention(q, k, v, pos, 0.2), invariant.attention(q, k, v, pos, 0.2, chunk=32))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_deterministic_runner_gives_a_token_the_same_logits_alone_batched_and_prefilled(
     arch: str, tmp_path: Path
 ) -> None:
@@ -101,13 +101,16 @@ def test_deterministic_runner_gives_a_token_the_same_logits_alone_batched_and_pr
     runner = ModelRunner(path, invariant=True)
     assert runner.invariant
     seqs = [[(7 * i + 3 * s) % 500 + 1 for i in range(90)] for s in range(3)]
-    prefilled = [runner.prefill(0, [s], [0], [True])[0][0] for s in seqs]
+    prefills = [runner.prefill(0, [s], [0], [True]) for s in seqs]
+    prefilled, routed_prefill = [p[0][0] for p in prefills], [p[1][0] for p in prefills]
     assert all(p is not None for p in prefilled)
     runner.prefill(0, [s[:5] for s in seqs], [0, 0, 0], [False] * 3)  # then a batched decode of all three
     for pos in range(5, 80):
-        logits, _ = runner.decode([s[pos] for s in seqs], [pos] * 3)
+        logits, routed = runner.decode([s[pos] for s in seqs], [pos] * 3)
         for i, want in enumerate(prefilled):
             assert want is not None and torch.equal(logits[i], want[pos]), (i, pos)
+            if runner.is_moe:  # each router chose the same experts for the token as in its prefill
+                assert routed is not None and torch.equal(routed[i], routed_prefill[i][pos]), (i, pos)
     runner.prefill(1, [seqs[1][:41]], [0], [False])  # alone, in another slot
     logits, _ = runner.decode([seqs[1][41]], [41], first_slot=1)
     assert prefilled[1] is not None and torch.equal(logits[0], prefilled[1][41])
@@ -115,7 +118,8 @@ def test_deterministic_runner_gives_a_token_the_same_logits_alone_batched_and_pr
 
 def test_runner_without_invariant_ops_is_not_batch_invariant(tmp_path: Path) -> None:
     """The default runner (packed GEMMs, SDPA) differs between a prefill and a decode step in the last bits, and a
-    float32 MoE or a bfloat16 engine falls back to running each request alone (the replay covers them)."""
+    bfloat16 engine falls back to running each request alone (the replay covers it); so does a float32 MoE
+    without the invariant expert blocks (their expert-order ``index_add_`` and plain GEMMs)."""
     from miles.engine.model_runner import ModelRunner
     from miles.testing.models import build_tiny_model
 
@@ -128,4 +132,37 @@ def test_runner_without_invariant_ops_is_not_batch_invariant(tmp_path: Path) -> 
     assert prefilled is not None and not all(torch.equal(s, prefilled[5 + i]) for i, s in enumerate(steps))
     assert not ModelRunner(path, dtype="bfloat16", invariant=True).invariant
     moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
-    assert not ModelRunner(moe, invariant=True).invariant
+    assert ModelRunner(moe, invariant=True).invariant
+    runner = ModelRunner(moe, attention_backend="sdpa")
+    prefilled = runner.prefill(0, [seq], [0], [True])[0][0]
+    runner.prefill(0, [seq[:5]], [0], [False])
+    steps = [runner.decode([seq[p]], [p])[0][0] for p in range(5, 60)]
+    assert prefilled is not None and not all(torch.equal(s, prefilled[5 + i]) for i, s in enumerate(steps))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_block_rows_are_the_same_bits_in_every_call(arch: str, tmp_path: Path) -> None:
+    """A token's MoE output (router, experts, Qwen2-MoE's shared expert) does not depend on the other tokens of
+    the call, where the model's own block (expert-order ``index_add_`` into a shared buffer, MKL GEMMs) does
+    not promise it; the values are the model's to float rounding, and gradients reach every weight."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.testing.models import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / arch, arch, seed=4))  # type: ignore[arg-type]
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 57, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = block(x)
+        assert not torch.equal(block(x[:, 5:6]), plain[:, 5:6])  # the model's own block: a lone token differs
+    invariant.install_moe(block)
+    with torch.no_grad():
+        whole = block(x)
+        for rows in ((0, 1), (5, 6), (3, 20), (0, 56), (56, 57)):
+            assert torch.equal(block(x[:, rows[0] : rows[1]]), whole[:, rows[0] : rows[1]]), rows
+    torch.testing.assert_close(whole, plain, rtol=1e-5, atol=1e-6)
+    block(x.requires_grad_()).square().sum().backward()
+    assert x.grad is not None and block.gate.weight.grad is not None
+    assert (
+        float(block.experts.gate_up_proj.grad.abs().sum()) > 0 and float(block.experts.down_proj.grad.abs().sum()) > 0
+    )

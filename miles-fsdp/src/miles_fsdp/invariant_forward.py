@@ -11,8 +11,9 @@ the residual adds and the log-softmax over the vocabulary are the model's and th
 already round a token the same way in every call.
 
 So the trainer's logprobs of a rollout's tokens are the engine's bit for bit, in one forward over the packed
-micro-batch, and the gradient is that forward's. Covered: dense Llama / Qwen2 / Qwen3 / Mistral with SiLU, in
-float32 on CPU; :func:`invariant_unsupported` says why another model is not (the trainer then replays the
+micro-batch, and the gradient is that forward's. Covered: dense Llama / Qwen2 / Qwen3 / Mistral with SiLU and
+Qwen2-MoE / Qwen3-MoE (their expert blocks through :func:`miles.engine.invariant.install_moe`, the routers through
+:func:`miles_fsdp.routing.patch_routers` with routing replay as set), in float32 on CPU; :func:`invariant_unsupported` says why another model is not (the trainer then replays the
 engine, :mod:`miles_fsdp.true_on_policy`).
 """
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 INVARIANT_ATTENTION = "miles_invariant"
 """The attention implementation's name in transformers' registries."""
-_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *invariant.MOE_MODEL_TYPES)
 _RMS_NORMS = tuple(f"{m}RMSNorm" for m in ("Llama", "Mistral", "Qwen2", "Qwen3"))
 
 
@@ -151,6 +152,9 @@ def install_invariant_forward(model: nn.Module) -> int:
             count += 1
         elif all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             module.act_fn = InvariantSiLU()
+            count += 1
+        elif hasattr(module, "experts") and hasattr(getattr(module, "gate", None), "top_k"):
+            invariant.install_moe(module, router=False)  # the router: miles_fsdp.routing.patch_routers(invariant=)
             count += 1
     log.info("true on-policy: %d modules of the actor compute with the batch-invariant ops", count)
     return count

@@ -35,16 +35,31 @@ def _routers(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def patch_routers(model: nn.Module, *, replay: bool) -> RouterReplay | None:
+def patch_routers(model: nn.Module, *, replay: bool, invariant: bool = False) -> RouterReplay | None:
     """Route ``model``'s MoE routers through a new :class:`RouterReplay` (``replay``: use the rollout's
-    experts); ``None`` for a dense model (nothing patched)."""
+    experts); ``None`` for a dense model (nothing patched). ``invariant``: the router computes as the engine's
+    deterministic one does (:func:`miles.engine.invariant.route`, the true on-policy forward)."""
     routers = _routers(model)
     if not routers:
         return None
     state = RouterReplay(replay=replay, num_layers=len(routers))
     for index, router in enumerate(routers):
-        router.forward = types.MethodType(_forward_with(state, index), router)
+        forward = _invariant_forward_with if invariant else _forward_with
+        router.forward = types.MethodType(forward(state, index), router)
     return state
+
+
+def _invariant_forward_with(state: RouterReplay, layer: int) -> Any:
+    def forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from miles.engine import invariant
+
+        def select(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return state.select(layer, probs, k)
+
+        hidden = hidden_states.reshape(-1, self.hidden_dim)
+        return invariant.route(hidden, self.weight, int(self.top_k), normalise=bool(self.norm_topk_prob), select=select)
+
+    return forward
 
 
 def _forward_with(state: RouterReplay, layer: int) -> Any:

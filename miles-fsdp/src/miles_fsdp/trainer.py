@@ -152,10 +152,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             attn = "sdpa" if reason is not None else register_packed_attention()
         ref_attn = attn
         if train.true_on_policy:
-            config = load_config(train.model_path)
-            text = config.get_text_config()
-            moe = getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)
-            why = "MoE" if moe else invariant_unsupported(config, param_dtype, self.device.type)
+            why = invariant_unsupported(load_config(train.model_path), param_dtype, self.device.type)
             self._invariant = why is None
             if self._invariant:
                 from miles_fsdp.invariant_forward import register_invariant_attention
@@ -176,7 +173,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
         self._config = actor.config
         from miles_fsdp.routing import patch_routers
 
-        self._routing = patch_routers(actor, replay=train.routing_replay)
+        self._routing = patch_routers(actor, replay=train.routing_replay, invariant=self._invariant)
         if vision:  # what would score a vision-language policy without its images is refused
             if need_values or train.true_on_policy:
                 what = "a PPO critic (need_values)" if need_values else "train.true_on_policy"

@@ -1,6 +1,7 @@
 """True on-policy (``train.true_on_policy``): the trainer's logprobs are the rollout engine's, bit for bit.
 
-**The invariant forward** (dense float32 models on CPU, :mod:`miles_fsdp.invariant_forward`): the local engine in
+**The invariant forward** (float32 dense models and Qwen2-MoE / Qwen3-MoE on CPU,
+:mod:`miles_fsdp.invariant_forward`): the local engine in
 deterministic mode (``enable_deterministic_inference``) computes with the batch-invariant ops of
 :mod:`miles.engine.invariant`, and the trainer's own differentiable forward computes with the same ops, so a
 token's logprob in the trainer's packed micro-batch is the one the engine computed in its decode step, and the
@@ -9,9 +10,8 @@ loss's gradient is that forward's. Nothing is replayed; any rollout mode works (
 the policy's change, which is what the off-policy correction is for), and a multi-turn session's tokens score
 exactly too (each policy token saw exactly the tokens before it, in the engine as in the trainer).
 
-**The replay** (what the invariant forward does not cover yet: MoE models, whose expert blocks are not
-batch-invariant, and bfloat16; there the engine's deterministic mode runs each request alone on its usual
-kernels): :class:`EngineReplica` runs the engine's own model runner (:func:`miles.engine.replay.load_runner`) in
+**The replay** (what the invariant forward does not cover yet: bfloat16, vision-language models, other MoE
+families; there the engine's deterministic mode runs each request alone on its usual kernels): :class:`EngineReplica` runs the engine's own model runner (:func:`miles.engine.replay.load_runner`) in
 the trainer process on the trainer's current weights and replays each request's schedule
 (:mod:`miles.engine.replay`: a prefill in the engine's chunks, then one decode step per token), so its
 logprobs are the engine's; a multi-turn session's sample is replayed turn by turn (``Sample.request_spans``).
@@ -65,9 +65,6 @@ def true_on_policy_mode(settings: MilesSettings) -> tuple[Literal["invariant", "
         config = load_config(settings.train.model_path or "")
     except (OSError, ValueError) as exc:
         return "replay", f"train.model_path: {exc}"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0):
-        return "replay", "MoE expert blocks are not batch-invariant yet"
     reason = invariant_unsupported(config, dtype, settings.cluster.device)
     return ("replay", reason) if reason is not None else ("invariant", None)
 

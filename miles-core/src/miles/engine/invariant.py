@@ -29,6 +29,12 @@ GEMM kinds on the machine it runs on, and the engine and the trainer refuse to s
 - **SiLU** (:func:`silu`): ``x / (1 + exp(-x))``. ``F.silu`` computes the tail of a tensor that does not fill
   a vector register with a scalar formula that rounds differently, so a token's activation would depend on
   where it lands in the tensor; ``exp``, the negation, the sum and the division round the same both ways.
+- **MoE blocks** (:func:`route`, :func:`experts`, :func:`install_moe`; Qwen2-MoE and Qwen3-MoE): the router's
+  logits through :func:`linear`, its softmax in float32 (each row reduced alone), the model's top-k, the top-k
+  weights renormalised with their sum taken in slot order; each expert computes its tokens with :func:`linear`
+  and :func:`silu` (a token's rows do not depend on which other tokens chose the expert), and a token's expert
+  outputs are added in slot order (the model's ``index_add_`` adds them in expert order, into a buffer shared
+  by every token). Qwen2-MoE's shared expert is a dense MLP on the same ops, its gate a sigmoid written out.
 - **Rotary embedding, residual adds, log-softmax over the vocabulary**: the models' own ops already are
   (element-wise products and sums round exactly; ``cos``, ``sin`` and ``exp`` agree between the vector and the
   scalar paths; ``log_softmax`` reduces each row alone).
@@ -40,6 +46,7 @@ the tests use to show that the equality they check can fail).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,13 +55,21 @@ __all__ = [
     "KEY_CHUNK",
     "MIN_QUERIES",
     "MIN_ROWS",
+    "MOE_MODEL_TYPES",
     "attention",
     "engine_unsupported",
+    "experts",
+    "install_moe",
     "invariance_problem",
     "linear",
     "rms_norm",
+    "route",
+    "sigmoid",
     "silu",
 ]
+
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+"""The MoE models whose expert blocks :func:`install_moe` computes with these ops."""
 
 MIN_ROWS = 2
 """Fewest rows a GEMM or a norm is called with (a lone row is padded with a zero row: oneDNN's GEMM sums a
@@ -133,6 +148,95 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))``: the same bits wherever ``x`` sits (as :func:`silu`)."""
+    return 1 / (1 + torch.exp(-x))
+
+
+Select = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+"""How a router picks its experts from the float32 probabilities ``[tokens, experts]``: ``(values, indices)``
+``[tokens, k]`` (``torch.topk``'s, or a replay's: the experts the engine chose, their probabilities gathered)."""
+
+
+def _topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values, indices = torch.topk(probs, k, dim=-1)
+    return values, indices
+
+
+def _slot_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t.sum(1)`` over a ``[tokens, k, ...]`` tensor, added slot by slot in order 0, 1 ... (an element-wise
+    sum: a token's result does not depend on the others')."""
+    total = t[:, 0]
+    for slot in range(1, t.shape[1]):
+        total = total + t[:, slot]
+    return total
+
+
+def route(
+    hidden: torch.Tensor, weight: torch.Tensor, top_k: int, *, normalise: bool, select: Select | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Qwen-MoE router: ``(logits, top-k weights in the logits' dtype, expert indices)`` for ``hidden``
+    ``[tokens, hidden]`` (Hugging Face's ``TopKRouter`` formula; ``select`` picks the experts, default the top-k)."""
+    logits = linear(hidden, weight)
+    probs = torch.softmax(logits.float(), dim=-1)
+    values, indices = (select or _topk)(probs, top_k)
+    if normalise:
+        values = values / _slot_sum(values[..., None])
+    return logits, values.to(logits.dtype), indices
+
+
+def experts(
+    hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The experts' weighted outputs summed per token: ``hidden`` ``[tokens, hidden]``, ``indices`` / ``weights``
+    ``[tokens, k]`` (a router's), ``gate_up`` ``[experts, 2 x inter, hidden]`` and ``down`` ``[experts, hidden,
+    inter]`` (Hugging Face's fused expert weights). Differentiable in ``hidden``, ``weights`` and the weights."""
+    tokens, k = indices.shape
+    out = hidden.new_zeros(tokens, k, hidden.shape[-1])
+    for e in torch.unique(indices).tolist():  # each expert once, its tokens in one call
+        rows, slots = torch.nonzero(indices == e, as_tuple=True)
+        g, u = linear(hidden[rows], gate_up[e]).chunk(2, dim=-1)
+        y = linear(silu(g) * u, down[e]) * weights[rows, slots, None]
+        out = out.index_put((rows, slots), y.to(out.dtype))
+    return _slot_sum(out)
+
+
+def install_moe(block: Any, *, router: bool = True) -> None:
+    """Make a Hugging Face Qwen2-MoE / Qwen3-MoE sparse MoE block (``model.layers[i].mlp``) compute with these ops:
+    its router (``block.gate``, through :func:`route`; unless not ``router``: the trainer's routing replay
+    routes through :func:`route` itself), its experts (:func:`experts`) and Qwen2-MoE's shared expert and its
+    gate. The router is still called as a module, so its forward hooks (the engine's record of the routed
+    experts) keep firing."""
+    gate, fused = block.gate, block.experts
+
+    def gate_forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = hidden.reshape(-1, gate.hidden_dim)
+        return route(hidden, gate.weight, int(gate.top_k), normalise=bool(gate.norm_topk_prob))
+
+    def experts_forward(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return experts(hidden, indices, weights, fused.gate_up_proj, fused.down_proj)
+
+    fused.forward = experts_forward
+    if router:
+        gate.forward = gate_forward
+    shared = getattr(block, "shared_expert", None)
+    if shared is None:
+        return
+    shared_gate = block.shared_expert_gate
+
+    def block_forward(hidden: torch.Tensor) -> torch.Tensor:
+        b, t, h = hidden.shape
+        x = hidden.reshape(-1, h)
+        own = linear(
+            silu(linear(x, shared.gate_proj.weight)) * linear(x, shared.up_proj.weight), shared.down_proj.weight
+        )
+        _, weights, indices = block.gate(x)
+        routed = block.experts(x, indices, weights)
+        return (routed + sigmoid(linear(x, shared_gate.weight)) * own).reshape(b, t, h)
+
+    block.forward = block_forward
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, *, chunk: int | None = None
 ) -> torch.Tensor:
@@ -180,8 +284,8 @@ def engine_unsupported(
     config: Any, device: torch.device, dtype: torch.dtype, *, quantization: str | None
 ) -> str | None:
     """Why the local engine cannot compute this model with these ops, or ``None``: they cover dense decoders
-    with SiLU MLPs and RMSNorms in float32 on CPU (MoE expert blocks, vision towers, quantized projections and
-    bfloat16 are not covered yet)."""
+    and Qwen2-MoE / Qwen3-MoE with SiLU MLPs and RMSNorms in float32 on CPU (vision towers, quantized projections
+    and bfloat16 are not covered yet)."""
     text = config.get_text_config()
     if device.type != "cpu":
         return f"they run on CPU only (the engine runs on {device})"
@@ -189,8 +293,10 @@ def engine_unsupported(
         return f"they cover float32 (the engine serves {dtype})"
     if quantization is not None or getattr(config, "vision_config", None) is not None:
         return "quantized projections and vision-language models are not covered"
-    if getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0):
-        return "MoE expert blocks are not covered"
+    if (getattr(text, "num_experts", 0) or getattr(text, "num_local_experts", 0)) and (
+        text.model_type not in MOE_MODEL_TYPES
+    ):
+        return f"the MoE blocks of {text.model_type!r} are not covered ({', '.join(MOE_MODEL_TYPES)} are)"
     if getattr(text, "hidden_act", "silu") != "silu":
         return f"the activation {text.hidden_act!r} is not covered (silu is)"
     return invariance_problem()

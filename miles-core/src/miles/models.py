@@ -10,12 +10,13 @@ calls before it starts anything.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,11 +206,40 @@ def materialize(value: str, *, where: str = "train.model_path") -> Path:
     gguf = find_gguf(value)
     assert gguf is not None
     target = _cache_root() / f"{gguf.stem}-{_content_key(gguf)}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").exists():
+    if _converted(target):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(target):  # another run (or rank) converting the same file: wait for its result
+        if _converted(target):
+            return target
+        _convert_logged(gguf, target)
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").exists()
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock on ``<target>.lock`` (held while one process converts into ``target``)."""
+    import fcntl
+
+    with open(target.with_name(target.name + ".lock"), "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is converting into %s: waiting for it", target)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_logged(gguf: Path, target: Path) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s into %s (once: later runs use the cache)", gguf, target)
     start = time.monotonic()
     columns = (
@@ -230,7 +260,6 @@ def materialize(value: str, *, where: str = "train.model_path") -> Path:
         convert_gguf(gguf, target, on_stage=stage)
         bar.update(task, completed=len(CONVERSION_STAGES), description=f"converted {gguf.name}")
     log.info("converted %s in %.0f s", gguf.name, time.monotonic() - start)
-    return target
 
 
 def smollm2_gguf() -> Path:
@@ -293,7 +322,7 @@ def convert_gguf(
     fresh = type(loaded)(config)
     fresh.load_state_dict(loaded.state_dict(), strict=True)
     fresh.generation_config = loaded.generation_config
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     stage(3)
     fresh.save_pretrained(tmp, safe_serialization=True)

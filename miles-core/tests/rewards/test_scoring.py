@@ -279,9 +279,8 @@ def test_group_reward_failures_fail_the_group_or_the_one_sample() -> None:
         "reward 'shortest' raised RuntimeError: the group's judge is down (scoring a group of 2 samples)"
     )
     # an exception in place of one result, or a value that is not a number, fails that sample alone
-    assert [s.status for s in partly] == [SampleStatus.COMPLETED, SampleStatus.FAILED, SampleStatus.FAILED] + [
-        SampleStatus.COMPLETED
-    ]
+    ok, failed = SampleStatus.COMPLETED, SampleStatus.FAILED
+    assert [s.status for s in partly] == [ok, failed, failed, ok]
     assert partly[1].status_reason == "reward 'shortest' raised ValueError: cannot compare this one"
     assert partly[2].status_reason == "reward 'shortest' returned nan, not a finite number"
     # "bad" (3 characters) was the shortest of the group: 0 for the others, and the math function's 1

@@ -61,7 +61,8 @@ def _error_text(error: Any) -> str | None:
 
 
 async def verifiers_episode(ctx: EpisodeContext) -> dict[str, Any]:
-    """Play the sample's environment through the session at ``ctx.base_url``; score it with its rubric."""
+    """Play the sample's environment through the session at ``ctx.base_url``; score it with its rubric, or, when
+    the rubric has group-level functions, hold its state for its group's scoring."""
     import openai
     from verifiers.legacy.clients import OpenAIChatCompletionsClient
     from verifiers.legacy.errors import InfraError

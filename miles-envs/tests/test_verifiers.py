@@ -16,7 +16,8 @@ import miles_envs.verifiers.plugin as plugin
 from miles.testing import check_data_source, check_light_import, check_plugin, check_reward, check_rollout_function
 from miles.types import Sample
 from miles_envs.verifiers.data import VerifiersDataSource
-from miles_envs.verifiers.loading import EnvSpec, VerifiersEnvError, forget_envs, load_env
+from miles_envs.verifiers.groups import PENDING
+from miles_envs.verifiers.loading import EnvSpec, VerifiersEnvError, forget_envs, group_reward_functions, load_env
 from miles_envs.verifiers.reward import VerifiersReward
 
 
@@ -63,7 +64,6 @@ def test_an_installed_environment_module_loads_by_its_id(envs_dir: Path, monkeyp
         ("missing_file.py", {}, "'missing_file.py': no such file"),
         ("not_an_env.py", {}, "returned list, not a verifiers Environment"),
         ("two_turn_sums.py", {"bogus": 1}, "load_environment(bogus=1) raised TypeError"),
-        ("grouped.py", {}, "group-level reward functions (rank_in_group)"),
         ("conftest.py", {}, "defines no load_environment"),
     ],
 )
@@ -76,6 +76,12 @@ def test_environments_that_cannot_serve_are_refused_by_name(
     with pytest.raises(VerifiersEnvError) as err:
         load_env(EnvSpec(where, args))
     assert message in str(err.value) and "verifiers environment" in str(err.value)
+
+
+def test_an_environment_with_group_reward_functions_loads_naming_them(envs_dir: Path) -> None:
+    env = load_env(EnvSpec(str(envs_dir / "grouped.py"), {}))
+    assert group_reward_functions(env) == ["length_rank", "group_size"] and env.rubric.has_group_rewards
+    assert group_reward_functions(load_env(EnvSpec(str(envs_dir / "two_turn_sums.py"), {}))) == ["shortest"]
 
 
 def test_the_data_source_serves_the_environment_rows(envs_dir: Path) -> None:
@@ -117,6 +123,19 @@ def test_the_reward_hands_on_the_rubric_score_with_each_function_as_a_part() -> 
             asyncio.run(VerifiersReward(VerifiersReward.Settings()).score(sample))
 
 
+def test_a_group_sample_whose_episode_state_is_gone_fails_alone() -> None:
+    import asyncio
+
+    # a sample of a group-scored episode whose state this process does not hold (scored already, or read back
+    # from a file): it fails with the reason; the group's other samples keep their scores
+    gone = _scored(None)
+    gone.metadata["verifiers"]["pending"] = "0123abcd"
+    results = asyncio.run(VerifiersReward(VerifiersReward.Settings()).score_group([_scored(1.0, correct=1.0), gone]))
+    assert results[0].value == 1.0  # type: ignore[union-attr]
+    assert isinstance(results[1], LookupError) and "not held by this process" in str(results[1])
+    assert "pending" not in gone.metadata["verifiers"] and len(PENDING) == 0
+
+
 def test_plugin_conforms_and_imports_cheaply() -> None:
     entries = check_plugin(
         plugin,
@@ -131,9 +150,15 @@ def test_a_run_is_checked_before_anything_starts(envs_dir: Path) -> None:
     from miles.errors import SettingsError
     from miles.settings.model import MilesSettings
 
-    def settings(path: str, function: str | dict[str, str] | None = "verifiers") -> MilesSettings:
+    def settings(
+        path: str, function: str | dict[str, str] | None = "verifiers", rewards: tuple[str, ...] = ("verifiers",)
+    ) -> MilesSettings:
         return MilesSettings.model_validate(
-            {"data": {"path": path, "source": {"name": "verifiers"}}, "rollout": {"function": function}}
+            {
+                "data": {"path": path, "source": {"name": "verifiers"}},
+                "rollout": {"function": function},
+                "reward": {"functions": list(rewards)},
+            }
         )
 
     options = VerifiersDataSource.Settings()
@@ -141,8 +166,12 @@ def test_a_run_is_checked_before_anything_starts(envs_dir: Path) -> None:
     table = settings(str(envs_dir / "two_turn_sums.py"), function={"name": "verifiers"})  # ([rollout.function])
     VerifiersDataSource.check_settings(options, table)
     VerifiersReward.check_settings(VerifiersReward.Settings(), table)
-    with pytest.raises(SettingsError, match=r"^data\.path.*group-level reward functions \(rank_in_group\)"):
-        VerifiersDataSource.check_settings(options, settings(str(envs_dir / "grouped.py")))
+    VerifiersDataSource.check_settings(options, settings(str(envs_dir / "grouped.py")))
+    # group-level functions run in the 'verifiers' reward: a run without it is told so
+    with pytest.raises(
+        SettingsError, match=r"^reward\.functions: .*group-level reward functions \(length_rank, group_size\)"
+    ):
+        VerifiersDataSource.check_settings(options, settings(str(envs_dir / "grouped.py"), rewards=("math",)))
     with pytest.raises(SettingsError, match="needs rollout.function = 'verifiers'"):
         VerifiersDataSource.check_settings(options, settings(str(envs_dir / "two_turn_sums.py"), function=None))
     with pytest.raises(SettingsError, match="rubric score of the 'verifiers' rollout function"):

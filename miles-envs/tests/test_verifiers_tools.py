@@ -1,7 +1,8 @@
 """A verifiers tool environment (``vf.ToolEnv``) played through the session server against a real engine: the
 tool definitions verifiers derives from a Python function reach the policy's chat template, the policy's tool
 calls come back to verifiers parsed, the tool's results go into the session as tool messages, and none of
-their tokens is trained on; and how an environment's errors end an episode. The policy is the test kit's tiny
+their tokens is trained on; how an environment's errors end an episode; and a rubric's group functions scoring
+a group one of whose episodes failed. The policy is the test kit's tiny
 model fine-tuned to call a calculator.
 (``MILES_LONG_RUNS=1``: the engine and the tool model cost about a minute; the training test shows the
 connector in the default run.)"""
@@ -142,3 +143,60 @@ def test_environment_errors_fail_the_sample_only_when_they_are_infrastructure(
         info = out.metadata["verifiers"]
         assert info["error"] == "ToolCallError: the tool crashed" and info["stop_condition"] == "has_error"
         assert info["reward"] == 1.0 and info["turns"] == 1
+
+
+def test_group_functions_score_the_group_without_its_failed_episode(engine: Any, envs_dir: Path) -> None:
+    """One episode of the group fails (its sandbox is gone): it stays failed with the reason, and the rubric's
+    group functions score the group's other episodes together, each sample's value depending on the others'."""
+    from transformers import AutoTokenizer
+
+    from miles.rewards.scoring import RewardScorer
+    from miles.rollout.http_client import HttpEngineClient
+    from miles.rollout.manager import RolloutManager
+    from miles.settings.model import RolloutSettings
+    from miles.types import SampleStatus
+    from miles_envs.verifiers.data import VerifiersDataSource
+    from miles_envs.verifiers.groups import PENDING
+    from miles_envs.verifiers.loading import forget_envs
+    from miles_envs.verifiers.reward import VerifiersReward
+    from miles_envs.verifiers.rollout import VERIFIERS_ROLLOUT
+
+    forget_envs()  # a fresh environment: its first episode to reach a second turn fails
+    tokenizer = AutoTokenizer.from_pretrained(Path(engine.model_path))
+    source = VerifiersDataSource(
+        VerifiersDataSource.Settings(), path=str(envs_dir / "grouped.py"), seed=0, shuffle=False
+    )
+    prompts = source.next_batch(1)
+    prompts[0].prompt_ids = tokenizer.apply_chat_template(
+        prompts[0].prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    scorer = RewardScorer(
+        [("verifiers", VerifiersReward(VerifiersReward.Settings()), 1.0)], timeout=60, max_concurrency=8
+    )
+
+    async def run() -> Any:
+        settings = RolloutSettings(rollout_batch_size=1, n_samples_per_prompt=4, max_new_tokens=16, temperature=1.0)
+        async with HttpEngineClient([engine.url]) as client:
+            manager = RolloutManager(client, settings, scorer=scorer, rollout_function=VERIFIERS_ROLLOUT, seed=5)
+            try:
+                return await manager.rollout(_Prompts(prompts))
+            finally:
+                await manager.close()
+
+    try:
+        samples = asyncio.run(run()).samples
+    finally:
+        forget_envs()
+    assert len(samples) == 4
+    failed = [s for s in samples if s.status == SampleStatus.FAILED]
+    assert len(failed) == 1 and "SandboxError: the sandbox is gone" in failed[0].status_reason
+    assert failed[0].reward is None and failed[0].reward_parts == {}
+    scored = [s for s in samples if s.status != SampleStatus.FAILED]
+    lengths = [sum(len(m["content"] or "") for m in s.metadata["messages"] if m["role"] == "assistant") for s in scored]
+    for s, n in zip(scored, lengths, strict=True):
+        parts = s.reward_parts
+        assert parts["verifiers/group_size"] == 3.0  # the group functions saw the three episodes that reached scoring
+        assert parts["verifiers/length_rank"] == float(sum(other < n for other in lengths))
+        assert s.reward == pytest.approx(parts["verifiers/replied"] + 0.5 * parts["verifiers/length_rank"])
+        assert s.metadata["verifiers"]["turns"] == 2 and "pending" not in s.metadata["verifiers"]
+    assert len(PENDING) == 0  # every state was scored and cleaned up, the failed one's when it failed

@@ -1,6 +1,7 @@
 """A multi-turn verifiers environment trained for real: ``miles train`` on the tiny model with the verifiers data
 source, rollout function and reward. The environment's own episode (two turns, the second asked by the
-environment) runs through the TITO session server the run starts; GRPO trains on the session's exact tokens."""
+environment) runs through the TITO session server the run starts; GRPO trains on the session's exact tokens. The
+rubric's group-level function (``shortest``) scores each GRPO group's episodes together."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from miles.testing.runs import children_of_run, read_metrics, tiny_model  # noqa
 from miles.types import Sample
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _last_reply(messages: list[dict[str, str]]) -> str:
+    replies = [m for m in messages if m.get("role") == "assistant"]
+    return str(replies[-1].get("content") or "") if replies else ""
 
 
 @pytest.mark.slow
@@ -50,7 +56,7 @@ def test_grpo_on_a_two_turn_verifiers_environment(tmp_path: Path, tiny_model: Pa
         assert row["weight_sync/verified"] == 1.0
         assert 0.0 <= row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4
         # the rubric's score is the reward, each function a part
-        for part in ("correct", "brief", "num_turns"):
+        for part in ("correct", "brief", "shortest", "num_turns"):
             assert f"reward/verifiers/{part}/mean" in row
         assert 1.0 <= row["reward/verifiers/num_turns/mean"] <= 2.0
         assert row["verifiers/error_fraction"] <= 1.0
@@ -64,7 +70,9 @@ def test_grpo_on_a_two_turn_verifiers_environment(tmp_path: Path, tiny_model: Pa
             s.validate()
             info = s.metadata["verifiers"]
             parts = {k.removeprefix("verifiers/"): v for k, v in s.reward_parts.items() if "/" in k}
-            assert s.reward == pytest.approx(parts["correct"] + 0.5 * parts["brief"])  # the rubric's weights
+            # the rubric's weights, its group function's value included
+            assert s.reward == pytest.approx(parts["correct"] + 0.5 * parts["brief"] + 0.25 * parts["shortest"])
+            assert "pending" not in info and info["reward"] == pytest.approx(s.reward)
             assert parts["num_turns"] == info["turns"] == s.metadata["session"]["turns"]
             # loss mask 1 exactly on what the policy sampled: every token of the environment's turn is 0
             mask = [0] * s.response_length
@@ -79,6 +87,15 @@ def test_grpo_on_a_two_turn_verifiers_environment(tmp_path: Path, tiny_model: Pa
                 first_end, second_start = s.metadata["session"]["policy_spans"][0][1], s.request_spans[1][0]
                 assert second_start > first_end and not any(s.loss_mask[first_end:second_start])
                 assert "Now add one" in s.response
+        # the group function saw the whole group: 1 exactly for the group's shortest last replies
+        groups: dict[int, list[Sample]] = {}
+        for s in samples:
+            groups.setdefault(s.group_id, []).append(s)
+        assert sorted(len(g) for g in groups.values()) == [4, 4]
+        for group in groups.values():
+            scored = [s for s in group if s.reward is not None]
+            lengths = [len(_last_reply(s.metadata["messages"]).strip()) for s in scored]
+            assert [s.reward_parts["verifiers/shortest"] for s in scored] == [float(n == min(lengths)) for n in lengths]
     assert any(s.metadata["verifiers"]["turns"] == 2 for samples in steps for s in samples)
     assert len({s.reward for samples in steps for s in samples}) > 1  # GRPO had different rewards to learn from
     assert children_of_run(run_dir) == []

@@ -185,7 +185,8 @@ def miles_register_algorithms(register: Register) -> None:
 
 @hookspec
 def miles_register_rewards(register: Register) -> None:
-    """Register reward functions: classes deriving from :class:`miles.rewards.base.Reward`.
+    """Register reward functions: classes deriving from :class:`miles.rewards.base.Reward` (a sample at a
+    time) or :class:`miles.rewards.base.GroupReward` (the samples of a group together).
 
     Selected by the entries of ``reward.functions``.
 

@@ -1,14 +1,17 @@
 """``score_samples``: weighted combination, named parts, timeouts and exceptions marking samples failed,
-the concurrency bound, and building the functions from ``reward.functions``."""
+the concurrency bound, building the functions from ``reward.functions``, and group rewards (a group's samples
+scored together, once per group, next to per-sample functions)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
+from miles.components import ComponentSettings
 from miles.plugins.manager import PluginManager
-from miles.rewards.base import Reward
+from miles.rewards.base import GroupReward, Reward, RewardOutput
 from miles.rewards.scoring import RewardScorer, close_rewards, score_samples
 from miles.rewards.text import (
     LengthPenaltyReward,
@@ -19,6 +22,7 @@ from miles.rewards.text import (
     RegexSettings,
 )
 from miles.settings.model import RewardSettings
+from miles.testing import check_reward
 from miles.types import Sample, SampleStatus
 
 RIGHT = "<|im_start|>assistant\n<think>\n12 + 7 = 19\n</think>\nSo 12 + 7 = \\boxed{19}.<|im_end|>"
@@ -192,3 +196,110 @@ def test_build_rewards_from_settings() -> None:
     bad = RewardSettings(functions=[{"name": "regex", "patern": "x"}])
     with pytest.raises(Exception, match=r"reward\.functions\[0\]"):
         build_run(MilesSettings(reward=bad), manager, kinds=[ComponentKind.REWARD])
+
+
+class ShortestInGroup(GroupReward):
+    """1 for the samples of the group with the shortest response (ties share it), else 0; the group's size is a
+    named part. Records each call's group and indexes; a response ``boom`` makes the call raise, a response
+    ``bad`` gets an exception in place of its result, a response ``nan`` a NaN."""
+
+    name = "shortest_in_group"
+
+    def __init__(self, settings: ComponentSettings | None = None, *, delay: float = 0.0) -> None:
+        super().__init__(settings or ComponentSettings())
+        self.calls: list[tuple[int, list[int]]] = []
+        self.delay = delay
+
+    async def score_group(self, samples: Sequence[Sample]) -> list[float | RewardOutput | Exception]:
+        self.calls.append((samples[0].group_id, [s.index for s in samples]))
+        await asyncio.sleep(self.delay)
+        if any(s.response == "boom" for s in samples):
+            raise RuntimeError("the group's judge is down")
+        shortest = min(len(s.response) for s in samples)
+        out: list[float | RewardOutput | Exception] = []
+        for s in samples:
+            if s.response == "bad":
+                out.append(ValueError("cannot compare this one"))
+            else:
+                value = float("nan") if s.response == "nan" else float(len(s.response) == shortest)
+                out.append(RewardOutput(value, {"group_size": float(len(samples))}))
+        return out
+
+
+class OneResultOnly(GroupReward):
+    """Answers one result whatever the group's size."""
+
+    name = "one_result"
+
+    async def score_group(self, samples: Sequence[Sample]) -> list[float | RewardOutput | Exception]:
+        return [1.0]
+
+
+def grouped(group_id: int, *responses: str) -> list[Sample]:
+    out = [sample(r, i) for i, r in enumerate(responses)]
+    for s in out:
+        s.group_id = group_id
+    return out
+
+
+def test_a_group_reward_scores_each_group_together_next_to_per_sample_functions() -> None:
+    shortest = ShortestInGroup()
+    first = grouped(0, "So 12 + 7 = \\boxed{19}.", "\\boxed{19}", "\\boxed{20}", "\\boxed{19} ...", "x")
+    first[4].status, first[4].status_reason = SampleStatus.FAILED, "rollout failed: the engine died"
+    first[3].status = SampleStatus.TRUNCATED
+    second = grouped(1, "\\boxed{19}", "a long answer: \\boxed{19}")
+    samples = [first[0], second[0], *first[1:], second[1]]  # groups interleaved, as a caller may pass them
+    rewards = [("math", MathReward(MathSettings()), 1.0), ("shortest", shortest, 0.5)]
+    asyncio.run(score_samples(samples, rewards, timeout=30.0))
+    # one call per group, with the group's samples that reached scoring (the failed one is not among them)
+    assert sorted(shortest.calls) == [(0, [0, 1, 2, 3]), (1, [0, 1])]
+    assert [s.reward for s in first] == [1.0, 1.5, 0.5, 1.0, None]  # math + 0.5 * shortest of the group
+    assert first[4].status == SampleStatus.FAILED and first[4].status_reason == "rollout failed: the engine died"
+    assert first[3].status == SampleStatus.TRUNCATED  # a partial rollout is scored with its group
+    assert first[1].reward_parts == {
+        "shortest": 1.0,
+        "shortest/group_size": 4.0,
+        "math": 1.0,
+        "math/has_answer": 1.0,
+    }
+    assert [s.reward for s in second] == [1.5, 1.0]  # \\boxed{19} is the shortest of its own group only
+    assert [s.reward_parts["shortest"] for s in second] == [1.0, 0.0]
+
+
+def test_group_reward_failures_fail_the_group_or_the_one_sample() -> None:
+    shortest = ShortestInGroup()
+    down = grouped(0, "\\boxed{19}", "boom")
+    partly = grouped(1, "\\boxed{19}", "bad", "nan", "\\boxed{19}")
+    wrong = grouped(2, "\\boxed{19}", "\\boxed{19}")
+    rewards = [("shortest", shortest, 1.0), ("math", MathReward(MathSettings()), 1.0)]
+    asyncio.run(score_samples(down + partly, rewards, timeout=30.0))
+    # a call that raises fails every sample of its group, and no other group
+    assert [s.status for s in down] == [SampleStatus.FAILED] * 2
+    assert down[0].status_reason == (
+        "reward 'shortest' raised RuntimeError: the group's judge is down (scoring a group of 2 samples)"
+    )
+    # an exception in place of one result, or a value that is not a number, fails that sample alone
+    ok, failed = SampleStatus.COMPLETED, SampleStatus.FAILED
+    assert [s.status for s in partly] == [ok, failed, failed, ok]
+    assert partly[1].status_reason == "reward 'shortest' raised ValueError: cannot compare this one"
+    assert partly[2].status_reason == "reward 'shortest' returned nan, not a finite number"
+    # "bad" (3 characters) was the shortest of the group: 0 for the others, and the math function's 1
+    assert [(s.reward_parts["shortest"], s.reward) for s in (partly[0], partly[3])] == [(0.0, 1.0)] * 2
+    asyncio.run(score_samples(wrong, [("one", OneResultOnly(None), 1.0)], timeout=30.0))  # type: ignore[arg-type]
+    assert {s.status_reason for s in wrong} == {"reward 'one' returned 1 results for a group of 2 samples"}
+    slow = grouped(3, "\\boxed{19}", "\\boxed{20}")
+    asyncio.run(score_samples(slow, [("shortest", ShortestInGroup(delay=30.0), 1.0)], timeout=0.3))
+    assert {s.status_reason for s in slow} == {"reward 'shortest' timed out after 0.3s scoring a group of 2 samples"}
+
+
+def test_the_run_scorer_and_the_conformance_kit_take_a_group_reward() -> None:
+    shortest = ShortestInGroup()
+    scorer = RewardScorer([("shortest", shortest, 1.0)], timeout=30.0, max_concurrency=1)
+    group = grouped(7, "\\boxed{19}", "12 + 7 = \\boxed{19}")
+    asyncio.run(scorer(group))  # the rollout manager's call: one group's samples
+    assert [s.reward for s in group] == [1.0, 0.0] and shortest.calls == [(7, [0, 1])]
+    # the kit scores each group of its samples with one score_group call; score() is a group of one
+    assert check_reward(ShortestInGroup, samples=grouped(0, "ab", "a") + grouped(1, "abc")) == [0.0, 1.0, 1.0]
+    assert asyncio.run(ShortestInGroup().score(sample("anything", 0))) == RewardOutput(1.0, {"group_size": 1.0})
+    with pytest.raises(AssertionError, match=r"score_group\(group 0\) returned 1 results for 2 samples"):
+        check_reward(OneResultOnly, samples=grouped(0, "a", "b"))

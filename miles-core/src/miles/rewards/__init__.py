@@ -13,5 +13,7 @@ Registered names (``[[reward.functions]] name = "<name>"  weight = 1.0``):
   against the label.
 
 :func:`miles.rewards.scoring.score_samples` combines them with their weights, fills ``Sample.reward``
-and ``Sample.reward_parts``, and marks a sample failed when a function raises or times out.
+and ``Sample.reward_parts``, and marks a sample failed when a function raises or times out. A plugin's reward
+of a whole group (:class:`miles.rewards.base.GroupReward`: a rank within the group, a verifiers rubric's group
+functions) is called once per group with the group's samples.
 """

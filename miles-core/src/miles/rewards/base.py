@@ -1,9 +1,11 @@
-"""The reward interface: an async function of a sample that returns a number (or named parts), and the server
-a reward may need the run to start for it (a reward model)."""
+"""The reward interface: an async function of a sample that returns a number (or named parts) — or of a whole
+group of samples (:class:`GroupReward`) — and the server a reward may need the run to start for it (a reward
+model)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +14,7 @@ from miles.components import Component, SettingsT
 if TYPE_CHECKING:
     from miles.types import Sample
 
-__all__ = ["Reward", "RewardOutput", "RewardServer"]
+__all__ = ["GroupReward", "Reward", "RewardOutput", "RewardServer"]
 
 
 @dataclass
@@ -70,3 +72,31 @@ class Reward(Component[SettingsT], ABC):
 
     async def close(self) -> None:
         """Release connections (HTTP clients ...)."""
+
+
+class GroupReward(Reward[SettingsT], ABC):
+    """A reward that scores the samples of one group (one prompt's rollouts) together: a value that depends on
+    the other rollouts of the group (a rank within the group, "1 for the shortest correct answer", a verifiers
+    rubric's group functions). Registered with ``miles_register_rewards`` like any reward.
+
+    The rollout manager scores a group when all its samples are generated: :meth:`score_group` gets the samples
+    of the group that reached scoring (failed, aborted and pending ones stay as they are, with their reason),
+    once per group, bounded by the ``reward`` timeout; an exception or a timeout fails those samples with the
+    reason. The sample's reward is the weighted sum of every function's value, as for a per-sample reward.
+
+    .. versionadded:: 0.1
+    """
+
+    @abstractmethod
+    async def score_group(self, samples: Sequence[Sample]) -> Sequence[float | RewardOutput | Exception]:
+        """Score ``samples`` (one group, in group order) together: one result per sample, in the same order.
+        An exception in place of a result fails that sample alone, with it as the reason."""
+
+    async def score(self, sample: Sample) -> float | RewardOutput:
+        """``sample`` as a group of one."""
+        results = await self.score_group([sample])
+        if len(results) != 1:
+            raise ValueError(f"score_group returned {len(results)} results for a group of 1 sample")
+        if isinstance(results[0], Exception):
+            raise results[0]
+        return results[0]

@@ -1,8 +1,9 @@
 """Scoring samples with several weighted reward functions, with a timeout and a concurrency bound.
 
-The rollout manager calls :func:`score_samples`. A reward function that raises or exceeds the timeout
-marks the sample :attr:`~miles.types.SampleStatus.FAILED` with the reason in ``status_reason``; it never
-stops the run.
+The rollout manager calls :func:`score_samples` with the samples of one group. A reward function that raises
+or exceeds the timeout marks the sample :attr:`~miles.types.SampleStatus.FAILED` with the reason in
+``status_reason``; it never stops the run. A group reward (:class:`~miles.rewards.base.GroupReward`) scores the
+samples of a group together, once per group.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from miles.rewards.base import Reward, RewardOutput
+from miles.rewards.base import GroupReward, Reward, RewardOutput
 from miles.types import Sample, SampleStatus
 
 __all__ = ["NamedReward", "RewardScorer", "Scorer", "close_rewards", "score_sample", "score_samples"]
@@ -38,8 +40,13 @@ async def close_rewards(rewards: Sequence[NamedReward]) -> None:
 async def score_sample(sample: Sample, rewards: Sequence[NamedReward], timeout: float) -> None:
     """Score one sample with every function: ``reward = sum(weight * value)``, ``reward_parts[name] = value``
     (and ``reward_parts["name/part"]`` for named parts). The first failure marks the sample failed."""
-    total = 0.0
-    parts: dict[str, float] = {}
+    await _score_each(sample, rewards, timeout, 0.0, {})
+
+
+async def _score_each(
+    sample: Sample, rewards: Sequence[NamedReward], timeout: float, total: float, parts: dict[str, float]
+) -> None:
+    """:func:`score_sample` from ``total`` and ``parts`` (what the group functions gave the sample)."""
     for name, reward, weight in rewards:
         try:
             value = await asyncio.wait_for(reward.score(sample), timeout)
@@ -49,17 +56,25 @@ async def score_sample(sample: Sample, rewards: Sequence[NamedReward], timeout: 
         except Exception as exc:
             _fail(sample, parts, f"reward {name!r} raised {type(exc).__name__}: {exc}")
             return
-        if isinstance(value, RewardOutput):
-            for part, v in value.parts.items():
-                parts[f"{name}/{part}"] = float(v)
-            value = value.value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-            _fail(sample, parts, f"reward {name!r} returned {value!r}, not a finite number")
+        number = _record(name, value, parts)
+        if isinstance(number, str):
+            _fail(sample, parts, number)
             return
-        parts[name] = float(value)
-        total += weight * float(value)
+        total += weight * number
     sample.reward = total
     sample.reward_parts = parts
+
+
+def _record(name: str, value: Any, parts: dict[str, float]) -> float | str:
+    """``value`` of function ``name`` into ``parts`` (its named parts too): its number, or why it is none."""
+    if isinstance(value, RewardOutput):
+        for part, v in value.parts.items():
+            parts[f"{name}/{part}"] = float(v)
+        value = value.value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        return f"reward {name!r} returned {value!r}, not a finite number"
+    parts[name] = float(value)
+    return float(value)
 
 
 def _fail(sample: Sample, parts: dict[str, float], reason: str) -> None:
@@ -70,6 +85,50 @@ def _fail(sample: Sample, parts: dict[str, float], reason: str) -> None:
     sample.reward_parts = parts
 
 
+@dataclass
+class _Tally:
+    """What the group functions gave one sample so far: the weighted sum, the parts, or why it failed."""
+
+    total: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+    failure: str | None = None
+
+
+async def _score_group(group: Sequence[Sample], rewards: Sequence[NamedReward], timeout: float) -> list[_Tally]:
+    """Every group function on ``group`` (one call each, in order): each sample's tally. A call that raises,
+    times out or answers the wrong number of results fails every sample; an exception in place of one result,
+    or a value that is not a finite number, fails that sample."""
+    tallies = [_Tally() for _ in group]
+    for name, reward, weight in rewards:
+        assert isinstance(reward, GroupReward)
+        size = f"a group of {len(group)} sample{'s' if len(group) != 1 else ''}"
+        results: Sequence[Any] = []
+        failure: str | None = None
+        try:
+            results = await asyncio.wait_for(reward.score_group(group), timeout)
+        except asyncio.TimeoutError:
+            failure = f"reward {name!r} timed out after {timeout:g}s scoring {size}"
+        except Exception as exc:
+            failure = f"reward {name!r} raised {type(exc).__name__}: {exc} (scoring {size})"
+        else:
+            if len(results) != len(group):
+                failure = f"reward {name!r} returned {len(results)} results for {size}"
+        for i, tally in enumerate(tallies):
+            if tally.failure is not None:
+                continue
+            if failure is not None:
+                tally.failure = failure
+            elif isinstance(results[i], Exception):
+                tally.failure = f"reward {name!r} raised {type(results[i]).__name__}: {results[i]}"
+            else:
+                number = _record(name, results[i], tally.parts)
+                if isinstance(number, str):
+                    tally.failure = number
+                else:
+                    tally.total += weight * number
+    return tallies
+
+
 async def score_samples(
     samples: Sequence[Sample],
     rewards: Sequence[NamedReward],
@@ -78,18 +137,39 @@ async def score_samples(
     *,
     semaphore: asyncio.Semaphore | None = None,
 ) -> None:
-    """Score ``samples`` in place, at most ``max_concurrency`` at once (or as many as ``semaphore``
+    """Score ``samples`` in place, at most ``max_concurrency`` calls at once (or as many as ``semaphore``
     admits, shared with other calls); each function call is bounded by ``timeout`` seconds. Samples
-    already failed, aborted or pending are left as they are."""
+    already failed, aborted or pending are left as they are.
+
+    A :class:`~miles.rewards.base.GroupReward` scores the samples of each group (``group_id``) together,
+    once per group, before the per-sample functions: every sample of the group that reached scoring goes to
+    every group function, and a sample one of them fails is not scored further."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     bound = semaphore if semaphore is not None else asyncio.Semaphore(max_concurrency)
+    todo = [s for s in samples if s.status not in _SKIP]
+    grouped = [r for r in rewards if isinstance(r[1], GroupReward)]
+    each = [r for r in rewards if not isinstance(r[1], GroupReward)]
 
-    async def one(sample: Sample) -> None:
+    async def one(sample: Sample, tally: _Tally) -> None:
+        if tally.failure is not None:
+            _fail(sample, tally.parts, tally.failure)
+            return
         async with bound:
-            await score_sample(sample, rewards, timeout)
+            await _score_each(sample, each, timeout, tally.total, tally.parts)
 
-    await asyncio.gather(*(one(s) for s in samples if s.status not in _SKIP))
+    async def group(members: list[Sample]) -> None:
+        async with bound:
+            tallies = await _score_group(members, grouped, timeout)
+        await asyncio.gather(*(one(s, t) for s, t in zip(members, tallies, strict=True)))
+
+    if not grouped:
+        await asyncio.gather(*(one(s, _Tally()) for s in todo))
+        return
+    groups: dict[int, list[Sample]] = {}
+    for s in todo:
+        groups.setdefault(s.group_id, []).append(s)
+    await asyncio.gather(*(group(members) for members in groups.values()))
 
 
 class RewardScorer:

@@ -40,52 +40,74 @@ def check_reward(
 ) -> list[float]:
     """Check a :class:`~miles.rewards.base.Reward` class: it instantiates with ``settings`` (default: its
     settings model's defaults), ``score`` and ``close`` are coroutines, and every sample gets a finite float
-    or a :class:`~miles.rewards.base.RewardOutput` with finite value and parts.
+    or a :class:`~miles.rewards.base.RewardOutput` with finite value and parts. A
+    :class:`~miles.rewards.base.GroupReward` scores the samples of each group (``group_id``) with one
+    ``score_group`` call, which must be a coroutine and answer one result per sample.
 
     :param samples: samples to score (default :func:`example_samples`).
     :returns: the rewards' values, one per sample.
     """
-    from miles.rewards.base import Reward, RewardOutput
+    from miles.rewards.base import GroupReward, Reward
 
     check_component(ComponentKind.REWARD, cls)
     where = describe(ComponentKind.REWARD, cls)
-    for method in ("score", "close"):
+    grouped = isinstance(cls, type) and issubclass(cls, GroupReward)
+    for method in ("score", "close", *(("score_group",) if grouped else ())):
         if not inspect.iscoroutinefunction(getattr(cls, method)):
             raise failure(where, f"{method} must be a coroutine function (async def {method}(...)), it is synchronous")
     options = component_settings(ComponentKind.REWARD, cls, settings)
     reward: Reward = cls(options)
     todo = list(samples) if samples is not None else example_samples()
 
+    async def score_groups(scorer: GroupReward) -> list[Any]:
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(todo):
+            groups.setdefault(s.group_id, []).append(i)
+        out: list[Any] = [None] * len(todo)
+        for group_id, members in groups.items():
+            results = await scorer.score_group([todo[i] for i in members])
+            if len(results) != len(members):
+                raise failure(
+                    where, f"score_group(group {group_id}) returned {len(results)} results for {len(members)} samples"
+                )
+            for i, result in zip(members, results, strict=True):
+                out[i] = result
+        return out
+
     async def score_all() -> list[Any]:
         try:
+            if isinstance(reward, GroupReward):
+                return await score_groups(reward)
             return [await reward.score(s) for s in todo]
         finally:
             await reward.close()
 
-    values = []
-    for i, result in enumerate(run_coroutine(score_all)):
-        at = f"{where}: score(sample {i}, response={todo[i].response[:40]!r})"
-        if isinstance(result, RewardOutput):
-            value = result.value
-            for part, part_value in result.parts.items():
-                if (
-                    not isinstance(part, str)
-                    or isinstance(part_value, bool)
-                    or not isinstance(part_value, (int, float))
-                ):
-                    raise AssertionError(
-                        f"{at}: RewardOutput.parts must map str to float, got {part!r}: {part_value!r}"
-                    )
-                if not math.isfinite(part_value):
-                    raise AssertionError(f"{at}: RewardOutput.parts[{part!r}] is not finite: {part_value!r}")
-        else:
-            value = result
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise AssertionError(f"{at}: must return a float or a RewardOutput, got {type(value).__name__} {value!r}")
-        if not math.isfinite(value):
-            raise AssertionError(f"{at}: returned a non-finite reward {value!r}")
-        values.append(float(value))
-    return values
+    return [
+        _reward_value(f"{where}: score(sample {i}, response={todo[i].response[:40]!r})", result)
+        for i, result in enumerate(run_coroutine(score_all))
+    ]
+
+
+def _reward_value(at: str, result: Any) -> float:
+    """The finite value of one reward result, or an :class:`AssertionError` at ``at`` saying what is wrong."""
+    from miles.rewards.base import RewardOutput
+
+    if isinstance(result, RewardOutput):
+        value = result.value
+        for part, part_value in result.parts.items():
+            if not isinstance(part, str) or isinstance(part_value, bool) or not isinstance(part_value, (int, float)):
+                raise AssertionError(f"{at}: RewardOutput.parts must map str to float, got {part!r}: {part_value!r}")
+            if not math.isfinite(part_value):
+                raise AssertionError(f"{at}: RewardOutput.parts[{part!r}] is not finite: {part_value!r}")
+    else:
+        value = result
+    if isinstance(value, Exception):
+        raise AssertionError(f"{at}: the sample was not scored: {type(value).__name__}: {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AssertionError(f"{at}: must return a float or a RewardOutput, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise AssertionError(f"{at}: returned a non-finite reward {value!r}")
+    return float(value)
 
 
 def check_algorithm(

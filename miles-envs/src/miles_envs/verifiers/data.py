@@ -22,7 +22,7 @@ from miles.components import ComponentSettings
 from miles.data.rows import Row
 from miles.data.sources import FileDataSource
 from miles.errors import DataError, SettingsError
-from miles_envs.verifiers.loading import VERIFIERS, EnvSpec, load_env
+from miles_envs.verifiers.loading import VERIFIERS, EnvSpec, group_reward_functions, load_env
 
 if TYPE_CHECKING:
     from miles.settings.model import MilesSettings
@@ -66,8 +66,9 @@ class VerifiersDataSource(FileDataSource[VerifiersDataSettings]):
 
     @classmethod
     def check_settings(cls, options: VerifiersDataSettings, settings: MilesSettings) -> None:
-        """Before anything starts: the environment loads (and scores one rollout at a time), and the run plays
-        its episodes with the ``verifiers`` rollout function."""
+        """Before anything starts: the environment loads, the run plays its episodes with the ``verifiers``
+        rollout function, and a rubric with group-level reward functions has the ``verifiers`` reward to score
+        each group's episodes together."""
         if settings.data.path is None:
             raise SettingsError("data.path: name the verifiers environment (an installed module or a .py file)")
         if settings.rollout.function_name != "verifiers":
@@ -78,10 +79,17 @@ class VerifiersDataSource(FileDataSource[VerifiersDataSettings]):
         from miles.settings.loader import sources_of
 
         try:
-            load_env(EnvSpec(settings.data.path, options.args))
+            env = load_env(EnvSpec(settings.data.path, options.args))
         except SettingsError as exc:
             source = sources_of(settings).of("data.path")
             raise SettingsError(f"data.path ({source}): {exc}" if source else f"data.path: {exc}") from None
+        grouped = group_reward_functions(env) if env.score_rollouts else []
+        if grouped and "verifiers" not in [f.name for f in settings.reward.functions]:
+            raise SettingsError(
+                f"reward.functions: the rubric of verifiers environment {settings.data.path!r} has group-level reward "
+                f"functions ({', '.join(grouped)}), which the 'verifiers' reward runs on each group's episodes; add "
+                "[[reward.functions]] name = 'verifiers'"
+            )
 
     def rows(self) -> Iterator[Row]:
         spec = EnvSpec(self.path, dict(self.settings.args))

@@ -8,8 +8,9 @@ A run names its environment in ``data.path``:
   module does: imported from its path, then called with ``args``.
 
 The environment must be one of verifiers' classic environments (``vf.Environment``: ``SingleTurnEnv``,
-``MultiTurnEnv``, ``ToolEnv`` ...), whose ``rollout`` talks to an OpenAI-compatible client; its rubric's
-reward functions must score one rollout each (a group-level function is refused, naming it).
+``MultiTurnEnv``, ``ToolEnv`` ...), whose ``rollout`` talks to an OpenAI-compatible client. Its rubric's
+group-level reward functions (:func:`group_reward_functions`) score the rollouts of a GRPO group together
+(:mod:`miles_envs.verifiers.groups`).
 
 Building a ``vf.Environment`` installs verifiers' own SIGINT / SIGTERM handlers (they tear the environment
 down and exit); Miles' launcher owns those signals (it stops the run's processes first), so the handlers
@@ -164,11 +165,7 @@ def _load(spec: EnvSpec) -> Any:
         )
     grouped = group_reward_functions(env)
     if grouped:
-        raise VerifiersEnvError(
-            f"{what}: its rubric has group-level reward functions ({', '.join(grouped)}), which score all "
-            "rollouts of a prompt together; Miles scores each episode when it ends, so only functions of one "
-            "rollout (prompt, completion, answer, state, info ...) are supported"
-        )
+        log.info("%s: group-level reward functions %s score each group's episodes together", what, ", ".join(grouped))
     return env
 
 
@@ -186,8 +183,7 @@ def group_reward_functions(env: Any) -> list[str]:
 def load_env(spec: EnvSpec) -> Any:
     """The environment ``spec`` names, loaded once per process (later calls return the same object).
 
-    :raises VerifiersEnvError: it cannot be imported or built, is not a classic verifiers environment, or
-        its rubric scores groups.
+    :raises VerifiersEnvError: it cannot be imported or built, or is not a classic verifiers environment.
     :raises MissingExtraError: verifiers is not installed (``pip install "miles-envs[verifiers]"``).
     """
     key = spec.key

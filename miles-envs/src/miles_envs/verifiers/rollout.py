@@ -7,7 +7,9 @@ session. The session server records the exact tokens the policy sampled and mask
 (environment, tool and template tokens), so the sample trains on what was sampled (TITO); verifiers' own view
 of the episode (its messages) is used only for scoring. When the episode ends, the environment's rubric
 scores it (as verifiers scores a rollout: the weighted sum of its reward functions, each function's value as a
-metric) and the result goes to ``metadata["verifiers"]``, which the ``verifiers`` reward hands on.
+metric) and the result goes to ``metadata["verifiers"]``, which the ``verifiers`` reward hands on. A rubric with
+group-level reward functions scores the episodes of a group together instead, when the group is played: the
+episode's state waits for it (:mod:`miles_envs.verifiers.groups`).
 
 An episode that verifiers ends with an infrastructure error (``vf.InfraError``: a sandbox, a tunnel) fails
 its sample with the reason; any other error verifiers records (an empty reply, a tool error, a timeout) ends
@@ -17,13 +19,17 @@ the episode as verifiers ends it, and the rubric scores what was played, as in v
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.sessions.rollout import EpisodeContext, SessionRollout
-from miles.types import Sample
+from miles.types import Sample, SampleStatus
+from miles_envs.verifiers.groups import PENDING, held_states, hold, release, rubric_scores
 from miles_envs.verifiers.loading import EnvSpec, VerifiersEnvError, load_env
+
+if TYPE_CHECKING:
+    from miles.rollout.client import EngineClient
+    from miles.rollout.protocol import SamplingParams
 
 __all__ = ["VERIFIERS_ROLLOUT", "VerifiersRollout", "verifiers_episode"]
 
@@ -48,14 +54,6 @@ def rollout_input(ctx: EpisodeContext) -> dict[str, Any]:
     return row
 
 
-def _number(value: Any) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _error_text(error: Any) -> str | None:
     if error is None:
         return None
@@ -63,7 +61,8 @@ def _error_text(error: Any) -> str | None:
 
 
 async def verifiers_episode(ctx: EpisodeContext) -> dict[str, Any]:
-    """Play the sample's environment through the session at ``ctx.base_url``; score it with its rubric."""
+    """Play the sample's environment through the session at ``ctx.base_url``; score it with its rubric, or, when
+    the rubric has group-level functions, hold its state for its group's scoring."""
     import openai
     from verifiers.legacy.clients import OpenAIChatCompletionsClient
     from verifiers.legacy.errors import InfraError
@@ -73,30 +72,41 @@ async def verifiers_episode(ctx: EpisodeContext) -> dict[str, Any]:
     env = load_env(spec)
     client = OpenAIChatCompletionsClient(openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0))
     sampling_args = {**env.sampling_args, "max_tokens": ctx.max_tokens}
+    pending = False
     try:
         state = await env.rollout(rollout_input(ctx), client, MODEL, sampling_args)
         error = state.get("error")
         if isinstance(error, InfraError):
             raise VerifiersEpisodeError(f"verifiers environment {spec.id!r}: {_error_text(error)}")
-        if env.score_rollouts:
+        if env.score_rollouts and env.rubric.has_group_rewards:
+            pending = hold(env, state)  # scored with its group (the verifiers reward), cleaned up then
+            if not pending:
+                raise VerifiersEnvError(
+                    f"verifiers environment {spec.id!r}: its rubric has group-level reward functions; its episodes "
+                    "are scored as groups only when played by the 'verifiers' rollout function"
+                )
+        elif env.score_rollouts:
             await env.rubric.score_group([state])  # the individual functions, as score_rollout runs them
         else:
             await env.rubric.dummy_score_group([state])
-        await env.rubric.cleanup(state)
+        if not pending:
+            await env.rubric.cleanup(state)
     finally:
         await client.close()
-    numbers = {str(k): _number(v) for k, v in (state.get("metrics") or {}).items()}
-    metrics = {k: v for k, v in numbers.items() if v is not None}
+    scores = {"reward": None, "metrics": {}} if pending else rubric_scores(state)
     return {
         "verifiers": {
-            "reward": _number(state.get("reward")),
-            "metrics": metrics,
+            **scores,
             "turns": len(state.get("trajectory") or []),
             "stop_condition": state.get("stop_condition"),
             "truncated": bool(state.get("is_truncated")),
             "error": _error_text(error),
         }
     }
+
+
+_SCORED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+"""The statuses of samples that reach scoring (see :func:`miles.rewards.scoring.score_samples`)."""
 
 
 class VerifiersRollout(SessionRollout):
@@ -109,6 +119,34 @@ class VerifiersRollout(SessionRollout):
             description="A verifiers environment's multi-turn episode through the TITO session server, scored by "
             "its rubric (data.source = 'verifiers').",
         )
+
+    async def __call__(self, client: EngineClient, sample: Sample, sampling_params: SamplingParams) -> Sample:
+        """The session's sample of the episode; an episode whose rubric scores groups leaves its state held for
+        its group's scoring (the key in ``metadata["verifiers"]["pending"]``) when the sample reaches scoring,
+        and cleaned up otherwise."""
+        played, token = held_states()
+        try:
+            out = await super().__call__(client, sample, sampling_params)
+        except BaseException:
+            for env, state in played:
+                await env.rubric.cleanup(state)
+            raise
+        finally:
+            release(token)
+        info = out.metadata.get("verifiers")
+        for env, state in played:
+            if out.status in _SCORED and isinstance(info, dict) and "pending" not in info:
+                info["pending"] = PENDING.put(env, state)
+            else:
+                await env.rubric.cleanup(state)
+        return out
+
+    async def aclose(self) -> None:
+        """Stop the session server; clean up the states of episodes whose group was never scored."""
+        try:
+            await super().aclose()
+        finally:
+            await PENDING.clear()
 
     def metrics(self, samples: Sequence[Sample]) -> dict[str, float]:
         """The sessions' metrics, and ``verifiers/turns_mean``, ``verifiers/error_fraction`` (episodes that

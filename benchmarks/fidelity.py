@@ -1,6 +1,6 @@
 """Step-time cost of the fidelity mechanisms against the default, in one run: routing replay (R3) on a tiny
-Qwen3-MoE, and true on-policy on a tiny dense Qwen2 (and SmolLM2-135M-Instruct with ``--smollm2``), each
-against the same side with the mode off.
+Qwen3-MoE, and true on-policy on a tiny dense Qwen2, a tiny Qwen3-MoE (8 experts, top-2) and, with
+``--smollm2``, SmolLM2-135M-Instruct, each against the same side with the mode off.
 
 One gloo rank in this process, threads pinned; for each model the trainers are set up once and time
 ``train_step`` (forward + backward + AdamW, the kit's ``RatioPG`` loss) on one fixed batch, median of the
@@ -137,7 +137,7 @@ def _true_on_policy_rows(
 
     sequences, prompt, response = shape
     trainers = {"default": _trainer(model, ctx), "true_on_policy": _trainer(model, ctx, true_on_policy=True)}
-    assert trainers["true_on_policy"]._invariant, "the tiny dense model takes the invariant forward"
+    assert trainers["true_on_policy"]._invariant, f"{label} takes the invariant forward"
     runners = {"default": ModelRunner(model), "true_on_policy": ModelRunner(model, invariant=True)}
     assert runners["true_on_policy"].invariant
     prompts = [[int(t) for t in batch.sequence(i)[:prompt]] for i in range(sequences)]
@@ -188,12 +188,15 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             shape = (sequences, prompt, response)
-            dense = [("tiny qwen2", build_tiny_model(Path(tmp) / "qwen2", "qwen2", seed=0))]
+            exact = [
+                ("tiny qwen2", build_tiny_model(Path(tmp) / "qwen2", "qwen2", seed=0)),
+                ("tiny qwen3_moe", build_tiny_model(Path(tmp) / "moe", "qwen3_moe", seed=0, num_experts=8)),
+            ]
             if args.smollm2:
                 from miles.testing.models import smollm2_checkpoint
 
-                dense.append(("SmolLM2-135M", smollm2_checkpoint()))
-            for label, model in dense:
+                exact.append(("SmolLM2-135M", smollm2_checkpoint()))
+            for label, model in exact:
                 part, results[f"true_on_policy ({label})"] = _true_on_policy_rows(
                     label, model, _batch(sequences, prompt, response, None), ctx, rounds, steps, shape
                 )

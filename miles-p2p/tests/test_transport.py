@@ -61,7 +61,17 @@ def run_job(model: Path, datapath: str, tmp: Path) -> tuple[list[dict[str, Any]]
         b.stop()
 
 
-@pytest.fixture(scope="module", params=["torch", "mooncake", "shm", "shm-direct"])
+MOONCAKE = pytest.param(
+    "mooncake",
+    marks=pytest.mark.skipif(
+        os.environ.get("MILES_LONG_RUNS") != "1",
+        reason="CI trains over mooncake across namespace hosts (tests/multinode); MILES_LONG_RUNS=1 adds its "
+        "faults here",
+    ),
+)
+
+
+@pytest.fixture(scope="module", params=["torch", MOONCAKE, "shm", "shm-direct"])
 def job(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     datapath: str = request.param
     if datapath == "mooncake":

@@ -20,7 +20,15 @@ from miles.driver.colocate import PHASES
 from miles.testing.run_faults import (
     kill_rank_after,
 )
-from miles.testing.runs import children_of_run, hf_weights, read_metrics, run_miles, write_run_config
+from miles.testing.runs import (
+    children_of_run,
+    hf_weights,
+    leaked_torch_segments,
+    read_metrics,
+    run_miles,
+    torch_segments,
+    write_run_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -151,11 +159,10 @@ def test_colocated_tensor_ipc_hands_each_engine_its_ranks_tensors(
     bucket and makes handles of them (shared memory on a CPU, CUDA IPC on a GPU: one code path), rank 0 sends
     each engine its rank's payload through ``/update_weights_from_tensor``; every push is verified by checksum
     and the engines generate on the pushed weights. Nothing of the shared memory outlives the run."""
-    import glob
 
     run_dir = tmp_path / "ipc"
     config = write_run_config(tmp_path, tiny_model, prompts, run_dir, ranks=2, transport="tensor_ipc", rollouts=2)
-    before = set(glob.glob("/dev/shm/torch_*"))
+    before = torch_segments()
     out = run_miles("train", str(config), "--set", "cluster.colocate=true", "--set", "cluster.num_engines=2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = read_metrics(run_dir)
@@ -165,7 +172,7 @@ def test_colocated_tensor_ipc_hands_each_engine_its_ranks_tensors(
         assert row["fidelity/train_rollout_logprob_abs_diff"] < 1e-4  # both engines serve the pushed weights
     trainer = (run_dir / "logs" / "trainer-0.log").read_text()
     assert re.search(r"tensor_ipc: version 2, \d+ tensors to 2 engines", trainer), trainer[-2000:]
-    assert set(glob.glob("/dev/shm/torch_*")) <= before
+    assert leaked_torch_segments(before) == []
     assert children_of_run(run_dir) == []
 
 

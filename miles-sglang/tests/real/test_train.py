@@ -39,7 +39,13 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.testing.runs import children_of_run, read_metrics, write_arithmetic_prompts
+from miles.testing.runs import (
+    children_of_run,
+    leaked_torch_segments,
+    read_metrics,
+    torch_segments,
+    write_arithmetic_prompts,
+)
 
 TIMEOUT = 1500.0
 """Seconds one run may take (several server starts at a few minutes each on busy cores)."""
@@ -542,20 +548,19 @@ def test_colocated_sglang_tensor_reads_the_trainers_tensors_in_place(
     """``sglang_tensor`` on a CPU: colocated, the trainer rank hands SGLang handles to its tensors (PyTorch's
     shared-memory files, made by SGLang's own serializer), SGLang's scheduler maps and loads them through
     ``/update_weights_from_tensor``; every push verified, nothing of the shared memory left."""
-    import glob
 
     run_dir = tmp_path / "run"
     config = sglang_config(
         tmp_path, tiny_llamas.first, prompts, run_dir, transport="sglang_tensor", rollouts=2, extra=engine_table()
     )
-    before = set(glob.glob("/dev/shm/torch_*"))
+    before = torch_segments()
     returncode, output = finish(start(config, "cluster.colocate=true"))
     assert returncode == 0, output[-4000:] + logs(run_dir)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     check_verified(rows)
     assert "sglang_tensor: version 2" in (run_dir / "logs" / "trainer-0.log").read_text()
-    assert set(glob.glob("/dev/shm/torch_*")) <= before
+    assert leaked_torch_segments(before) == []
     assert children_of_run(run_dir) == []
 
 

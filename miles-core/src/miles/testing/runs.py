@@ -29,10 +29,12 @@ __all__ = [
     "arithmetic_prompts",
     "children_of_run",
     "hf_weights",
+    "leaked_torch_segments",
     "paced_reward",
     "read_metrics",
     "run_miles",
     "tiny_model",
+    "torch_segments",
     "write_arithmetic_prompts",
     "write_run_config",
 ]
@@ -152,6 +154,23 @@ def children_of_run(run_dir: Path) -> list[int]:
         if str(run_dir) in cmdline and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     return found
+
+
+def torch_segments() -> set[str]:
+    """Names of torch's shared-memory files in ``/dev/shm`` now (``torch_<creator pid>_<n>_<k>``)."""
+    return {p.name for p in Path("/dev/shm").glob("torch_*")}
+
+
+def leaked_torch_segments(before: set[str]) -> list[str]:
+    """torch's shared-memory files that appeared since ``before`` (:func:`torch_segments`) and whose creating
+    process has exited: what a finished run left behind. A file of a live process belongs to a process still at
+    work (another run on the host, another test suite beside this one), not to the finished run."""
+    leaked = []
+    for name in sorted(torch_segments() - before):
+        pid = name.split("_")[1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            leaked.append(name)
+    return leaked
 
 
 def hf_weights(path: Path) -> dict[str, object]:

@@ -1,11 +1,13 @@
 """``miles train`` with ``cluster.launcher = "ray"`` on a two-node Ray cluster on this host.
 
 ``ray.cluster_utils.Cluster`` starts a head node (2 CPUs and the custom resource ``trainer_node``) and a
-worker node (its own raylet, 1 CPU and ``engine_node``); the launcher's bundles ask for those resources, so
-the two trainer ranks land on the head node and the engine on the worker node. Real GRPO on a tiny Qwen2,
-weight pushes verified, a trainer actor and an engine actor killed mid-run (the engine restarted in a new
-actor, or, without restarts left, the run stopped), an exact resume. One cluster for
-the module (Ray costs ~12 s and ~0.5 GiB to start).
+worker node (its own raylet, 2 CPUs and ``engine_node``); the launcher's bundles ask for those resources, so
+the two trainer ranks land on the head node and the engine on the worker node, and a reward model's server,
+in a placement group of its own, where Ray finds room (the worker node's second CPU). Real GRPO on a tiny
+Qwen2 scored by a tiny classifier, weight pushes verified, a trainer actor and an engine actor killed mid-run
+(the engine restarted in a new actor, or, without restarts left, the run stopped), an exact resume, a reward
+server whose bundle no node offers refused before any engine starts. One cluster for the module (Ray costs
+~12 s and ~0.5 GiB to start).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
-    """A head node with ``trainer_node: 2`` and a worker node with ``engine_node: 1``, all on 127.0.0.1.
+    """A head node with ``trainer_node: 2`` and a worker node (2 CPUs) with ``engine_node: 1``, on 127.0.0.1.
 
     Hermetic: Ray's session files go to a fresh short temp dir (``RAY_TMPDIR``; unix sockets limit path
     lengths), token auth uses a token from the environment (nothing written to ``~/.ray``), and addresses
@@ -52,7 +54,7 @@ def ray_cluster() -> Iterator[Any]:
 
         head_args = {"num_cpus": 2, "resources": {"trainer_node": 2}, "include_dashboard": False}
         cluster = Cluster(initialize_head=True, head_node_args={**head_args, "node_ip_address": "127.0.0.1"})
-        worker = cluster.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address="127.0.0.1")
+        worker = cluster.add_node(num_cpus=2, resources={"engine_node": 1}, node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="miles", log_to_driver=False)
         cluster.trainer_node_id = cluster.head_node.node_id  # type: ignore[attr-defined]
@@ -74,6 +76,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.reward_models import build_tiny_classifier
+
+    return build_tiny_classifier(tmp_path_factory.mktemp("rm") / "classifier", seed=1)
+
+
+@pytest.fixture(scope="module")
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
     rows = [
@@ -85,9 +94,24 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+REWARD_MEMORY_MB = 64
+"""Memory of the reward server's bundle (asked of Ray, not a limit on the process)."""
+
+
 def write_config(
-    tmp_path: Path, address: str, model: Path, data: Path, run_dir: Path, *, rollouts: int, engine_restarts: int = 1
+    tmp_path: Path,
+    address: str,
+    model: Path,
+    data: Path,
+    run_dir: Path,
+    *,
+    rollouts: int,
+    engine_restarts: int = 1,
+    reward_model: Path | None = None,
+    reward_memory_mb: int = REWARD_MEMORY_MB,
 ) -> Path:
+    """The run's settings; with ``reward_model``, a classifier reward model too, its server in a Ray bundle of its
+    own (1 CPU, ``reward_memory_mb`` MiB)."""
     config = tmp_path / f"{run_dir.name}.toml"
     config.write_text(
         textwrap.dedent(
@@ -140,6 +164,12 @@ def write_config(
             """
         )
     )
+    if reward_model is not None:
+        reward = (
+            f'[[reward.functions]]\nname = "model"\nkind = "classifier"\nmodel_path = "{reward_model}"\n'
+            f"memory_mb = {reward_memory_mb}\nbatch_size = 1\n\n[checkpoint]"
+        )
+        config.write_text(config.read_text().replace("[checkpoint]", reward))
     return config
 
 
@@ -229,11 +259,14 @@ def metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
-    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path, classifier: Path
 ) -> None:
+    """Scored by a classifier reward model (one sample per request, so that its scores do not depend on how the
+    samples were batched) whose server runs in a Ray bundle of its own."""
     address = ray_cluster.address
     full_dir = tmp_path / "full"
-    out = finish(train(str(write_config(tmp_path, address, tiny_model, prompts, full_dir, rollouts=2))))
+    config = write_config(tmp_path, address, tiny_model, prompts, full_dir, rollouts=2, reward_model=classifier)
+    out = finish(train(str(config)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(full_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -243,13 +276,14 @@ def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
     placement = json.loads((full_dir / "logs" / "placement.json").read_text())
     assert placement["trainer-0"]["node_id"] == placement["trainer-1"]["node_id"] == ray_cluster.trainer_node_id
     assert placement["engine-0"]["node_id"] == ray_cluster.engine_node_id
+    check_reward_server(ray_cluster, full_dir, placement, classifier)
     assert leftovers(full_dir) == []
     wait_resources_free(ray_cluster)
 
     # trainer rank 1's actor killed after the step-1 checkpoint: the message names the rank, its actor and
     # node with its log's tail; nothing is left; --resume gives the uninterrupted run's last step exactly
     part_dir = tmp_path / "part"
-    config = write_config(tmp_path, address, tiny_model, prompts, part_dir, rollouts=2)
+    config = write_config(tmp_path, address, tiny_model, prompts, part_dir, rollouts=2, reward_model=classifier)
     out = kill_actor_when(config, part_dir, "trainer-1", part_dir / "checkpoints" / "step_000001" / "driver.json")
     assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
     said = " ".join(out.stderr.split())
@@ -269,6 +303,57 @@ def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
     for key in compared:
         assert resumed[-1][key] == rows[-1][key], key
     assert leftovers(part_dir) == []
+    wait_resources_free(ray_cluster)
+
+
+def check_reward_server(cluster: Any, run_dir: Path, placement: dict[str, Any], classifier: Path) -> None:
+    """The reward model's server ran in a placement group of its own — one bundle of 1 CPU and its memory, on the
+    node where Ray found room (the head's CPUs hold the trainer ranks), its actor holding that bundle — its log
+    in the run directory; it scored every sample as the same model scores them in this process (the server the
+    ``local`` launcher starts runs this same code)."""
+    from ray.util.placement_group import placement_group_table
+
+    from miles.rewards.model_server import ModelScorer
+
+    bundle = {"CPU": 1.0, "memory": float(REWARD_MEMORY_MB * 2**20)}
+    server = placement["reward-model"]
+    groups = [g for g in placement_group_table().values() if g["name"].startswith(f"{run_dir.name}-")]
+    (own,) = [g for g in groups if g["placement_group_id"] == server["placement_group"]]
+    assert list(own["bundles"].values()) == [bundle] and own["state"] == "REMOVED", own
+    assert list(own["bundles_to_node_id"].values()) == [cluster.engine_node_id], own
+    assert server["node_id"] == cluster.engine_node_id and server["resources"] == bundle, server
+    assert server["placement_group"] not in {placement[p]["placement_group"] for p in ("trainer-0", "engine-0")}
+    assert len(groups) == 2  # (the trainer ranks' and the engine's; the reward server's)
+    functions = json.loads((run_dir / "settings.json").read_text())["reward"]["functions"]
+    assert functions[-1]["url"].startswith("http://127.0.0.1:"), functions
+    assert f"serving on {functions[-1]['url'][len('http://') :]}" in (run_dir / "logs" / "reward-model.log").read_text()
+    scorer = ModelScorer(str(classifier), kind="classifier", batch_size=1)
+    for step in (1, 2):
+        lines = (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
+        samples = [json.loads(line) for line in lines]
+        items = [{"prompt": s["prompt"], "messages": s["prompt_messages"], "response": s["response"]} for s in samples]
+        expected = scorer.score(items)
+        assert [s["reward_parts"]["model"] for s in samples] == pytest.approx(expected, abs=1e-5)
+        assert len(set(expected)) > 1
+
+
+def test_a_reward_server_whose_bundle_no_node_offers_is_refused_before_any_engine_starts(
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path, classifier: Path
+) -> None:
+    run_dir = tmp_path / "unplaceable"
+    config = write_config(
+        tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=1, reward_model=classifier,
+        reward_memory_mb=2**30,
+    )  # fmt: skip
+    begin = time.monotonic()
+    out = finish(train(str(config)), timeout=120)
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    said = " ".join(out.stderr.split())
+    asked = "the reward server of reward.functions[1] (model): no node of the Ray cluster offers the bundle it asks "
+    assert asked + "for (CPU 1, memory 1048576 GiB); node 0: " in said, said[-3000:]
+    assert time.monotonic() - begin < 60  # at once, not after cluster.launcher.placement_timeout (120 s)
+    assert sorted(p.name for p in (run_dir / "logs").glob("*.log")) == [], "something started"
+    assert leftovers(run_dir) == []
     wait_resources_free(ray_cluster)
 
 
@@ -424,13 +509,15 @@ dist.destroy_process_group()
 """
 
 
-def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, tmp_path: Path) -> None:
+def test_colocated_bundles_a_gloo_group_a_service_s_bundle_and_placement_errors(ray_cluster: Any, tmp_path: Path) -> None:
     """In process, on the test's own Ray session (the launcher leaves it connected): colocated engine 0
-    shares trainer rank 0's bundle; two trainer actors form a gloo group from rank 0's address; a
-    placement the cluster cannot grant and an impossible colocation are refused naming the settings."""
+    shares trainer rank 0's bundle; two trainer actors form a gloo group from rank 0's address; a service
+    declared to the launcher runs in a bundle of its own, and again there once it exited; a placement the
+    cluster cannot grant and an impossible colocation are refused naming the settings."""
     import ray
 
     from miles.errors import LaunchError
+    from miles.launch.base import ProcessSpec, ServiceNeeds
     from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
     from miles.launch.rendezvous import trainer_specs
     from miles.rollout.backend import EngineLaunch
@@ -463,6 +550,29 @@ def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, t
         RayLauncher(settings, run_dir=str(tmp_path / "bad")).reserve(
             trainer_ranks=1, num_engines=2, colocate=True, device="cpu", gpus_per_engine=1
         )
+    # a declared service: a placement group of its own (0.5 CPU), its process in an actor there; once it exited
+    # it starts again in a new actor in the same bundle (the old one reaped first, giving the bundle back)
+    service_dir = tmp_path / "service"
+    with RayLauncher(settings, run_dir=str(service_dir)) as launcher:
+        assert launcher.place_service("reward-x", ServiceNeeds("the reward server of x", cpus=0.5)) == []
+        host, (port,) = launcher.service_address("reward-x", "127.0.0.1")
+        spec = ProcessSpec(name="reward-x", argv=[sys.executable, "-c", f"print('served on', {port})"])
+        pids = []
+        for _ in range(2):
+            process = launcher.start_process(spec)
+            deadline = time.monotonic() + 60
+            while process.exit_status() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert process.exit_status() == 0
+            pids.append(launcher.placement["reward-x"]["process_pid"])
+            group = launcher.placement["reward-x"]["placement_group"]
+            assert launcher.placement["reward-x"]["resources"] == {"CPU": 0.5}
+        assert pids[0] != pids[1] and host == "127.0.0.1"
+        assert f"served on {port}" in (service_dir / "logs" / "reward-x.log").read_text()
+        assert group not in {launcher.placement[p]["placement_group"] for p in launcher.placement if p != "reward-x"}
+    assert leftovers(service_dir) == []
+    wait_resources_free(ray_cluster)
+
     ungrantable = settings.model_copy(update={"engine_resources": {"gpu_node": 1.0}, "placement_timeout": 2.0})
     refused = r"did not grant 3 bundles .*gpu_node.* within 2 s.*engine_resources"
     with (

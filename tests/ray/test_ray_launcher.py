@@ -111,7 +111,8 @@ def write_config(
     reward_memory_mb: int = REWARD_MEMORY_MB,
 ) -> Path:
     """The run's settings; with ``reward_model``, a classifier reward model too, its server in a Ray bundle of its
-    own (1 CPU, ``reward_memory_mb`` MiB)."""
+    own (1 CPU, ``reward_memory_mb`` MiB), sent one sample per request (its scores then do not depend on how the
+    samples were batched)."""
     config = tmp_path / f"{run_dir.name}.toml"
     config.write_text(
         textwrap.dedent(
@@ -259,14 +260,11 @@ def metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
-    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path, classifier: Path
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
 ) -> None:
-    """Scored by a classifier reward model (one sample per request, so that its scores do not depend on how the
-    samples were batched) whose server runs in a Ray bundle of its own."""
     address = ray_cluster.address
     full_dir = tmp_path / "full"
-    config = write_config(tmp_path, address, tiny_model, prompts, full_dir, rollouts=2, reward_model=classifier)
-    out = finish(train(str(config)))
+    out = finish(train(str(write_config(tmp_path, address, tiny_model, prompts, full_dir, rollouts=2))))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = metrics(full_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -276,14 +274,13 @@ def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
     placement = json.loads((full_dir / "logs" / "placement.json").read_text())
     assert placement["trainer-0"]["node_id"] == placement["trainer-1"]["node_id"] == ray_cluster.trainer_node_id
     assert placement["engine-0"]["node_id"] == ray_cluster.engine_node_id
-    check_reward_server(ray_cluster, full_dir, placement, classifier)
     assert leftovers(full_dir) == []
     wait_resources_free(ray_cluster)
 
     # trainer rank 1's actor killed after the step-1 checkpoint: the message names the rank, its actor and
     # node with its log's tail; nothing is left; --resume gives the uninterrupted run's last step exactly
     part_dir = tmp_path / "part"
-    config = write_config(tmp_path, address, tiny_model, prompts, part_dir, rollouts=2, reward_model=classifier)
+    config = write_config(tmp_path, address, tiny_model, prompts, part_dir, rollouts=2)
     out = kill_actor_when(config, part_dir, "trainer-1", part_dir / "checkpoints" / "step_000001" / "driver.json")
     assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
     said = " ".join(out.stderr.split())
@@ -306,7 +303,7 @@ def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
     wait_resources_free(ray_cluster)
 
 
-def check_reward_server(cluster: Any, run_dir: Path, placement: dict[str, Any], classifier: Path) -> None:
+def check_reward_server(cluster: Any, run_dir: Path, placement: dict[str, Any], classifier: Path, steps: int) -> None:
     """The reward model's server ran in a placement group of its own — one bundle of 1 CPU and its memory, on the
     node where Ray found room (the head's CPUs hold the trainer ranks), its actor holding that bundle — its log
     in the run directory; it scored every sample as the same model scores them in this process (the server the
@@ -322,13 +319,16 @@ def check_reward_server(cluster: Any, run_dir: Path, placement: dict[str, Any], 
     assert list(own["bundles"].values()) == [bundle] and own["state"] == "REMOVED", own
     assert list(own["bundles_to_node_id"].values()) == [cluster.engine_node_id], own
     assert server["node_id"] == cluster.engine_node_id and server["resources"] == bundle, server
-    assert server["placement_group"] not in {placement[p]["placement_group"] for p in ("trainer-0", "engine-0")}
-    assert len(groups) == 2  # (the trainer ranks' and the engine's; the reward server's)
+    assert server["placement_group"] not in {
+        p["placement_group"] for name, p in placement.items() if name != "reward-model"
+    }
+    assert len(groups) == 2  # (the trainer ranks' and the engines'; the reward server's)
     functions = json.loads((run_dir / "settings.json").read_text())["reward"]["functions"]
-    assert functions[-1]["url"].startswith("http://127.0.0.1:"), functions
-    assert f"serving on {functions[-1]['url'][len('http://') :]}" in (run_dir / "logs" / "reward-model.log").read_text()
+    (url,) = [f["url"] for f in functions if f["name"] == "model"]
+    assert url.startswith("http://127.0.0.1:"), functions
+    assert f"serving on {url[len('http://') :]}" in (run_dir / "logs" / "reward-model.log").read_text()
     scorer = ModelScorer(str(classifier), kind="classifier", batch_size=1)
-    for step in (1, 2):
+    for step in range(1, steps + 1):
         lines = (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
         samples = [json.loads(line) for line in lines]
         items = [{"prompt": s["prompt"], "messages": s["prompt_messages"], "response": s["response"]} for s in samples]
@@ -427,16 +427,19 @@ RESTART_STEPS = 5
 
 
 def test_a_killed_engine_actor_is_restarted_in_a_new_actor_and_rejoins(
-    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path, classifier: Path
 ) -> None:
     """2 engines on the worker node (``rollout.engine_restarts = 1``); engine-1's actor killed once step 2 is
     logged: its requests go to engine-0, the launcher starts engine-1 again in a new actor in its bundle (same
     node, same URL), and it rejoins at the next weight push. The run is held (a reward server that waits)
-    until the restarted engine serves, so that it rejoins however slow the machine."""
+    until the restarted engine serves, so that it rejoins however slow the machine. Scored by a classifier
+    reward model whose server runs in a Ray bundle of its own (:func:`check_reward_server`)."""
     import ray
 
     run_dir = tmp_path / "restart"
-    config = write_config(tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=RESTART_STEPS)
+    config = write_config(
+        tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=RESTART_STEPS, reward_model=classifier
+    )
     gate = Gate()
     text = config.read_text().replace("num_engines = 1", "num_engines = 2")
     text = text.replace("engine_resources = { engine_node = 1 }", "engine_resources = { engine_node = 0.5 }")
@@ -486,6 +489,7 @@ def test_a_killed_engine_actor_is_restarted_in_a_new_actor_and_rejoins(
     assert [r["step"] for r in rows] == list(range(1, RESTART_STEPS + 1))
     assert all(r["weight_sync/verified"] == 1.0 for r in rows)
     assert rows[-1]["rollout/engines_serving"] == 2.0
+    check_reward_server(ray_cluster, run_dir, json.loads(placement.read_text()), classifier, RESTART_STEPS)
     seen: set[tuple[int, int]] = set()
     for step in range(1, RESTART_STEPS + 1):
         lines = (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
@@ -509,7 +513,9 @@ dist.destroy_process_group()
 """
 
 
-def test_colocated_bundles_a_gloo_group_a_service_s_bundle_and_placement_errors(ray_cluster: Any, tmp_path: Path) -> None:
+def test_colocated_bundles_a_gloo_group_a_service_s_bundle_and_placement_errors(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
     """In process, on the test's own Ray session (the launcher leaves it connected): colocated engine 0
     shares trainer rank 0's bundle; two trainer actors form a gloo group from rank 0's address; a service
     declared to the launcher runs in a bundle of its own, and again there once it exited; a placement the
@@ -584,22 +590,29 @@ def test_colocated_bundles_a_gloo_group_a_service_s_bundle_and_placement_errors(
 
 
 ONE_NODE = """
-import json, logging, sys
+import json, logging, sys, time
+from miles.launch.base import ProcessSpec, ServiceNeeds
 from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
 from miles.launch.rendezvous import trainer_specs
 
 logging.basicConfig(level=logging.INFO)
-settings = RayLauncherSettings(temp_dir=sys.argv[1], handle_signals=False, poll_interval=0.1)
+settings = RayLauncherSettings(temp_dir=sys.argv[1], handle_signals=False, poll_interval=0.1, placement_timeout=20)
 with RayLauncher(settings, run_dir=sys.argv[2]) as launcher:
+    launcher.place_service("reward-x", ServiceNeeds("the reward server of x"))  # (declared before the reservation)
     launcher.reserve(trainer_ranks=1, num_engines=0, colocate=False, device="cpu", gpus_per_engine=0)
+    host, (port,) = launcher.service_address("reward-x", "127.0.0.1")
+    server = launcher.start_process(ProcessSpec(name="reward-x", argv=[sys.executable, "-c", "print('served')"]))
     launcher.start_trainers(trainer_specs([sys.executable, "-c", "print('rank 0 ran')"], 1))
     assert launcher.wait_trainers(timeout=60) == 0
+    while server.exit_status() is None:
+        time.sleep(0.1)
     print(json.dumps(launcher.placement["trainer-0"]))
 """
 
 
 def test_without_an_address_a_one_node_cluster_on_loopback_is_started_and_stopped(tmp_path: Path) -> None:
-    """A driver of its own (one Ray session per process): the launcher starts Ray on 127.0.0.1 and stops it."""
+    """A driver of its own (one Ray session per process): the launcher starts Ray on 127.0.0.1, with room for the
+    trainer rank's bundle and a declared service's (1 CPU each), and stops it."""
     ray_tmp = tempfile.mkdtemp(prefix="mq", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
     # token auth with the token in the environment: nothing is written to ~/.ray
@@ -615,6 +628,8 @@ def test_without_an_address_a_one_node_cluster_on_loopback_is_started_and_stoppe
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert json.loads(out.stdout.strip().splitlines()[-1])["ip"] == "127.0.0.1"
         assert "rank 0 ran" in (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+        assert "served" in (tmp_path / "run" / "logs" / "reward-x.log").read_text()
+        assert "'CPU': 2.0" in out.stderr  # (the cluster it started: what the bundles need)
         assert "started a one-node Ray cluster on 127.0.0.1" in out.stderr
         assert live_processes(Path(ray_tmp)) == []  # raylet, GCS, workers: their command lines name the session dir
     finally:

@@ -10,11 +10,11 @@ each engine listens on its own node's IP. Every process gets its node's IP in ``
 (rollout manager included, in trainer rank 0) is the same code as with ``local``; helpers such as the
 router run on the driver's host unless ``router_resources`` places the router on a node of the cluster
 (:meth:`RayLauncher.service_address`). Each reward server (and environment server) the run declares
-(:meth:`RayLauncher.place_service`) gets a placement group of its own, one bundle of the CPUs, memory and GPUs it
-asks for, on a node Ray picks; it listens on that node's IP. Supervision, error messages and the stop order are the ``local``
-launcher's, with the actor and its node named; a dead actor reads as a process killed by SIGKILL. Shutdown
-reaps every process through its actor, ends the actors, removes the placement group and leaves the cluster
-(stopping it when this launcher started it).
+(:meth:`RayLauncher.place_service`) gets a placement group of its own, one bundle of the CPUs, memory and
+GPUs it asks for, on a node Ray picks, and listens on that node's IP. Supervision, error messages and the
+stop order are the ``local`` launcher's, with the actor and its node named; a dead actor reads as a process
+killed by SIGKILL. Shutdown reaps every process through its actor, ends the actors, removes the placement
+groups and leaves the cluster (stopping it when this launcher started it).
 
 ``ray`` is an optional dependency (``pip install "miles-core[ray]"``), imported only when this launcher runs.
 """
@@ -547,10 +547,10 @@ def _refuse_infeasible(bundle: dict[str, float], purpose: str) -> None:
     would wait forever)."""
     import ray
 
-    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
-    if any(all(float(node.get(k, 0.0)) >= v for k, v in bundle.items()) for node in nodes):
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    if any(all(float(node.get("Resources", {}).get(k, 0.0)) >= v for k, v in bundle.items()) for node in nodes):
         return
-    offer = "; ".join(f"node {i}: {_describe(node)}" for i, node in enumerate(nodes))
+    offer = "; ".join(f"node {n.get('NodeManagerAddress')}: {_describe(n.get('Resources', {}))}" for n in nodes)
     raise LaunchError(
         f"{purpose}: no node of the Ray cluster offers the bundle it asks for ({_describe(bundle)}); {offer}"
     )

@@ -31,9 +31,10 @@ class RewardServer:
 
     ``miles train`` (and ``miles generate`` / ``miles eval``) starts it through the launcher as a process of its
     own before the trainer ranks (the ``ray`` launcher: in a placement group of its own, :attr:`cpus`,
-    :attr:`memory`, :attr:`resources` and a GPU on CUDA, on a node Ray picks), waits until it answers :attr:`health_path`, and sets the reward's ``url``
-    setting to it in the run's resolved settings: the reward's settings model must have a ``url`` field, and a
-    reward whose ``url`` is set uses that server instead (:meth:`Reward.server` then answers ``None``).
+    :attr:`memory`, :attr:`resources` and a GPU on CUDA, on a node Ray picks), waits until it answers
+    :attr:`health_path`, and sets the reward's ``url`` setting to it in the run's resolved settings: the
+    reward's settings model must have a ``url`` field, and a reward whose ``url`` is set uses that server
+    instead (:meth:`Reward.server` then answers ``None``).
     """
 
     model_path: str

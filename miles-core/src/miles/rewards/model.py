@@ -14,9 +14,10 @@ process (:class:`~miles.rewards.base.RewardServer`): the classifier and process 
 :mod:`miles.rewards.model_server`, the judge on a rollout engine (``engine``: the local engine by default, or
 SGLang) started like a policy engine but never sent weights. On CUDA each server gets a GPU of its own after
 the trainer ranks' and the engines' (``colocate = true``: the first GPU of the run); the ``ray`` launcher puts
-each server in a placement group of its own (``cpus``, ``memory_mb``, ``resources``, and its GPU on CUDA). Samples are sent in
-batches of up to ``batch_size`` (the scoring of a group arrives together; a partial batch leaves after
-``batch_wait`` seconds), each request bounded by ``request_timeout`` and each sample by ``reward.timeout``.
+each server in a placement group of its own (``cpus``, ``memory_mb``, ``resources``, and its GPU on CUDA).
+Samples are sent in batches of up to ``batch_size`` (the scoring of a group arrives together; a partial batch
+leaves after ``batch_wait`` seconds), each request bounded by ``request_timeout`` and each sample by
+``reward.timeout``.
 """
 
 from __future__ import annotations

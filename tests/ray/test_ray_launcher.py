@@ -1,11 +1,13 @@
 """``miles train`` with ``cluster.launcher = "ray"`` on a two-node Ray cluster on this host.
 
 ``ray.cluster_utils.Cluster`` starts a head node (2 CPUs and the custom resource ``trainer_node``) and a
-worker node (its own raylet, 1 CPU and ``engine_node``); the launcher's bundles ask for those resources, so
-the two trainer ranks land on the head node and the engine on the worker node. Real GRPO on a tiny Qwen2,
-weight pushes verified, a trainer actor and an engine actor killed mid-run (the engine restarted in a new
-actor, or, without restarts left, the run stopped), an exact resume. One cluster for
-the module (Ray costs ~12 s and ~0.5 GiB to start).
+worker node (its own raylet, 2 CPUs and ``engine_node``); the launcher's bundles ask for those resources, so
+the two trainer ranks land on the head node and the engine on the worker node, and a reward model's server,
+in a placement group of its own, where Ray finds room (the worker node's second CPU). Real GRPO on a tiny
+Qwen2 scored by a tiny classifier, weight pushes verified, a trainer actor and an engine actor killed mid-run
+(the engine restarted in a new actor, or, without restarts left, the run stopped), an exact resume, a reward
+server whose bundle no node offers refused before any engine starts. One cluster for the module (Ray costs
+~12 s and ~0.5 GiB to start).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
-    """A head node with ``trainer_node: 2`` and a worker node with ``engine_node: 1``, all on 127.0.0.1.
+    """A head node with ``trainer_node: 2`` and a worker node (2 CPUs) with ``engine_node: 1``, on 127.0.0.1.
 
     Hermetic: Ray's session files go to a fresh short temp dir (``RAY_TMPDIR``; unix sockets limit path
     lengths), token auth uses a token from the environment (nothing written to ``~/.ray``), and addresses
@@ -52,7 +54,7 @@ def ray_cluster() -> Iterator[Any]:
 
         head_args = {"num_cpus": 2, "resources": {"trainer_node": 2}, "include_dashboard": False}
         cluster = Cluster(initialize_head=True, head_node_args={**head_args, "node_ip_address": "127.0.0.1"})
-        worker = cluster.add_node(num_cpus=1, resources={"engine_node": 1}, node_ip_address="127.0.0.1")
+        worker = cluster.add_node(num_cpus=2, resources={"engine_node": 1}, node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="miles", log_to_driver=False)
         cluster.trainer_node_id = cluster.head_node.node_id  # type: ignore[attr-defined]
@@ -74,6 +76,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles.testing.reward_models import build_tiny_classifier
+
+    return build_tiny_classifier(tmp_path_factory.mktemp("rm") / "classifier", seed=1)
+
+
+@pytest.fixture(scope="module")
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
     rows = [
@@ -85,9 +94,25 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+REWARD_MEMORY_MB = 64
+"""Memory of the reward server's bundle (asked of Ray, not a limit on the process)."""
+
+
 def write_config(
-    tmp_path: Path, address: str, model: Path, data: Path, run_dir: Path, *, rollouts: int, engine_restarts: int = 1
+    tmp_path: Path,
+    address: str,
+    model: Path,
+    data: Path,
+    run_dir: Path,
+    *,
+    rollouts: int,
+    engine_restarts: int = 1,
+    reward_model: Path | None = None,
+    reward_memory_mb: int = REWARD_MEMORY_MB,
 ) -> Path:
+    """The run's settings; with ``reward_model``, a classifier reward model too, its server in a Ray bundle of its
+    own (1 CPU, ``reward_memory_mb`` MiB), sent one sample per request (its scores then do not depend on how the
+    samples were batched)."""
     config = tmp_path / f"{run_dir.name}.toml"
     config.write_text(
         textwrap.dedent(
@@ -140,6 +165,12 @@ def write_config(
             """
         )
     )
+    if reward_model is not None:
+        reward = (
+            f'[[reward.functions]]\nname = "model"\nkind = "classifier"\nmodel_path = "{reward_model}"\n'
+            f"memory_mb = {reward_memory_mb}\nbatch_size = 1\n\n[checkpoint]"
+        )
+        config.write_text(config.read_text().replace("[checkpoint]", reward))
     return config
 
 
@@ -272,6 +303,60 @@ def test_grpo_across_two_nodes_a_killed_trainer_actor_and_an_exact_resume(
     wait_resources_free(ray_cluster)
 
 
+def check_reward_server(cluster: Any, run_dir: Path, placement: dict[str, Any], classifier: Path, steps: int) -> None:
+    """The reward model's server ran in a placement group of its own — one bundle of 1 CPU and its memory, on the
+    node where Ray found room (the head's CPUs hold the trainer ranks), its actor holding that bundle — its log
+    in the run directory; it scored every sample as the same model scores them in this process (the server the
+    ``local`` launcher starts runs this same code)."""
+    from ray.util.placement_group import placement_group_table
+
+    from miles.rewards.model_server import ModelScorer
+
+    bundle = {"CPU": 1.0, "memory": float(REWARD_MEMORY_MB * 2**20)}
+    server = placement["reward-model"]
+    groups = [g for g in placement_group_table().values() if g["name"].startswith(f"{run_dir.name}-")]
+    (own,) = [g for g in groups if g["placement_group_id"] == server["placement_group"]]
+    assert list(own["bundles"].values()) == [bundle] and own["state"] == "REMOVED", own
+    assert list(own["bundles_to_node_id"].values()) == [cluster.engine_node_id], own
+    assert server["node_id"] == cluster.engine_node_id and server["resources"] == bundle, server
+    assert server["placement_group"] not in {
+        p["placement_group"] for name, p in placement.items() if name != "reward-model"
+    }
+    assert len(groups) == 2  # (the trainer ranks' and the engines'; the reward server's)
+    functions = json.loads((run_dir / "settings.json").read_text())["reward"]["functions"]
+    (url,) = [f["url"] for f in functions if f["name"] == "model"]
+    assert url.startswith("http://127.0.0.1:"), functions
+    assert f"serving on {url[len('http://') :]}" in (run_dir / "logs" / "reward-model.log").read_text()
+    scorer = ModelScorer(str(classifier), kind="classifier", batch_size=1)
+    for step in range(1, steps + 1):
+        lines = (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
+        samples = [json.loads(line) for line in lines]
+        items = [{"prompt": s["prompt"], "messages": s["prompt_messages"], "response": s["response"]} for s in samples]
+        expected = scorer.score(items)
+        assert [s["reward_parts"]["model"] for s in samples] == pytest.approx(expected, abs=1e-5)
+        assert len(set(expected)) > 1
+
+
+def test_a_reward_server_whose_bundle_no_node_offers_is_refused_before_any_engine_starts(
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path, classifier: Path
+) -> None:
+    run_dir = tmp_path / "unplaceable"
+    config = write_config(
+        tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=1, reward_model=classifier,
+        reward_memory_mb=2**30,
+    )  # fmt: skip
+    begin = time.monotonic()
+    out = finish(train(str(config)), timeout=120)
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    said = " ".join(out.stderr.split())
+    asked = "the reward server of reward.functions[1] (model): no node of the Ray cluster offers the bundle it asks "
+    assert asked + "for (CPU 1, memory 1048576 GiB); node 127.0.0.1: " in said, said[-3000:]
+    assert time.monotonic() - begin < 60  # at once, not after cluster.launcher.placement_timeout (120 s)
+    assert sorted(p.name for p in (run_dir / "logs").glob("*.log")) == [], "something started"
+    assert leftovers(run_dir) == []
+    wait_resources_free(ray_cluster)
+
+
 def test_a_killed_engine_actor_stops_the_run_naming_it(
     ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
 ) -> None:
@@ -342,16 +427,19 @@ RESTART_STEPS = 5
 
 
 def test_a_killed_engine_actor_is_restarted_in_a_new_actor_and_rejoins(
-    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path
+    ray_cluster: Any, tmp_path: Path, tiny_model: Path, prompts: Path, classifier: Path
 ) -> None:
     """2 engines on the worker node (``rollout.engine_restarts = 1``); engine-1's actor killed once step 2 is
     logged: its requests go to engine-0, the launcher starts engine-1 again in a new actor in its bundle (same
     node, same URL), and it rejoins at the next weight push. The run is held (a reward server that waits)
-    until the restarted engine serves, so that it rejoins however slow the machine."""
+    until the restarted engine serves, so that it rejoins however slow the machine. Scored by a classifier
+    reward model whose server runs in a Ray bundle of its own (:func:`check_reward_server`)."""
     import ray
 
     run_dir = tmp_path / "restart"
-    config = write_config(tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=RESTART_STEPS)
+    config = write_config(
+        tmp_path, ray_cluster.address, tiny_model, prompts, run_dir, rollouts=RESTART_STEPS, reward_model=classifier
+    )
     gate = Gate()
     text = config.read_text().replace("num_engines = 1", "num_engines = 2")
     text = text.replace("engine_resources = { engine_node = 1 }", "engine_resources = { engine_node = 0.5 }")
@@ -401,6 +489,7 @@ def test_a_killed_engine_actor_is_restarted_in_a_new_actor_and_rejoins(
     assert [r["step"] for r in rows] == list(range(1, RESTART_STEPS + 1))
     assert all(r["weight_sync/verified"] == 1.0 for r in rows)
     assert rows[-1]["rollout/engines_serving"] == 2.0
+    check_reward_server(ray_cluster, run_dir, json.loads(placement.read_text()), classifier, RESTART_STEPS)
     seen: set[tuple[int, int]] = set()
     for step in range(1, RESTART_STEPS + 1):
         lines = (run_dir / "samples" / f"rollout_{step:06d}.jsonl").read_text().splitlines()
@@ -424,13 +513,17 @@ dist.destroy_process_group()
 """
 
 
-def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, tmp_path: Path) -> None:
+def test_colocated_bundles_a_gloo_group_a_service_s_bundle_and_placement_errors(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
     """In process, on the test's own Ray session (the launcher leaves it connected): colocated engine 0
-    shares trainer rank 0's bundle; two trainer actors form a gloo group from rank 0's address; a
-    placement the cluster cannot grant and an impossible colocation are refused naming the settings."""
+    shares trainer rank 0's bundle; two trainer actors form a gloo group from rank 0's address; a service
+    declared to the launcher runs in a bundle of its own, and again there once it exited; a placement the
+    cluster cannot grant and an impossible colocation are refused naming the settings."""
     import ray
 
     from miles.errors import LaunchError
+    from miles.launch.base import ProcessSpec, ServiceNeeds
     from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
     from miles.launch.rendezvous import trainer_specs
     from miles.rollout.backend import EngineLaunch
@@ -463,6 +556,29 @@ def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, t
         RayLauncher(settings, run_dir=str(tmp_path / "bad")).reserve(
             trainer_ranks=1, num_engines=2, colocate=True, device="cpu", gpus_per_engine=1
         )
+    # a declared service: a placement group of its own (0.5 CPU), its process in an actor there; once it exited
+    # it starts again in a new actor in the same bundle (the old one reaped first, giving the bundle back)
+    service_dir = tmp_path / "service"
+    with RayLauncher(settings, run_dir=str(service_dir)) as launcher:
+        assert launcher.place_service("reward-x", ServiceNeeds("the reward server of x", cpus=0.5)) == []
+        host, (port,) = launcher.service_address("reward-x", "127.0.0.1")
+        spec = ProcessSpec(name="reward-x", argv=[sys.executable, "-c", f"print('served on', {port})"])
+        pids = []
+        for _ in range(2):
+            process = launcher.start_process(spec)
+            deadline = time.monotonic() + 60
+            while process.exit_status() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert process.exit_status() == 0
+            pids.append(launcher.placement["reward-x"]["process_pid"])
+            group = launcher.placement["reward-x"]["placement_group"]
+            assert launcher.placement["reward-x"]["resources"] == {"CPU": 0.5}
+        assert pids[0] != pids[1] and host == "127.0.0.1"
+        assert f"served on {port}" in (service_dir / "logs" / "reward-x.log").read_text()
+        assert group not in {launcher.placement[p]["placement_group"] for p in launcher.placement if p != "reward-x"}
+    assert leftovers(service_dir) == []
+    wait_resources_free(ray_cluster)
+
     ungrantable = settings.model_copy(update={"engine_resources": {"gpu_node": 1.0}, "placement_timeout": 2.0})
     refused = r"did not grant 3 bundles .*gpu_node.* within 2 s.*engine_resources"
     with (
@@ -474,22 +590,29 @@ def test_colocated_bundles_a_gloo_group_and_placement_errors(ray_cluster: Any, t
 
 
 ONE_NODE = """
-import json, logging, sys
+import json, logging, sys, time
+from miles.launch.base import ProcessSpec, ServiceNeeds
 from miles.launch.ray_launcher import RayLauncher, RayLauncherSettings
 from miles.launch.rendezvous import trainer_specs
 
 logging.basicConfig(level=logging.INFO)
-settings = RayLauncherSettings(temp_dir=sys.argv[1], handle_signals=False, poll_interval=0.1)
+settings = RayLauncherSettings(temp_dir=sys.argv[1], handle_signals=False, poll_interval=0.1, placement_timeout=20)
 with RayLauncher(settings, run_dir=sys.argv[2]) as launcher:
+    launcher.place_service("reward-x", ServiceNeeds("the reward server of x"))  # (declared before the reservation)
     launcher.reserve(trainer_ranks=1, num_engines=0, colocate=False, device="cpu", gpus_per_engine=0)
+    host, (port,) = launcher.service_address("reward-x", "127.0.0.1")
+    server = launcher.start_process(ProcessSpec(name="reward-x", argv=[sys.executable, "-c", "print('served')"]))
     launcher.start_trainers(trainer_specs([sys.executable, "-c", "print('rank 0 ran')"], 1))
     assert launcher.wait_trainers(timeout=60) == 0
+    while server.exit_status() is None:
+        time.sleep(0.1)
     print(json.dumps(launcher.placement["trainer-0"]))
 """
 
 
 def test_without_an_address_a_one_node_cluster_on_loopback_is_started_and_stopped(tmp_path: Path) -> None:
-    """A driver of its own (one Ray session per process): the launcher starts Ray on 127.0.0.1 and stops it."""
+    """A driver of its own (one Ray session per process): the launcher starts Ray on 127.0.0.1, with room for the
+    trainer rank's bundle and a declared service's (1 CPU each), and stops it."""
     ray_tmp = tempfile.mkdtemp(prefix="mq", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
     # token auth with the token in the environment: nothing is written to ~/.ray
@@ -505,6 +628,8 @@ def test_without_an_address_a_one_node_cluster_on_loopback_is_started_and_stoppe
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert json.loads(out.stdout.strip().splitlines()[-1])["ip"] == "127.0.0.1"
         assert "rank 0 ran" in (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+        assert "served" in (tmp_path / "run" / "logs" / "reward-x.log").read_text()
+        assert "'CPU': 2.0" in out.stderr  # (the cluster it started: what the bundles need)
         assert "started a one-node Ray cluster on 127.0.0.1" in out.stderr
         assert live_processes(Path(ray_tmp)) == []  # raylet, GCS, workers: their command lines name the session dir
     finally:

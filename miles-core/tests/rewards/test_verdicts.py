@@ -107,24 +107,69 @@ def test_a_judge_engine_that_does_not_exist_is_refused_before_anything_starts(
         assert launcher.processes == []
 
 
-def test_a_reward_server_on_a_gpu_is_refused_with_the_ray_launcher(two_label_classifier: Path) -> None:
-    """The ``ray`` launcher starts reward servers on the driver's host without reserving a GPU for them: a server
-    on a GPU would take one a trainer rank or an engine holds, so it is refused before anything starts; on the
-    CPU, or behind ``url``, it is not."""
+def test_a_reward_server_on_a_gpu_needs_a_launcher_that_gives_it_one(two_label_classifier: Path) -> None:
+    """On a GPU, the ``local`` launcher gives a reward server the next GPU of the host (or the first, with
+    ``colocate``), the ``ray`` launcher a GPU in a bundle of its own (so no ``colocate``); any other launcher
+    is refused before anything starts, unless the server is on the CPU or behind ``url``."""
     from miles.compose import build_run
     from miles.settings.model import MilesSettings, RewardSettings
 
     manager = PluginManager(entry_points=False, disabled=(), only=())
     base = {"name": "model", "kind": "classifier", "model_path": str(two_label_classifier), "label": 1}
-    cluster = {"device": "cuda", "launcher": {"name": "ray"}}
-    settings = MilesSettings(reward=RewardSettings(functions=[base]), cluster=cluster)
-    with pytest.raises(SettingsError, match=r"reward\.functions: the classifier reward model .* on a GPU .* 'ray'"):
+
+    def resolve(cluster: dict[str, object], **reward: object) -> None:
+        settings = MilesSettings(reward=RewardSettings(functions=[{**base, **reward}]), cluster=cluster)
         build_run(settings, manager, kinds=[ComponentKind.REWARD])
-    for fine in ({"device": "cpu"}, {"url": "http://127.0.0.1:9"}):
-        settings = MilesSettings(reward=RewardSettings(functions=[{**base, **fine}]), cluster=cluster)
-        build_run(settings, manager, kinds=[ComponentKind.REWARD])
-    local = MilesSettings(reward=RewardSettings(functions=[base]), cluster={"device": "cuda"})
-    build_run(local, manager, kinds=[ComponentKind.REWARD])  # the local launcher gives it a GPU of its own
+
+    ray, other = {"device": "cuda", "launcher": {"name": "ray"}}, {"device": "cuda", "launcher": {"name": "slurm"}}
+    resolve(ray)
+    resolve({"device": "cuda"})
+    resolve({"device": "cuda"}, colocate=True)  # (local: GPU 0, with trainer rank 0)
+    with pytest.raises(SettingsError, match=r"reward\.functions: colocate: .* 'ray' launcher does not give"):
+        resolve(ray, colocate=True)
+    with pytest.raises(SettingsError, match=r"reward\.functions: the classifier reward model .* on a GPU .* 'slurm'"):
+        resolve(other)
+    resolve(other, device="cpu")
+    resolve(other, url="http://127.0.0.1:9")
+
+
+def test_a_launcher_that_places_servers_gets_each_one_s_needs_before_it_reserves(
+    tmp_path: Path, two_label_classifier: Path
+) -> None:
+    """:func:`declare_servers` tells the launcher each server's needs (the ``ray`` launcher records a bundle
+    for it: its CPUs, memory, custom resources and, on CUDA, one GPU, seen by its process as device 0); a
+    launcher that does not place them (``local``) numbers its GPU after the run's."""
+    from miles.compose import build_run
+    from miles.host.reward_servers import declare_servers
+    from miles.launch.local import LocalLauncher
+    from miles.launch.ray_launcher import RayLauncher
+    from miles.settings.model import MilesSettings, RewardSettings
+
+    manager = PluginManager(entry_points=False, disabled=(), only=())
+    reward = {"name": "model", "kind": "classifier", "model_path": str(two_label_classifier), "label": 1}
+    placed = {**reward, "cpus": 2, "memory_mb": 512, "resources": {"reward_node": 1}}
+    cluster = {"device": "cuda", "trainer_ranks": 2, "num_engines": 0, "launcher": {"name": "ray"}}
+    settings = MilesSettings(reward=RewardSettings(functions=[placed, {**reward, "device": "cpu"}]), cluster=cluster)
+    run = build_run(settings, manager, kinds=[ComponentKind.REWARD])
+    launcher = RayLauncher(run_dir=str(tmp_path / "ray"))
+    declared = declare_servers(run, launcher, settings)
+    assert [(d.name, d.device, d.devices) for d in declared] == [
+        ("reward-model", "cuda", [0]),
+        ("reward-model_2", "cpu", []),
+    ]
+    assert launcher._services == {
+        "reward-model": (
+            {"CPU": 2.0, "reward_node": 1.0, "memory": 512.0 * 2**20, "GPU": 1.0},
+            "the reward server of reward.functions[0] (model)",
+        ),
+        "reward-model_2": ({"CPU": 1.0}, "the reward server of reward.functions[1] (model_2)"),
+    }
+    settings.cluster.launcher.name = "local"
+    local = declare_servers(run, LocalLauncher(run_dir=str(tmp_path / "local")), settings)
+    assert [(d.name, d.device, d.devices) for d in local] == [
+        ("reward-model", "cuda", [2]),
+        ("reward-model_2", "cpu", []),
+    ]
 
 
 def test_reward_servers_get_a_gpu_of_their_own_after_the_run_s_or_share_the_first() -> None:

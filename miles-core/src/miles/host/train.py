@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from miles.driver.colocate import LOADED_FILE
 from miles.host.progress import follow_metrics
-from miles.host.reward_servers import start_reward_servers
+from miles.host.reward_servers import declare_servers, start_reward_servers
 from miles.host.rundir import prepare_run_dir, remove_scratch, rewind_metrics, write_resolved_settings
 from miles.rollout.router import FLEET_FILE, flush_caches
 
@@ -240,9 +240,19 @@ def start_router(run: Run, launcher: Launcher, engine_urls: list[str]) -> str:
 def launch_fleet(run: Run, launcher: Launcher, *, model_path: str | None = None) -> EngineFleet:
     """The engines (:func:`launch_engines`) and, with ``rollout.router = "smg"``, the router in front of them,
     once every one answers; and the servers of the run's reward models (their URLs then in ``run.settings``)."""
-    keys = run_keys(run.settings, launcher)
-    env = {**_child_env(run.settings, role="engine"), **keys.env()}
-    reward_servers = start_reward_servers(run, launcher, run.settings, keys=keys, env=env)
+    settings = run.settings
+    declared = declare_servers(run, launcher, settings)  # (before the reservation: its room counts them)
+    engines = settings.cluster.num_engines
+    launcher.reserve(
+        trainer_ranks=0,
+        num_engines=engines,
+        colocate=False,
+        device=settings.cluster.device,
+        gpus_per_engine=run.rollout_engine().gpus_per_engine if engines else 0,
+    )
+    keys = run_keys(settings, launcher)
+    env = {**_child_env(settings, role="engine"), **keys.env()}
+    reward_servers = start_reward_servers(run, launcher, settings, keys=keys, env=env, declared=declared)
     launch_engines(run, launcher, model_path=model_path, wait=False)
     reward_servers.wait()
     return finish_fleet(run, launcher)
@@ -348,6 +358,8 @@ def run_training(
         engines = run.algorithm.needs.rollout and cluster.num_engines > 0
         if engines:
             refuse_unplaceable_engines(run, launcher)
+        # reward models and judges (and an environment server): told to the launcher before it reserves
+        declared = declare_servers(run, launcher, settings) if run.algorithm.needs.rollout else []
         launcher.reserve(
             trainer_ranks=cluster.trainer_ranks,
             num_engines=cluster.num_engines if run.algorithm.needs.rollout else 0,
@@ -362,7 +374,12 @@ def run_training(
         reward_servers = None
         if run.algorithm.needs.rollout:
             reward_servers = start_reward_servers(
-                run, launcher, settings, keys=keys, env={**_child_env(settings, role="engine"), **keys.env()}
+                run,
+                launcher,
+                settings,
+                keys=keys,
+                env={**_child_env(settings, role="engine"), **keys.env()},
+                declared=declared,
             )
             if reward_servers.started:
                 write_resolved_settings(settings, run_dir / "settings.json")

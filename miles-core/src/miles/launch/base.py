@@ -13,7 +13,7 @@ from miles.errors import LaunchError
 from miles.launch.engine_restarts import EngineDeathPolicy
 from miles.rollout.backend import EngineLaunch
 
-__all__ = ["Launcher", "ProcessHandle", "ProcessSpec"]
+__all__ = ["Launcher", "ProcessHandle", "ProcessSpec", "ServiceNeeds"]
 
 
 @dataclass
@@ -26,6 +26,24 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables, on top of the launcher's own environment."""
     cwd: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceNeeds:
+    """What a helper service (a reward server) asks of the machine it runs on, for a launcher that reserves
+    resources (:meth:`Launcher.place_service`).
+
+    .. versionadded:: 0.1
+    """
+
+    purpose: str
+    """Who asks, as errors name it: ``the reward server of reward.functions[0] (model)``."""
+    cpus: float = 1.0
+    gpus: int = 0
+    memory: int | None = None
+    """Bytes of memory it reserves; ``None``: none reserved."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom resources its node must offer (``{reward_node = 1}``)."""
 
 
 class ProcessHandle(ABC):
@@ -141,6 +159,21 @@ class Launcher(Component[SettingsT], ABC):
         from miles.net import free_port
 
         return host, [free_port(host) for _ in range(ports)]
+
+    def place_service(self, name: str, needs: ServiceNeeds) -> list[int] | None:
+        """Reserve what helper service ``name`` (a reward server) needs before it starts, told before
+        :meth:`reserve`. A launcher that places processes on a cluster gives it resources of its own (the ``ray``
+        launcher: a placement group of one bundle, on a node the cluster picks, where :meth:`service_address`
+        and :meth:`start_process` of that name then put it) and raises :class:`~miles.errors.LaunchError` naming
+        ``needs.purpose`` and what it asked when the cluster cannot give them.
+
+        Returns the CUDA device ids its process uses, as it numbers them (``0 .. gpus - 1``: it sees only its
+        own), or ``None`` (the default): it runs on this host with every GPU visible, and the caller numbers its
+        GPU (:func:`miles.host.reward_servers.server_device`).
+
+        .. versionadded:: 0.1
+        """
+        return None
 
     @abstractmethod
     def start_process(self, spec: ProcessSpec) -> ProcessHandle:

@@ -9,10 +9,12 @@ each engine listens on its own node's IP. Every process gets its node's IP in ``
 (:mod:`miles.node_address`): trainer rank 0 hosts the ``broadcast`` transport's store there. The driver
 (rollout manager included, in trainer rank 0) is the same code as with ``local``; helpers such as the
 router run on the driver's host unless ``router_resources`` places the router on a node of the cluster
-(:meth:`RayLauncher.service_address`). Supervision, error messages and the stop order are the ``local``
-launcher's, with the actor and its node named; a dead actor reads as a process killed by SIGKILL. Shutdown
-reaps every process through its actor, ends the actors, removes the placement group and leaves the cluster
-(stopping it when this launcher started it).
+(:meth:`RayLauncher.service_address`). Each reward server (and environment server) the run declares
+(:meth:`RayLauncher.place_service`) gets a placement group of its own, one bundle of the CPUs, memory and
+GPUs it asks for, on a node Ray picks, and listens on that node's IP. Supervision, error messages and the
+stop order are the ``local`` launcher's, with the actor and its node named; a dead actor reads as a process
+killed by SIGKILL. Shutdown reaps every process through its actor, ends the actors, removes the placement
+groups and leaves the cluster (stopping it when this launcher started it).
 
 ``ray`` is an optional dependency (``pip install "miles-core[ray]"``), imported only when this launcher runs.
 """
@@ -34,7 +36,7 @@ from pydantic import Field
 
 from miles.components import Requirement
 from miles.errors import LaunchError
-from miles.launch.base import ProcessSpec
+from miles.launch.base import ProcessSpec, ServiceNeeds
 from miles.launch.local import LocalLauncher, LocalLauncherSettings
 from miles.launch.process import SupervisedProcess
 from miles.node_address import NODE_ADDRESS_ENV
@@ -107,6 +109,8 @@ class RayLauncher(LocalLauncher):
         """(role, index) -> (placement group, bundle index, actor resources)."""
         self._owners: dict[tuple[str, int], tuple[Any, dict[str, Any], str]] = {}
         """(role, index) -> (actor, its node, its name), created on first use."""
+        self._services: dict[str, tuple[dict[str, float], str]] = {}
+        """Service name -> (its bundle, who asks for it), from :meth:`place_service`."""
         self._device = "cpu"
         self._gpus_per_engine = 1
         self.placement: dict[str, dict[str, Any]] = {}
@@ -181,9 +185,15 @@ class RayLauncher(LocalLauncher):
         self._place(bundles, slots)
 
     def _place(
-        self, bundles: list[dict[str, float]], slots: dict[tuple[str, int], tuple[int, dict[str, float]]]
+        self,
+        bundles: list[dict[str, float]],
+        slots: dict[tuple[str, int], tuple[int, dict[str, float]]],
+        *,
+        purpose: str | None = None,
     ) -> None:
-        """Connect to the cluster and wait for one placement group of ``bundles``; record each slot's bundle."""
+        """Connect to the cluster and wait for one placement group of ``bundles``; record each slot's bundle.
+        ``purpose``: the one bundle of a declared service, refused at once (naming ``purpose``) when no node of
+        the cluster offers it."""
         import ray
         from ray.exceptions import GetTimeoutError
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -192,16 +202,26 @@ class RayLauncher(LocalLauncher):
             return
         s = self.ray_settings
         custom: dict[str, float] = {}
-        for b in bundles:
+        # a cluster this launcher starts has room for the services declared but not placed yet, too
+        pending = [b for n, (b, _) in self._services.items() if (n, 0) not in slots and (n, 0) not in self._slots]
+        for b in [*bundles, *pending]:
             for key, value in b.items():
-                if key not in ("CPU", "GPU"):
+                if key not in ("CPU", "GPU", "memory"):
                     custom[key] = custom.get(key, 0.0) + value
-        self._connect(sum(b.get("CPU", 0.0) for b in bundles), custom)
+        self._connect(sum(b.get("CPU", 0.0) for b in [*bundles, *pending]), custom)
+        if purpose is not None:
+            _refuse_infeasible(bundles[0], purpose)
         group = placement_group(bundles, strategy=s.strategy, name=f"{self.run_id}/placement-{len(self._groups)}")
         try:
             ray.get(group.ready(), timeout=s.placement_timeout)
         except GetTimeoutError:
             remove_placement_group(group)
+            if purpose is not None:
+                raise LaunchError(
+                    f"{purpose}: the Ray cluster did not grant the bundle it asks for ({_describe(bundles[0])}) "
+                    f"within {s.placement_timeout:g} s (cluster.launcher.placement_timeout); it has "
+                    f"{_describe(ray.available_resources())} available"
+                ) from None
             raise LaunchError(
                 f"the Ray cluster did not grant {len(bundles)} bundles {bundles} (strategy {s.strategy}) within "
                 f"{s.placement_timeout:g} s; it has {ray.available_resources()} available "
@@ -218,7 +238,8 @@ class RayLauncher(LocalLauncher):
             return self._owners[role, index]
         if (role, index) not in self._slots:  # not reserved (``miles generate`` starts engines only): one bundle
             alone = self._service_bundle(role) or self._alone_bundle(role)
-            self._place([alone], {(role, index): (0, alone)})
+            purpose = self._services[role][1] if role in self._services else None
+            self._place([alone], {(role, index): (0, alone)}, purpose=purpose)
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -226,13 +247,14 @@ class RayLauncher(LocalLauncher):
 
         group, bundle, resources = self._slots[role, index]
         name = f"{self.run_id}/{role}-{index}"
-        custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+        custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU", "memory")}
         actor = (
             ray.remote(ProcessOwner)
             .options(
                 name=name,
                 num_cpus=resources.get("CPU", 0.0),
                 num_gpus=resources.get("GPU", 0.0),
+                memory=resources.get("memory"),
                 resources=custom or None,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -285,12 +307,29 @@ class RayLauncher(LocalLauncher):
         return {"CPU": s.trainer_cpus, **s.trainer_resources, **({"GPU": 1.0} if self._device == "cuda" else {})}
 
     def _service_bundle(self, name: str) -> dict[str, float] | None:
-        """The bundle of helper service ``name`` when the settings place it on a node (the router with
-        ``router_resources``), else ``None`` (it runs on the driver's host)."""
+        """The bundle of helper service ``name`` when it is placed on a node (the router with
+        ``router_resources``, a service declared with :meth:`place_service`), else ``None`` (it runs on the
+        driver's host)."""
         s = self.ray_settings
         if name == "router" and s.router_resources is not None:
             return {"CPU": s.router_cpus, **s.router_resources}
+        if name in self._services:
+            return self._services[name][0]
         return None
+
+    def place_service(self, name: str, needs: ServiceNeeds) -> list[int] | None:
+        """Service ``name`` gets a placement group of its own: one bundle of ``needs.cpus`` CPUs, its memory and
+        GPUs when it asks for them, and its custom resources, placed when its address is asked
+        (:meth:`service_address`: refused at once, naming ``needs.purpose``, when no node of the cluster offers
+        it; after ``placement_timeout`` when the cluster stays too busy); its process then starts in an actor
+        there. Its GPUs are the only ones its process sees: ``0 .. gpus - 1``."""
+        bundle = {"CPU": float(needs.cpus), **{k: float(v) for k, v in needs.resources.items()}}
+        if needs.memory is not None:
+            bundle["memory"] = float(needs.memory)
+        if needs.gpus:
+            bundle["GPU"] = float(needs.gpus)
+        self._services[name] = (bundle, needs.purpose)
+        return list(range(needs.gpus))
 
     def _driver_address(self, host: str) -> str:
         """Where a service on the driver's host listens: ``host``, unless it is loopback while the run joined a
@@ -381,8 +420,12 @@ class RayLauncher(LocalLauncher):
         return ip, [int(ray.get(actor.free_port.remote(ip), timeout=timeout)) for _ in range(ports)]
 
     def start_process(self, spec: ProcessSpec) -> SupervisedProcess:
-        """A service placed on a node (:meth:`service_address`) starts in its actor there; others on this host."""
+        """A service placed on a node (:meth:`service_address`) starts in an actor in its bundle there (one that
+        exited, started again, is reaped first so that its actor gives the bundle back); others on this host."""
         if self._service_bundle(spec.name) is not None and (spec.name, 0) in self._slots:
+            for process in self.processes:
+                if process.name == spec.name and not process.reaped and process.exit_status() is not None:
+                    process.reap()
             return self._start_member(spec, spec.name, 0)
         return super().start_process(spec)
 
@@ -485,3 +528,29 @@ class RayLauncher(LocalLauncher):
         self._connected = False
         if self._started_ray:
             log.info("stopped the Ray cluster this run started")
+
+
+def _describe(resources: dict[str, float]) -> str:
+    """``CPU 1, memory 512 MiB, GPU 1, reward_node 1`` (memory in MiB, or GiB from 10 GiB)."""
+    parts = []
+    for key, value in resources.items():
+        if key == "memory":
+            mib = value / 2**20
+            parts.append(f"memory {mib / 1024:.0f} GiB" if mib >= 10240 else f"memory {mib:.0f} MiB")
+        elif not key.startswith(("node:", "accelerator_type:")) and not key.endswith("object_store_memory"):
+            parts.append(f"{key} {value:g}")
+    return ", ".join(parts) or "nothing"
+
+
+def _refuse_infeasible(bundle: dict[str, float], purpose: str) -> None:
+    """Raise :class:`LaunchError` naming ``purpose`` when no alive node of the cluster offers ``bundle`` (Ray
+    would wait forever)."""
+    import ray
+
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    if any(all(float(node.get("Resources", {}).get(k, 0.0)) >= v for k, v in bundle.items()) for node in nodes):
+        return
+    offer = "; ".join(f"node {n.get('NodeManagerAddress')}: {_describe(n.get('Resources', {}))}" for n in nodes)
+    raise LaunchError(
+        f"{purpose}: no node of the Ray cluster offers the bundle it asks for ({_describe(bundle)}); {offer}"
+    )

@@ -39,13 +39,17 @@ class ProcessOwner:
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-owner")
 
     def node(self) -> dict[str, Any]:
-        """Where this actor runs: Ray node id, node IP, host name, actor pid, assigned GPU ids."""
+        """Where this actor runs: Ray node id, node IP, host name, actor pid, assigned GPU ids, the resources Ray
+        assigned it and its placement group's id."""
+        context = ray.get_runtime_context()
         return {
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": context.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "resources": {str(k): float(v) for k, v in context.get_assigned_resources().items()},
+            "placement_group": context.get_placement_group_id(),
         }
 
     def free_port(self, host: str) -> int:

@@ -30,9 +30,11 @@ class RewardServer:
     """A server a reward needs for the run (a reward model, a judge).
 
     ``miles train`` (and ``miles generate`` / ``miles eval``) starts it through the launcher as a process of its
-    own before the trainer ranks, waits until it answers :attr:`health_path`, and sets the reward's ``url``
-    setting to it in the run's resolved settings: the reward's settings model must have a ``url`` field, and a
-    reward whose ``url`` is set uses that server instead (:meth:`Reward.server` then answers ``None``).
+    own before the trainer ranks (the ``ray`` launcher: in a placement group of its own, :attr:`cpus`,
+    :attr:`memory`, :attr:`resources` and a GPU on CUDA, on a node Ray picks), waits until it answers
+    :attr:`health_path`, and sets the reward's ``url`` setting to it in the run's resolved settings: the
+    reward's settings model must have a ``url`` field, and a reward whose ``url`` is set uses that server
+    instead (:meth:`Reward.server` then answers ``None``).
     """
 
     model_path: str
@@ -46,7 +48,14 @@ class RewardServer:
     device: str = "auto"
     """``auto`` (``cluster.device``), ``cpu`` or ``cuda``."""
     colocate: bool = False
-    """On CUDA: share the first GPU of the run (with trainer rank 0) instead of a GPU of its own."""
+    """On CUDA: share the first GPU of the run (with trainer rank 0) instead of a GPU of its own (the ``local``
+    launcher only)."""
+    cpus: float = 1.0
+    """CPUs a launcher that reserves resources (``ray``) reserves for it."""
+    memory: int | None = None
+    """Bytes of memory such a launcher reserves for it; ``None``: none reserved."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom resources its node must offer, with such a launcher (Ray: ``{"reward_node": 1}``)."""
     dtype: str = "auto"
     startup_timeout: float = 300.0
     """Seconds it may take to answer :attr:`health_path`."""

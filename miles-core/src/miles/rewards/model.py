@@ -13,9 +13,11 @@ Unless ``url`` names a running server, ``miles train`` starts one for the run th
 process (:class:`~miles.rewards.base.RewardServer`): the classifier and process kinds on
 :mod:`miles.rewards.model_server`, the judge on a rollout engine (``engine``: the local engine by default, or
 SGLang) started like a policy engine but never sent weights. On CUDA each server gets a GPU of its own after
-the trainer ranks' and the engines' (``colocate = true``: the first GPU of the run). Samples are sent in
-batches of up to ``batch_size`` (the scoring of a group arrives together; a partial batch leaves after
-``batch_wait`` seconds), each request bounded by ``request_timeout`` and each sample by ``reward.timeout``.
+the trainer ranks' and the engines' (``colocate = true``: the first GPU of the run); the ``ray`` launcher puts
+each server in a placement group of its own (``cpus``, ``memory_mb``, ``resources``, and its GPU on CUDA).
+Samples are sent in batches of up to ``batch_size`` (the scoring of a group arrives together; a partial batch
+leaves after ``batch_wait`` seconds), each request bounded by ``request_timeout`` and each sample by
+``reward.timeout``.
 """
 
 from __future__ import annotations
@@ -79,7 +81,14 @@ class RewardModelSettings(ComponentSettings):
     """Where the started server runs (``auto``: ``cluster.device``)."""
     colocate: bool = False
     """On CUDA: share the run's first GPU instead of taking a GPU of its own (after the trainer ranks' and the
-    engines')."""
+    engines'); the ``local`` launcher only."""
+    cpus: float = Field(1.0, gt=0.0)
+    """CPUs of the started server's Ray bundle (``ray`` launcher)."""
+    memory_mb: int | None = Field(None, ge=1)
+    """MiB of memory its Ray bundle reserves (``ray`` launcher); unset: none reserved."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources of its bundle (``ray`` launcher): ``{reward_node = 1}`` puts it on a node offering
+    them."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype the server loads the model in (``auto``: the model's own)."""
     batch_size: int = Field(16, ge=1)
@@ -288,19 +297,27 @@ class ModelReward(Reward[RewardModelSettings]):
 
     @classmethod
     def check_settings(cls, options: RewardModelSettings, settings: MilesSettings) -> None:
-        """Before anything starts: a server the run would start on a GPU needs the ``local`` launcher, which
-        gives it a GPU of its own; the ``ray`` launcher starts it on the driver's host without reserving one (so
-        it would take a GPU a trainer rank or an engine holds)."""
+        """Before anything starts: a server the run would start on a GPU needs a launcher that gives it one of its
+        own: ``local`` (the next GPU of this host, or the first with ``colocate``) or ``ray`` (a GPU in its own
+        bundle, so not the first GPU of the run: no ``colocate``)."""
         if options.url is not None:
             return
         device = settings.cluster.device if options.device == "auto" else options.device
         launcher = settings.cluster.launcher.name
-        if device == "cuda" and launcher != "local":
+        if device != "cuda" or launcher == "local":
+            return
+        if launcher != "ray":
             raise SettingsError(
                 f"reward.functions: the {options.kind} reward model {options.model_path!r} would start on a GPU "
                 f"(device = {options.device!r}, cluster.device = {settings.cluster.device!r}), which the "
-                f"{launcher!r} launcher does not reserve for it (it runs reward servers on the driver's host): set "
-                'its device = "cpu", or url to a server you start on a GPU node'
+                f'{launcher!r} launcher does not reserve for it: set its device = "cpu", or url to a server you '
+                "start on a GPU node"
+            )
+        if options.colocate:
+            raise SettingsError(
+                f"reward.functions: colocate: the {options.kind} reward model {options.model_path!r} would share "
+                "the run's first GPU, which the 'ray' launcher does not give (it places each reward server in a "
+                "bundle with a GPU of its own): drop colocate"
             )
 
     def server(self) -> RewardServer | None:
@@ -311,6 +328,9 @@ class ModelReward(Reward[RewardModelSettings]):
             model_path=s.model_path,
             device=s.device,
             colocate=s.colocate,
+            cpus=s.cpus,
+            memory=None if s.memory_mb is None else s.memory_mb * 2**20,
+            resources=dict(s.resources),
             dtype=s.dtype,
             startup_timeout=s.startup_timeout,
             restarts=s.restarts,

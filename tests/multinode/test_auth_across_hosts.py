@@ -58,7 +58,10 @@ CHECK = textwrap.dedent(
     API = {"Authorization": "Bearer " + api_key}
     ADMIN = {"Authorization": "Bearer " + admin_key}
     WRONG = {"Authorization": "Bearer not-the-key"}
-    client = httpx.Client(timeout=120, trust_env=False)
+    # a connection per request: a server that answers 401 before reading a request's body closes the
+    # connection, and a kept-alive one could be reused as it closes ("Server disconnected without sending a
+    # response", seen under load)
+    client = httpx.Client(timeout=120, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
 
     def ready(url, headers):
         deadline = time.monotonic() + 240

@@ -45,42 +45,48 @@ class _Prompts:
         return self.prompts[:n]
 
 
-def test_tool_environment_episodes_mask_every_tool_token(engine: Any, envs_dir: Path) -> None:
+def _rollout(engine: Any, env_file: Path, settings: Any, scorer: Any, seed: int) -> tuple[Any, Any]:
+    """One rollout of ``env_file``'s first prompts (``settings.rollout_batch_size``) through the rollout manager
+    and the ``verifiers`` rollout function against ``engine``: the result, and the policy's tokenizer."""
     from transformers import AutoTokenizer
 
-    from miles.rewards.scoring import score_samples
     from miles.rollout.http_client import HttpEngineClient
     from miles.rollout.manager import RolloutManager
-    from miles.settings.model import RolloutSettings
-    from miles.types import Sample
     from miles_envs.verifiers.data import VerifiersDataSource
-    from miles_envs.verifiers.reward import VerifiersReward
     from miles_envs.verifiers.rollout import VERIFIERS_ROLLOUT
 
     tokenizer = AutoTokenizer.from_pretrained(Path(engine.model_path))
-    source = VerifiersDataSource(
-        VerifiersDataSource.Settings(), path=str(envs_dir / "calculator_tools.py"), seed=0, shuffle=False
-    )
-    prompts = source.next_batch(2)
+    source = VerifiersDataSource(VerifiersDataSource.Settings(), path=str(env_file), seed=0, shuffle=False)
+    prompts = source.next_batch(settings.rollout_batch_size)
     for p in prompts:
         p.prompt_ids = tokenizer.apply_chat_template(
             p.prompt, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-    reward = VerifiersReward(VerifiersReward.Settings())
-
-    async def score(samples: Sequence[Sample]) -> None:
-        await score_samples(samples, [("verifiers", reward, 1.0)], timeout=60)
 
     async def run() -> Any:
-        settings = RolloutSettings(rollout_batch_size=2, n_samples_per_prompt=4, max_new_tokens=64, temperature=0.7)
         async with HttpEngineClient([engine.url]) as client:
-            manager = RolloutManager(client, settings, scorer=score, rollout_function=VERIFIERS_ROLLOUT, seed=3)
+            manager = RolloutManager(client, settings, scorer=scorer, rollout_function=VERIFIERS_ROLLOUT, seed=seed)
             try:
                 return await manager.rollout(_Prompts(prompts))
             finally:
                 await manager.close()
 
-    result = asyncio.run(run())
+    return asyncio.run(run()), tokenizer
+
+
+def test_tool_environment_episodes_mask_every_tool_token(engine: Any, envs_dir: Path) -> None:
+    from miles.rewards.scoring import score_samples
+    from miles.settings.model import RolloutSettings
+    from miles.types import Sample
+    from miles_envs.verifiers.reward import VerifiersReward
+
+    reward = VerifiersReward(VerifiersReward.Settings())
+
+    async def score(samples: Sequence[Sample]) -> None:
+        await score_samples(samples, [("verifiers", reward, 1.0)], timeout=60)
+
+    settings = RolloutSettings(rollout_batch_size=2, n_samples_per_prompt=4, max_new_tokens=64, temperature=0.7)
+    result, tokenizer = _rollout(engine, envs_dir / "calculator_tools.py", settings, score, seed=3)
     samples = result.samples
     assert len(samples) == 8
     calls = 0
@@ -148,43 +154,20 @@ def test_environment_errors_fail_the_sample_only_when_they_are_infrastructure(
 def test_group_functions_score_the_group_without_its_failed_episode(engine: Any, envs_dir: Path) -> None:
     """One episode of the group fails (its sandbox is gone): it stays failed with the reason, and the rubric's
     group functions score the group's other episodes together, each sample's value depending on the others'."""
-    from transformers import AutoTokenizer
-
     from miles.rewards.scoring import RewardScorer
-    from miles.rollout.http_client import HttpEngineClient
-    from miles.rollout.manager import RolloutManager
     from miles.settings.model import RolloutSettings
     from miles.types import SampleStatus
-    from miles_envs.verifiers.data import VerifiersDataSource
     from miles_envs.verifiers.groups import PENDING
     from miles_envs.verifiers.loading import forget_envs
     from miles_envs.verifiers.reward import VerifiersReward
-    from miles_envs.verifiers.rollout import VERIFIERS_ROLLOUT
 
     forget_envs()  # a fresh environment: its first episode to reach a second turn fails
-    tokenizer = AutoTokenizer.from_pretrained(Path(engine.model_path))
-    source = VerifiersDataSource(
-        VerifiersDataSource.Settings(), path=str(envs_dir / "grouped.py"), seed=0, shuffle=False
-    )
-    prompts = source.next_batch(1)
-    prompts[0].prompt_ids = tokenizer.apply_chat_template(
-        prompts[0].prompt, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
     scorer = RewardScorer(
         [("verifiers", VerifiersReward(VerifiersReward.Settings()), 1.0)], timeout=60, max_concurrency=8
     )
-
-    async def run() -> Any:
-        settings = RolloutSettings(rollout_batch_size=1, n_samples_per_prompt=4, max_new_tokens=16, temperature=1.0)
-        async with HttpEngineClient([engine.url]) as client:
-            manager = RolloutManager(client, settings, scorer=scorer, rollout_function=VERIFIERS_ROLLOUT, seed=5)
-            try:
-                return await manager.rollout(_Prompts(prompts))
-            finally:
-                await manager.close()
-
+    settings = RolloutSettings(rollout_batch_size=1, n_samples_per_prompt=4, max_new_tokens=16, temperature=1.0)
     try:
-        samples = asyncio.run(run()).samples
+        samples = _rollout(engine, envs_dir / "grouped.py", settings, scorer, seed=5)[0].samples
     finally:
         forget_envs()
     assert len(samples) == 4

@@ -18,7 +18,15 @@ from typing import Any
 from miles.rewards.base import GroupReward, Reward, RewardOutput
 from miles.types import Sample, SampleStatus
 
-__all__ = ["NamedReward", "RewardScorer", "Scorer", "close_rewards", "score_sample", "score_samples"]
+__all__ = [
+    "NamedReward",
+    "RewardScorer",
+    "Scorer",
+    "close_rewards",
+    "reaches_scoring",
+    "score_sample",
+    "score_samples",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +37,11 @@ Scorer = Callable[[Sequence[Sample]], Awaitable[None]]
 """Fills ``reward`` / ``reward_parts`` (or marks samples failed) for a list of samples."""
 
 _SKIP = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
+
+
+def reaches_scoring(sample: Sample) -> bool:
+    """Whether :func:`score_samples` scores ``sample`` (failed, aborted and pending samples are left as they are)."""
+    return sample.status not in _SKIP
 
 
 async def close_rewards(rewards: Sequence[NamedReward]) -> None:
@@ -147,7 +160,7 @@ async def score_samples(
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     bound = semaphore if semaphore is not None else asyncio.Semaphore(max_concurrency)
-    todo = [s for s in samples if s.status not in _SKIP]
+    todo = [s for s in samples if reaches_scoring(s)]
     grouped = [r for r in rewards if isinstance(r[1], GroupReward)]
     each = [r for r in rewards if not isinstance(r[1], GroupReward)]
 

@@ -137,21 +137,21 @@ async def score_pending(samples: Sequence[Sample]) -> dict[int, Exception]:
             continue
         env, state = held
         by_env.setdefault(id(env), (env, []))[1].append((i, state))
-    todo = list(by_env.values())
+    groups = list(by_env.values())
+    done = 0  # environments whose states are cleaned up
     try:
-        while todo:
-            env, members = todo[0]
+        for env, members in groups:
             states = [state for _, state in members]
             try:
                 await env.rubric.score_group(states)
             finally:
-                todo.pop(0)
+                done += 1
                 for state in states:
                     await env.rubric.cleanup(state)
             for i, state in members:
                 samples[i].metadata["verifiers"].update(rubric_scores(state))
     finally:  # scoring raised or timed out: the states it did not reach are cleaned up too
-        for env, members in todo:
+        for env, members in groups[done:]:
             for _, state in members:
                 await env.rubric.cleanup(state)
     return failures

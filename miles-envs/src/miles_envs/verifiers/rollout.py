@@ -22,8 +22,9 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from miles.rewards.scoring import reaches_scoring
 from miles.sessions.rollout import EpisodeContext, SessionRollout
-from miles.types import Sample, SampleStatus
+from miles.types import Sample
 from miles_envs.verifiers.groups import PENDING, held_states, hold, release, rubric_scores
 from miles_envs.verifiers.loading import EnvSpec, VerifiersEnvError, load_env
 
@@ -105,10 +106,6 @@ async def verifiers_episode(ctx: EpisodeContext) -> dict[str, Any]:
     }
 
 
-_SCORED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
-"""The statuses of samples that reach scoring (see :func:`miles.rewards.scoring.score_samples`)."""
-
-
 class VerifiersRollout(SessionRollout):
     """:class:`~miles.sessions.rollout.SessionRollout` over :func:`verifiers_episode`, with ``verifiers/*``
     rollout metrics besides the sessions' own."""
@@ -135,7 +132,7 @@ class VerifiersRollout(SessionRollout):
             release(token)
         info = out.metadata.get("verifiers")
         for env, state in played:
-            if out.status in _SCORED and isinstance(info, dict) and "pending" not in info:
+            if reaches_scoring(out) and isinstance(info, dict) and "pending" not in info:
                 info["pending"] = PENDING.put(env, state)
             else:
                 await env.rubric.cleanup(state)

@@ -141,6 +141,11 @@ def test_build_run_replaces_auto_before_resolving() -> None:
     again = MilesSettings(precision=PluginSpec(name="auto"))
     _build(again, MachineFacts(cpu_flags=ICE_LAKE))
     assert again.precision.name == "fp32"
+    # "auto" is what a run that names neither gets
+    unnamed = MilesSettings()
+    run = _build(unnamed, MachineFacts(cpu_flags=SAPPHIRE_RAPIDS))
+    assert (unnamed.precision.name, unnamed.transport.name) == ("bf16", "broadcast")
+    assert run.choices["precision"].reason.startswith("auto: the CPU has bfloat16 units")
 
 
 def test_colocated_on_cuda_auto_takes_tensor_ipc_else_disk_where_broadcast_is_refused() -> None:

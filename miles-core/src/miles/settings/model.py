@@ -448,15 +448,16 @@ class MilesSettings(BaseSettings):
     """The RL objective: ``grpo``, ``gspo``, ``ppo``, ``reinforce_pp``, ``sft`` ..."""
     reward: RewardSettings = Field(default_factory=RewardSettings)
     """Scoring."""
-    transport: TransportSpec = Field(default_factory=lambda: TransportSpec(name="disk"))
-    """How weights reach the engines: ``disk``, ``broadcast``, ``p2p`` ..., or ``auto``: chosen for the run
-    (``p2p`` over shared memory written into the engines' weights when every engine is a local engine on the
-    trainer's host on a CPU and miles-p2p is installed; ``broadcast`` otherwise; ``disk`` where that is
-    refused), printed with the reason at start."""
-    precision: PluginSpec = Field(default_factory=lambda: PluginSpec(name="fp32"))
-    """Precision recipe: ``fp32``, ``bf16`` ..., or ``auto``: chosen from the machine (``bf16`` on CUDA and on a
-    CPU with bfloat16 units, ``avx512_bf16`` / ``amx_bf16``; ``fp32`` elsewhere, and with
-    ``train.true_on_policy`` or ``rollout.engine_dtype = "float32"``), printed with the reason at start."""
+    transport: TransportSpec = Field(default_factory=lambda: TransportSpec(name="auto"))
+    """How weights reach the engines: ``auto`` (the default: chosen for the run), ``disk``, ``broadcast``,
+    ``p2p`` ... ``auto`` takes ``p2p`` over shared memory written into the engines' weights when every engine is a
+    local engine on the trainer's host on a CPU and miles-p2p is installed; ``broadcast`` otherwise; ``disk``
+    where that is refused. The choice is printed with its reason at start."""
+    precision: PluginSpec = Field(default_factory=lambda: PluginSpec(name="auto"))
+    """Precision recipe: ``auto`` (the default: chosen from the machine), ``fp32``, ``bf16`` ... ``auto`` takes
+    ``bf16`` on CUDA and on a CPU with bfloat16 units (``avx512_bf16`` / ``amx_bf16``); ``fp32`` elsewhere, and
+    with ``train.true_on_policy`` or ``rollout.engine_dtype = "float32"``. The choice is printed with its reason
+    at start."""
     log: LogSettings = Field(default_factory=LogSettings)
     """Metrics and logs."""
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)

@@ -225,10 +225,31 @@ def _memory_gib() -> float | None:
     return None
 
 
+ISA_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16",
+    "amx_int8",
+)  # fmt: skip
+"""The ``/proc/cpuinfo`` flags that decide CPU speed in these benchmarks (vector width, bfloat16 / int8 units)."""
+
+
+def cpu_isa() -> list[str]:
+    """Which of :data:`ISA_FLAGS` this CPU has."""
+    from miles.defaults import MachineFacts
+
+    flags = MachineFacts.of_this_host().cpu_flags
+    return [flag for flag in ISA_FLAGS if flag in flags]
+
+
+def machine_line() -> str:
+    """The CPU as a table's caption says it: model, ISA flags, cores."""
+    return f"{_cpu_model()} ({', '.join(cpu_isa()) or 'none of ' + ', '.join(ISA_FLAGS)}), {os.cpu_count()} cores"
+
+
 def machine_info(device: str = "cpu") -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on: the CPU's model and its :data:`ISA_FLAGS`, cores, memory, load."""
     info: dict[str, Any] = {
         "cpu": _cpu_model(),
+        "isa": cpu_isa(),
         "cores": os.cpu_count(),
         "memory_gib": _memory_gib(),
         "platform": platform.platform(),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -253,6 +252,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from benchmarks.common import machine_line
     from miles.testing.models import build_tiny_model, smollm2_checkpoint
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -275,7 +275,7 @@ def main() -> None:
     base = dtypes[0]
     print()
     print(
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s); "
+        f"Machine: {machine_line()}, torch {torch.__version__}, {args.threads} thread(s); "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (fixed), greedy; medians of "
         f"{args.repeats}; engine decode attention: {', '.join(sorted(BACKENDS))}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"

@@ -42,6 +42,7 @@ from benchmarks.common import (
     add_common_args,
     child_env,
     machine_info,
+    machine_line,
     markdown_table,
     median,
     model_dir,
@@ -604,7 +605,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.rounds >= 2:
                 reward_rows += _reward_rows(name, entry, reference)
     header = (
-        f"## GRPO vs TRL\n\n{samples_per_step} completions ({args.prompts_per_step} prompts x {args.group_size}) x "
+        f"## GRPO vs TRL\n\n{machine_line()}; {samples_per_step} completions ({args.prompts_per_step} prompts x {args.group_size}) x "
         f"{args.completion_tokens} tokens per step (min_new_tokens = max_new_tokens), lr {args.lr}, AdamW, "
         f"{args.device}, TRL {args.threads} thread(s), Miles "
         f"{'threads picked by Miles' if miles_threads is None else f'{args.threads} thread(s) per process'}, "

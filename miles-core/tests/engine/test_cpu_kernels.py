@@ -166,3 +166,84 @@ def test_fused_rms_norm_and_rotary_match_the_hf_modules(dtype: torch.dtype) -> N
         ops.rms_norm(x, None, norm.weight[:10], 1e-5)
     with pytest.raises(RuntimeError, match="rotary: cos / sin must be"):
         ops.rotary(qkv, cos[:, :2], sin)
+
+
+needs_bf16_rows = pytest.mark.skipif(
+    not cpu_kernels.load().linear_rows_available(), reason="linear_rows is built on CPUs with AVX-512 BF16 only"
+)
+
+
+@needs_bf16_rows
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 100), (16, 32), (5, 31)])
+def test_bf16_linear_rows_match_the_float32_product_rounded_once(n: int, k: int) -> None:
+    """Every row count 1-8, with and without a bias, weight rows not a multiple of the 16 / rows taken together
+    and a K not a multiple of 32: the float32 product of the bfloat16 inputs, rounded to bfloat16 once."""
+    ops = cpu_kernels.load()
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    for rows in range(1, 9):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        for b in (None, bias):
+            want = F.linear(x.double(), w.double(), None if b is None else b.double())
+            got = ops.linear_rows(x, w, b)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            assert torch.allclose(got.double(), want, rtol=2**-8, atol=1e-6), (rows, b is None)
+            # as close as PyTorch's own bfloat16 linear
+            torch_err = (F.linear(x, w, b).double() - want).abs().max()
+            assert (got.double() - want).abs().max() <= max(torch_err, torch.tensor(1e-6, dtype=torch.float64))
+
+
+@needs_bf16_rows
+def test_bf16_linear_rows_refuse_what_they_cannot_compute() -> None:
+    ops = cpu_kernels.load()
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="linear_rows: 1 to 8 rows"):
+        ops.linear_rows(torch.zeros(9, 64, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="linear_rows: bfloat16"):
+        ops.linear_rows(torch.zeros(1, 64), w.float(), None)
+    with pytest.raises(RuntimeError, match=r"linear_rows: x \[M, K\] and w \[N, K\]"):
+        ops.linear_rows(torch.zeros(1, 32, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="linear_rows: contiguous"):
+        ops.linear_rows(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16).t(), None)
+
+
+@needs_bf16_rows
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_bf16_engine_decodes_one_request_on_the_row_kernel(engine_models: dict[str, Path], arch: str) -> None:
+    """A bfloat16 decode step of one request runs every dense linear (q/k/v with Qwen2's biases, o, gate/up,
+    down and the head) on the kernel, and its logits stay within bfloat16 rounding of oneDNN's; two requests
+    stay on oneDNN."""
+    from miles.engine.model_runner import ModelRunner
+
+    class Counted:  # the loaded kernels, counting the row kernel's calls
+        def __init__(self, ops: object) -> None:
+            self.ops, self.calls = ops, 0
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.ops, name)
+
+        def linear_rows(self, *args: object) -> torch.Tensor:
+            self.calls += 1
+            out: torch.Tensor = self.ops.linear_rows(*args)
+            return out
+
+    runner = ModelRunner(engine_models[arch], dtype="bfloat16")
+    assert runner._one_row
+    counted = Counted(runner._ops)
+    runner._ops = counted
+    runner.prefill(0, [[3, 4, 5, 6]], [0], [False])
+    runner.decode([7], [4])  # warm
+    runner.prefill(0, [[3, 4, 5, 6]], [0], [False])
+    counted.calls = 0
+    kernel, _ = runner.decode([7], [4])
+    assert counted.calls == 4 * len(runner.layers) + 1
+    runner._one_row = False
+    runner.prefill(0, [[3, 4, 5, 6]], [0], [False])
+    onednn, _ = runner.decode([7], [4])
+    assert torch.allclose(kernel, onednn, atol=0.05, rtol=0.05) and kernel.argmax() == onednn.argmax()
+    runner._one_row = True
+    runner.prefill(0, [[3, 4, 5], [8, 9, 10]], [0, 0], [False, False])
+    counted.calls = 0
+    runner.decode([7, 11], [3, 3])
+    assert counted.calls == 0

@@ -1,4 +1,5 @@
-"""Miles' CPU kernels (decode attention, fused RMSNorm and rotary embedding), compiled on first use.
+"""Miles' CPU kernels (decode attention, fused RMSNorm and rotary embedding, bfloat16 linear layers of one row),
+compiled on first use.
 
 At a decode step every (request, KV head) pair attends a few query rows (a head group) over its own cached
 positions. PyTorch's CPU flash-attention kernel spends most of that time in per-block overhead: on the
@@ -14,6 +15,13 @@ The residual add + RMSNorm and the rotary embedding of a decoder layer are eight
 each in one pass with the rounding of the HF modules (bit for bit in bfloat16; the float32 norm sums its
 squares in another order). Together they took a SmolLM2 bfloat16 decode step at batch 32 from 32-35 ms to
 26-28 ms on the development machine.
+
+At batch 1 a bfloat16 decode step reads every weight for one row of arithmetic: it is bound by memory, and
+oneDNN's prepacked GEMM read SmolLM2's weights at 12-16 GB/s on the development machine (a Xeon with AMX, 21-27 GB/s
+of read bandwidth). ``csrc/linear_rows.cpp`` streams each weight row once through AVX-512 BF16 dot products
+(float32 sums, rounded to bfloat16 once) at 18-21 GB/s: SmolLM2's bfloat16 decode at batch 1 went from 33-43 to
+50-55 tok/s. It is built where the CPU has AVX-512 BF16 (``linear_rows_available()``); the engine calls it for
+one-row bfloat16 linears only (from two rows on oneDNN is as fast or faster there).
 
 They are built with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``) for this CPU
 (``-O3 -march=native``, OpenMP through torch's runtime) on first use (45 s on 2 idle cores, 75-98 s sharing them
@@ -41,7 +49,7 @@ __all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "KernelUnavailable", "decode_attention",
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "elementwise.cpp")]
+SOURCES = [CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "elementwise.cpp", "linear_rows.cpp")]
 MAX_GROUP = 16
 """Most query heads per KV head (``kMaxGroup`` in the source)."""
 MAX_HEAD_DIM = 256

@@ -137,6 +137,8 @@ class ModelRunner:
             from miles.engine.cpu_kernels import load
 
             self._ops = load()
+        self._one_row = self._ops is not None and self.dtype == torch.bfloat16 and self._ops.linear_rows_available()
+        """bfloat16 linears of one row (decode at batch 1) on the kernel that streams each weight once."""
         # KV buffers, allocated and grown on demand
         self.k = self.v = torch.zeros(0)
         self.slots = self.capacity = 0
@@ -225,7 +227,10 @@ class ModelRunner:
         self, key: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sources: tuple[Any, ...]
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, on a prepacked weight when packing is on (``sources``: the
-        parameters ``weight`` is built from, whose versions say when to repack)."""
+        parameters ``weight`` is built from, whose versions say when to repack); one bfloat16 row on Miles' kernel."""
+        if self._one_row and x.numel() == x.shape[-1] and weight.is_contiguous():
+            out: torch.Tensor = self._ops.linear_rows(x.reshape(1, -1).contiguous(), weight, bias)
+            return out.view(*x.shape[:-1], -1)
         if not self.pack_weights:
             return invariant_linear(x, weight, bias) if self.invariant else F.linear(x, weight, bias)
         versions = tuple(p._version for p in sources)

@@ -7,10 +7,14 @@ at::Tensor decode_scores(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, a
 at::Tensor decode_values(at::Tensor probs, at::Tensor v_cache, at::Tensor pos);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor linear_rows(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+bool linear_rows_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_scores", &decode_scores, "write new K/V at pos; fp32 scores [B, kv_heads, group, span]");
   m.def("decode_values", &decode_values, "probs . V as [B, heads, head_dim]");
   m.def("rms_norm", &rms_norm, "x += delta in place; HF RMSNorm of x");
   m.def("rotary", &rotary, "HF rotary embedding of [B, T, heads, head_dim]");
+  m.def("linear_rows", &linear_rows, "bfloat16 x [M <= 8, K] @ w [N, K]^T (+ bias), AVX-512 BF16");
+  m.def("linear_rows_available", &linear_rows_available, "whether linear_rows was built (AVX-512 BF16)");
 }

@@ -196,7 +196,7 @@ def test_component_options_without_a_name_keep_the_default_component(tmp_path: P
     )
     assert settings.train.backend.name == "fsdp"
     assert settings.train.backend.options == {"attn_implementation": "packed_sdpa"}
-    assert (settings.transport.name, settings.transport.bucket_bytes) == ("disk", 1024)
+    assert (settings.transport.name, settings.transport.bucket_bytes) == ("auto", 1024)
     with pytest.raises(SettingsError, match="train.adapter.name"):
         load_settings(path, overrides=["train.adapter.r=4"])
 

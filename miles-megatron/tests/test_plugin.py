@@ -147,6 +147,37 @@ def test_the_settings_pass_checks_the_layout_before_anything_starts(tmp_path: Pa
         build_run(load_settings(config, overrides=[*replay, "train.backend.recompute=full"]))
 
 
+def test_bf16_with_checkpoints_is_refused_at_start_and_auto_takes_fp32_saying_why(tmp_path: Path) -> None:
+    """Megatron-Core's distributed optimizer fails to save the optimizer state of bfloat16 parameters (its state
+    tensors' sizes against the gradient buffer's ranges, ``AssertionError: (torch.Size([64]), 0, 32768)`` at the
+    first save, after the steps it ran): refused before anything starts, and ``precision = "auto"`` (the default)
+    takes float32 for the megatron trainer on a CPU with bfloat16 units, quoting the refusal."""
+    from miles.compose import build_run
+    from miles.defaults import MachineFacts
+    from miles.settings.loader import load_settings
+    from miles.testing.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", "qwen2", seed=0)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "[cluster]\ntrainer_ranks = 1\n[rollout]\nrollout_batch_size = 2\nn_samples_per_prompt = 2\n"
+        f'[train]\nmodel_path = "{model}"\n[train.backend]\nname = "megatron"\n'
+    )
+    bf16_units = MachineFacts(cpu_flags=frozenset({"avx512_bf16", "amx_bf16"}))
+    with pytest.raises(SettingsError, match="precision: 'bf16' .* cannot save checkpoints yet"):
+        build_run(load_settings(config, overrides=["precision=bf16"]))
+    no_saves = ["precision=bf16", "checkpoint.save_final=false"]
+    assert build_run(load_settings(config, overrides=no_saves))["precision"].registration.name == "bf16"
+    with pytest.raises(SettingsError, match="precision: 'fp8' .* cannot save checkpoints yet"):
+        build_run(load_settings(config, overrides=["precision=fp8", "checkpoint.save_interval=2"]))
+
+    run = build_run(load_settings(config), machine=bf16_units)
+    assert run["precision"].registration.name == "fp32"
+    assert run.choices["precision"].reason.startswith("auto: bf16 refused by train.backend 'megatron': precision:")
+    run = build_run(load_settings(config, overrides=["checkpoint.save_final=false"]), machine=bf16_units)
+    assert run["precision"].registration.name == "bf16"  # nothing saved: bf16 trains
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
 def test_a_vision_language_model_is_refused_at_start_saying_why(tmp_path: Path, arch: str) -> None:
     """``miles train`` with the megatron trainer and a VLM stops in the settings check, naming the field and

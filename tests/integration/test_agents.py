@@ -98,6 +98,9 @@ def test_multi_turn_grpo_through_the_openai_client(tmp_path: Path, tool_model: P
             [transport]
             name = "disk"
 
+            [precision]
+            name = "fp32"
+
             [log]
             run_dir = "{run_dir}"
             """

@@ -27,9 +27,8 @@ def test_dry_run_and_run_print_each_choice_and_the_run_trains_with_them(
     tmp_path: Path, tiny_model: Path, prompts: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    config = write_run_config(
-        tmp_path, tiny_model, prompts, run_dir, '[precision]\nname = "auto"\n', transport="auto", rollouts=2
-    )
+    # no [precision] table: the default, "auto"
+    config = write_run_config(tmp_path, tiny_model, prompts, run_dir, transport="auto", rollouts=2, precision=None)
     precision = choose_precision(device="cpu", cpu_flags=MachineFacts.of_this_host().cpu_flags)
     expected_threads = split_threads(
         mode="sync",

@@ -93,6 +93,9 @@ def run(
 
             {reward}
 
+            [precision]
+            name = "fp32"
+
             [log]
             run_dir = "{run_dir}"
             """

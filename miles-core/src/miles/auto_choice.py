@@ -37,12 +37,15 @@ def choose_automatic(
         spec = settings.precision
         if spec.name == AUTO:
             facts = machine if machine is not None else MachineFacts.of_this_host()
-            out["precision"] = choice = choose_precision(
+            choice = choose_precision(
                 device=settings.cluster.device,
                 cpu_flags=facts.cpu_flags,
                 true_on_policy=settings.train.true_on_policy,
                 engine_dtype=settings.rollout.engine_dtype,
             )
+            if ComponentKind.TRAINER in kinds:
+                choice = _accepted_by_trainer(settings, pm, choice)
+            out["precision"] = choice
             settings.precision = PluginSpec(name=choice.value, **spec.options)
         else:
             out["precision"] = Choice("precision", spec.name, _as_set(source_of("precision")))
@@ -52,6 +55,36 @@ def choose_automatic(
         else:
             out["transport"] = Choice("transport", settings.transport.name, _as_set(source_of("transport")))
     return out
+
+
+def _accepted_by_trainer(settings: MilesSettings, pm: PluginManager, choice: Choice) -> Choice:
+    """``choice``, or ``fp32`` where the trainer (``train.backend``'s ``check_settings``) refuses ``choice`` and
+    accepts ``fp32``; the reason then quotes the refusal. Where it refuses both, ``choice`` stays and the run's
+    own checks report it."""
+    from miles.defaults import Choice
+    from miles.settings.model import PluginSpec
+
+    if choice.value == "fp32":
+        return choice
+    try:
+        entry, options = pm.resolve(ComponentKind.TRAINER, settings.train.backend, field="train.backend")
+    except MilesError:
+        return choice  # (reported by build_run's own resolution)
+    check = getattr(entry.component, "check_settings", None)
+    if check is None:
+        return choice
+
+    def refusal(name: str) -> str | None:
+        try:
+            check(options, settings.model_copy(update={"precision": PluginSpec(name=name)}))
+        except MilesError as exc:
+            return str(exc)
+        return None
+
+    why = refusal(choice.value)
+    if why is None or refusal("fp32") is not None:
+        return choice
+    return Choice("precision", "fp32", f"auto: {choice.value} refused by train.backend {entry.name!r}: {why}")
 
 
 def _as_set(source: str | None) -> str:

@@ -77,11 +77,15 @@ def write_run_config(
     transport: str = "broadcast",
     transport_options: str = "",
     rollouts: int = 3,
+    precision: str | None = "fp32",
 ) -> Path:
     """``tmp_path/run.toml``: GRPO on ``model`` over ``data``, one local engine, ``ranks`` trainer ranks,
-    ``rollouts`` steps of 4 prompts x 4 samples x 6 tokens, a length reward, pushes by ``transport``; TOML
-    ``extra`` is appended (later tables win)."""
+    ``rollouts`` steps of 4 prompts x 4 samples x 6 tokens, a length reward, pushes by ``transport``, computed in
+    ``precision`` (float32 by default, so that checks of trainer / engine agreement mean the same on every
+    machine; ``None`` leaves Miles' default, chosen from the machine); TOML ``extra`` is appended (later tables
+    win)."""
     config = tmp_path / "run.toml"
+    precision_table = f'[precision]\n            name = "{precision}"' if precision else ""
     config.write_text(
         textwrap.dedent(
             f"""
@@ -116,6 +120,7 @@ def write_run_config(
             [transport]
             name = "{transport}"
             {transport_options}
+            {precision_table}
 
             [log]
             run_dir = "{run_dir}"

@@ -179,6 +179,9 @@ def _config(tmp_path: Path, model: Path, function: str, rollouts: int = 2) -> tu
             [transport]
             name = "disk"
 
+            [precision]
+            name = "fp32"
+
             [log]
             run_dir = "{run_dir}"
             """

@@ -93,6 +93,9 @@ def _config(
             [transport]
             name = "lora"
 
+            [precision]
+            name = "fp32"
+
             [log]
             run_dir = "{run_dir}"
 

@@ -157,6 +157,9 @@ def write_config(
             buffer_length = 4
             mode = "linear"
 
+            [precision]
+            name = "fp32"
+
             [checkpoint]
             save_interval = 1
 

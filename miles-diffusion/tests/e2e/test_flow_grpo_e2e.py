@@ -37,6 +37,7 @@ def _train(run_dir: Path, policy: Path, prompts: Path, *extra: str) -> list[dict
     overrides = [
         f"train.model_path={policy}", f"data.path={prompts}", f"log.run_dir={run_dir}",
         f"train.num_rollouts={STEPS}", "checkpoint.save_interval=2",
+        "precision=fp32",  # the trainer re-scores the engine to float32 rounding below, on every machine
     ]  # fmt: skip
     argv = [sys.executable, "-m", "miles", "train", str(RECIPE), *[a for o in overrides for a in ("--set", o)], *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", MILES_TORCH_THREADS="1")

@@ -86,7 +86,7 @@ class MegatronTrainer(Trainer[MegatronSettings]):
         config = read_hf_config(settings.train.model_path) if settings.train.model_path else None
         check_parallel_layout(options, settings.cluster.trainer_ranks, config)
         saves = settings.checkpoint.save_interval is not None or settings.checkpoint.save_final
-        if settings.precision.name not in ("fp32", "auto") and saves:
+        if settings.precision.name not in ("fp32", "auto") and saves and settings.train.adapter is None:
             raise SettingsError(
                 f'precision: {settings.precision.name!r} (bfloat16 parameters) with train.backend = "megatron" '
                 "cannot save checkpoints yet: Megatron-Core's distributed optimizer finds their optimizer state of "

@@ -67,3 +67,18 @@ def test_abort_between_steps(pipe: Any) -> None:
 def test_prompt_ids_round_trip_through_the_pipelines_tokenizer(pipe: Any) -> None:
     ids = pipe.tokenizer(PROMPTS)["input_ids"]
     assert prompt_texts(pipe.tokenizer, ids) == PROMPTS
+
+
+def test_a_bfloat16_pipeline_is_bfloat16_throughout_and_samples(policy_dir: Any) -> None:
+    """``load_pipeline(dtype="bfloat16")`` (the engine under ``precision = "bf16"``, which ``auto`` picks on CPUs
+    with bfloat16 units): diffusers left the transformer in float32, and every sample failed at its first
+    convolution ("Input type (c10::BFloat16) and bias type (float) should be the same")."""
+    from miles_diffusion.policy import load_pipeline
+
+    pipe = load_pipeline(policy_dir, dtype="bfloat16")
+    modules = {name: m for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    assert "transformer" in modules
+    assert {name: next(m.parameters()).dtype for name, m in modules.items()} == dict.fromkeys(modules, torch.bfloat16)
+    options = SamplingOptions(num_steps=4, sde_window=(1, 3), max_sequence_length=16)
+    (traj,) = sample_trajectories(pipe, PROMPTS[:1], [7], options)
+    assert traj.steps == [1, 2] and torch.isfinite(traj.latents).all() and all(np.isfinite(traj.logprobs))

@@ -238,9 +238,12 @@ def load_pipeline(
         skip["transformer"] = None
     if not vae:
         skip["vae"] = None
-    pipe = StableDiffusion3Pipeline.from_pretrained(folder, dtype=torch_dtype(dtype, field=None), **skip)
+    wanted = torch_dtype(dtype, field=None)
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, dtype=wanted, **skip)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    # every component in ``dtype``: diffusers 0.42 leaves the transformer in float32 when asked for bfloat16, and
+    # the engine's bfloat16 latents then met float32 weights at the first convolution
+    return pipe.to(device=device, dtype=wanted)
 
 
 def load_transformer(path: str | Path, *, dtype: str = "float32") -> Any:

@@ -260,3 +260,25 @@ def test_a_micro_batch_on_a_cpu_carries_no_varlen_layout() -> None:
     batch = TrainBatch.from_lists(tokens=[[1, 2, 3, 4], [5, 6, 7]], prompt_lengths=[2, 1], loss_mask=[[1, 1], [1, 0]])
     mb = pack(batch, [0, 1], torch.device("cpu"))
     assert mb.varlen is None and [s.end - s.start for s in mb.segments] == [4, 3]
+
+
+def test_bfloat16_rows_attend_in_float32_on_a_cpu() -> None:
+    """On a CPU a bfloat16 row attends in float32 (PyTorch's bfloat16 flash-attention backward there ran ~3x
+    slower than float32's): the output is the float32 attention of the same bfloat16 inputs, rounded to bfloat16
+    once, and the gradients come back to the inputs in bfloat16."""
+    g = torch.Generator().manual_seed(3)
+    total = sum(LENGTHS)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    q, k, v = (torch.randn(1, h, total, 16, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2))
+    module = torch.nn.Module().eval()
+    want, _ = packed_sdpa_attention(module, q.float(), k.float(), v.float(), None, position_ids=positions)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the trainer runs bf16 (autocast would cast SDPA back)
+        out, _ = packed_sdpa_attention(module, q, k, v, None, position_ids=positions)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
+    out, _ = packed_sdpa_attention(module, q, k, v, None, position_ids=positions)
+    assert torch.equal(out, want.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 rows under autocast (the oneDNN linears' outputs)
+        out32, _ = packed_sdpa_attention(module, q.float(), k.float(), v.float(), None, position_ids=positions)
+    assert out32.dtype == torch.float32 and torch.equal(out32, want)
+    out.float().square().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))

@@ -64,27 +64,39 @@ def _accepted_by_trainer(settings: MilesSettings, pm: PluginManager, choice: Cho
     from miles.defaults import Choice
     from miles.settings.model import PluginSpec
 
-    if choice.value == "fp32":
-        return choice
-    try:
-        entry, options = pm.resolve(ComponentKind.TRAINER, settings.train.backend, field="train.backend")
-    except MilesError:
-        return choice  # (reported by build_run's own resolution)
-    check = getattr(entry.component, "check_settings", None)
-    if check is None:
+    trainer = _component(pm, ComponentKind.TRAINER, settings.train.backend)
+    if choice.value == "fp32" or trainer is None:
         return choice
 
     def refusal(name: str) -> str | None:
-        try:
-            check(options, settings.model_copy(update={"precision": PluginSpec(name=name)}))
-        except MilesError as exc:
-            return str(exc)
-        return None
+        return _refused_by(*trainer, settings.model_copy(update={"precision": PluginSpec(name=name)}))
 
     why = refusal(choice.value)
     if why is None or refusal("fp32") is not None:
         return choice
-    return Choice("precision", "fp32", f"auto: {choice.value} refused by train.backend {entry.name!r}: {why}")
+    name = settings.train.backend.name
+    return Choice("precision", "fp32", f"auto: {choice.value} refused by train.backend {name!r}: {why}")
+
+
+def _component(pm: PluginManager, kind: ComponentKind, value: Any) -> tuple[Any, BaseModel] | None:
+    """The component ``value`` selects and its options, or ``None`` (an error build_run's own resolution reports)."""
+    try:
+        entry, options = pm.resolve(kind, value, field=kind.field)
+    except MilesError:
+        return None
+    return entry.component, options
+
+
+def _refused_by(component: Any, options: BaseModel | None, trial: MilesSettings) -> str | None:
+    """Why ``component``'s ``check_settings`` refuses ``trial`` (``None``: it accepts it, or has no check)."""
+    check = getattr(component, "check_settings", None)
+    if check is None:
+        return None
+    try:
+        check(options, trial)
+    except MilesError as exc:
+        return str(exc)
+    return None
 
 
 def _as_set(source: str | None) -> str:
@@ -104,16 +116,9 @@ def _choose_transport(settings: MilesSettings, pm: PluginManager) -> Choice:
             "belong to a named transport: set transport.name too"
         )
 
-    def component(kind: ComponentKind, value: Any) -> tuple[Any, BaseModel] | None:
-        try:
-            entry, options = pm.resolve(kind, value, field=kind.field)
-        except MilesError:
-            return None  # (reported by build_run's own resolution)
-        return entry.component, options
-
-    launcher = component(ComponentKind.LAUNCHER, settings.cluster.launcher)
-    engine = component(ComponentKind.ROLLOUT_ENGINE, settings.rollout.engine)
-    precision = component(ComponentKind.PRECISION, settings.precision)
+    launcher = _component(pm, ComponentKind.LAUNCHER, settings.cluster.launcher)
+    engine = _component(pm, ComponentKind.ROLLOUT_ENGINE, settings.rollout.engine)
+    precision = _component(pm, ComponentKind.PRECISION, settings.precision)
     transports = pm.registry(ComponentKind.TRANSPORT)
     facts = TransportFacts(
         device=settings.cluster.device,
@@ -156,10 +161,10 @@ def _refusal(pm: PluginManager, trial: MilesSettings, engine: tuple[Any, BaseMod
         missing = missing_requirements(entry.component, options)
         if missing:
             return "; ".join(str(r.missing_error(entry.name)) for r in missing)
-        for component, own in ((entry.component, options), engine or (None, None)):
-            check = getattr(component, "check_settings", None)
-            if check is not None:
-                check(own, trial)
     except MilesError as exc:
         return str(exc)
+    for component, own in ((entry.component, options), engine or (None, None)):
+        why = _refused_by(component, own, trial)
+        if why is not None:
+            return why
     return None

@@ -206,8 +206,7 @@ def packed_sdpa_attention(
     if varlen is not None and query.is_cuda and not p_drop:
         return _varlen_attention(query, key, value, varlen, scaling, gqa), None
     dtype = query.dtype
-    low = dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")
-    if query.device.type == "cpu" and low:
+    if query.device.type == "cpu" and (dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled("cpu")):
         # PyTorch's CPU flash attention runs its bfloat16 backward ~3x slower than float32's (0.32 s of a 2.2 s
         # SmolLM2 train step on the development machine's Xeon): attend in float32 with autocast off (which
         # would cast SDPA's inputs to bfloat16 again), the result in the row's dtype

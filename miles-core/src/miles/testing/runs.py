@@ -85,7 +85,6 @@ def write_run_config(
     machine; ``None`` leaves Miles' default, chosen from the machine); TOML ``extra`` is appended (later tables
     win)."""
     config = tmp_path / "run.toml"
-    precision_table = f'[precision]\n            name = "{precision}"' if precision else ""
     config.write_text(
         textwrap.dedent(
             f"""
@@ -120,12 +119,12 @@ def write_run_config(
             [transport]
             name = "{transport}"
             {transport_options}
-            {precision_table}
 
             [log]
             run_dir = "{run_dir}"
             """
         )
+        + (f'\n[precision]\nname = "{precision}"\n' if precision else "")
         + textwrap.dedent(extra)
     )
     return config

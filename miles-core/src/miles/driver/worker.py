@@ -8,12 +8,15 @@ the process group (gloo on CPU, NCCL on GPU) and runs the :class:`~miles.driver.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import logging
 import os
 import sys
+import threading
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from miles.errors import MilesError
 
@@ -81,14 +84,33 @@ def main(argv: list[str] | None = None) -> None:
         from miles.torch_threads import set_torch_threads
 
         set_torch_threads(int(threads))
+    code = 0
     try:
         asyncio.run(_run(Path(args[0])))
     except MilesError as exc:
         log.error("%s", exc)
-        sys.exit(exc.exit_code)
+        code = exc.exit_code
     except Exception:
         log.error("training failed:\n%s", traceback.format_exc())
-        sys.exit(1)
+        code = 1
+    _leave(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """End the rank's process with ``code`` once its work is done as the interpreter's exit does (executors
+    stopped, threads joined, exit handlers run, logs and streams flushed), then without its finalization.
+
+    Finalization stops a thread that is still in native code when it next takes the GIL (a daemon thread in a
+    torch op, a gloo worker thread dropping the last reference to a tensor) by unwinding it, and C++ answers
+    that with ``std::terminate``: a rank whose every step and checkpoint was written ended on SIGABRT now and
+    then ("terminate called without an active exception", two gloo ranks of a multi-node LoRA run in CI).
+    """
+    threading._shutdown()  # type: ignore[attr-defined]  # the exit's first step: executors told to stop, threads joined
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

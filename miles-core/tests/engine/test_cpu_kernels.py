@@ -4,6 +4,7 @@ and rotary steps (HF's modules bit for bit), and the engine's forward on them ag
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -208,42 +209,108 @@ def test_bf16_linear_rows_refuse_what_they_cannot_compute() -> None:
         ops.linear_rows(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16).t(), None)
 
 
+class Counted:
+    """Miles' loaded kernels, counting the row kernel's calls."""
+
+    def __init__(self, ops: object) -> None:
+        self.ops, self.calls = ops, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.ops, name)
+
+    def linear_rows(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.ops.linear_rows(*args)
+        return out
+
+
 @needs_bf16_rows
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_bf16_engine_decodes_one_request_on_the_row_kernel(engine_models: dict[str, Path], arch: str) -> None:
+def test_bf16_engine_decodes_on_the_row_kernel_up_to_the_rows_it_measured(
+    engine_models: dict[str, Path], arch: str
+) -> None:
     """A bfloat16 decode step of one request runs every dense linear (q/k/v with Qwen2's biases, o, gate/up,
-    down and the head) on the kernel, and its logits stay within bfloat16 rounding of oneDNN's; two requests
-    stay on oneDNN."""
+    down and the head) on the kernel, and its logits stay within bfloat16 rounding of oneDNN's. The first
+    forward of a few rows after the weights were packed times the kernel against oneDNN on them, once; two
+    requests then run on the kernel exactly when it measured it as fast at two rows; forced to, the kernel
+    decodes two requests as oneDNN does."""
     from miles.engine.model_runner import ModelRunner
 
-    class Counted:  # the loaded kernels, counting the row kernel's calls
-        def __init__(self, ops: object) -> None:
-            self.ops, self.calls = ops, 0
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self.ops, name)
-
-        def linear_rows(self, *args: object) -> torch.Tensor:
-            self.calls += 1
-            out: torch.Tensor = self.ops.linear_rows(*args)
-            return out
-
+    cpu_kernels.rows_limit_file().unlink(missing_ok=True)  # measured by no engine here yet
     runner = ModelRunner(engine_models[arch], dtype="bfloat16")
-    assert runner._one_row
+    assert runner._rows_max == 1 and runner._rows_pending
     counted = Counted(runner._ops)
     runner._ops = counted
-    runner.prefill(0, [[3, 4, 5, 6]], [0], [False])
-    runner.decode([7], [4])  # warm
-    runner.prefill(0, [[3, 4, 5, 6]], [0], [False])
+    linears = 4 * len(runner.layers) + 1
+    runner.prefill(0, [[3, 4, 5, 6]], [0], [False])  # four rows on oneDNN, which packs its weights
+    assert runner._rows_pending and len(runner._dense) == linears - 1  # the head read one row: the kernel
+    runner.decode([7], [4])  # one row: the kernel; nothing measured yet
+    assert runner._rows_pending
+    runner.prefill(0, [[3, 4, 5, 6]], [0], [False])  # measures, once
+    assert not runner._rows_pending and not runner._dense and runner._rows_max in (1, 2, 4, 8)
+    assert not cpu_kernels.rows_limit_file().exists()  # a tiny model's weights sit in a cache: not kept
     counted.calls = 0
     kernel, _ = runner.decode([7], [4])
-    assert counted.calls == 4 * len(runner.layers) + 1
-    runner._one_row = False
+    assert counted.calls == linears
+    runner._rows_max, chosen = 0, runner._rows_max
     runner.prefill(0, [[3, 4, 5, 6]], [0], [False])
     onednn, _ = runner.decode([7], [4])
     assert torch.allclose(kernel, onednn, atol=0.05, rtol=0.05) and kernel.argmax() == onednn.argmax()
-    runner._one_row = True
-    runner.prefill(0, [[3, 4, 5], [8, 9, 10]], [0, 0], [False, False])
+    runner._rows_max = chosen
+
+    two = ([[3, 4, 5], [8, 9, 10]], [0, 0], [False, False])
+    runner.prefill(0, *two)
     counted.calls = 0
     runner.decode([7, 11], [3, 3])
-    assert counted.calls == 0
+    assert counted.calls == (linears if chosen >= 2 else 0)
+    assert not runner._rows_pending
+
+    runner._rows_max = 8
+    runner.prefill(0, *two)
+    counted.calls = 0
+    kernel, _ = runner.decode([7, 11], [3, 3])
+    assert counted.calls == linears
+    runner._rows_max = 0
+    runner.prefill(0, *two)
+    onednn, _ = runner.decode([7, 11], [3, 3])
+    assert torch.allclose(kernel, onednn, atol=0.05, rtol=0.05)
+    assert torch.equal(kernel.argmax(-1), onednn.argmax(-1))
+
+
+@needs_bf16_rows
+def test_an_unreadable_kept_row_limit_is_measured_again() -> None:
+    path = cpu_kernels.rows_limit_file()
+    for text in ("{", '{"rows_limit": 3}', '{"other": 1}', "[]"):
+        path.write_text(text)
+        assert cpu_kernels.saved_rows_limit() is None, text
+    cpu_kernels.save_rows_limit(4, {2: (1.0, 2.0), 4: (1.0, 1.5), 8: (2.0, 1.0)})
+    assert cpu_kernels.saved_rows_limit() == 4 and not list(path.parent.glob("*.tmp"))
+    assert json.loads(path.read_text())["seconds"]["8"] == {"kernel": 2.0, "onednn": 1.0}
+    path.unlink()
+
+
+@needs_bf16_rows
+def test_an_engine_takes_the_row_limit_kept_on_this_machine(engine_models: dict[str, Path]) -> None:
+    """Another engine on the machine decodes as the first measured (the kernel and oneDNN round differently):
+    it reads the kept limit and measures nothing."""
+    from miles.engine.model_runner import ModelRunner
+
+    cpu_kernels.save_rows_limit(2, {2: (1.0, 2.0), 4: (2.0, 1.0), 8: (2.0, 1.0)})
+    try:
+        runner = ModelRunner(engine_models["qwen2"], dtype="bfloat16")
+        assert runner._rows_max == 2 and not runner._rows_pending
+        counted = Counted(runner._ops)
+        runner._ops = counted
+        runner.prefill(0, [[3, 4, 5], [8, 9, 10]], [0, 0], [False, False])
+        counted.calls = 0
+        runner.decode([7, 11], [3, 3])
+        assert counted.calls == 4 * len(runner.layers) + 1 and not runner._dense
+    finally:
+        cpu_kernels.rows_limit_file().unlink(missing_ok=True)
+
+
+def test_the_row_kernel_takes_the_rows_up_to_where_it_first_loses() -> None:
+    assert cpu_kernels.rows_limit({2: (1.0, 2.0), 4: (1.0, 1.5), 8: (1.0, 1.2)}) == 8
+    assert cpu_kernels.rows_limit({2: (1.0, 2.0), 4: (1.6, 1.5), 8: (1.0, 1.2)}) == 2  # counting up: stops at 4
+    assert cpu_kernels.rows_limit({2: (2.1, 2.0), 4: (1.0, 1.5), 8: (1.0, 1.2)}) == 1
+    assert cpu_kernels.rows_limit({4: (1.0, 1.0), 2: (1.0, 1.0)}) == 4  # a tie goes to the kernel

@@ -19,9 +19,12 @@ squares in another order). Together they took a SmolLM2 bfloat16 decode step at 
 At batch 1 a bfloat16 decode step reads every weight for one row of arithmetic: it is bound by memory, and
 oneDNN's prepacked GEMM read SmolLM2's weights at 12-16 GB/s on the development machine (a Xeon with AMX, 21-27 GB/s
 of read bandwidth). ``csrc/linear_rows.cpp`` streams each weight row once through AVX-512 BF16 dot products
-(float32 sums, rounded to bfloat16 once) at 18-21 GB/s: SmolLM2's bfloat16 decode at batch 1 went from 33-43 to
-50-55 tok/s. It is built where the CPU has AVX-512 BF16 (``linear_rows_available()``); the engine calls it for
-one-row bfloat16 linears only (from two rows on oneDNN is as fast or faster there).
+(float32 sums, rounded to bfloat16 once), prefetching the rows it reads next, at 18-21 GB/s: SmolLM2's bfloat16
+decode at batch 1 went from 33-43 to 50-55 tok/s. It is built where the CPU has AVX-512 BF16
+(``linear_rows_available()``); the engine calls it for bfloat16 linears of one row, and of up to 8 where it
+measured it as fast as oneDNN on the model's own weights (:func:`measure_rows`, once, at the first forward of a
+few rows: on an AMD EPYC without AMX it read 24 GB/s at 2 rows against oneDNN's 13, decode at 2 / 4 / 8 requests
+1.35x / 1.23x / 1.12x; on the Xeon with AMX, before the prefetch, oneDNN was as fast from two rows).
 
 They are built with ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja``) for this CPU
 (``-O3 -march=native``, OpenMP through torch's runtime) on first use (45 s on 2 idle cores, 75-98 s sharing them
@@ -37,14 +40,32 @@ cannot be built, :func:`load` says why and the engine runs PyTorch ops (``attent
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import platform
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["MAX_GROUP", "MAX_HEAD_DIM", "KernelUnavailable", "decode_attention", "load", "resolve_attention_backend"]
+__all__ = [
+    "MAX_GROUP",
+    "MAX_HEAD_DIM",
+    "ROWS_KEEP_BYTES",
+    "ROWS_MEASURED",
+    "KernelUnavailable",
+    "decode_attention",
+    "load",
+    "measure_rows",
+    "resolve_attention_backend",
+    "rows_limit",
+    "rows_limit_file",
+    "save_rows_limit",
+    "saved_rows_limit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +75,12 @@ MAX_GROUP = 16
 """Most query heads per KV head (``kMaxGroup`` in the source)."""
 MAX_HEAD_DIM = 256
 """Largest head dim (``kMaxDim``); 64 and 128 have unrolled, vectorised instances."""
+ROWS_MEASURED = (2, 4, 8)
+"""The row counts beyond one at which :func:`measure_rows` times the row kernel against oneDNN."""
+ROWS_SWEEP_BYTES = 512 << 20
+"""At most this many bytes of weights per timed sweep: more than a CPU's caches, as decode streams them."""
+ROWS_KEEP_BYTES = 64 << 20
+"""A limit measured over fewer bytes of weights (a tiny model, read from a cache) is used, not kept."""
 
 
 class KernelUnavailable(RuntimeError):
@@ -144,3 +171,96 @@ def resolve_attention_backend(wanted: str, device: torch.device, group: int, hea
     if device.type == "cpu":
         log.warning("running PyTorch ops (SDPA) instead of Miles' CPU kernels: %s", reason)
     return "sdpa"
+
+
+def measure_rows(
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    *,
+    budget_bytes: int = ROWS_SWEEP_BYTES,
+    repeats: int = 2,
+) -> tuple[dict[int, tuple[float, float]], int]:
+    """Seconds of one sweep over ``weights`` (dense bfloat16, its oneDNN-packed copy, bias) with ``m`` input
+    rows, for each ``m`` of :data:`ROWS_MEASURED`: ``{m: (row kernel, oneDNN)}``, the best of ``repeats``
+    sweeps each, taken in turn; and the bytes of weights a sweep read. A sweep takes the weights in order up
+    to ``budget_bytes`` (streamed from memory, as a decode step reads them, where they outsize the caches)."""
+    kernel = load()
+    picked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    total = 0
+    for entry in weights:
+        picked.append(entry)
+        total += entry[0].numel() * entry[0].element_size()
+        if total >= budget_bytes:
+            break
+    g = torch.Generator().manual_seed(0)
+    times: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for m in ROWS_MEASURED:
+            xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {w.shape[1] for w, _, _ in picked}}
+            best = [float("inf"), float("inf")]
+            for onednn in (False, True):
+                _sweep(kernel, picked, xs, onednn=onednn)  # warm
+            for _ in range(repeats):
+                for i, onednn in enumerate((False, True)):
+                    best[i] = min(best[i], _sweep(kernel, picked, xs, onednn=onednn))
+            times[m] = (best[0], best[1])
+    return times, total
+
+
+def _sweep(
+    kernel: Any,
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    xs: Mapping[int, torch.Tensor],
+    *,
+    onednn: bool,
+) -> float:
+    """Seconds of one pass over ``weights`` on the row kernel or on oneDNN's packed GEMM."""
+    start = time.perf_counter()
+    for w, packed, b in weights:
+        if onednn:
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], packed, b, "none", [], "")
+        else:
+            kernel.linear_rows(xs[w.shape[1]], w, b)
+    return time.perf_counter() - start
+
+
+def rows_limit(times: Mapping[int, tuple[float, float]]) -> int:
+    """The most input rows up to which the row kernel was as fast as oneDNN or faster at every row count of
+    ``times`` (:func:`measure_rows`), counting up; 1 (the kernel's measured home, a decode step at batch 1)
+    where it lost at the fewest."""
+    limit = 1
+    for m in sorted(times):
+        rows, onednn = times[m]
+        if rows > onednn:
+            break
+        limit = m
+    return limit
+
+
+def rows_limit_file() -> Path:
+    """Where this machine's :func:`rows_limit` is kept: beside the kernels' build (one per CPU, source version
+    and torch), so that every engine here decodes the same way (the kernel and oneDNN round differently) and
+    measures once. Deleting it measures again."""
+    return Path(load().__file__).parent / "rows_limit.json"
+
+
+def saved_rows_limit() -> int | None:
+    """The limit measured on this machine before, if any (an unreadable file counts as none)."""
+    try:
+        limit = json.loads(rows_limit_file().read_text())["rows_limit"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return limit if limit in (1, *ROWS_MEASURED) else None
+
+
+def save_rows_limit(limit: int, times: Mapping[int, tuple[float, float]]) -> Path:
+    """Keep ``limit`` (and the sweep times it came from) in :func:`rows_limit_file`, written whole."""
+    path = rows_limit_file()
+    record = {
+        "rows_limit": limit,
+        "seconds": {str(m): {"kernel": k, "onednn": d} for m, (k, d) in times.items()},
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    partial.replace(path)
+    return path

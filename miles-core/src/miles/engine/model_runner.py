@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles.engine.cpu_kernels import ROWS_MEASURED, saved_rows_limit
 from miles.engine.invariant import attention as invariant_attention
 from miles.engine.invariant import linear as invariant_linear
 from miles.engine.invariant import rms_norm as invariant_rms_norm
@@ -137,8 +138,14 @@ class ModelRunner:
             from miles.engine.cpu_kernels import load
 
             self._ops = load()
-        self._one_row = self._ops is not None and self.dtype == torch.bfloat16 and self._ops.linear_rows_available()
-        """bfloat16 linears of one row (decode at batch 1) on the kernel that streams each weight once."""
+        rows = self._ops is not None and self.dtype == torch.bfloat16 and self._ops.linear_rows_available()
+        saved = saved_rows_limit() if rows else None
+        self._rows_max = saved or (1 if rows else 0)
+        """bfloat16 linears of up to this many rows (decode at small batch) on the kernel that streams each weight
+        once: one row, then up to what :meth:`_choose_rows` measured on this machine."""
+        self._rows_pending = rows and saved is None
+        self._dense: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        """The dense weight (and bias) of each packed one, kept until :meth:`_choose_rows` has timed both."""
         # KV buffers, allocated and grown on demand
         self.k = self.v = torch.zeros(0)
         self.slots = self.capacity = 0
@@ -228,8 +235,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, on a prepacked weight when packing is on (``sources``: the
         parameters ``weight`` is built from, whose versions say when to repack); one bfloat16 row on Miles' kernel."""
-        if self._one_row and x.numel() == x.shape[-1] and weight.is_contiguous():
-            out: torch.Tensor = self._ops.linear_rows(x.reshape(1, -1).contiguous(), weight, bias)
+        if x.numel() <= self._rows_max * x.shape[-1] and weight.is_contiguous():
+            out: torch.Tensor = self._ops.linear_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
             return out.view(*x.shape[:-1], -1)
         if not self.pack_weights:
             return invariant_linear(x, weight, bias) if self.invariant else F.linear(x, weight, bias)
@@ -238,6 +245,8 @@ class ModelRunner:
         if entry is None or entry[0] != versions:
             entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH))
             self._packed[key] = entry
+            if self._rows_pending and weight.is_contiguous():
+                self._dense[key] = (weight.detach(), bias)
         if self.invariant:  # the packed weight gives the plain one's bits (:mod:`miles.engine.invariant`)
             return invariant_linear(x, entry[1], bias)
         return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
@@ -254,10 +263,39 @@ class ModelRunner:
         extra = self.lora.delta(layer, modules, x)
         return y if extra is None else y + extra
 
+    def _choose_rows(self) -> None:
+        """Up to how many rows the row kernel runs the bfloat16 linears: timed against oneDNN on this model's
+        weights (:func:`~miles.engine.cpu_kernels.measure_rows`) at the first forward of a few rows after the
+        weights were packed, by the first engine on this machine (later ones read what it kept). On an AMD EPYC (AVX-512 BF16, no AMX) the kernel won at 2, 4 and 8 rows
+        (decode 1.1-1.3x); on a Xeon with AMX oneDNN was as fast from two rows."""
+        from miles.engine.cpu_kernels import ROWS_KEEP_BYTES, measure_rows, rows_limit, save_rows_limit
+
+        weights = [(w, self._packed[key][1], b) for key, (w, b) in self._dense.items() if key in self._packed]
+        self._rows_pending = False
+        self._dense.clear()
+        times, swept = measure_rows(weights)
+        self._rows_max = rows_limit(times)
+        kept = (
+            f"kept for every engine on this machine in {save_rows_limit(self._rows_max, times)}"
+            if swept >= ROWS_KEEP_BYTES
+            else f"not kept: {swept / 2**20:.0f} MB of weights fit in a cache"
+        )
+        log.info(
+            "bfloat16 linears of up to %d row(s) on Miles' row kernel (a sweep over %.0f MB of the weights at %s "
+            "rows: kernel %s ms, oneDNN %s ms; %s)",
+            self._rows_max,
+            swept / 2**20,
+            "/".join(str(m) for m in times),
+            "/".join(f"{k * 1e3:.1f}" for k, _ in times.values()),
+            "/".join(f"{d * 1e3:.1f}" for _, d in times.values()),
+            kept,
+        )
+
     def drop_packed(self) -> None:
         """Free the packed weights, and the quantized projections' dequantized ones (memory release; they are
         rebuilt on the next forward)."""
         self._packed.clear()
+        self._dense.clear()
         self.weights_generation += 1
         for module in self.model.modules():
             drop = getattr(module, "drop_cache", None)
@@ -364,6 +402,8 @@ class ModelRunner:
         base = self.text_model
         cos, sin = base.rotary_emb(x, positions)
         b, t = x.shape[:2]
+        if self._rows_pending and 1 < b * t <= ROWS_MEASURED[-1] and self._dense:
+            self._choose_rows()
         delta: torch.Tensor | None = None  # the last block's output, added to the residual by the next norm
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn

@@ -234,7 +234,8 @@ class ModelRunner:
         self, key: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sources: tuple[Any, ...]
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, on a prepacked weight when packing is on (``sources``: the
-        parameters ``weight`` is built from, whose versions say when to repack); one bfloat16 row on Miles' kernel."""
+        parameters ``weight`` is built from, whose versions say when to repack); bfloat16 rows up to
+        ``_rows_max`` on Miles' row kernel."""
         if x.numel() <= self._rows_max * x.shape[-1] and weight.is_contiguous():
             out: torch.Tensor = self._ops.linear_rows(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
             return out.view(*x.shape[:-1], -1)
@@ -266,8 +267,9 @@ class ModelRunner:
     def _choose_rows(self) -> None:
         """Up to how many rows the row kernel runs the bfloat16 linears: timed against oneDNN on this model's
         weights (:func:`~miles.engine.cpu_kernels.measure_rows`) at the first forward of a few rows after the
-        weights were packed, by the first engine on this machine (later ones read what it kept). On an AMD EPYC (AVX-512 BF16, no AMX) the kernel won at 2, 4 and 8 rows
-        (decode 1.1-1.3x); on a Xeon with AMX oneDNN was as fast from two rows."""
+        weights were packed, by the first engine on this machine (later ones read what it kept). On an AMD EPYC
+        (AVX-512 BF16, no AMX) the kernel won at 2, 4 and 8 rows (decode 1.1-1.35x); on a Xeon with AMX oneDNN
+        was as fast from two rows before the kernel prefetched."""
         from miles.engine.cpu_kernels import ROWS_KEEP_BYTES, measure_rows, rows_limit, save_rows_limit
 
         weights = [(w, self._packed[key][1], b) for key, (w, b) in self._dense.items() if key in self._packed]

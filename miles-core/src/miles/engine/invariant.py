@@ -17,7 +17,10 @@ GEMM kinds on the machine it runs on, and the engine and the trainer refuse to s
   every thread count; a call of fewer than :data:`MIN_ROWS` rows is padded with zero rows. (MKL's sgemm, behind
   ``F.linear``, changes a row's sum order with the row count and, for some shapes, the thread count.)
 - **Attention** (:func:`attention`): the keys are cut into fixed chunks of :data:`KEY_CHUNK` positions counted
-  from position 0; scores per chunk (a batched matmul over the head dim), the exact maximum over all of a
+  from position 0; scores and ``P . V`` on the GEMM above, one call per sequence and KV head (and chunk for
+  ``P . V``): a batched ``torch.matmul`` runs MKL, which on an AMD EPYC summed a query's row in an order that
+  depended on the other rows of the call (a decode step's query got other bits than in a prefill); then the
+  exact maximum over all of a
   query's keys, ``exp``, and per chunk ``P . V`` and the sum of ``P``, accumulated over the chunks in order
   0, 1, 2 ...; positions after the query (and a cache's
   unused tail) weigh exactly 0, so the chunks past a query's position add exact zeros. A query's output is
@@ -253,7 +256,7 @@ def attention(
     b, heads, n, dim = q.shape
     kv_heads, span = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    rows = max(n, -(-MIN_QUERIES // group))  # the batched matmul sums a lone row in another order
+    rows = max(n, -(-MIN_QUERIES // group))  # the GEMM sums a lone row in another order
     if rows > n:  # padded queries attend position 0 (always a key); their outputs are dropped
         q = torch.cat([q, q.new_zeros(b, heads, rows - n, dim)], dim=2)
         q_pos = torch.cat([q_pos, q_pos.new_zeros(b, rows - n)], dim=1)
@@ -263,16 +266,26 @@ def attention(
         pad = (0, 0, 0, padded - span)
         k, v = torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad)
     # every operand contiguous in one layout, whatever the caller's strides (a KV cache's, a transposed view's)
-    kc = k.contiguous().reshape(b, kv_heads, chunks, chunk, dim)
-    vc = v.contiguous().reshape(b, kv_heads, chunks, chunk, dim)
-    qg = q.contiguous().reshape(b, kv_heads, 1, group * rows, dim)  # a head group is a block of query rows
-    scores = torch.matmul(qg, kc.transpose(-1, -2)) * scale  # [B, kv_heads, chunks, group x rows, chunk]
+    qg = q.contiguous().reshape(b, kv_heads, group * rows, dim)  # a head group is a block of query rows
+    kc, vc = k.contiguous(), v.contiguous()
+    # scores on oneDNN's GEMM, one per sequence and KV head: a query's row of scores takes the same bits whatever
+    # the rows and keys beside it (MKL's batched matmul sums it in an order that depends on them on some CPUs)
+    scores = torch.stack([torch.stack([linear(qg[i, h], kc[i, h]) for h in range(kv_heads)]) for i in range(b)])
+    scores = scores.reshape(b, kv_heads, group * rows, chunks, chunk).transpose(2, 3) * scale
     after = torch.arange(padded, device=q.device)[None, None, :] > q_pos[:, :, None]  # [B, rows, padded]
     after = after.reshape(b, 1, 1, rows, chunks, chunk).expand(b, 1, group, rows, chunks, chunk)
     after = after.reshape(b, 1, group * rows, chunks, chunk).transpose(2, 3)
     scores = scores.masked_fill(after, float("-inf"))
-    weights = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
-    values = torch.matmul(weights, vc)  # per chunk: P . V, [B, kv_heads, chunks, group x rows, dim]
+    weights = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True)).contiguous()
+    vt = vc.reshape(b, kv_heads, chunks, chunk, dim).transpose(-1, -2).contiguous()  # per chunk: V^T [dim, chunk]
+    values = torch.stack(  # per chunk: P . V on the GEMM as well, [B, kv_heads, chunks, group x rows, dim]
+        [
+            torch.stack(
+                [torch.stack([linear(weights[i, h, c], vt[i, h, c]) for c in range(chunks)]) for h in range(kv_heads)]
+            )
+            for i in range(b)
+        ]
+    )
     sums = weights.sum(dim=-1, keepdim=True)  # per chunk: the weights' sum (each row reduced alone)
     acc, total = values[:, :, 0], sums[:, :, 0]
     for c in range(1, chunks):  # chunk by chunk, in order: the fixed summation order

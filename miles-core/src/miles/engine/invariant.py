@@ -17,16 +17,14 @@ GEMM kinds on the machine it runs on, and the engine and the trainer refuse to s
   every thread count; a call of fewer than :data:`MIN_ROWS` rows is padded with zero rows. (MKL's sgemm, behind
   ``F.linear``, changes a row's sum order with the row count and, for some shapes, the thread count.)
 - **Attention** (:func:`attention`): the keys are cut into fixed chunks of :data:`KEY_CHUNK` positions counted
-  from position 0; scores and ``P . V`` on the GEMM above, one call per sequence and KV head (and chunk for
-  ``P . V``): a batched ``torch.matmul`` runs MKL, which on an AMD EPYC summed a query's row in an order that
-  depended on the other rows of the call (a decode step's query got other bits than in a prefill); then the
-  exact maximum over all of a
-  query's keys, ``exp``, and per chunk ``P . V`` and the sum of ``P``, accumulated over the chunks in order
-  0, 1, 2 ...; positions after the query (and a cache's
-  unused tail) weigh exactly 0, so the chunks past a query's position add exact zeros. A query's output is
-  therefore the same in a causal prefill over its whole sequence as in a decode step over its cache. A
-  lone query row (one query of a model without grouped heads) is padded (the batched matmul, like the GEMM,
-  sums a lone row in another order).
+  from position 0; scores, the exact maximum over all of a query's keys, ``exp``, and per chunk ``P . V`` and the
+  sum of ``P``, accumulated over the chunks in order 0, 1, 2 ...; positions after the query (and a cache's unused
+  tail) weigh exactly 0, so the chunks past a query's position add exact zeros. A query's output is therefore the
+  same in a causal prefill over its whole sequence as in a decode step over its cache. The scores and ``P . V``
+  run on the GEMM above, one call per sequence and KV head (and chunk for ``P . V``): a batched ``torch.matmul``
+  runs MKL, which on an AMD EPYC summed a query's row in an order that depended on the other rows of the call (a
+  decode step's query got other bits than in a prefill). A lone query row (one query of a model without grouped
+  heads) is padded (the GEMM sums a lone row in another order).
 - **RMSNorm** (:func:`rms_norm`): Hugging Face's formula; the mean of squares reduces each row alone (rows are
   padded as for the GEMM, so a lone long row is never split across threads).
 - **SiLU** (:func:`silu`): ``x / (1 + exp(-x))``. ``F.silu`` computes the tail of a tensor that does not fill
@@ -270,27 +268,27 @@ def attention(
     kc, vc = k.contiguous(), v.contiguous()
     # scores on oneDNN's GEMM, one per sequence and KV head: a query's row of scores takes the same bits whatever
     # the rows and keys beside it (MKL's batched matmul sums it in an order that depends on them on some CPUs)
-    scores = torch.stack([torch.stack([linear(qg[i, h], kc[i, h]) for h in range(kv_heads)]) for i in range(b)])
+    scores = _gemms(qg.reshape(-1, group * rows, dim), kc.reshape(-1, padded, dim))
     scores = scores.reshape(b, kv_heads, group * rows, chunks, chunk).transpose(2, 3) * scale
     after = torch.arange(padded, device=q.device)[None, None, :] > q_pos[:, :, None]  # [B, rows, padded]
     after = after.reshape(b, 1, 1, rows, chunks, chunk).expand(b, 1, group, rows, chunks, chunk)
     after = after.reshape(b, 1, group * rows, chunks, chunk).transpose(2, 3)
     scores = scores.masked_fill(after, float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True)).contiguous()
-    vt = vc.reshape(b, kv_heads, chunks, chunk, dim).transpose(-1, -2).contiguous()  # per chunk: V^T [dim, chunk]
-    values = torch.stack(  # per chunk: P . V on the GEMM as well, [B, kv_heads, chunks, group x rows, dim]
-        [
-            torch.stack(
-                [torch.stack([linear(weights[i, h, c], vt[i, h, c]) for c in range(chunks)]) for h in range(kv_heads)]
-            )
-            for i in range(b)
-        ]
-    )
+    vt = vc.reshape(b, kv_heads, chunks, chunk, dim).transpose(-1, -2)  # per chunk: V^T [dim, chunk]
+    # per chunk: P . V on the GEMM as well, [B, kv_heads, chunks, group x rows, dim]
+    values = _gemms(weights.reshape(-1, group * rows, chunk), vt.reshape(-1, dim, chunk).contiguous())
+    values = values.reshape(b, kv_heads, chunks, group * rows, dim)
     sums = weights.sum(dim=-1, keepdim=True)  # per chunk: the weights' sum (each row reduced alone)
     acc, total = values[:, :, 0], sums[:, :, 0]
     for c in range(1, chunks):  # chunk by chunk, in order: the fixed summation order
         acc, total = acc + values[:, :, c], total + sums[:, :, c]
     return (acc / total).reshape(b, heads, rows, dim)[:, :, :n]
+
+
+def _gemms(xs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``xs[i] @ weights[i].T`` for each ``i``, one :func:`linear` call each (a batched matmul is not invariant)."""
+    return torch.stack([linear(x, w) for x, w in zip(xs, weights, strict=True)])
 
 
 def engine_unsupported(

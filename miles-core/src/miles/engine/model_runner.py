@@ -29,7 +29,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles.engine.cpu_kernels import ROWS_MEASURED, saved_rows_limit
+from miles.engine.cpu_kernels import (
+    ROWS_KEEP_BYTES,
+    ROWS_MEASURED,
+    measure_rows,
+    rows_limit,
+    save_rows_limit,
+    saved_rows_limit,
+)
 from miles.engine.invariant import attention as invariant_attention
 from miles.engine.invariant import linear as invariant_linear
 from miles.engine.invariant import rms_norm as invariant_rms_norm
@@ -270,8 +277,6 @@ class ModelRunner:
         weights were packed, by the first engine on this machine (later ones read what it kept). On an AMD EPYC
         (AVX-512 BF16, no AMX) the kernel won at 2, 4 and 8 rows (decode 1.1-1.35x); on a Xeon with AMX oneDNN
         was as fast from two rows before the kernel prefetched."""
-        from miles.engine.cpu_kernels import ROWS_KEEP_BYTES, measure_rows, rows_limit, save_rows_limit
-
         weights = [(w, self._packed[key][1], b) for key, (w, b) in self._dense.items() if key in self._packed]
         self._rows_pending = False
         self._dense.clear()

@@ -5,6 +5,7 @@ URL told apart, waiting for a restart when no engine is left, errors."""
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,13 +198,16 @@ def test_an_engine_that_names_no_process_is_told_restarted_by_its_launch_weight_
         engine.stop()
 
 
-def test_unreachable_engine_fails_with_its_url() -> None:
+def test_unreachable_engine_fails_with_its_url_and_the_system_error() -> None:
+    """Nothing listens: the error names the URL and the operating system's answer (refused), which httpx's
+    own message ("All connection attempts failed") leaves out."""
     url = f"http://127.0.0.1:{free_port()}"
 
     async def run() -> None:
         async with HttpEngineClient([url], max_retries=2, backoff=0.01) as client:
-            with pytest.raises(EngineError, match=url.replace(".", r"\.")):
+            with pytest.raises(EngineError, match=url.replace(".", r"\.")) as raised:
                 await client.generate([1], SamplingParams(max_new_tokens=1))
+            assert f"[Errno {errno.ECONNREFUSED}]" in str(raised.value), raised.value
             assert await client.health() == [False]
 
     asyncio.run(run())

@@ -41,7 +41,7 @@ from miles.errors import EngineError
 from miles.rollout.client import EngineClient
 from miles.rollout.failover import EngineHealth, NoEngineLeftError
 from miles.rollout.fleet_changes import FleetChanges
-from miles.rollout.http_errors import EngineHTTPError, response_message
+from miles.rollout.http_errors import EngineHTTPError, response_message, transport_message
 from miles.rollout.protocol import (
     INSTANCE_HEADER,
     LAUNCH_WEIGHT_VERSION,
@@ -197,7 +197,7 @@ class HttpEngineClient(EngineClient):
             except httpx.TransportError as exc:
                 if last:
                     raise EngineError(
-                        f"{url}{endpoint}: {type(exc).__name__}: {exc or 'no answer'} (after {attempt + 1} attempts)"
+                        f"{url}{endpoint}: {transport_message(exc)} (after {attempt + 1} attempts)"
                     ) from exc
                 log.debug("%s%s: %s, retrying in %.2fs", url, endpoint, exc, delay)
             else:
@@ -395,7 +395,7 @@ class HttpEngineClient(EngineClient):
                     return
                 why = f"HTTP {resp.status_code}"
             except httpx.HTTPError as exc:
-                why = f"{type(exc).__name__}: {exc or 'no answer'}"
+                why = transport_message(exc)
             if time.monotonic() >= deadline:
                 from miles.node_address import node_address
 

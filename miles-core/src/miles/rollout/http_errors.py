@@ -6,7 +6,7 @@ import httpx
 
 from miles.errors import EngineError
 
-__all__ = ["EngineHTTPError", "response_message"]
+__all__ = ["EngineHTTPError", "response_message", "transport_message"]
 
 
 class EngineHTTPError(EngineError):
@@ -33,3 +33,19 @@ def response_message(resp: httpx.Response) -> str:
         if "detail" in body:
             return str(body["detail"])
     return str(body)[:500]
+
+
+def transport_message(exc: BaseException) -> str:
+    """``Type: message`` of a request that got no answer, with the operating system's error beneath it where
+    httpx's message hides it: ``ConnectError: All connection attempts failed ([Errno 111] Connect call failed
+    ('127.0.0.1', 30000))`` -- refused (nothing listens), unreachable, too many open files... tell different
+    stories."""
+    text = f"{type(exc).__name__}: {exc or 'no answer'}"
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return text if str(cause) in text else f"{text} ({cause})"
+        cause = cause.__cause__ or cause.__context__
+    return text

@@ -140,6 +140,8 @@ def wait_for_router(
     """
     import httpx
 
+    from miles.rollout.http_errors import transport_message
+
     deadline = time.monotonic() + timeout
     last = "no answer"
     with httpx.Client(timeout=5.0, trust_env=False, headers=headers or {}) as client:
@@ -154,7 +156,7 @@ def wait_for_router(
                     break
                 last = f"HTTP {ready.status_code}: {body}"
             except (httpx.TransportError, ValueError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
+                last = transport_message(exc)
             if time.monotonic() >= deadline:
                 raise LaunchError(
                     f"the router at {url} did not report {len(worker_urls)} healthy engines within {timeout:g} s "

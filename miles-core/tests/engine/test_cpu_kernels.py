@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -193,6 +194,10 @@ def test_bf16_linear_rows_match_the_float32_product_rounded_once(n: int, k: int)
             # as close as PyTorch's own bfloat16 linear
             torch_err = (F.linear(x, w, b).double() - want).abs().max()
             assert (got.double() - want).abs().max() <= max(torch_err, torch.tensor(1e-6, dtype=torch.float64))
+            # each row's sums in the same order whatever the rows taken with it (one or two rows read the weight
+            # rows one after the other, more read them side by side)
+            alone = torch.cat([ops.linear_rows(x[i : i + 1].contiguous(), w, b) for i in range(rows)])
+            assert torch.equal(got, alone), (rows, b is None)
 
 
 @needs_bf16_rows
@@ -210,10 +215,10 @@ def test_bf16_linear_rows_refuse_what_they_cannot_compute() -> None:
 
 
 class Counted:
-    """Miles' loaded kernels, counting the row kernel's calls."""
+    """Miles' loaded kernels, counting the row kernel's calls (four in each decode block) and the blocks."""
 
     def __init__(self, ops: object) -> None:
-        self.ops, self.calls = ops, 0
+        self.ops, self.calls, self.blocks = ops, 0, 0
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.ops, name)
@@ -221,6 +226,12 @@ class Counted:
     def linear_rows(self, *args: object) -> torch.Tensor:
         self.calls += 1
         out: torch.Tensor = self.ops.linear_rows(*args)
+        return out
+
+    def decode_block(self, *args: object) -> torch.Tensor:
+        self.calls += 4  # q/k/v, o, gate/up, down
+        self.blocks += 1
+        out: torch.Tensor = self.ops.decode_block(*args)
         return out
 
 
@@ -314,3 +325,66 @@ def test_the_row_kernel_takes_the_rows_up_to_where_it_first_loses() -> None:
     assert cpu_kernels.rows_limit({2: (1.0, 2.0), 4: (1.6, 1.5), 8: (1.0, 1.2)}) == 2  # counting up: stops at 4
     assert cpu_kernels.rows_limit({2: (2.1, 2.0), 4: (1.0, 1.5), 8: (1.0, 1.2)}) == 1
     assert cpu_kernels.rows_limit({4: (1.0, 1.0), 2: (1.0, 1.0)}) == 4  # a tie goes to the kernel
+
+
+def decode_steps(runner: Any, steps: int = 5) -> tuple[torch.Tensor, ...]:
+    """Three requests of different lengths prefilled, then ``steps`` greedy decode steps of the three and one
+    step of the second alone: the logits of each, and the KV caches."""
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24, 25]]
+    runner.prefill(0, [p[:-1] for p in prompts], [0, 0, 0], [False] * 3)
+    tokens, positions, logits = [p[-1] for p in prompts], [len(p) - 1 for p in prompts], []
+    for _ in range(steps):
+        step, _ = runner.decode(tokens, positions)
+        logits.append(step)
+        tokens, positions = step.argmax(-1).tolist(), [p + 1 for p in positions]
+    alone, _ = runner.decode([tokens[1]], [positions[1]], first_slot=1)
+    return torch.stack(logits), alone, runner.k.clone(), runner.v.clone()
+
+
+@needs_bf16_rows
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_bf16_decode_blocks_give_the_bits_of_the_layer_by_layer_step(engine_models: dict[str, Path], arch: str) -> None:
+    """A bfloat16 decode step on the row kernel runs each plain layer in one kernel call (``decode_block``): the
+    same logits and KV caches, bit for bit, as the step run op by op (Qwen2's q/k/v biases; Llama), at three
+    requests of different lengths and at one in another slot. Layers it does not run: Qwen3's per-head norms, an
+    MoE MLP; nor rows with a LoRA adapter."""
+    from miles.engine.model_runner import ModelRunner
+
+    runs = {}
+    for blocks in (True, False):
+        runner = ModelRunner(engine_models[arch], dtype="bfloat16")
+        assert runner._blocks
+        runner._blocks, runner._rows_max, runner._rows_pending = blocks, 8, False
+        counted = Counted(runner._ops)
+        runner._ops = counted
+        runs[blocks] = decode_steps(runner)
+        assert counted.blocks == (6 * len(runner.layers) if blocks else 0)
+        assert counted.calls == 6 * (4 * len(runner.layers) + 1)  # every linear of every step on the row kernel
+    for with_blocks, layer_by_layer in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(with_blocks, layer_by_layer)
+
+    for other in ("qwen3_moe", "qwen2_moe"):
+        assert not ModelRunner(engine_models[other], dtype="bfloat16")._blocks
+
+    runner = ModelRunner(engine_models[arch], dtype="bfloat16")
+    runner._rows_max, runner._rows_pending = 8, False
+    layer = runner.layers[0].self_attn.q_proj.weight
+    g = torch.Generator().manual_seed(0)
+    runner.lora.load_tensors(
+        "a",
+        {
+            "model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, layer.shape[1], generator=g),
+            "model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(layer.shape[0], 2, generator=g),
+        },
+        {"r": 2, "lora_alpha": 4},
+        source="test",
+    )
+    counted = Counted(runner._ops)
+    runner._ops = counted
+    runner.prefill(0, [[3, 4, 5], [8, 9, 10]], [0, 0], [False, False])
+    runner.lora.set_rows(["a", None])
+    runner.decode([7, 11], [3, 3])
+    assert counted.blocks == 0  # the adapter's row: layer by layer
+    runner.lora.set_rows([None, None])
+    runner.decode([7, 11], [4, 4])
+    assert counted.blocks == len(runner.layers)

@@ -70,7 +70,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("bindings.cpp", "decode_attention.cpp", "elementwise.cpp", "linear_rows.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in ("bindings.cpp", "decode_attention.cpp", "decode_block.cpp", "elementwise.cpp", "linear_rows.cpp")
+]
 MAX_GROUP = 16
 """Most query heads per KV head (``kMaxGroup`` in the source)."""
 MAX_HEAD_DIM = 256

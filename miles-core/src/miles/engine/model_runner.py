@@ -57,6 +57,8 @@ _RMS_NORMS = tuple(
     f"{m}RMSNorm" for m in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Qwen2VL", "Qwen2_5_VL")
 )
 """HF norm classes that compute ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (the fused kernel's formula)."""
+_SILUS = ("SiLU", "SiLUActivation")
+"""Activation modules whose forward is ``F.silu`` (torch's, and HF's ``ACT2FN["silu"]``)."""
 """``sdpa``: PyTorch ops only; ``miles_cpu``: decode attention, RMSNorm and rotary on Miles' CPU kernels
 (:mod:`miles.engine.cpu_kernels`); ``auto``: the kernels on CPU where they build. Prefill attention always
 runs SDPA."""
@@ -151,6 +153,9 @@ class ModelRunner:
         """bfloat16 linears of up to this many rows (decode at small batch) on the kernel that streams each weight
         once: one row, then up to what :meth:`_choose_rows` measured on this machine."""
         self._rows_pending = rows and saved is None
+        self._blocks = rows and all(self._plain_block(i) for i in range(len(self.layers)))
+        """Decode steps of up to ``_rows_max`` rows run each layer in one kernel call (``decode_block``, the same
+        kernels and rounding as :meth:`_layers`' steps): every layer a plain dense one, fused, without LoRA."""
         self._dense: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         """The dense weight (and bias) of each packed one, kept until :meth:`_choose_rows` has timed both."""
         # KV buffers, allocated and grown on demand
@@ -177,6 +182,23 @@ class ModelRunner:
         if reason is not None:
             log.warning("deterministic inference without the batch-invariant ops: %s", reason)
         return reason is None
+
+    def _plain_block(self, i: int) -> bool:
+        """Whether layer ``i`` is one ``decode_block`` runs as :meth:`_layers` does: RMSNorms, fused q/k/v and
+        gate/up projections (contiguous), plain o / down projections, SiLU, no per-head q / k norm."""
+        layer = self.layers[i]
+        attn, mlp = layer.self_attn, layer.mlp
+        fused, gate_up = self._fused_qkv[i], self._fused_mlp[i]
+        return (
+            fused is not None
+            and gate_up is not None
+            and not hasattr(attn, "q_norm")
+            and all(type(n).__name__ in _RMS_NORMS for n in (layer.input_layernorm, layer.post_attention_layernorm))
+            and plain_linear(attn.o_proj)
+            and plain_linear(mlp.down_proj)
+            and type(mlp.act_fn).__name__ in _SILUS
+            and all(w.is_contiguous() for w in (fused[0], gate_up, attn.o_proj.weight, mlp.down_proj.weight))
+        )
 
     @property
     def is_moe(self) -> bool:
@@ -403,15 +425,19 @@ class ModelRunner:
         x: torch.Tensor,
         positions: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        step: tuple[int, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         """Run the decoder on ``x`` ``[B, T, hidden]`` (a fresh tensor: the residual stream is updated in
-        place); ``attend(layer, q, k, v)`` stores k/v and attends."""
+        place); ``attend(layer, q, k, v)`` stores k/v and attends. ``step``: a decode step on the attention
+        kernel (first slot, positions, span), which runs each layer in one kernel call where it can."""
         base = self.text_model
         cos, sin = base.rotary_emb(x, positions)
         b, t = x.shape[:2]
         if self._rows_pending and 1 < b * t <= ROWS_MEASURED[-1] and self._dense:
             self._choose_rows()
         delta: torch.Tensor | None = None  # the last block's output, added to the residual by the next norm
+        if step is not None and self._blocks and b * t <= self._rows_max and not self.lora.active:
+            return self._decode_blocks(x, cos, sin, *step)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x, h = self._norm(layer.input_layernorm, x, delta)
@@ -467,6 +493,24 @@ class ModelRunner:
                 )
                 delta = self._with_lora(down_out, i, ("down_proj",), act)
         return self._norm(base.norm, x, delta)[1]
+
+    def _decode_blocks(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first_slot: int, pos: torch.Tensor, span: int
+    ) -> torch.Tensor:
+        """:meth:`_layers` for a decode step of plain layers on the row kernel: each layer one ``decode_block``
+        call (the same kernels and ATen ops in the same order: the same bits), then the final norm."""
+        delta: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            fused = self._fused_qkv[i]
+            assert fused is not None  # (every layer's, where _blocks)
+            delta = self._ops.decode_block(
+                x, delta, norm1.weight, norm1.variance_epsilon, fused[0], fused[1], cos, sin, self.num_heads,
+                self.num_kv_heads, self.k, self.v, i, first_slot, pos, span, self.scaling, attn.o_proj.weight,
+                attn.o_proj.bias, norm2.weight, norm2.variance_epsilon, self._fused_mlp[i], mlp.down_proj.weight,
+                mlp.down_proj.bias,
+            )  # fmt: skip
+        return self._norm(self.text_model.norm, x, delta)[1]
 
     @torch.inference_mode()
     def prefill(
@@ -579,7 +623,7 @@ class ModelRunner:
 
         x = self.text_model.embed_tokens(ids)
         rotary = pos if not rope_deltas or not any(rope_deltas) else pos + torch.tensor(rope_deltas, device=self.device)
-        hidden = self._layers(x, rotary[:, None], attend)
+        hidden = self._layers(x, rotary[:, None], attend, (first_slot, pos, longest) if kernel else None)
         logits = self._lm_head(hidden[:, 0])
         return logits, self.routers.take()
 

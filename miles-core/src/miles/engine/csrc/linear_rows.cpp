@@ -4,11 +4,14 @@
 // Each thread streams its own block of weight rows once, 32 bfloat16 at a time, and multiplies them with every
 // input row by AVX-512 BF16 dot products (VDPBF16PS: products of bfloat16 pairs summed in float32), so the
 // weight is read once whatever the number of rows; 16 / rows weight rows go together, so that 16 float32 sums are
-// reduced at once (sum16), and the next group's rows are prefetched as this group's are read. Each sum (plus the
-// bias) is rounded to bfloat16 once. Built where the compiler targets AVX-512 BF16 (-march=native on such a CPU);
-// elsewhere linear_rows_available() is false and the engine keeps oneDNN. On the development machine (Xeon, AMX)
-// it read weights at 18-21 GB/s at one row, where oneDNN's prepacked GEMM reaches 12-16; on an AMD EPYC (no AMX)
-// 24 GB/s at two rows against oneDNN's 13 (without the prefetch, two streams of rows at 8 rows read 9-10 GB/s).
+// reduced at once (sum16). Each sum (plus the bias) is rounded to bfloat16 once, and every sum is taken in the
+// same order whatever the number of rows. At one or two rows the weight rows are read one after the other (one
+// stream, a line 4 KB ahead prefetched); from three, side by side with the next group's rows prefetched. Built
+// where the compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere linear_rows_available() is
+// false and the engine keeps oneDNN. On the development machine (Xeon, AMX) it read weights at 18-21 GB/s at one
+// row, where oneDNN's prepacked GEMM reaches 12-16; on an AMD EPYC (no AMX) 24 GB/s at two rows against oneDNN's
+// 13 (without the prefetch, two streams of rows at 8 rows read 9-10 GB/s), and at one row SmolLM2's weights at
+// 24.7 GB/s read one row after the other against 21.6 side by side (30-31 GB/s over one 276 MB matrix).
 // The engine calls it at one row, and up to the rows where it measured it as fast (cpu_kernels.measure_rows).
 
 #include "common.h"
@@ -24,6 +27,7 @@
 namespace {
 
 constexpr int64_t kMaxRows = 8;
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its reads a row stream asks for a line
 
 #if defined(__AVX512BF16__)
 // The 16 horizontal sums of a[0..15], as one vector: out[i] = sum of a[i]'s 16 floats (a transpose-and-add tree).
@@ -52,20 +56,38 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias
     const int rows = static_cast<int>(std::min<int64_t>(R, n1 - n));
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-      const __mmask32 mask = k < full ? static_cast<__mmask32>(0xFFFFFFFFu) : tail;
-      __m512bh xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
-      // the next group's weight rows, a cache line per row as this group reads one: the hardware prefetchers
-      // fall behind R interleaved streams
-      if (n + R < N) {
-        const char* next = reinterpret_cast<const char*>(w + (n + R) * K) + (k / 32) * R * 64;
-        for (int r = 0; r < R; ++r) _mm_prefetch(next + r * 64, _MM_HINT_T0);
+    if constexpr (M <= 2) {
+      // one weight row after the other: a single stream through memory, which the hardware prefetchers follow
+      // best, with the line 4 KB ahead asked for too (at one row on an AMD EPYC 25-31 GB/s, where R rows read side
+      // by side, 16 streams, read 22-24; at 4 and 8 rows reading each input row once per weight row costs more)
+      for (int r = 0; r < rows; ++r) {
+        const uint16_t* wr = w + (n + r) * K;
+        __m512 a[M];
+        for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+          const __mmask32 mask = k < full ? static_cast<__mmask32>(0xFFFFFFFFu) : tail;
+          _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, _MM_HINT_T0);
+          const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
+          for (int m = 0; m < M; ++m)
+            a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
+        }
+        for (int m = 0; m < M; ++m) acc[r * M + m] = a[m];
       }
-      for (int r = 0; r < R; ++r) {
-        if (r < rows) {
-          const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n + r) * K + k);
-          for (int m = 0; m < M; ++m) acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], xv[m], wv);
+    } else {
+      // the R rows side by side, each input row loaded once for all of them; the next group's rows prefetched
+      for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = k < full ? static_cast<__mmask32>(0xFFFFFFFFu) : tail;
+        __m512bh xv[M];
+        for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+        if (n + R < N) {
+          const char* next = reinterpret_cast<const char*>(w + (n + R) * K) + (k / 32) * R * 64;
+          for (int r = 0; r < R; ++r) _mm_prefetch(next + r * 64, _MM_HINT_T0);
+        }
+        for (int r = 0; r < R; ++r) {  // (R, known when compiled: the accumulators stay in registers)
+          if (r < rows) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n + r) * K + k);
+            for (int m = 0; m < M; ++m) acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], xv[m], wv);
+          }
         }
       }
     }

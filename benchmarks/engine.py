@@ -59,20 +59,25 @@ def matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 20) -> flo
     return 2 * n**3 / best / 1e9
 
 
-def read_gbps(megabytes: int = 512, repeats: int = 10) -> float:
+def read_gbps(megabytes: int = 512, repeats: int = 10, allocations: int = 4) -> float:
     """This host's read bandwidth with the benchmark's threads: GB (1e9 bytes) per second of a sum over a large
-    float32 tensor (every byte read once, next to no compute), the best of ``repeats`` (a limit, so the run
-    other load disturbs least). Decode at small batch reads every weight once per step: this bounds it."""
+    float32 tensor (every byte read once, next to no compute), the best of ``repeats`` sums over each of
+    ``allocations`` fresh tensors (a limit, so the run other load disturbs least). Where a tensor's memory lands
+    matters on a virtual machine: on the 2-core AMD EPYC hosts of this project the same sum read 29-33 GB/s over
+    one allocation and 43-62 over another (no transparent huge pages on either side of the guest's view), so one
+    allocation could give half the bound. Decode at small batch reads every weight once per step: this bounds it."""
     import torch
 
-    src = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
     best = float("inf")
-    for i in range(repeats + 2):
-        t0 = time.perf_counter()
-        src.sum()
-        if i >= 2:
-            best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best / 1e9
+    for _ in range(allocations):
+        src = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            src.sum()
+            if i >= 2:
+                best = min(best, time.perf_counter() - t0)
+        del src
+    return megabytes * (1 << 20) / best / 1e9
 
 
 def bytes_per_step(config: Any, n_linear: int, dtype: str, batch: int, context: float) -> float:
@@ -311,7 +316,7 @@ def main() -> None:
     print(
         "1024x1024 matmul peaks (best of 20 runs of `torch.mm` and of oneDNN's packed GEMM, same run): "
         + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items())
-        + f"; read bandwidth {bandwidth:.1f} GB/s (best of a sum over 512 MB, before and after). The bandwidth "
+        + f"; read bandwidth {bandwidth:.1f} GB/s (best of sums over 4 fresh 512 MB tensors, before and after). The bandwidth "
         "bound: batch x bandwidth / (the matmul weights + the batch's KV cache at the mean context), the rate "
         "if every decode step only read its bytes once (a bound at small batch, where decode is memory-bound)"
     )

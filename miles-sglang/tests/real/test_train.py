@@ -12,7 +12,8 @@ refusals of ``in_place`` pauses and of an MoE model start no server. Then:
   SIGKILLed after step 1 and restarted by the launcher: told by its launch weight version, pushed the current
   weights, verified;
 - two engines behind smg, fully async with ``abort`` pauses, ``disk`` commits overlapped with training: each
-  group's samples on one engine, from SGLang's own counters (``/metrics``) and cached-token counts;
+  group's samples on one engine (unless smg moved its key, by its own counters), from SGLang's counters
+  (``/metrics``) and cached-token counts;
 - LoRA adapters pushed with miles-lora's ``lora`` transport (``/load_lora_adapter``).
 
 With ``MILES_SGLANG_ALL_RUNS=1`` (``tox -e sglang-real`` passes it on) also:
@@ -378,6 +379,8 @@ class MetricsWatch:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.last: dict[str, dict[str, float]] = {}
+        self.router: dict[str, float] = {}
+        """The router's (smg's) manual-policy decisions by branch (``smg_manual_policy_branch_total``), last read."""
         self._stop = False
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -391,7 +394,24 @@ class MetricsWatch:
                 except httpx.HTTPError:
                     continue
                 self.last[url] = self.parse(text)
+            self._watch_router()
             time.sleep(0.5)
+
+    def _watch_router(self) -> None:
+        """smg's Prometheus counters, on the port its command line names (the first line of its log)."""
+        try:
+            head = (self.run_dir / "logs" / "router.log").read_text(errors="replace").split("\n", 1)[0]
+            port = head.split("--prometheus-port ", 1)[1].split(" ", 1)[0]
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, trust_env=False).text
+        except (OSError, IndexError, httpx.HTTPError):
+            return
+        branches: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("smg_manual_policy_branch_total{"):
+                branch = line.split('branch="', 1)[1].split('"', 1)[0]
+                branches[branch] = branches.get(branch, 0.0) + float(line.rsplit(" ", 1)[1])
+        if branches:
+            self.router = branches
 
     @classmethod
     def parse(cls, text: str) -> dict[str, float]:
@@ -487,7 +507,8 @@ def test_two_engines_behind_smg_fully_async_with_abort_pauses(tmp_path: Path, ti
     async with ``abort`` pauses and ``disk`` pushes committed while the next step trains. From SGLang's own
     counters (``/metrics``): both engines served, their requests add up to at least the samples trained, every
     push aborted what was in flight (``num_aborted_requests_total``; Miles sent those samples again). From the
-    dumps (SGLang's ``cached_tokens``, smg's choice of engine): each group's samples on one engine, and there the
+    dumps (SGLang's ``cached_tokens``, smg's choice of engine): each group's samples on one engine (but for a key
+    smg moved off an engine it counted unhealthy, as its counters say), and there the
     samples after a group's first reuse its prompt from the prefix cache. Every commit verified (rows)."""
     run_dir = tmp_path / "run"
     extra = engine_table(max_running_requests=2, extra_args=["--enable-metrics"])
@@ -504,6 +525,7 @@ def test_two_engines_behind_smg_fully_async_with_abort_pauses(tmp_path: Path, ti
     returncode, output = finish(proc)
     counters = watch.stop()
     assert returncode == 0, logs(run_dir) + "\n--- the run's output:\n" + output[-3000:]
+    print(f"smg's manual policy: {watch.router}")
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     check_verified(rows[1:])  # (each step logs the commit it waited for: the first, none)
@@ -519,12 +541,19 @@ def test_two_engines_behind_smg_fully_async_with_abort_pauses(tmp_path: Path, ti
     for step in (1, 2, 3):
         for s in samples(run_dir, step):
             groups.setdefault((step, s["group_id"]), []).append(s)
+    # affinity: smg pins each key to its first engine and moves it only while that engine counts as unhealthy (its
+    # health checks, or its circuit breaker after failed requests: on busy cores, once in a full suite's run, a group
+    # was split so); every split group needs such a move, which smg counts (its ``occupied_miss`` branch)
+    assert watch.router.get("occupied_hit", 0) >= 1, watch.router  # (the pinned keys were used)
+    split = [members for members in groups.values() if len({s["metadata"]["engine_url"] for s in members}) > 1]
+    moved = watch.router.get("occupied_miss", 0)
+    assert len(split) <= moved, (watch.router, [[s["metadata"]["engine_url"] for s in m] for m in split])
+    assert len(split) <= len(groups) // 4, (len(split), len(groups))
     hits = 0
     for members in groups.values():
-        assert len({s["metadata"]["engine_url"] for s in members}) == 1, members  # affinity
         hits += sum(s["metadata"]["cached_tokens"] >= s["metadata"]["prompt_tokens"] - 1 for s in members)
     # a push flushes an engine's cache, so a group straddling one computes its prompt again: how many do depends
-    # on the machine's load (23 of 48 hits in a run beside another test suite; affinity is asserted just above)
+    # on the machine's load (23 of 48 hits in a run beside another test suite; affinity is checked just above)
     assert hits >= len(trained) // 4, (hits, len(trained))
     cached = sum(c["sglang:cached_tokens_total"] for c in counters.values())
     assert cached >= sum(s["metadata"]["cached_tokens"] for s in trained) > 0

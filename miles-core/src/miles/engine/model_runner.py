@@ -57,11 +57,11 @@ _RMS_NORMS = tuple(
     f"{m}RMSNorm" for m in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Qwen2VL", "Qwen2_5_VL")
 )
 """HF norm classes that compute ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (the fused kernel's formula)."""
-_SILUS = ("SiLU", "SiLUActivation")
-"""Activation modules whose forward is ``F.silu`` (torch's, and HF's ``ACT2FN["silu"]``)."""
 """``sdpa``: PyTorch ops only; ``miles_cpu``: decode attention, RMSNorm and rotary on Miles' CPU kernels
 (:mod:`miles.engine.cpu_kernels`); ``auto``: the kernels on CPU where they build. Prefill attention always
 runs SDPA."""
+_SILUS = ("SiLU", "SiLUActivation")
+"""Activation modules whose forward is ``F.silu`` (torch's, and HF's ``ACT2FN["silu"]``)."""
 
 
 class ModelRunner:

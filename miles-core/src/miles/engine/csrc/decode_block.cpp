@@ -16,13 +16,6 @@
 
 #include "common.h"
 
-at::Tensor decode_scores(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_new, at::Tensor v_new,
-                         at::Tensor pos, int64_t span, double scale);
-at::Tensor decode_values(at::Tensor probs, at::Tensor v_cache, at::Tensor pos);
-at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps);
-at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
-at::Tensor linear_rows(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
-
 namespace {
 
 // linear_rows over the rows of x [B, T, K]: [B, T, N] (ModelRunner._linear's reshape and view).

@@ -99,6 +99,26 @@ time.sleep(120)
 
 SLEEP = "import time\ntime.sleep(120)\n"
 
+EXIT_ON_RANK_0 = """
+import os, sys, time
+if os.environ["RANK"] == "0":
+    sys.exit(3)
+time.sleep(120)
+"""
+
+KILLED_IN_A_COLLECTIVE = """
+import os, signal
+import torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    print("rank 1: killed in step 3", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.all_reduce(torch.ones(4))  # rank 0: "Connection closed by peer"
+"""
+
 
 def launcher(tmp_path: Path, **options: object) -> LocalLauncher:
     return LocalLauncher(LocalLauncherSettings(poll_interval=0.05, **options), run_dir=str(tmp_path / "run"))
@@ -243,6 +263,51 @@ def test_failed_rank_terminates_everything_and_is_named(tmp_path: Path, script: 
         "trainer-2": -signal.SIGTERM,
     }
     assert all(gone(p.pid) for p in lau.processes)
+
+
+def test_the_rank_killed_is_named_not_its_peer_whose_collective_failed_with_it(tmp_path: Path, script: Script) -> None:
+    # both ranks are dead when the launcher first looks (Ray, too, may report a killed actor after its peer's exit)
+    lau = launcher(tmp_path)
+    lau.start_trainers(trainer_specs(script("killed", KILLED_IN_A_COLLECTIVE), 2, env=CHILD_ENV))
+    for trainer in lau.trainers:
+        trainer.popen.wait(timeout=240)
+    with pytest.raises(LaunchError) as info:
+        lau.wait_trainers(timeout=120)
+    said = str(info.value)
+    assert said.startswith(
+        "trainer rank 1 (trainer-1) failed: killed by SIGKILL; after it, trainer rank 0 (trainer-0): exit code 1;"
+    ), said
+    assert "killed in step 3" in said  # its log's tail, not its peer's
+    assert (info.value.process, info.value.returncode) == ("trainer-1", -signal.SIGKILL)
+    assert all(gone(p.pid) for p in lau.processes)
+
+
+def test_a_rank_killed_soon_after_its_peers_exit_is_named(tmp_path: Path, script: Script) -> None:
+    # rank 0's error exit is seen first; rank 1 is killed within failure_grace: the signal is named the cause
+    lau = launcher(tmp_path, failure_grace=60.0)
+    lau.start_trainers(trainer_specs(script("exit_then_killed", EXIT_ON_RANK_0), 2, env=CHILD_ENV))
+    rank0, rank1 = lau.trainers
+    rank0.popen.wait(timeout=60)
+    killer = threading.Timer(1.0, os.kill, (rank1.pid, signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        lau.wait_trainers(timeout=120)
+    killer.join()
+    said = str(info.value)
+    assert said.startswith(
+        "trainer rank 1 (trainer-1) failed: killed by SIGKILL; after it, trainer rank 0 (trainer-0): exit code 3;"
+    ), said
+    assert time.monotonic() - started < 30  # the signal ended the wait, not the grace
+
+
+def test_without_a_killed_rank_the_first_failure_is_named_after_the_grace(tmp_path: Path, script: Script) -> None:
+    lau = launcher(tmp_path, failure_grace=0.5)
+    lau.start_trainers(trainer_specs(script("exit_then_killed", EXIT_ON_RANK_0), 2, env=CHILD_ENV))
+    with pytest.raises(LaunchError, match=r"^trainer rank 0 \(trainer-0\) failed: exit code 3; all other") as info:
+        lau.wait_trainers(timeout=120)
+    assert (info.value.process, info.value.returncode) == ("trainer-0", 3)
+    assert lau.trainers[1].popen.returncode == -signal.SIGTERM
 
 
 def test_engine_dying_while_trainers_run_stops_the_run(tmp_path: Path, script: Script) -> None:

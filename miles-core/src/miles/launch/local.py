@@ -59,6 +59,10 @@ class LocalLauncherSettings(ComponentSettings):
     """While engines start, say every this many seconds what each is doing (its latest log line)."""
     log_tail_lines: int = Field(40, ge=1)
     """Lines of a failed process's log quoted in its error."""
+    failure_grace: float = Field(3.0, ge=0)
+    """After a trainer rank fails, seconds to wait for another rank killed by a signal, which the run's
+    error then names: a killed rank's peers fail at once in their collectives ("Connection closed by peer"),
+    and their exit may be seen first (Ray reports a dead actor later than its peers' exits)."""
     die_with_parent: bool = True
     """Linux: children get SIGKILL from the kernel if this process dies without shutting them down
     (``kill -9``, a segfault). It is tied to the thread that starts them: start them from the main thread."""
@@ -301,21 +305,44 @@ class LocalLauncher(Launcher[LocalLauncherSettings]):
                 code = engine.exit_status()
                 if code is not None and not engine.reaped:
                     self._engine_died(engine, code)
-            done = True
-            for rank, trainer in enumerate(self.trainers):
-                code = trainer.exit_status()
-                if code is None:
-                    done = False
-                elif code != 0:
-                    raise self._abort(
-                        trainer, f"trainer rank {rank} ({trainer.name}) failed: {describe_exit(code)}", code
-                    )
-            if done or condition():
+            codes = [trainer.exit_status() for trainer in self.trainers]
+            if any(code not in (None, 0) for code in codes):
+                raise self._trainers_failed(codes)
+            if all(code is not None for code in codes) or condition():
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 waiting = [t.name for t in self.trainers if t.exit_status() is None]
                 raise self._abort(None, f"{waiting_for} ({', '.join(waiting)}) after {timeout:g} s", None)
             time.sleep(self.settings.poll_interval)
+
+    def _trainers_failed(self, codes: list[int | None]) -> LaunchError:
+        """Stop the run for failed trainer ranks (``codes``: each rank's exit status as first seen), naming its
+        cause: a rank killed by a signal, seen within :attr:`~LocalLauncherSettings.failure_grace` seconds,
+        over ranks that exited with an error (its peers, whose collectives failed with it), else the first
+        failure seen (the lowest rank among those seen at once). The others are listed after it ("; after
+        it, trainer rank 0 (trainer-0): exit code 1")."""
+        failed = {rank: code for rank, code in enumerate(codes) if code is not None and code != 0}
+        running = {rank for rank, code in enumerate(codes) if code is None}
+        deadline = time.monotonic() + self.settings.failure_grace
+        while running and not any(code < 0 for code in failed.values()) and time.monotonic() < deadline:
+            time.sleep(self.settings.poll_interval)
+            for rank in sorted(running):
+                code = self.trainers[rank].exit_status()
+                if code is not None:
+                    running.discard(rank)
+                    if code != 0:
+                        failed[rank] = code  # dicts keep the order failures were seen in
+        cause = next((rank for rank, code in failed.items() if code < 0), next(iter(failed)))
+        trainer, code = self.trainers[cause], failed[cause]
+        what = f"trainer rank {cause} ({trainer.name}) failed: {describe_exit(code)}"
+        others = [
+            f"trainer rank {rank} ({self.trainers[rank].name}): {describe_exit(other)}"
+            for rank, other in failed.items()
+            if rank != cause
+        ]
+        if others:
+            what += f"; after it, {', '.join(others)}"
+        return self._abort(trainer, what, code)
 
     def _engine_died(self, engine: SupervisedProcess, code: int) -> None:
         """An engine exited while the trainers ran: restart it (same command, same URL), leave it out or stop

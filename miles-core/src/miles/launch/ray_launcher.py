@@ -489,9 +489,9 @@ class RayLauncher(LocalLauncher):
         from miles.launch.ray_owner import RayProcess
 
         if isinstance(process, RayProcess):
-            # "<what>: its Ray actor ... on node ... died (...)[; all other processes were terminated]"
-            aborted = "; all other processes were terminated"
-            head, tail = (what[: -len(aborted)], aborted) if what.endswith(aborted) else (what, "")
+            # "<what>: its Ray actor ... on node ... died (...)[; after it, ...; all other processes were terminated]"
+            head, sep, tail = what.partition("; ")
+            tail = sep + tail
             where = process.where()
             head = f"{head}: its {where} died ({process.died})" if process.died is not None else f"{head} (in {where})"
             what = head + tail

@@ -59,18 +59,26 @@ def matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 20) -> flo
     return 2 * n**3 / best / 1e9
 
 
-def read_gbps(megabytes: int = 512, repeats: int = 10, allocations: int = 4) -> float:
+def read_gbps(megabytes: int = 512, repeats: int = 10, allocations: int = 4, *, huge_pages: bool = False) -> float:
     """This host's read bandwidth with the benchmark's threads: GB (1e9 bytes) per second of a sum over a large
     float32 tensor (every byte read once, next to no compute), the best of ``repeats`` sums over each of
     ``allocations`` fresh tensors (a limit, so the run other load disturbs least). Where a tensor's memory lands
     matters on a virtual machine: on the 2-core AMD EPYC hosts of this project the same sum read 29-33 GB/s over
     one allocation and 43-62 over another (no transparent huge pages on either side of the guest's view), so one
-    allocation could give half the bound. Decode at small batch reads every weight once per step: this bounds it."""
+    allocation could give half the bound. Decode at small batch reads every weight once per step: this bounds it.
+    ``huge_pages``: the tensors on transparent huge pages (:class:`miles.engine.huge_pages.WeightArena`, as the
+    engine holds its weights), where the same host read 53-55 GB/s over each of six allocations."""
     import torch
+
+    from miles.engine.huge_pages import WeightArena
 
     best = float("inf")
     for _ in range(allocations):
-        src = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+        numel = megabytes * (1 << 20) // 4
+        if huge_pages:
+            src = WeightArena(numel * 4).take((numel,), torch.float32).fill_(1.0)
+        else:
+            src = torch.ones(numel, dtype=torch.float32)
         for i in range(repeats + 2):
             t0 = time.perf_counter()
             src.sum()
@@ -217,6 +225,49 @@ def bench_model(
     return list(rows.values())
 
 
+def bench_huge_pages(path: Path, batches: list[int], prompt_len: int, new: int, rounds: int) -> list[dict[str, Any]]:
+    """bfloat16 engines with the weights on huge pages and on ordinary pages (``huge_pages = false``), both
+    built before the first timed run and timed in turn, ``rounds`` times each (the host's load moves
+    between minutes): decoded tok/s per batch, medians."""
+    import torch
+
+    from miles.engine.launch import build_engine
+
+    g = torch.Generator().manual_seed(0)
+    states = {
+        on: build_engine(
+            path, max_cache_tokens=0, max_running_requests=max(batches), dtype="bfloat16", start=False, huge_pages=on
+        )
+        for on in (True, False)
+    }
+    placement = {on: state.scheduler.runner.huge_pages for on, state in states.items()}
+    print(f"  huge pages: {placement[True]}; without: {placement[False]}", flush=True)
+    rows = []
+    try:
+        for batch in batches:
+            vocab = states[True].scheduler.runner.vocab_size
+            prompts = torch.randint(10, vocab - 10, (batch, prompt_len), generator=g).tolist()
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for state in states.values():
+                run_engine(state, prompts, 4)  # warm-up
+            for r in range(rounds):
+                for on in (True, False) if r % 2 == 0 else (False, True):
+                    times[on].append(run_engine(states[on], prompts, new)[0])
+            row = {"batch": batch, "placement": placement}
+            for on, label in ((True, "huge"), (False, "plain")):
+                row[f"{label}_tok_s"] = batch * new / statistics.median(times[on])
+                row[f"{label}_runs"] = [batch * new / t for t in times[on]]
+            print(
+                f"  batch {batch}: huge pages {row['huge_tok_s']:.1f} tok/s, ordinary pages {row['plain_tok_s']:.1f}",
+                flush=True,
+            )
+            rows.append(row)
+    finally:
+        for state in states.values():
+            state.scheduler.stop()
+    return rows
+
+
 def grpo_hit_rate(
     path: Path, groups: int = 64, samples: int = 8, prompt_len: int = 48, new: int = 8
 ) -> dict[str, float]:
@@ -252,6 +303,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="compute dtypes (HF and engine alike)")
+    parser.add_argument(
+        "--huge-pages-rounds",
+        type=int,
+        default=0,
+        help="instead of the table against HF: SmolLM2 in bfloat16 with its weights on huge pages and on ordinary "
+        "pages, timed in turn this many times at each of --batches",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
@@ -261,9 +319,12 @@ def main() -> None:
     from miles.testing.models import build_tiny_model, smollm2_checkpoint
 
     batches = [int(b) for b in args.batches.split(",")]
+    if args.huge_pages_rounds:
+        huge_pages_table(args, batches)
+        return
     dtypes = args.dtypes.split(",")
     peaks = {d: matmul_peak(d) for d in dtypes}
-    bandwidth = read_gbps()
+    bandwidth = max(read_gbps(), read_gbps(huge_pages=True))  # the engine's weights lie on huge pages
     print(f"read bandwidth: {bandwidth:.1f} GB/s", flush=True)
     print("matmul peaks: " + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items()), flush=True)
     rows: list[dict[str, Any]] = []
@@ -276,7 +337,7 @@ def main() -> None:
         hits = grpo_hit_rate(tiny)
     for d in dtypes:  # measured again after the run; the best of both is the peak
         peaks[d] = max(peaks[d], matmul_peak(d))
-    bandwidth = max(bandwidth, read_gbps())
+    bandwidth = max(bandwidth, read_gbps(), read_gbps(huge_pages=True))
     base = dtypes[0]
     print()
     print(
@@ -316,7 +377,7 @@ def main() -> None:
     print(
         "1024x1024 matmul peaks (best of 20 runs of `torch.mm` and of oneDNN's packed GEMM, same run): "
         + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in peaks.items())
-        + f"; read bandwidth {bandwidth:.1f} GB/s (best of sums over 4 fresh 512 MB tensors, before and after). The bandwidth "
+        + f"; read bandwidth {bandwidth:.1f} GB/s (best of sums over 4 fresh 512 MB tensors on ordinary and on huge pages, before and after). The bandwidth "
         "bound: batch x bandwidth / (the matmul weights + the batch's KV cache at the mean context), the rate "
         "if every decode step only read its bytes once (a bound at small batch, where decode is memory-bound)"
     )
@@ -326,6 +387,59 @@ def main() -> None:
         f"{hits['hit_rate']:.1%} of cacheable prompt tokens (ideal {hits['ideal']:.1%}); "
         f"{hits['full_hits']} of {hits['expected_full_hits']} non-first samples hit their whole prompt."
     )
+
+
+def huge_pages_table(args: argparse.Namespace, batches: list[int]) -> None:
+    """``--huge-pages-rounds``: the bandwidth of both kinds of pages (before and after), the engines in turn,
+    and each side's tok/s against the bound (the faster kind's bandwidth over a step's bytes)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.common import machine_line
+    from miles.testing.models import smollm2_checkpoint
+
+    path = smollm2_checkpoint()
+    bandwidth = {on: read_gbps(huge_pages=on) for on in (True, False)}
+    print(
+        "read bandwidth: "
+        + ", ".join(f"{'huge' if on else 'ordinary'} pages {b:.1f} GB/s" for on, b in bandwidth.items()),
+        flush=True,
+    )
+    rows = bench_huge_pages(path, batches, args.prompt_len, args.new_tokens, args.huge_pages_rounds)
+    for on in (True, False):
+        bandwidth[on] = max(bandwidth[on], read_gbps(huge_pages=on))
+    config = AutoConfig.from_pretrained(path)
+    n_linear = linear_params(AutoModelForCausalLM.from_pretrained(path))
+    limit = max(bandwidth.values())
+    print()
+    print(
+        f"Machine: {machine_line()}, torch {torch.__version__}, {args.threads} thread(s); SmolLM2-135M bfloat16, "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (fixed), greedy; medians of "
+        f"{args.huge_pages_rounds} runs per side, taken in turn; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"read bandwidth (best of sums over 4 fresh 512 MB tensors, before and after): huge pages "
+        f"{bandwidth[True]:.1f} GB/s, ordinary pages {bandwidth[False]:.1f} GB/s; weights: {rows[0]['placement'][True]}"
+    )
+    print()
+    print(
+        "| batch | huge pages tok/s | ordinary pages tok/s | huge / ordinary | bound tok/s | huge of the bound | ordinary of the bound |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        bound = (
+            r["batch"]
+            * limit
+            * 1e9
+            / bytes_per_step(config, n_linear, "bfloat16", r["batch"], args.prompt_len + args.new_tokens / 2)
+        )
+        print(
+            f"| {r['batch']} | {r['huge_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['huge_tok_s'] / r['plain_tok_s']:.2f}x |"
+            f" {bound:.0f} | {r['huge_tok_s'] / bound:.0%} | {r['plain_tok_s'] / bound:.0%} |"
+        )
+    print()
+    for r in rows:
+        print(
+            f"batch {r['batch']} runs (tok/s): huge pages {[round(x, 1) for x in r['huge_runs']]}, ordinary {[round(x, 1) for x in r['plain_runs']]}"
+        )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def start_engine(opts: ServeOptions, *, start: bool = True) -> Any:
         attention_backend=opts.attention_backend,
         quantization=opts.quantization,
         invariant=opts.enable_deterministic_inference,
+        huge_pages=opts.huge_pages,
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
     images = None

@@ -16,7 +16,8 @@ float32 ``F.linear`` runs MKL's sgemm, which on AMD CPUs reaches well under half
 2-4x slower on the development machine, at decode and at prefill sizes); the packed GEMM equals it to
 float32 rounding, not bit for bit. A packed weight is rebuilt whenever one of its parameters changes
 (weight updates bump the parameters' version counters); the packed copies double the dense weights'
-memory (:meth:`drop_packed` frees them).
+memory (:meth:`drop_packed` frees them). On a CPU the projections and the embedding lie in one block on
+transparent huge pages, in the order a decode step reads them (:mod:`miles.engine.huge_pages`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         quantization: str | None = None,
         invariant: bool = False,
+        huge_pages: bool = True,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -134,7 +136,9 @@ class ModelRunner:
         self._dequantized_qkv: list[tuple[Any, ...] | None] = []
         """Per layer: q/k/v as quantized projections that dequantize (one prepacked matmul for the three)."""
         self._dequantized_gate_up: list[tuple[Any, ...] | None] = []
-        self._fuse_projections()
+        self.huge_pages = "off (huge_pages = false)"
+        """Where the projections and the embedding lie: how much of them on huge pages, or why not there."""
+        self._fuse_projections(huge_pages)
         from miles.engine.lora import EngineLoras
 
         self.lora = EngineLoras(self)
@@ -205,24 +209,19 @@ class ModelRunner:
         return bool(self.moe_layers)
 
     @torch.no_grad()
-    def _fuse_projections(self) -> None:
+    def _fuse_projections(self, huge_pages: bool) -> None:
         """Concatenate q/k/v (and dense gate/up) weights into one matrix per layer, and re-point the HF
         parameters at views of it: one matmul instead of three, and weight loads (which copy into the
-        parameters) update the fused matrices too."""
-
-        def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-            weight = torch.cat([lin.weight for lin in linears])
-            sizes = [lin.weight.shape[0] for lin in linears]
-            bias = None
-            if all(lin.bias is not None for lin in linears):
-                bias = torch.cat([lin.bias for lin in linears])
-            offset = 0
-            for lin, size in zip(linears, sizes, strict=True):
-                lin.weight.data = weight[offset : offset + size]
-                if bias is not None:
-                    lin.bias.data = bias[offset : offset + size]
-                offset += size
-            return weight, bias
+        parameters) update the fused matrices too. With ``huge_pages`` on a CPU where the kernel offers them,
+        the fused matrices, the other projections and the embedding (the tied head) are placed in one block on
+        transparent huge pages (:mod:`miles.engine.huge_pages`), the same values in the same layout."""
+        from miles.engine.huge_pages import (
+            SMALLEST,
+            WeightArena,
+            huge_page_bytes,
+            huge_pages_unavailable,
+            slice_bytes,
+        )
 
         def plain(*modules: Any) -> bool:  # quantized projections run their own forward, unfused; invariant: each
             return not self.invariant and all(plain_linear(m) for m in modules)  # alone, as the trainer computes
@@ -231,19 +230,76 @@ class ModelRunner:
             """``modules`` if all are quantized projections computing on dequantized, prepacked weights."""
             return modules if all(getattr(m, "pack", 0) for m in modules) else None
 
+        # per layer, in the order a decode step reads them: q/k/v (fused), o, gate/up (fused), down; a plain
+        # projection not fused with another ("o", "down") is placed in the arena as it is, or left where it is
+        rows: list[dict[str, list[torch.nn.Linear]]] = []
         for layer in self.layers:
-            attn = layer.self_attn
+            attn, mlp = layer.self_attn, layer.mlp
             qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-            self._fused_qkv.append(fuse(list(qkv)) if plain(*qkv) else None)
             self._dequantized_qkv.append(dequantized(*qkv))
-            mlp = layer.mlp
             dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             no_bias = dense and mlp.gate_proj.bias is None and mlp.up_proj.bias is None
-            if no_bias and plain(mlp.gate_proj, mlp.up_proj) and plain_linear(mlp.down_proj):
-                self._fused_mlp.append(fuse([mlp.gate_proj, mlp.up_proj])[0])
-            else:
-                self._fused_mlp.append(None)
             self._dequantized_gate_up.append(dequantized(mlp.gate_proj, mlp.up_proj) if no_bias else None)
+            row: dict[str, list[torch.nn.Linear]] = {}
+            if plain(*qkv):
+                row["qkv"] = list(qkv)
+            if plain(attn.o_proj):
+                row["o"] = [attn.o_proj]
+            if no_bias and plain(mlp.gate_proj, mlp.up_proj) and plain_linear(mlp.down_proj):
+                row["gate_up"] = [mlp.gate_proj, mlp.up_proj]
+                if plain(mlp.down_proj):
+                    row["down"] = [mlp.down_proj]
+            rows.append(row)
+        embeddings = [self.text_model.embed_tokens.weight]
+        if self.model.lm_head.weight is not embeddings[0] and plain_linear(self.model.lm_head):
+            embeddings.append(self.model.lm_head.weight)
+
+        arena = None
+        why = "off (huge_pages = false)" if not huge_pages else huge_pages_unavailable()
+        if why is None and self.device.type != "cpu":
+            why = f"off (the weights are on {self.device.type})"
+        if why is None:
+            linears = [lin for row in rows for group in row.values() for lin in group]
+            tensors = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None] + embeddings
+            total = sum(slice_bytes(t.shape, t.dtype) for t in tensors)
+            if total >= SMALLEST:
+                arena = WeightArena(total)
+            else:
+                why = f"off (the weights, {total / 2**20:.1f} MiB, are under {SMALLEST >> 20} MiB)"
+
+        def fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+                if arena is None:
+                    return torch.cat(parts)
+                return torch.cat(
+                    parts, out=arena.take((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
+                )
+
+            weight = joined([lin.weight for lin in linears])
+            sizes = [lin.weight.shape[0] for lin in linears]
+            bias = None
+            if all(lin.bias is not None for lin in linears):
+                bias = joined([lin.bias for lin in linears])
+            offset = 0
+            for lin, size in zip(linears, sizes, strict=True):
+                lin.weight.data = weight[offset : offset + size]
+                if bias is not None:
+                    lin.bias.data = bias[offset : offset + size]
+                offset += size
+            return weight, bias
+
+        for row in rows:
+            placed = {key: fuse(group) for key, group in row.items() if arena is not None or key in ("qkv", "gate_up")}
+            self._fused_qkv.append(placed.get("qkv"))
+            self._fused_mlp.append(placed["gate_up"][0] if "gate_up" in placed else None)
+        if arena is None:
+            self.huge_pages = why or "off"
+            return
+        for weight in embeddings:
+            weight.data = arena.take(weight.shape, weight.dtype).copy_(weight)
+        on = min(huge_page_bytes(arena.bytes), arena.used)  # (its mapping's: the block and a page around it)
+        self.huge_pages = f"{on / 2**20:.0f} of {arena.used / 2**20:.0f} MiB of weights on 2 MiB pages"
+        log.info("huge pages: %s", self.huge_pages)
 
     def _dequantized_linear(self, key: str, x: torch.Tensor, modules: tuple[Any, ...]) -> torch.Tensor:
         """One prepacked matmul over the dequantized weights of quantized projections (q/k/v, gate/up),

@@ -228,6 +228,7 @@ class Scheduler:
             "max_kv_tokens": self.max_kv_tokens,
             "deterministic": self.config.deterministic,
             "attention_backend": self.runner.attention_backend,
+            "weights_on_huge_pages": self.runner.huge_pages,
             "torch_threads": torch.get_num_threads(),  # the scheduler thread's (this runs on it)
         }
 

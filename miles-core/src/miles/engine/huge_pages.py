@@ -16,15 +16,12 @@ allocation (weight loads copy into it; ``p2p``'s direct writes move it to shared
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 from pathlib import Path
 
 import torch
 
 __all__ = ["HUGE_PAGE", "SMALLEST", "WeightArena", "huge_page_bytes", "huge_pages_unavailable", "slice_bytes"]
-
-log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 """Bytes of a transparent huge page on x86-64 and arm64 (4 KiB base pages)."""
@@ -77,7 +74,7 @@ class WeightArena:
         if self.used + nbytes > self.bytes.numel():
             raise ValueError(f"weight arena: {nbytes} bytes asked, {self.bytes.numel() - self.used} left")
         out = self.bytes[self.used : self.used + nbytes].view(dtype).view(shape)
-        self.used = _round_up(self.used + nbytes, _ALIGN)
+        self.used += slice_bytes(shape, dtype)
         return out
 
 

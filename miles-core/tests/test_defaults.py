@@ -10,6 +10,7 @@ import pytest
 from miles.components import ComponentKind
 from miles.compose import Run, build_run
 from miles.defaults import (
+    SPIN_COUNT,
     MachineFacts,
     TransportFacts,
     choose_precision,
@@ -110,11 +111,36 @@ def test_an_adapter_goes_by_the_lora_transport_where_installed() -> None:
 # ---------------------------------------------------------------------------------------------- threads
 def test_sync_gives_each_side_every_core_and_async_modes_split_them() -> None:
     sync = split_threads(mode="sync", cores=16, trainer_ranks=2, num_engines=2, environ={})
-    assert (sync.trainer, sync.engine) == (8, 16) and "take turns" in sync.reason
+    # the two engines decode at the same time: they split the cores as the trainer ranks do
+    assert (sync.trainer, sync.engine) == (8, 8) and "take turns" in sync.reason
+    assert "(the 2 trainer ranks and the 2 engines each split them)" in sync.reason
+    one = split_threads(mode="sync", cores=16, trainer_ranks=1, num_engines=1, environ={})
+    assert (one.trainer, one.engine) == (16, 16)
     both = split_threads(mode="fully_async", cores=16, trainer_ranks=2, num_engines=2, environ={})
     assert (both.trainer, both.engine) == (4, 4) and "split the 16 cores" in both.reason
     tiny = split_threads(mode="one_step_off", cores=2, trainer_ranks=2, num_engines=2, environ={})
     assert (tiny.trainer, tiny.engine) == (1, 1)
+
+
+def test_threads_spin_briefly_only_where_the_busy_threads_fit_in_the_cores() -> None:
+    sync = split_threads(mode="sync", cores=2, trainer_ranks=1, num_engines=1, environ={})
+    assert sync.spin and sync.wait_env({}) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    assert f"spin briefly between operations (GOMP_SPINCOUNT={SPIN_COUNT}): 2 busy at once for 2 cores" in sync.line()
+    # a machine that was busy when the run started: passive, whatever the split
+    assert sync.wait_env({}, busy=True) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    # four processes of one thread each on two cores run at once: oversubscribed
+    tiny = split_threads(mode="one_step_off", cores=2, trainer_ranks=2, num_engines=2, environ={})
+    assert not tiny.spin and tiny.wait_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert "wait passively: 4 threads busy at once for 2 cores" in tiny.line()
+    fits = split_threads(mode="fully_async", cores=16, trainer_ranks=2, num_engines=2, environ={})
+    assert fits.spin
+    # the user's thread counts: 3 per process, two engines decoding at once on 4 cores do not fit
+    user = split_threads(mode="sync", cores=4, trainer_ranks=1, num_engines=2, environ={"MILES_TORCH_THREADS": "3"})
+    assert (user.engine, user.spin) == (3, False)
+    pools = split_threads(mode="sync", cores=2, trainer_ranks=1, num_engines=1, environ={"OMP_NUM_THREADS": "2"})
+    assert not pools.spin and "the pools' size is set from outside" in pools.line()
+    # what the user set for the wait wins: nothing is added
+    assert sync.wait_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {} and sync.wait_env({"GOMP_SPINCOUNT": "7"}) == {}
 
 
 def test_the_users_thread_count_wins_and_cuda_leaves_threads_alone() -> None:

@@ -50,7 +50,10 @@ def test_dry_run_and_run_print_each_choice_and_the_run_trains_with_them(
     said = _said(real.stdout)
     assert said["precision"] == f"precision: {precision.value} ({precision.reason})"
     assert said["transport"] == P2P_REASON
-    assert said["threads"] == "threads: 1 per trainer rank, 1 per engine: MILES_TORCH_THREADS=1 set in the environment"
+    assert said["threads"] == (
+        "threads: 1 per trainer rank, 1 per engine: MILES_TORCH_THREADS=1 set in the environment; "
+        "OpenMP threads wait passively (the pools' size is set from outside)"
+    )
     settings = json.loads((run_dir / "settings.json").read_text())
     assert settings["precision"]["name"] == precision.value
     assert settings["transport"]["name"] == "p2p"

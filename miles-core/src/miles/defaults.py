@@ -18,6 +18,7 @@ from typing import Any, Literal
 __all__ = [
     "AUTO",
     "BF16_CPU_FLAGS",
+    "SPIN_COUNT",
     "Choice",
     "MachineFacts",
     "ThreadSplit",
@@ -201,18 +202,43 @@ def transport_candidates(facts: TransportFacts) -> list[TransportCandidate]:
 
 
 # ---------------------------------------------------------------------------------------------- threads
+SPIN_COUNT = 100_000
+"""``GOMP_SPINCOUNT`` of processes whose busy threads have their cores to themselves: an OpenMP thread that
+reaches a barrier spins this many times (~3.5 ms on this project's AMD EPYC) before it sleeps. Long enough to
+carry a thread from one operation of a step to the next without a sleep and a wake-up (a passive wait made
+the SmolLM2 GRPO step 1.3-1.4x slower there: ``docs/benchmarks.md``), short enough that a side that has
+finished its turn gives its cores back within milliseconds."""
+
+
 @dataclass(frozen=True)
 class ThreadSplit:
-    """Torch threads of each trainer rank and each engine on CPU (``None``: left to torch, on CUDA)."""
+    """Torch threads of each trainer rank and each engine on CPU (``None``: left to torch, on CUDA), and how
+    their OpenMP threads wait."""
 
     trainer: int | None
     engine: int | None
     reason: str
+    spin: bool = False
+    """Whether OpenMP threads spin briefly at barriers (:data:`SPIN_COUNT`) rather than sleep at once: only
+    where the threads that compute at the same time fit in the cores."""
+    wait_reason: str = ""
 
     def line(self) -> str:
         if self.trainer is None:
             return f"threads: {self.reason}"
-        return f"threads: {self.trainer} per trainer rank, {self.engine} per engine: {self.reason}"
+        wait = f"; {self.wait_reason}" if self.wait_reason else ""
+        return f"threads: {self.trainer} per trainer rank, {self.engine} per engine: {self.reason}{wait}"
+
+    def wait_env(self, environ: Mapping[str, str], *, busy: bool = False) -> dict[str, str]:
+        """The OpenMP wait variables of a child process: a short spin (``GOMP_SPINCOUNT``) where :attr:`spin`
+        and the machine was not ``busy`` with other processes when the run started, else
+        ``OMP_WAIT_POLICY=PASSIVE`` (a thread that spins at a barrier takes a core from the thread it waits
+        for whenever another process competes for the cores); nothing where the user set either variable."""
+        if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+            return {}
+        if self.spin and not busy:
+            return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def split_threads(
@@ -224,27 +250,43 @@ def split_threads(
     device: str = "cpu",
     environ: Mapping[str, str] | None = None,
 ) -> ThreadSplit:
-    """The torch threads ``miles train`` gives its children on CPU.
+    """The torch threads ``miles train`` gives its children on CPU, and whether their OpenMP threads spin.
 
-    In ``sync`` mode engines and trainer ranks take turns, so each side may use every core (the trainer ranks
-    split them); in the async modes they run at once and every process gets its own share. The
-    ``MILES_TORCH_THREADS`` environment variable, set by the user, wins (``OMP_NUM_THREADS`` sets the OpenMP
-    pools' size only)."""
+    In ``sync`` mode the engines and the trainer ranks take turns, so each side may use every core (the
+    trainer ranks split them, and so do the engines, which decode at the same time); in the async modes they
+    run at once and every process gets its own share. The ``MILES_TORCH_THREADS`` environment variable, set
+    by the user, wins (``OMP_NUM_THREADS`` sets the OpenMP pools' size only). OpenMP threads spin briefly at
+    barriers (:data:`SPIN_COUNT`) where the threads that compute at the same time fit in ``cores``, and wait
+    passively otherwise, or where ``OMP_NUM_THREADS`` sizes the pools from outside."""
     if device != "cpu":
         return ThreadSplit(None, None, "on CUDA the GPUs compute; torch's CPU threads are left at its default")
     env = environ if environ is not None else {}
     if mode == "sync":
-        trainer, engine = max(1, cores // trainer_ranks), cores
+        trainer, engine = max(1, cores // trainer_ranks), max(1, cores // num_engines)
         reason = f"sync: engines and trainer take turns, so each side uses all {cores} cores"
-        if trainer_ranks > 1:
-            reason += f" (the {trainer_ranks} trainer ranks split them)"
+        sharing = [f"the {n} {who}" for n, who in ((trainer_ranks, "trainer ranks"), (num_engines, "engines")) if n > 1]
+        if sharing:
+            reason += f" ({' and '.join(sharing)} {'each ' if len(sharing) > 1 else ''}split them)"
     else:
         processes = max(trainer_ranks + num_engines, 1)
         trainer = engine = max(1, cores // processes)
         reason = f"{mode}: engines and trainer run at once, so the {processes} processes split the {cores} cores"
     user = env.get("MILES_TORCH_THREADS")
     if user:
-        return ThreadSplit(int(user), int(user), f"MILES_TORCH_THREADS={user} set in the environment")
+        trainer = engine = int(user)
+        reason = f"MILES_TORCH_THREADS={user} set in the environment"
+    if mode == "sync":
+        busy = max(trainer * trainer_ranks, engine * num_engines)
+    else:
+        busy = trainer * trainer_ranks + engine * num_engines
     if env.get("OMP_NUM_THREADS"):
-        reason += f"; OMP_NUM_THREADS={env['OMP_NUM_THREADS']} from the environment sizes the OpenMP pools"
-    return ThreadSplit(trainer, engine, reason)
+        if not user:
+            reason += f"; OMP_NUM_THREADS={env['OMP_NUM_THREADS']} from the environment sizes the OpenMP pools"
+        spin, wait = False, "OpenMP threads wait passively (the pools' size is set from outside)"
+    elif busy <= cores:
+        spin = True
+        wait = f"OpenMP threads spin briefly between operations (GOMP_SPINCOUNT={SPIN_COUNT}): {busy} busy at once for {cores} cores"
+    else:
+        spin = False
+        wait = f"OpenMP threads wait passively: {busy} threads busy at once for {cores} cores"
+    return ThreadSplit(trainer, engine, reason, spin, wait)

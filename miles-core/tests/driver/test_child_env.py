@@ -1,4 +1,5 @@
-"""The environment ``miles train`` gives its children: torch threads and, on CPU, the trainers' malloc."""
+"""The environment ``miles train`` gives its children: torch threads, OpenMP's wait and, on CPU, the trainers'
+malloc."""
 
 from __future__ import annotations
 
@@ -88,3 +89,49 @@ def test_a_helper_thread_runs_single_threaded_without_lowering_the_process_count
     out = subprocess.run([sys.executable, "-c", _HELPER_PROBE], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "2", "2"]
+
+
+# CPU seconds a process burns while it sleeps 0.2 s after each of 10 two-thread matmuls: OpenMP's worker
+# spinning at the barrier before it sleeps (a passive wait sleeps at once)
+_SPIN_PROBE = """
+import time, torch
+torch.set_num_threads(2)
+a = torch.randn(1000, 1000)
+a @ a
+burned = 0.0
+for _ in range(10):
+    a @ a
+    start = time.process_time()
+    time.sleep(0.2)
+    burned += time.process_time() - start
+print(burned)
+"""
+
+
+def _burned_while_idle(env: dict[str, str]) -> float:
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE], env={**clean, **env}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return float(out.stdout)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: no OpenMP worker thread to wait")
+def test_on_an_idle_machine_threads_spin_briefly_and_on_a_busy_one_they_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles.defaults import SPIN_COUNT
+    from miles.launch import contention
+
+    for key in ("OMP_NUM_THREADS", "MILES_TORCH_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr("miles.defaults.usable_cores", lambda: 2)
+    monkeypatch.setattr(contention, "_free_cores", 1.9)  # other processes left the cores free
+    idle = _child_env(MilesSettings())
+    assert idle["GOMP_SPINCOUNT"] == str(SPIN_COUNT) and "OMP_WAIT_POLICY" not in idle
+    assert _child_env(MilesSettings(), role="engine")["GOMP_SPINCOUNT"] == str(SPIN_COUNT)
+    monkeypatch.setattr(contention, "_free_cores", 1.0)  # another process kept a core busy
+    busy = _child_env(MilesSettings())
+    assert busy["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in busy
+    # libgomp does as told: the spinning worker burns CPU after each operation (~3.5 ms each on this
+    # project's hosts), the passive one next to none
+    spun = _burned_while_idle({"GOMP_SPINCOUNT": idle["GOMP_SPINCOUNT"], "OMP_NUM_THREADS": "2"})
+    slept = _burned_while_idle({"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"})
+    assert spun > 0.005 and slept < spun / 3, (spun, slept)

@@ -44,17 +44,19 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
     """Environment of a child process, with its torch thread count and OpenMP's wait policy on CPU.
 
     The threads are :func:`miles.defaults.split_threads`' (in ``sync`` mode each side may use every core, the
-    trainer ranks splitting them; in the async modes every process gets its own share) of the cores other
-    processes left free when the run started (:func:`miles.launch.contention.free_cores`). OpenMP threads wait
-    passively (``OMP_WAIT_POLICY=PASSIVE``): a thread that spins at a barrier takes a core from the thread it
-    waits for whenever another process competes for the cores. ``OMP_NUM_THREADS`` / ``MILES_TORCH_THREADS``
-    / ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` set by the user win.
+    trainer ranks and the engines each splitting them; in the async modes every process gets its own share)
+    of the cores other processes left free when the run started (:func:`miles.launch.contention.free_cores`).
+    OpenMP threads spin briefly at barriers where the threads that compute at once fit in those cores and the
+    machine was not busy, and wait passively (``OMP_WAIT_POLICY=PASSIVE``) otherwise
+    (:meth:`~miles.defaults.ThreadSplit.wait_env`). ``OMP_NUM_THREADS`` / ``MILES_TORCH_THREADS`` /
+    ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` set by the user win.
     """
     from miles.defaults import split_threads, usable_cores
     from miles.launch.contention import free_cores
 
     cores = usable_cores()
     free = free_cores()  # what other processes left when the run started (None: not measured)
+    busy = free is not None and round(free) < cores
     if free is not None:
         cores = max(1, min(cores, round(free)))
     split = split_threads(
@@ -62,6 +64,7 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
         cores=cores,
         trainer_ranks=settings.cluster.trainer_ranks,
         num_engines=settings.cluster.num_engines,
+        environ=os.environ,
     )
     threads = str(split.engine if role == "engine" else split.trainer)
     env = {
@@ -74,8 +77,7 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
             MILES_TORCH_THREADS=os.environ.get("MILES_TORCH_THREADS", threads),
         )
-        if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env.update(split.wait_env(os.environ, busy=busy))
         user_malloc = any(k == "GLIBC_TUNABLES" or k.startswith("MALLOC_") for k in os.environ)
         malloc = settings.cluster.engine_malloc if role == "engine" else settings.cluster.trainer_malloc
         if malloc == "keep" and not user_malloc:

@@ -67,6 +67,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "plain-bf16-fused": _config("bf16", fused=True),
     "plain-bf16-onednn": _config("bf16", onednn=True),
     "plain-bf16-onednn-packed": _config("bf16", onednn=True, packed=True),
+    "plain-bf16-onednn-packed-fused": _config("bf16", fused=True, onednn=True, packed=True),
 }
 """``-packed``: ``packed_sdpa`` attention, with shared prompts when ``--group-size`` > 1 (the trainer's defaults
 are ``plain-*-onednn-packed``)."""

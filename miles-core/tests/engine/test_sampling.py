@@ -73,3 +73,31 @@ def test_draws_follow_the_distribution() -> None:
     stderr = (kept * (1 - kept) / n).sqrt()
     assert bool(((freq - kept).abs() <= 4 * stderr + 1e-9).all()), (freq, kept)
     assert counts[kept == 0].sum() == 0
+
+
+def test_a_batch_draws_each_row_as_it_would_be_drawn_alone() -> None:
+    """Rows that draw from the whole distribution share one cumulative sum and one search: every row of a
+    mixed batch (whole, top-p, top-k, greedy; temperatures 0.7-1.3; banned ids) gets the token, logprob and
+    raw logprob it gets alone with the same seed."""
+    vocab = 49152
+    for trial in range(40):
+        rows = [2, 3, 8, 16][trial % 4]
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(trial)) * (1 + trial % 5)
+        configs = [
+            SamplingParams(
+                temperature=[1.0, 0.7, 1.3, 0.0][(trial + r) % 4],
+                top_p=0.9 if (trial + r) % 5 == 1 else 1.0,
+                top_k=50 if (trial + r) % 5 == 2 else -1,
+            )
+            for r in range(rows)
+        ]
+        banned = [[0, 1] if r % 3 == 0 else [] for r in range(rows)]
+        seeds = [trial * 100 + r for r in range(rows)]
+        together = sample_rows(
+            logits.clone(), configs, [torch.Generator().manual_seed(s) for s in seeds], [list(b) for b in banned]
+        )
+        for r in range(rows):
+            alone = sample_rows(
+                logits[r : r + 1].clone(), [configs[r]], [torch.Generator().manual_seed(seeds[r])], [list(banned[r])]
+            )
+            assert (together[0][r], together[1][r], together[2][r]) == (alone[0][0], alone[1][0], alone[2][0])

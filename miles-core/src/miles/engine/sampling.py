@@ -66,6 +66,21 @@ def _truncate(probs: torch.Tensor, cfg: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def _truncates(cfg: SamplingParams) -> bool:
+    """Whether :func:`_truncate` zeroes anything for ``cfg`` (top-k below the vocabulary, top-p, min-p)."""
+    return cfg.top_k > 0 or cfg.top_p < 1.0 or cfg.min_p > 0.0
+
+
+def _draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """:func:`_draw` of every row of ``probs`` ``[R, vocab]`` with its own generator, in one cumulative sum and
+    one search for all rows (each row's scan and search are its own: the same token as drawn alone)."""
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=probs.device) for g in generators])
+    target = (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]
+    index = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    return [int(i) for i in index.tolist()]
+
+
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from the (unnormalised) ``probs`` by inverse transform: the first id whose cumulative
     probability exceeds ``u x total`` for one uniform ``u`` from the request's generator. Exact sampling of the
@@ -106,6 +121,14 @@ def sample_rows(
     tokens: list[int] = []
     greedy_rows = [i for i, cfg in enumerate(configs) if cfg.greedy]
     argmax = scaled.argmax(dim=-1).tolist() if greedy_rows else []
+    # rows that draw from the whole distribution: one exp, one cumulative sum and one search for all of them
+    whole = [row for row, cfg in enumerate(configs) if not cfg.greedy and not _truncates(cfg)]
+    whole_probs = scaled[whole].exp() if len(whole) > 1 else None
+    drawn = (
+        dict(zip(whole, _draw_rows(whole_probs, [generators[r] for r in whole]), strict=True))
+        if whole_probs is not None
+        else {}
+    )
     for row, cfg in enumerate(configs):
         mode = masks[row] if masks is not None else None
         if cfg.greedy:
@@ -113,8 +136,13 @@ def sample_rows(
             if kept is not None:
                 kept.append(None if mode is None else KeptSet([tokens[-1]], 0.0, [0.0] if mode == "support" else []))
             continue
-        truncated = _truncate(scaled[row].exp(), cfg)
-        tokens.append(_draw(truncated, generators[row]))
+        if row in drawn:
+            assert whole_probs is not None
+            truncated = whole_probs[whole.index(row)]
+            tokens.append(drawn[row])
+        else:
+            truncated = _truncate(scaled[row].exp(), cfg)
+            tokens.append(_draw(truncated, generators[row]))
         if kept is not None:
             kept.append(None if mode is None else kept_set(truncated, tokens[-1], support=mode == "support"))
     index = torch.tensor(tokens, device=logits.device)[:, None]

@@ -402,13 +402,21 @@ class P2PTransport(WeightTransport[P2PTransportSettings]):
                     out[key] = tensor_checksum(source, getattr(torch, route.dtype))
             return out
 
-        expected: dict[str, str] = {}
-        for part in all_gather_json(await to_thread(sums)):
-            expected.update(part)
+        # the engines checksum what they serve while the trainer ranks checksum what they sent (each on its cores)
+        asked = asyncio.ensure_future(self._rank0().checksums()) if dist.rank == 0 else None
+        try:
+            own = await to_thread(sums)
+            expected: dict[str, str] = {}
+            for part in all_gather_json(own):
+                expected.update(part)
+        except BaseException:
+            if asked is not None:
+                asked.cancel()
+            raise
         result: dict[str, Any] | None = None
         full: dict[str, str] = {}
-        if dist.rank == 0:
-            answers = await self._rank0().checksums()
+        if asked is not None:
+            answers = await asked
             result = {}
             failed = [(url, a) for url, a in zip(self.urls, answers, strict=True) if isinstance(a, BaseException)]
             if failed:  # (an engine died after its commit: every rank raises, none waits in the broadcast)

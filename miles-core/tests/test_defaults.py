@@ -120,6 +120,9 @@ def test_sync_gives_each_side_every_core_and_async_modes_split_them() -> None:
     assert (both.trainer, both.engine) == (4, 4) and "split the 16 cores" in both.reason
     tiny = split_threads(mode="one_step_off", cores=2, trainer_ranks=2, num_engines=2, environ={})
     assert (tiny.trainer, tiny.engine) == (1, 1)
+    # a run without engines (SFT): the trainer ranks take the cores
+    sft = split_threads(mode="sync", cores=4, trainer_ranks=2, num_engines=0, environ={})
+    assert (sft.trainer, sft.spin) == (2, True)
 
 
 def test_threads_spin_briefly_only_where_the_busy_threads_fit_in_the_cores() -> None:

@@ -262,7 +262,7 @@ def split_threads(
         return ThreadSplit(None, None, "on CUDA the GPUs compute; torch's CPU threads are left at its default")
     env = environ if environ is not None else {}
     if mode == "sync":
-        trainer, engine = max(1, cores // trainer_ranks), max(1, cores // num_engines)
+        trainer, engine = max(1, cores // max(trainer_ranks, 1)), max(1, cores // max(num_engines, 1))
         reason = f"sync: engines and trainer take turns, so each side uses all {cores} cores"
         sharing = [f"the {n} {who}" for n, who in ((trainer_ranks, "trainer ranks"), (num_engines, "engines")) if n > 1]
         if sharing:

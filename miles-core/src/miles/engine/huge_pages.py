@@ -27,11 +27,11 @@ HUGE_PAGE = 2 << 20
 """Bytes of a transparent huge page on x86-64 and arm64 (4 KiB base pages)."""
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _MADV_HUGEPAGE = 14
+_MADV_DONTNEED = 4
 _ALIGN = 64
 """Each slice starts on a cache line."""
 SMALLEST = 32 << 20
-"""Weights fewer than this many bytes stay where they are: glibc's largest ``mmap`` threshold (an allocation
-from it on is a fresh mapping of its own, never written before), and a few huge pages at most."""
+"""Weights fewer than this many bytes stay where they are (a few huge pages at most)."""
 
 
 def huge_pages_unavailable() -> str | None:
@@ -56,16 +56,18 @@ class WeightArena:
 
     def __init__(self, nbytes: int) -> None:
         span = _round_up(max(nbytes, 1), HUGE_PAGE)
-        # a page more than the span, so that a 2 MiB-aligned span fits wherever the allocator puts it; torch writes
-        # nothing to memory it allocates, so the advice comes before the first touch (from SMALLEST bytes glibc
-        # maps the block afresh: a heap chunk may have been written before, and its 4 KiB pages would stay)
+        # a page more than the span, so that a 2 MiB-aligned span fits wherever the allocator puts it
         self._raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
         start = (-self._raw.data_ptr()) % HUGE_PAGE
         self.bytes = self._raw[start : start + nbytes]
+        # the allocator may hand out memory it had before (a freed heap chunk, written in 4 KiB pages, which the
+        # advice alone would leave as they are): the span's pages are dropped after the advice, so that each first
+        # touch maps a huge page (the contents of an empty tensor are undefined anyway)
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.madvise(ctypes.c_void_p(self.bytes.data_ptr()), ctypes.c_size_t(span), _MADV_HUGEPAGE) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"madvise(MADV_HUGEPAGE) over {span} bytes of weights failed")
+        for advice, name in ((_MADV_HUGEPAGE, "MADV_HUGEPAGE"), (_MADV_DONTNEED, "MADV_DONTNEED")):
+            if libc.madvise(ctypes.c_void_p(self.bytes.data_ptr()), ctypes.c_size_t(span), advice) != 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"madvise({name}) over {span} bytes of weights failed")
         self.used = 0
 
     def take(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -124,11 +124,10 @@ def sample_rows(
     # rows that draw from the whole distribution: one exp, one cumulative sum and one search for all of them
     whole = [row for row, cfg in enumerate(configs) if not cfg.greedy and not _truncates(cfg)]
     whole_probs = scaled[whole].exp() if len(whole) > 1 else None
-    drawn = (
-        dict(zip(whole, _draw_rows(whole_probs, [generators[r] for r in whole]), strict=True))
-        if whole_probs is not None
-        else {}
-    )
+    drawn: dict[int, tuple[int, int]] = {}  # row: (its row of whole_probs, its token)
+    if whole_probs is not None:
+        tokens_drawn = _draw_rows(whole_probs, [generators[r] for r in whole])
+        drawn = {row: (i, token) for i, (row, token) in enumerate(zip(whole, tokens_drawn, strict=True))}
     for row, cfg in enumerate(configs):
         mode = masks[row] if masks is not None else None
         if cfg.greedy:
@@ -138,8 +137,8 @@ def sample_rows(
             continue
         if row in drawn:
             assert whole_probs is not None
-            truncated = whole_probs[whole.index(row)]
-            tokens.append(drawn[row])
+            truncated = whole_probs[drawn[row][0]]
+            tokens.append(drawn[row][1])
         else:
             truncated = _truncate(scaled[row].exp(), cfg)
             tokens.append(_draw(truncated, generators[row]))

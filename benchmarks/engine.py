@@ -395,7 +395,7 @@ def huge_pages_table(args: argparse.Namespace, batches: list[int]) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from benchmarks.common import machine_line
+    from benchmarks.common import machine_line, markdown_table
     from miles.testing.models import smollm2_checkpoint
 
     path = smollm2_checkpoint()
@@ -420,10 +420,7 @@ def huge_pages_table(args: argparse.Namespace, batches: list[int]) -> None:
         f"{bandwidth[True]:.1f} GB/s, ordinary pages {bandwidth[False]:.1f} GB/s; weights: {rows[0]['placement'][True]}"
     )
     print()
-    print(
-        "| batch | huge pages tok/s | ordinary pages tok/s | huge / ordinary | bound tok/s | huge of the bound | ordinary of the bound |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    table = []
     for r in rows:
         bound = (
             r["batch"]
@@ -431,10 +428,19 @@ def huge_pages_table(args: argparse.Namespace, batches: list[int]) -> None:
             * 1e9
             / bytes_per_step(config, n_linear, "bfloat16", r["batch"], args.prompt_len + args.new_tokens / 2)
         )
-        print(
-            f"| {r['batch']} | {r['huge_tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['huge_tok_s'] / r['plain_tok_s']:.2f}x |"
-            f" {bound:.0f} | {r['huge_tok_s'] / bound:.0%} | {r['plain_tok_s'] / bound:.0%} |"
+        table.append(
+            (
+                r["batch"],
+                f"{r['huge_tok_s']:.1f}",
+                f"{r['plain_tok_s']:.1f}",
+                f"{r['huge_tok_s'] / r['plain_tok_s']:.2f}x",
+                f"{bound:.0f}",
+                f"{r['huge_tok_s'] / bound:.0%}",
+                f"{r['plain_tok_s'] / bound:.0%}",
+            )
         )
+    headers = ("batch", "huge pages tok/s", "ordinary pages tok/s", "huge / ordinary", "bound tok/s")
+    print(markdown_table((*headers, "huge of the bound", "ordinary of the bound"), table))
     print()
     for r in rows:
         print(

@@ -72,25 +72,17 @@ def _truncates(cfg: SamplingParams) -> bool:
 
 
 def _draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-    """:func:`_draw` of every row of ``probs`` ``[R, vocab]`` with its own generator, in one cumulative sum and
-    one search for all rows (each row's scan and search are its own: the same token as drawn alone)."""
+    """One token per row of the (unnormalised) ``probs`` ``[R, vocab]`` by inverse transform: the first id whose
+    cumulative probability exceeds ``u x total`` for one uniform ``u`` from the row's generator. Exact sampling of
+    the categorical distribution (a zero-probability id is never drawn), 18x faster on a 49k vocabulary than
+    ``torch.multinomial``, which draws an exponential variate per vocabulary entry (0.85 ms a row on a CPU). One
+    cumulative sum and one search for all rows; each row's scan and search are its own (the same token as drawn
+    alone)."""
     cdf = torch.cumsum(probs, dim=-1)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=probs.device) for g in generators])
     target = (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]
     index = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
     return [int(i) for i in index.tolist()]
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from the (unnormalised) ``probs`` by inverse transform: the first id whose cumulative
-    probability exceeds ``u x total`` for one uniform ``u`` from the request's generator. Exact sampling of the
-    categorical distribution (a zero-probability id is never drawn), 18x faster on a 49k vocabulary than
-    ``torch.multinomial``, which draws an exponential variate per vocabulary entry (0.85 ms a row on a CPU)."""
-    cdf = torch.cumsum(probs, dim=0)
-    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
-    target = (u * cdf[-1].double()).to(cdf.dtype).reshape(1)
-    index = int(torch.searchsorted(cdf, target, right=True).item())
-    return min(index, probs.numel() - 1)
 
 
 def sample_rows(
@@ -123,7 +115,7 @@ def sample_rows(
     argmax = scaled.argmax(dim=-1).tolist() if greedy_rows else []
     # rows that draw from the whole distribution: one exp, one cumulative sum and one search for all of them
     whole = [row for row, cfg in enumerate(configs) if not cfg.greedy and not _truncates(cfg)]
-    whole_probs = scaled[whole].exp() if len(whole) > 1 else None
+    whole_probs = scaled[whole].exp() if whole else None
     drawn: dict[int, tuple[int, int]] = {}  # row: (its row of whole_probs, its token)
     if whole_probs is not None:
         tokens_drawn = _draw_rows(whole_probs, [generators[r] for r in whole])
@@ -141,7 +133,7 @@ def sample_rows(
             tokens.append(drawn[row][1])
         else:
             truncated = _truncate(scaled[row].exp(), cfg)
-            tokens.append(_draw(truncated, generators[row]))
+            tokens.append(_draw_rows(truncated[None], [generators[row]])[0])
         if kept is not None:
             kept.append(None if mode is None else kept_set(truncated, tokens[-1], support=mode == "support"))
     index = torch.tensor(tokens, device=logits.device)[:, None]

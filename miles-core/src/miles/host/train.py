@@ -75,7 +75,7 @@ def _child_env(settings: MilesSettings, *, role: str = "trainer") -> dict[str, s
     if settings.cluster.device == "cpu":
         env.update(
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
-            MILES_TORCH_THREADS=os.environ.get("MILES_TORCH_THREADS", threads),
+            MILES_TORCH_THREADS=threads,  # (the user's MILES_TORCH_THREADS, where set: the split takes it)
         )
         env.update(split.wait_env(os.environ, busy=busy))
         user_malloc = any(k == "GLIBC_TUNABLES" or k.startswith("MALLOC_") for k in os.environ)

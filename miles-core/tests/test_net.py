@@ -70,3 +70,30 @@ def test_a_service_exits_with_the_address_in_use_code_when_its_port_is_taken() -
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == ADDRESS_IN_USE_EXIT
     assert f"probe: cannot bind 127.0.0.1:{port}" in out.stderr
+
+
+def test_a_server_on_a_bound_socket_answers_without_nagles_delay() -> None:
+    """asyncio turns Nagle's algorithm off (``TCP_NODELAY``) only on sockets whose protocol says TCP; a
+    socket made as ``socket(AF_INET, SOCK_STREAM)`` says 0, and then every answer written in two pieces
+    (uvicorn writes the headers and the body apart) waited for the client's delayed ACK: 40 ms for each
+    control call to a local engine. The connections a server accepts on :func:`bind_socket` have it off."""
+    import asyncio
+
+    async def main() -> int:
+        sock = bind_socket("127.0.0.1", 0)
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            conn = writer.get_extra_info("socket")
+            accepted.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            try:
+                return await asyncio.wait_for(accepted, 10)
+            finally:
+                writer.close()
+
+    assert asyncio.run(main()) != 0

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.auth import ServiceKeys, check_bind, install_auth
 from miles.errors import SettingsError
+from miles.net import bind_socket
 from miles.sessions.routes import create_app
 from miles.sessions.service import SessionService, TemplateNotAppendOnly
 
@@ -117,10 +118,8 @@ class SessionServer(SessionService):
 
         :raises SettingsError: ``rollout.sessions.host`` is beyond loopback and there is no API key."""
         check_bind(self.settings.host, self.keys, service="the session server", setting="cluster.api_key")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.ready = False
-        sock.bind((self.settings.host, self.settings.port))
+        sock = bind_socket(self.settings.host, self.settings.port)
         self._http = _EmbeddedUvicorn(self.app, sock)
         await self._http.start()
         self.url = f"http://{self.settings.host}:{sock.getsockname()[1]}"

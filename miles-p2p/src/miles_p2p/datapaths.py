@@ -9,7 +9,10 @@
   for all the engines that share it.
 
 A send returns, per engine index, the error that stopped it (other engines are still served) and the ids
-of the chunks written; it never raises for an engine's failure.
+of the chunks written; it never raises for an engine's failure. The senders that cast chunks into memory of
+this host (shm, Mooncake) checksum each chunk right after writing it, while it is in cache, when
+``checksum_written`` is set (the transport's slice check then compares the engines' chunks with those
+instead of casting every source again: on SmolLM2 ~40 ms of casts a push, against ~10 of checksums).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from miles.transport.verify import tensor_checksum
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +44,8 @@ class Outcome:
 
     errors: dict[int, str]
     written: dict[int, list[int]]
+    checksums: dict[str, str] = field(default_factory=dict)
+    """``Route.content`` -> checksum of the bytes written for it (senders with ``checksum_written``)."""
 
 
 def _dtype(route: Route) -> torch.dtype:
@@ -60,6 +67,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 class Sender(ABC):
     """One rank's sending side of a data path (sync: the transport runs it in a worker thread)."""
+
+    checksum_written = False
+    """Checksum each chunk as written into this host's memory (:attr:`Outcome.checksums`), where the data
+    path writes it there."""
 
     def prepare(self, routes: Sequence[Route], plan_answers: list[dict[str, Any]]) -> None:
         """Once per plan: ``routes`` are this rank's, ``plan_answers`` each engine's ``/p2p/plan`` answer."""
@@ -140,6 +151,8 @@ class MooncakeSender(Sender):
             if key not in filled:
                 view = self.arena[at : at + route.nbytes].view(_dtype(route)).view(route.shape)
                 view.copy_(source)  # cast and copy in one pass
+                if self.checksum_written:
+                    outcome.checksums[route.content] = tensor_checksum(view)
                 filled.add(key)
             srcs, dsts, lens, ids = by_engine.setdefault(route.engine, ([], [], [], []))
             srcs.append(base + at)
@@ -218,7 +231,10 @@ class ShmSender(Sender):
         for route, source in zip(routes, sources, strict=True):
             target = self._target(route)
             if target is not None:
-                target.view(_dtype(route)).view(route.shape).copy_(source)  # cast and copy in one pass
+                view = target.view(_dtype(route)).view(route.shape)
+                view.copy_(source)  # cast and copy in one pass
+                if self.checksum_written and route.content not in outcome.checksums:
+                    outcome.checksums[route.content] = tensor_checksum(view)
             outcome.written.setdefault(route.engine, []).append(route.id)
         return outcome
 

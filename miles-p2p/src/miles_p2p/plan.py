@@ -142,6 +142,11 @@ class Route:
         box = ", ".join(f"{o}:{o + n}" for o, n in zip(self.offsets, self.shape, strict=True))
         return f"{self.name!r}[{box}] from trainer rank {self.src}"
 
+    @property
+    def content(self) -> str:
+        """What the chunk carries (the same for every engine it goes to): the tensor, where and its shape."""
+        return f"{self.name}|{list(self.offsets)}|{list(self.shape)}"
+
 
 @dataclass
 class RoutePlan:

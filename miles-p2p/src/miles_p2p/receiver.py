@@ -381,6 +381,19 @@ class P2PSession:
 
         return {str(c.id): tensor_checksum(params[c.name][c.box()]) for c in self.chunks}
 
+    def full_checksums(self, model: torch.nn.Module, chunk_sums: dict[str, str]) -> dict[str, str]:
+        """Each parameter's checksum (``/weights_checksum``'s), taken from ``chunk_sums`` (of
+        :meth:`chunk_checksums`) where one chunk is the whole tensor: the same bytes and shape."""
+        from miles.transport.verify import tensor_checksum
+
+        params = dict(model.named_parameters())
+        whole = {
+            c.name: chunk_sums[str(c.id)]
+            for c in self.chunks
+            if c.name in params and not any(c.offsets) and tuple(c.shape) == tuple(params[c.name].shape)
+        }
+        return {name: whole.get(name) or tensor_checksum(p) for name, p in params.items()}
+
     def randomize(self, seed: int) -> None:
         """Random bytes in the receive buffer (test mode: a chunk the trainer skips cannot pass as sent)."""
         if self.buffer is not None and self.buffer.tensor.numel():

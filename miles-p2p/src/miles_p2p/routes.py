@@ -37,7 +37,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
 from miles.engine.responses import admin
-from miles.engine.weights import parameter_aliases, served_parameters, weights_checksum
+from miles.engine.weights import parameter_aliases, served_parameters
 from miles.torch_threads import to_thread
 from miles_p2p.receiver import Chunk, P2PSession
 
@@ -207,9 +207,10 @@ def add_p2p_routes(app: FastAPI, state: EngineState) -> None:
 
             def compute() -> dict[str, Any]:
                 model = state.model
-                out: dict[str, Any] = {"chunks": s.chunk_checksums(served_parameters(model))}
-                if body.get("full"):
-                    out["full"] = weights_checksum(model)["checksums"]
+                chunks = s.chunk_checksums(served_parameters(model))
+                out: dict[str, Any] = {"chunks": chunks}
+                if body.get("full"):  # (a chunk that is a whole tensor has its checksum: not read twice)
+                    out["full"] = s.full_checksums(model, chunks)
                 return out
 
             result = await on_scheduler(compute)

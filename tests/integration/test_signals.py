@@ -103,12 +103,8 @@ def test_planted_faults_fire_their_signal_checks(
         assert m["signals/teacher_logprobs_uniform"] == m["signals/teacher_logprobs_constant"] == 1.0
         assert m["signals/reward_constant"] == 1.0
         assert m["train/grad_norm"] > 0.0
-    # the probe runs beside each rollout: step 1's is the baseline (the initial weights); steps 2 and 3 report
-    # what the pushes of steps 1 and 2 changed, judged with those steps' gradient norms
-    assert "signals/probe_logprob_change" not in metrics[0] and "signals/probe_unchanged" not in metrics[0]
-    for before, m in zip(metrics, metrics[1:], strict=False):
+    for m in metrics:  # (step 1 against the probe taken before it, of the initial weights)
         assert m["signals/probe_logprob_change"] == 0.0 and m["signals/probe_unchanged"] == 1.0
-        assert m["signals/probe_grad_norm"] == before["train/grad_norm"]
     log = (run_dir / "logs" / "trainer-0.log").read_text()
     for check in ("teacher_logprobs_uniform", "reward_constant", "probe_unchanged"):
         assert f"signal check {check}:" in log, check

@@ -196,17 +196,6 @@ def test_the_gradient_check_needs_non_zero_advantages() -> None:
     assert checks.judge(1, {"train/grad_norm": 0.3, "signals/advantage_abs_mean": 0.5}) == []
 
 
-def test_the_probe_check_weighs_the_change_against_the_gradient_of_the_step_it_follows() -> None:
-    """The probe of the weights a step's rollout uses measures the push of the step before: a change of 0 is a
-    dead push only if that step had a gradient (the current step's gradient says nothing about it)."""
-    checks = SignalChecks(SignalSettings(), vocab_size=VOCAB)
-    unchanged = {"signals/probe_logprob_change": 0.0, "train/grad_norm": 0.7}
-    assert checks.judge(2, {**unchanged, "signals/probe_grad_norm": 0.4}) == ["probe_unchanged"]
-    assert checks.judge(2, {**unchanged, "signals/probe_grad_norm": 0.0}) == []  # that step learned nothing
-    assert checks.judge(2, dict(unchanged)) == []  # the baseline probe: no step before it
-    assert checks.judge(2, {"signals/probe_logprob_change": 1e-3, "signals/probe_grad_norm": 0.4}) == []
-
-
 def test_pearson_and_the_check_names() -> None:
     assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
     assert pearson([1, 2, 3], [5, 5, 5]) is None

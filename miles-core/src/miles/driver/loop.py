@@ -116,9 +116,6 @@ class TrainingLoop:
         self.signals = SignalChecks(settings.log.signals, vocab_size=None)
         """The signal checks (:mod:`miles.driver.signals`; rank 0 judges, every rank measures its batches)."""
         self._probe: list[int] = []
-        self._probe_due: tuple[float | None] | None = None
-        """Rank 0: the next rollout probes the weights it generates with (``probe_unchanged``): set by the run's
-        start (the baseline, no gradient) and by each push in line, with the gradient norm of its step."""
         self.step = 0
         self.completed = False
         """Whether :func:`run_to_completion` finished the run."""
@@ -212,7 +209,7 @@ class TrainingLoop:
         total = self.settings.train.num_rollouts
         await self.publisher.flush()  # a resumed run's first push: generate on the checkpoint's weights
         if self.is_driver and self.client is not None:
-            self._probe_due = (None,)  # beside the first rollout: what the engines serve, the probe's baseline
+            await self.probe_signal()  # what the engines serve before the first step: the probe's baseline
         if self.source is not None:
             await self.source.start(self.step)
         if self.is_driver:
@@ -238,16 +235,8 @@ class TrainingLoop:
         """One step: obtain groups (rank 0), train (every rank), publish weights, log."""
         start = time.perf_counter()
         metrics: dict[str, float] = {}
-        probe = self._probe_beside_rollout()
-        try:
-            # (a restarted engine takes the current weights while rank 0 waits for it to roll out)
-            groups = await self.publisher.during_rollout(lambda: self.obtain_groups(metrics), metrics)
-        except BaseException:
-            if probe is not None:
-                probe.cancel()
-            raise
-        if probe is not None:
-            metrics.update(await probe)
+        # (a restarted engine takes the current weights while rank 0 waits for it to roll out)
+        groups = await self.publisher.during_rollout(lambda: self.obtain_groups(metrics), metrics)
         await self.colocation.after_rollout()  # (colocated: the engines' memory goes, the trainer's comes back)
         metrics.update(await self.compute.run(lambda: self.train_on(groups)))
         self.step += 1
@@ -256,8 +245,8 @@ class TrainingLoop:
             metrics.update(self.publisher.metrics(report))
             if self.client is not None:
                 metrics.update(self.client.failover_metrics())
-                if report is not None:  # the next rollout's weights: probed beside it
-                    self._probe_due = (metrics.get("train/grad_norm"),)
+                if report is not None:
+                    metrics.update(await self.probe_signal())
             metrics["time/step_seconds"] = time.perf_counter() - start
             metrics.update(await self.maybe_evaluate())
             self.log_step(metrics)
@@ -286,19 +275,9 @@ class TrainingLoop:
                 metrics.update(self.signals.reward_metrics(groups))
         return groups
 
-    def _probe_beside_rollout(self) -> asyncio.Task[dict[str, float]] | None:
-        """Rank 0: the probe of the weights this step's rollout generates with, started beside the rollout (the
-        engines take the probe's prefill with the rollout's), when a push in line brought them (or the run
-        starts); ``None`` otherwise."""
-        due, self._probe_due = self._probe_due, None
-        if due is None:
-            return None
-        return asyncio.ensure_future(self.probe_signal(due[0]))
-
-    async def probe_signal(self, trained_grad_norm: float | None = None) -> dict[str, float]:
-        """Rank 0, beside the rollout after a push in line: the engines' logprobs of the probe sequence against
-        the last probe's (the ``probe_unchanged`` check, judged with ``trained_grad_norm``, the gradient norm of
-        the step whose push is probed; overlapped commits land after the step and are not probed)."""
+    async def probe_signal(self) -> dict[str, float]:
+        """Rank 0, after a push in line: the engines' logprobs of the probe sequence against the last push's
+        (the ``probe_unchanged`` check; overlapped commits land after the step and are not probed)."""
         from miles.driver.publish import InlinePublisher
         from miles.transport.verify import PROBE_TEXT
 
@@ -309,7 +288,7 @@ class TrainingLoop:
         assert self.client is not None
         if not self._probe:
             self._probe = self.publisher.probe or [int(t) for t in self.tokenizer.encode(PROBE_TEXT)]
-        return await self.signals.probe_metrics(self.client, self._probe, trained_grad_norm=trained_grad_norm)
+        return await self.signals.probe_metrics(self.client, self._probe)
 
     async def train_on(self, groups: list[SampleGroup] | None) -> dict[str, float]:
         """Every rank (``groups`` on rank 0): advantages, this rank's share of each optimizer step, the

@@ -14,10 +14,7 @@ a loss whose gradient never reaches the parameters. Each check below measures on
   ``reward_min_correlation``;
 - ``probe_unchanged``: after the push of a step that trained (gradient norm above 0), each engine's
   logprobs of a fixed probe sequence (the one of ``transport.verify_with = "logprobs"``) moved by at most
-  ``probe_min_change`` on average since the previous push. The probe runs beside the next step's rollout
-  (the engines prefill it with the rollout's prompts, once the push's weights are packed), so the change
-  and the gradient norm of the step it follows (``signals/probe_grad_norm``) are in that next step's
-  metrics; the last push of a run, which no rollout uses, is not probed;
+  ``probe_min_change`` on average since the previous push;
 - ``grad_zero``: the gradient norm is at most ``grad_zero_tolerance`` while the advantages are not all 0.
 
 Each check's metric ``signals/<check>`` is 1 in a step where it fired and 0 where it was measured and did
@@ -144,23 +141,17 @@ class SignalChecks:
                 out["signals/reward_feature_corr"] = max(known)
         return out
 
-    async def probe_metrics(
-        self, client: EngineClient, probe: Sequence[int], *, trained_grad_norm: float | None = None
-    ) -> dict[str, float]:
+    async def probe_metrics(self, client: EngineClient, probe: Sequence[int]) -> dict[str, float]:
         """Each engine's logprobs of ``probe`` now against the last time: the smallest mean |change| over the
-        engines (``signals/probe_logprob_change``; none the first time or for a new engine), with
-        ``trained_grad_norm``, the gradient norm of the step whose push the change spans
-        (``signals/probe_grad_norm``, what :meth:`judge` weighs it against)."""
-        from miles.errors import EngineError, WeightVerificationError
+        engines (``signals/probe_logprob_change``; none the first time or for a new engine)."""
+        from miles.errors import EngineError
         from miles.transport.verify import engine_probe_logprobs
 
         changes: list[float] = []
         for url in client.urls:
             try:
                 now = await engine_probe_logprobs(client, url, probe)
-            # (an engine that died since the push: failover deals with it, not a signal; a probe cut short, as
-            # the rollout beside it aborts requests it no longer needs: that engine's next probe is its baseline)
-            except (EngineError, WeightVerificationError) as exc:
+            except EngineError as exc:  # (an engine that died since the push: failover deals with it, not a signal)
                 log.info("probe_unchanged: engine %s gave no probe logprobs (%s); not measured this step", url, exc)
                 self._probe.pop(url, None)
                 continue
@@ -168,12 +159,7 @@ class SignalChecks:
             self._probe[url] = now
             if before is not None and len(before) == len(now):
                 changes.append(sum(abs(a - b) for a, b in zip(now, before, strict=True)) / len(now))
-        if not changes:
-            return {}
-        out = {"signals/probe_logprob_change": min(changes)}
-        if trained_grad_norm is not None:
-            out["signals/probe_grad_norm"] = trained_grad_norm
-        return out
+        return {"signals/probe_logprob_change": min(changes)} if changes else {}
 
     # -- the verdict (rank 0) -----------------------------------------------------------------------
     def judge(self, step: int, metrics: dict[str, float]) -> list[str]:
@@ -217,17 +203,15 @@ class SignalChecks:
                 f"{cfg.reward_min_correlation:g})",
             )
         change = metrics.get("signals/probe_logprob_change")
-        trained = metrics.get("signals/probe_grad_norm")  # (the step whose push was probed: the one before)
-        if change is not None and trained is not None and trained > 0.0:
+        grad = metrics.get("train/grad_norm")
+        if change is not None and grad is not None and grad > 0.0:
             verdicts["probe_unchanged"] = (
                 change <= cfg.probe_min_change,
-                f"the step before trained (grad norm {trained:.3g}) but the engines' logprobs of the probe sequence "
-                f"moved by {change:.3g} on average after its push (log.signals.probe_min_change = "
-                f"{cfg.probe_min_change:g}): "
+                f"the step trained (grad norm {grad:.3g}) but the engines' logprobs of the probe sequence moved by "
+                f"{change:.3g} on average after the push (log.signals.probe_min_change = {cfg.probe_min_change:g}): "
                 "a learning rate too small for the weights' dtype, a frozen model, or weights that never reached "
                 "the engines",
             )
-        grad = metrics.get("train/grad_norm")
         advantages = metrics.get("signals/advantage_abs_mean")
         if grad is not None and advantages is not None and advantages > 0.0:
             verdicts["grad_zero"] = (

@@ -56,8 +56,7 @@ class SignalSettings(BaseModel):
     """``probe_unchanged``: after the push of a step that trained (gradient norm above 0), fires when the mean
     |change| of each engine's logprobs of a fixed probe sequence since the previous push is at most this
     (0: fires only when they are bit for bit the same: a learning rate too small for the weights' dtype, a
-    frozen model, weights that never reach the engines). Measured beside the next step's rollout: the change
-    and the gradient norm it is judged with are in the next step's metrics."""
+    frozen model, weights that never reach the engines)."""
     grad_zero_tolerance: float = Field(0.0, ge=0.0)
     """``grad_zero``: fires when the gradient norm is at most this while the step's advantages are not all 0
     (parameters that receive no gradient: a frozen model, a detached loss)."""

@@ -44,3 +44,41 @@ def test_a_shm_send_checksums_each_chunk_as_written() -> None:
         sender.close()
     finally:
         os.unlink(path)
+
+
+def test_shares_of_a_shm_send_on_two_threads_write_and_checksum_what_one_send_does() -> None:
+    """The transport splits a concurrent sender's routes over its torch threads (``P2PTransport._send_all``):
+    the shares sent at once leave the same bytes and, merged, the same outcome as one send."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from miles_p2p.datapaths import Outcome
+
+    routes = [_route(i, f"t{i}", (4, 16 + i), 256 * i) for i in range(8)]
+    sources = [torch.randn(*r.shape) for r in routes]
+    contents = []
+    for split in (False, True):
+        path = f"/dev/shm/miles-test-{uuid.uuid4().hex}"
+        with open(path, "wb") as f:
+            f.truncate(4096)
+        try:
+            sender = ShmSender()
+            assert sender.concurrent
+            sender.checksum_written = True
+            sender.prepare(routes, [{"buffer_path": path, "buffer_bytes": 4096}])
+            if split:
+                with ThreadPoolExecutor(2) as pool:
+                    halves = [list(range(0, 8, 2)), list(range(1, 8, 2))]
+                    futures = [
+                        pool.submit(sender.send, [routes[i] for i in b], [sources[i] for i in b]) for b in halves
+                    ]
+                    parts = [f.result() for f in futures]
+                outcome = Outcome.merged(parts)
+            else:
+                outcome = sender.send(routes, sources)
+            sender.close()
+            with open(path, "rb") as f:
+                contents.append((f.read(), sorted(outcome.written[0]), outcome.checksums, outcome.errors))
+        finally:
+            os.unlink(path)
+    assert contents[0] == contents[1]
+    assert contents[0][1] == list(range(8)) and len(contents[0][2]) == 8

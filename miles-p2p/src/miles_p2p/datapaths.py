@@ -47,6 +47,18 @@ class Outcome:
     checksums: dict[str, str] = field(default_factory=dict)
     """``Route.content`` -> checksum of the bytes written for it (senders with ``checksum_written``)."""
 
+    @classmethod
+    def merged(cls, parts: Sequence[Outcome]) -> Outcome:
+        """The outcome of one send made of the sends of ``parts`` (each its share of the routes)."""
+        out = cls(errors={}, written={})
+        for part in parts:
+            for e, message in part.errors.items():
+                out.errors.setdefault(e, message)
+            for e, ids in part.written.items():
+                out.written.setdefault(e, []).extend(ids)
+            out.checksums.update(part.checksums)
+        return out
+
 
 def _dtype(route: Route) -> torch.dtype:
     import torch
@@ -71,6 +83,8 @@ class Sender(ABC):
     checksum_written = False
     """Checksum each chunk as written into this host's memory (:attr:`Outcome.checksums`), where the data
     path writes it there."""
+    concurrent = False
+    """Whether :meth:`send` may run on several threads at once, each with its share of the routes."""
 
     def prepare(self, routes: Sequence[Route], plan_answers: list[dict[str, Any]]) -> None:
         """Once per plan: ``routes`` are this rank's, ``plan_answers`` each engine's ``/p2p/plan`` answer."""
@@ -191,7 +205,10 @@ def map_shared(path: str, nbytes: int) -> torch.Tensor:
 
 class ShmSender(Sender):
     """Casts chunks straight into shared memory on this host: the receive buffers (one per group of engines
-    with the same plan), or with ``direct`` the engines' weights themselves."""
+    with the same plan), or with ``direct`` the engines' weights themselves. Each chunk's place is its own, so
+    shares of the routes may be sent on several threads at once (:attr:`concurrent`)."""
+
+    concurrent = True
 
     def __init__(self, *, direct: bool = False) -> None:
         self.direct = direct

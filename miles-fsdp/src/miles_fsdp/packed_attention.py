@@ -235,41 +235,32 @@ def _segments_attention(
     groups: dict[tuple[int, int], list[Segment]] = {}
     for seg in segments:
         groups.setdefault((seg.prefix_len, seg.end - seg.start), []).append(seg)
-    # each tensor cut into its segments by one split: its backward is one concatenation of the segments'
-    # gradients, where a slice per segment would fill a zero gradient of the whole row for each (on a GRPO
-    # micro-batch of SmolLM2, ~45 row-sized fills and additions a layer)
-    sizes = [seg.end - seg.start for seg in segments]
-    tiled = (
-        segments[0].start == 0
-        and sum(sizes) == total
-        and all(a.end == b.start for a, b in itertools.pairwise(segments))
-    )
-    parts = (
-        {
-            name: dict(zip((seg.start for seg in segments), t.split(sizes, dim=2), strict=True))
-            for name, t in (("q", query), ("k", key), ("v", value))
-        }
-        if tiled
-        else None
-    )
+    # each tensor cut into its segments (which tile the row) by one split: its backward is one concatenation of
+    # the segments' gradients, where a slice per segment would fill a zero gradient of the whole row for each (on
+    # a GRPO micro-batch of SmolLM2, ~45 row-sized fills and additions a layer)
+    starts, sizes = [seg.start for seg in segments], [seg.end - seg.start for seg in segments]
+    cut = {
+        name: dict(zip(starts, t.split(sizes, dim=2), strict=True))
+        for name, t in (("q", query), ("k", key), ("v", value))
+    }
+
+    def part(name: str, start: int, length: int) -> torch.Tensor:
+        """The first ``length`` rows of ``name``'s segment that starts at ``start``."""
+        whole = cut[name][start]
+        return whole if whole.shape[2] == length else whole[:, :, :length]
+
     pieces: list[tuple[int, torch.Tensor]] = []
     for (prefix, length), members in groups.items():
 
-        def part(name: str, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
-            whole = parts[name].get(start) if parts is not None else None  # the segment starting there
-            if whole is None:
-                return t[:, :, start:end]
-            return whole if whole.shape[2] == end - start else whole[:, :, : end - start]
-
-        def keys(name: str, t: torch.Tensor, seg: Segment, prefix: int = prefix) -> torch.Tensor:
-            own = part(name, t, seg.start, seg.end)
+        def keys(name: str, seg: Segment, prefix: int = prefix) -> torch.Tensor:
+            own = part(name, seg.start, seg.end - seg.start)
             if not prefix:
                 return own
-            return torch.cat([part(name, t, seg.prefix_start, seg.prefix_start + prefix), own], dim=2)
+            return torch.cat([part(name, seg.prefix_start, prefix), own], dim=2)
 
-        q = torch.cat([part("q", query, s.start, s.end) for s in members])
-        k = torch.cat([keys("k", key, s) for s in members])
-        v = torch.cat([keys("v", value, s) for s in members])
+        q = torch.cat([part("q", s.start, length) for s in members])
+        k = torch.cat([keys("k", s) for s in members])
+        v = torch.cat([keys("v", s) for s in members])
         if prefix:
             mask = _lower_right_causal(length, prefix + length, query.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p_drop, scale=scaling, enable_gqa=gqa)

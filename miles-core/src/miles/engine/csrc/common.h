@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace miles {
 
 // An element as float32 (bfloat16 -> float32 is a shift, which vectorises).
@@ -59,6 +63,21 @@ inline float round_to<c10::BFloat16>(float x) {
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
+
+#if defined(__AVX512F__)
+// The 16 horizontal sums of a[0..15], as one vector: out[i] = sum of a[i]'s 16 floats (a transpose-and-add tree).
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int j = 0; j < 8; ++j)
+    b[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)
+    c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+#endif
 
 }  // namespace miles
 

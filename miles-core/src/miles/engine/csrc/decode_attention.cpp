@@ -6,6 +6,13 @@
 // [B, KVH, G, span] (G = H / KVH query heads per KV head; -inf past pos[b]); the caller applies
 // torch.softmax; decode_values returns probs . V as [B, H, D] in the cache's dtype.
 // Work items are (request, KV head) pairs, each computed alone in a fixed order: batch-invariant.
+//
+// With AVX-512 and a head dim of 64 or 128: bfloat16 scores as AVX-512 BF16 dot products of q and each key
+// (VDPBF16PS, products summed in float32, times the scale after), 16 positions at a time reduced together
+// (miles::sum16); the values with each value row converted once for up to four query heads, whose float32
+// sums stay in registers. On an AMD EPYC at 8 requests of ~60 positions (SmolLM2: 9 heads over 3 KV heads of
+// 64) a layer's scores took 31 us and its values 17 before (a horizontal sum per dot product; the sums in
+// memory).
 
 #include "common.h"
 
@@ -15,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -23,6 +31,75 @@ using miles::store;
 
 constexpr int64_t kMaxGroup = 16;
 constexpr int kMaxDim = 256;
+
+#if defined(__AVX512F__)
+// 16 elements from p as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// out[g * L + l] = (q[g] . k[l]) * scale for l in [0, n), g < G: q rows qs1 apart, keys ks2 apart (bfloat16).
+#if defined(__AVX512BF16__)
+template <int kD>
+void scores_bf16(const c10::BFloat16* q, int64_t qs1, int64_t G, const c10::BFloat16* k, int64_t ks2, int64_t n,
+                 float scale, float* out, int64_t L) {
+  constexpr int C = kD / 32;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512bh qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * qs1 + 32 * c);
+    for (int64_t l0 = 0; l0 < n; l0 += 16) {
+      const int count = static_cast<int>(std::min<int64_t>(16, n - l0));
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        if (i < count) {
+          const c10::BFloat16* kr = k + (l0 + i) * ks2;
+          for (int c = 0; c < C; ++c)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(kr + 32 * c), qv[c]);
+        }
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      _mm512_mask_storeu_ps(out + g * L + l0, mask, _mm512_mul_ps(miles::sum16(acc), vscale));
+    }
+  }
+}
+#endif
+
+// o[g * D + d] = sum over l < n of w[g * L + l] * v[l][d] for g < G (values ls apart), summed in float32 in
+// position order, rounded to scalar_t once; up to four query heads per pass over the values.
+template <typename scalar_t, int kD>
+void values_avx512(const float* w, int64_t L, int64_t G, const scalar_t* v, int64_t vs2, int64_t n, scalar_t* o) {
+  constexpr int C = kD / 16;
+  alignas(64) float sums[kD];
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    __m512 acc[4][C];
+    for (int j = 0; j < 4; ++j)
+      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+    const float* wr[4];
+    for (int j = 0; j < 4; ++j) wr[j] = w + (g0 + std::min<int64_t>(j, gn - 1)) * L;  // (a repeated head: unused)
+    for (int64_t l = 0; l < n; ++l) {
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(v + l * vs2 + 16 * c);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 wl = _mm512_set1_ps(wr[j][l]);
+        for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(wl, vv[c], acc[j][c]);
+      }
+    }
+    for (int64_t j = 0; j < gn; ++j) {
+      for (int c = 0; c < C; ++c) _mm512_store_ps(sums + 16 * c, acc[j][c]);
+      scalar_t* out = o + (g0 + j) * kD;
+      for (int d = 0; d < kD; ++d) store(out, d, sums[d]);
+    }
+  }
+}
+#endif
 
 // kD > 0: the head dim known at compile time (vectorised, unrolled); kD == 0: any head dim <= kMaxDim.
 template <typename scalar_t, int kD>
@@ -50,12 +127,20 @@ void scores_kernel(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache
       scalar_t* vb = V + b * vs0 + h * vs1;
       std::memcpy(kb + p * ks2, KN + b * kns0 + h * kns1, D * sizeof(scalar_t));
       std::memcpy(vb + p * vs2, VN + b * vns0 + h * vns1, D * sizeof(scalar_t));
+      float* out = S + (b * KVH + h) * G * L;
+#if defined(__AVX512BF16__)
+      if constexpr (kD > 0 && kD % 32 == 0 && std::is_same_v<scalar_t, c10::BFloat16>) {
+        scores_bf16<kD>(Q + b * qs0 + h * G * qs1, qs1, G, kb, ks2, p + 1, scale, out, L);
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t l = p + 1; l < L; ++l) out[g * L + l] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < G; ++g) {
         const scalar_t* qr = Q + b * qs0 + (h * G + g) * qs1;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) qf[g][d] = load(qr, d) * scale;
       }
-      float* out = S + (b * KVH + h) * G * L;
       for (int64_t l = 0; l <= p; ++l) {
         const scalar_t* kr = kb + l * ks2;
 #pragma omp simd
@@ -87,6 +172,12 @@ void values_kernel(const at::Tensor& probs, const at::Tensor& v_cache, const at:
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, h = item % KVH, p = P[b];
       const scalar_t* vb = V + b * vs0 + h * vs1;
+#if defined(__AVX512F__)
+      if constexpr (kD > 0 && kD % 16 == 0 && !std::is_same_v<scalar_t, double>) {
+        values_avx512<scalar_t, kD>(PR + (b * KVH + h) * G * L, L, G, vb, vs2, p + 1, O + (b * KVH + h) * G * D);
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < G; ++g) {
         const float* w = PR + ((b * KVH + h) * G + g) * L;
 #pragma omp simd

@@ -26,9 +26,6 @@
 
 #include <algorithm>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -37,19 +34,6 @@ constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its reads a row st
 constexpr int64_t kL1Bytes = 16384;       // what the lines prefetched into L1 and the input rows may take of it
 
 #if defined(__AVX512BF16__)
-// The 16 horizontal sums of a[0..15], as one vector: out[i] = sum of a[i]'s 16 floats (a transpose-and-add tree).
-inline __m512 sum16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int j = 0; j < 8; ++j)
-    b[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
-  for (int j = 0; j < 4; ++j)
-    c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
-}
-
 // R = 16 / M weight rows at a time, each multiplied with every input row: 16 float32 accumulators (R x M, the
 // rest zero), summed horizontally together by sum16. kL1: from three rows, the next group's lines prefetched into
 // L1 (else L2).
@@ -99,7 +83,7 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias
         }
       }
     }
-    _mm512_store_ps(sums, sum16(acc));
+    _mm512_store_ps(sums, miles::sum16(acc));
     for (int r = 0; r < rows; ++r) {
       const float b = bias != nullptr ? static_cast<float>(bias[n + r]) : 0.f;
       for (int m = 0; m < M; ++m) miles::store(out + m * N, n + r, sums[r * M + m] + b);

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from miles.engine.model_runner import ModelRunner, _packing_works
+from miles.engine.packing import PACK_AFTER
 
 
 def forward(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -32,6 +33,7 @@ def test_packed_weights_equal_f_linear_and_follow_weight_updates(
     torch.set_num_threads(1)
     runner = ModelRunner(engine_models[arch], dtype=dtype)
     assert runner.pack_weights
+    runner.pack_after = 1  # every weight packed at its first forward (the deferral: the test below)
     prompts = [[(7 * i + j) % 400 + 3 for j in range(5 + 3 * i)] for i in range(3)]
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,6 +60,45 @@ def test_packed_weights_equal_f_linear_and_follow_weight_updates(
     assert all(same(a, b) for a, b in zip(p_logits2, logits2, strict=True))
     runner.drop_packed()
     assert not runner._packed
+
+
+def test_bf16_weights_are_packed_at_their_third_prefill_since_they_changed_with_the_same_bits(
+    engine_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forwards before run on the plain weights (oneDNN reorders them on each call): a GRPO step's probe
+    and prompts after a push skip the packing. float32 packs at once (``F.linear`` rounds otherwise there)."""
+    if not _packing_works(torch.bfloat16):
+        pytest.skip("this CPU/torch has no oneDNN bfloat16 weight packing")
+    torch.set_num_threads(1)
+    packs: list[int] = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, b: packs.append(1) or reorder(w, b))
+    runner = ModelRunner(engine_models["qwen2"], dtype="bfloat16")
+    assert runner.pack_after == PACK_AFTER == 3
+    runner._rows_pending = False  # the row limit kept on this machine (a first measurement packs at once)
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(12 + 4 * i)] for i in range(2)]  # more rows than the row kernel's
+
+    def prefill() -> list[torch.Tensor]:
+        runner.fit(1, 1)
+        runner.ensure(len(prompts), 64)
+        logits, _ = runner.prefill(0, prompts, [0] * len(prompts), [True] * len(prompts))
+        return [lg for lg in logits if lg is not None]
+
+    plain = [prefill(), prefill()]
+    assert not packs and not runner._packed
+    packed = prefill()
+    assert packs and len(packs) == len(runner._packed)  # each weight once
+    assert all(torch.equal(a, b) for run in plain for a, b in zip(run, packed, strict=True))
+    count = len(packs)
+    prefill()
+    assert len(packs) == count  # packed once
+    runner.load_weights(engine_models["qwen2_b"])  # changed weights: plain again for two forwards
+    changed = [prefill(), prefill()]
+    assert len(packs) == count
+    assert not torch.equal(changed[0][0], packed[0]) and torch.equal(changed[0][0], changed[1][0])
+    assert torch.equal(prefill()[0], changed[0][0]) and len(packs) == 2 * count
+    fp32 = ModelRunner(engine_models["qwen2"], dtype="float32")
+    assert fp32.pack_after == 1
 
 
 def test_kv_buffers_are_kept_for_a_steady_workload_and_freed_after_a_long_one(engine_models: dict[str, Path]) -> None:

@@ -45,7 +45,7 @@ from miles.engine.invariant import silu as invariant_silu
 from miles.engine.lora import GATE_UP, QKV
 from miles.engine.multimodal import VISION_MODEL_TYPES, ImageInputs, place_images
 from miles.engine.options import ATTENTION_BACKENDS
-from miles.engine.packing import PACK_BATCH, plain_linear
+from miles.engine.packing import PACK_AFTER, PACK_BATCH, plain_linear
 from miles.engine.packing import packing_works as _packing_works
 from miles.engine.routers import Routers
 
@@ -111,6 +111,10 @@ class ModelRunner:
         self.pack_weights = self.device.type == "cpu" and _packing_works(self.dtype)
         self.invariant = invariant and self._invariant_works(quantization)
         """Compute with the batch-invariant ops (:mod:`miles.engine.invariant`): rows independent of the batch."""
+        self.pack_after = PACK_AFTER if self.dtype == torch.bfloat16 and not self.invariant else 1
+        """A weight is packed at its ``pack_after``-th forward of many rows since it changed (before: ``F.linear``,
+        bit for bit the packed result in bfloat16; :data:`~miles.engine.packing.PACK_AFTER`); float32 packs at
+        once (``F.linear`` runs MKL there, another rounding)."""
         if quantization is not None:  # projections hold and compute with the pushed low-precision weights
             from miles.engine.quantized import quantize_model
 
@@ -129,6 +133,11 @@ class ModelRunner:
         """The MoE routers (``routed_experts`` of every forward; none for a dense model)."""
         self.moe_layers, self.topk = self.routers.layers, self.routers.topk
         self._packed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._unpacked: dict[str, tuple[tuple[int, ...], int, int]] = {}
+        """Forwards each weight ran plain since it changed (its versions, their count, the last one's number):
+        see ``pack_after``."""
+        self._forwards = 0
+        """Prefills and decode steps so far (a weight's calls in one forward count once)."""
         self.weights_generation = 0
         """Bumped whenever weights change (what encoded images are checked against)."""
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
@@ -329,6 +338,8 @@ class ModelRunner:
         versions = tuple(p._version for p in sources)
         entry = self._packed.get(key)
         if entry is None or entry[0] != versions:
+            if self._still_plain(key, versions):
+                return F.linear(x, weight, bias)
             entry = (versions, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH))
             self._packed[key] = entry
             if self._rows_pending and weight.is_contiguous():
@@ -336,6 +347,20 @@ class ModelRunner:
         if self.invariant:  # the packed weight gives the plain one's bits (:mod:`miles.engine.invariant`)
             return invariant_linear(x, entry[1], bias)
         return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+
+    def _still_plain(self, key: str, versions: tuple[int, ...]) -> bool:
+        """Whether this call of ``key``'s weight (at ``versions``) runs on the plain weight: in one of the first
+        ``pack_after - 1`` forwards since the weight changed (counted here; calls within a forward count once).
+        Never while the row limit is still to be measured: :meth:`_choose_rows` times the packed weights."""
+        if self._rows_pending:
+            return False
+        seen = self._unpacked.get(key)
+        count = 1 if seen is None or seen[0] != versions else seen[1] + (seen[2] != self._forwards)
+        if count >= self.pack_after:
+            self._unpacked.pop(key, None)
+            return False
+        self._unpacked[key] = (versions, count, self._forwards)
+        return True
 
     def _proj(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         """A projection module's output: through :meth:`_linear` (``invariant``) or its own forward."""
@@ -380,6 +405,7 @@ class ModelRunner:
         """Free the packed weights, and the quantized projections' dequantized ones (memory release; they are
         rebuilt on the next forward)."""
         self._packed.clear()
+        self._unpacked.clear()
         self._dense.clear()
         self.weights_generation += 1
         for module in self.model.modules():
@@ -585,6 +611,7 @@ class ModelRunner:
         Returns, per chunk, fp32 logits ``[n, vocab]`` (where ``want_logits``) and routed experts
         ``[n, layers, topk]`` (MoE models).
         """
+        self._forwards += 1
         bsz = len(chunks)
         lengths = [len(c) for c in chunks]
         longest = max(lengths)
@@ -645,6 +672,7 @@ class ModelRunner:
         ``[B, layers, topk]``.
         """
         b = len(tokens)
+        self._forwards += 1
         longest = max(positions) + 1
         self.ensure(first_slot + b, longest + 1)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]

@@ -10,9 +10,9 @@
 // With AVX-512 and a head dim of 64 or 128: bfloat16 scores as AVX-512 BF16 dot products of q and each key
 // (VDPBF16PS, products summed in float32, times the scale after), 16 positions at a time reduced together
 // (miles::sum16); the values with each value row converted once for up to four query heads, whose float32
-// sums stay in registers. On an AMD EPYC at 8 requests of ~60 positions (SmolLM2: 9 heads over 3 KV heads of
-// 64) a layer's scores took 31 us and its values 17 before (a horizontal sum per dot product; the sums in
-// memory).
+// sums stay in registers. On an AMD EPYC at 8 requests (SmolLM2: 9 heads over 3 KV heads of 64) a layer's
+// scores and values took 48 + 21 us at 151 positions with a horizontal sum per dot product and the values' sums in
+// memory, 17 + 13 us so; 278 + 137 against 76 + 67 at 1,024.
 
 #include "common.h"
 
@@ -31,6 +31,15 @@ using miles::store;
 
 constexpr int64_t kMaxGroup = 16;
 constexpr int kMaxDim = 256;
+
+// Whether scores_bf16 computes the scores of a head dim kD in scalar_t here.
+template <typename scalar_t, int kD>
+constexpr bool kDotScores =
+#if defined(__AVX512BF16__)
+    kD > 0 && kD % 32 == 0 && std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+    false;
+#endif
 
 #if defined(__AVX512F__)
 // 16 elements from p as float32.
@@ -128,28 +137,26 @@ void scores_kernel(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache
       std::memcpy(kb + p * ks2, KN + b * kns0 + h * kns1, D * sizeof(scalar_t));
       std::memcpy(vb + p * vs2, VN + b * vns0 + h * vns1, D * sizeof(scalar_t));
       float* out = S + (b * KVH + h) * G * L;
+      if constexpr (kDotScores<scalar_t, kD>) {
 #if defined(__AVX512BF16__)
-      if constexpr (kD > 0 && kD % 32 == 0 && std::is_same_v<scalar_t, c10::BFloat16>) {
         scores_bf16<kD>(Q + b * qs0 + h * G * qs1, qs1, G, kb, ks2, p + 1, scale, out, L);
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t l = p + 1; l < L; ++l) out[g * L + l] = -std::numeric_limits<float>::infinity();
-        continue;
-      }
 #endif
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* qr = Q + b * qs0 + (h * G + g) * qs1;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) qf[g][d] = load(qr, d) * scale;
-      }
-      for (int64_t l = 0; l <= p; ++l) {
-        const scalar_t* kr = kb + l * ks2;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) kf[d] = load(kr, d);
+      } else {
         for (int64_t g = 0; g < G; ++g) {
-          float s = 0.f;
+          const scalar_t* qr = Q + b * qs0 + (h * G + g) * qs1;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) qf[g][d] = load(qr, d) * scale;
+        }
+        for (int64_t l = 0; l <= p; ++l) {
+          const scalar_t* kr = kb + l * ks2;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) kf[d] = load(kr, d);
+          for (int64_t g = 0; g < G; ++g) {
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qf[g][d] * kf[d];
-          out[g * L + l] = s;
+            for (int64_t d = 0; d < D; ++d) s += qf[g][d] * kf[d];
+            out[g * L + l] = s;
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)

@@ -26,7 +26,6 @@
 
 #include <algorithm>
 
-
 namespace {
 
 constexpr int64_t kMaxRows = 8;

@@ -6,7 +6,7 @@
 // weight is read once whatever the number of rows; 16 / rows weight rows go together, so that 16 float32 sums are
 // reduced at once (sum16). Each sum (plus the bias) is rounded to bfloat16 once, and every sum is taken in the
 // same order whatever the number of rows. At one or two rows the weight rows are read one after the other (one
-// stream, a line 4 KB ahead prefetched); from three, side by side with the next group's rows prefetched. Built
+// stream, a line 4 KB ahead prefetched); from three, side by side with a later group's rows prefetched. Built
 // where the compiler targets AVX-512 BF16 (-march=native on such a CPU); elsewhere linear_rows_available() is
 // false and the engine keeps oneDNN. On the development machine (Xeon, AMX) it read weights at 18-21 GB/s at one
 // row, where oneDNN's prepacked GEMM reaches 12-16; on an AMD EPYC (no AMX) 24 GB/s at two rows against oneDNN's
@@ -14,11 +14,17 @@
 // 24.7 GB/s read one row after the other against 21.6 side by side (30-31 GB/s over one 276 MB matrix).
 // The engine calls it at one row, and up to the rows where it measured it as fast (cpu_kernels.measure_rows).
 //
-// From three rows the next group's lines are prefetched into L1 only where they and the input rows fit in half of
+// From three rows a later group's lines are prefetched into L1 only where they and the input rows fit in half of
 // it (kL1Bytes): R streams of R weight rows ahead, (R * R + M) * K bfloat16s; else into L2, where the lines the
 // kernel is about to read do not evict the input rows. On an AMD EPYC (32 KB L1D) SmolLM2's decode layers (30
 // decode_block calls) at 3 / 4 / 6 / 8 rows took 9.5 / 9.8 / 12.0 / 10.6 ms against 11.2 / 11.5 / 13.2 / 11.5 with
 // every prefetch into L1; the down projection (K = 1536) at 8 rows 56 against 97 us a layer.
+//
+// The lines prefetched are those of the group after next (kAheadGroups): a group of R rows at K = 576 takes the
+// kernel a few hundred cycles, about one memory latency, so lines asked for one group ahead often came late.
+// SmolLM2's 30 layers of projections and its LM head, cold in turn, on the same AMD EPYC, three runs alternating:
+// 1.03-1.07x at 8 rows, 1.05-1.08x at 4, 1.01-1.03x at 3 against one group ahead (four and eight groups ahead: no
+// better than one); with the weights in L3 (no memory stalls to hide) no difference.
 
 #include "common.h"
 
@@ -31,10 +37,11 @@ namespace {
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its reads a row stream asks for a line
 constexpr int64_t kL1Bytes = 16384;       // what the lines prefetched into L1 and the input rows may take of it
+constexpr int64_t kAheadGroups = 2;       // from three rows: how many groups of R rows ahead lines are prefetched
 
 #if defined(__AVX512BF16__)
 // R = 16 / M weight rows at a time, each multiplied with every input row: 16 float32 accumulators (R x M, the
-// rest zero), summed horizontally together by sum16. kL1: from three rows, the next group's lines prefetched into
+// rest zero), summed horizontally together by sum16. kL1: from three rows, a later group's lines prefetched into
 // L1 (else L2).
 template <int M, bool kL1>
 void rows_kernel(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias, c10::BFloat16* out, int64_t K,
@@ -65,13 +72,13 @@ void rows_kernel(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias
         for (int m = 0; m < M; ++m) acc[r * M + m] = a[m];
       }
     } else {
-      // the R rows side by side, each input row loaded once for all of them; the next group's rows prefetched
+      // the R rows side by side, each input row loaded once for all of them; the group after next prefetched
       for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 mask = k < full ? static_cast<__mmask32>(0xFFFFFFFFu) : tail;
         __m512bh xv[M];
         for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
-        if (n + R < N) {
-          const char* next = reinterpret_cast<const char*>(w + (n + R) * K) + (k / 32) * R * 64;
+        if (n + kAheadGroups * R < N) {
+          const char* next = reinterpret_cast<const char*>(w + (n + kAheadGroups * R) * K) + (k / 32) * R * 64;
           for (int r = 0; r < R; ++r) _mm_prefetch(next + r * 64, kL1 ? _MM_HINT_T0 : _MM_HINT_T1);
         }
         for (int r = 0; r < R; ++r) {  // (R, known when compiled: the accumulators stay in registers)

@@ -23,7 +23,7 @@
 // The lines prefetched are those of the group after next (kAheadGroups): a group of R rows at K = 576 takes the
 // kernel a few hundred cycles, about one memory latency, so lines asked for one group ahead often came late.
 // SmolLM2's 30 layers of projections and its LM head, cold in turn, on the same AMD EPYC, three runs alternating:
-// 1.03-1.07x at 8 rows, 1.05-1.08x at 4, 1.01-1.03x at 3 against one group ahead (four and eight groups ahead: no
+// 1.03-1.06x at 8 rows, 1.05-1.08x at 4, 1.01-1.03x at 3 against one group ahead (four and eight groups ahead: no
 // better than one); with the weights in L3 (no memory stalls to hide) no difference.
 
 #include "common.h"

@@ -194,20 +194,28 @@ def test_sessions_behind_smg_keep_each_session_on_one_engine(tmp_path: Path) -> 
             try:
                 async with httpx.AsyncClient(base_url=url, timeout=300) as http:
 
-                    async def one(k: int) -> tuple[str, list[dict[str, Any]]]:
-                        sid = (await http.post("/sessions", json={"sampling": {"seed": k, "override": True}})).json()
-                        messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
-                        answers = []
-                        for turn in range(4):
-                            messages.append({"role": "user", "content": f"Question {turn} of session {k}?"})
+                    async def turns(
+                        k: int, sid: str, messages: list[dict[str, Any]], answers: list[Any], n: int
+                    ) -> None:
+                        for _ in range(n):
+                            messages.append({"role": "user", "content": f"Question {len(answers)} of session {k}?"})
                             body = {"model": "policy", "messages": messages, "return_token_ids": True}
-                            resp = await http.post(f"/sessions/{sid['id']}/v1/chat/completions", json=body)
+                            resp = await http.post(f"/sessions/{sid}/v1/chat/completions", json=body)
                             assert resp.status_code == 200, resp.text
                             answers.append(resp.json())
                             messages.append(answers[-1]["choices"][0]["message"])
-                        return sid["id"], answers
 
-                    done = dict(await asyncio.gather(*(one(k) for k in range(6))))
+                    # each session's first turn in turn: smg places a new key by the keys each engine holds, and
+                    # first requests at the same instant (a loaded host) all found the same counts (24 / 0 once)
+                    started = []
+                    for k in range(6):
+                        sid = (await http.post("/sessions", json={"sampling": {"seed": k, "override": True}})).json()
+                        history: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
+                        answers: list[Any] = []
+                        await turns(k, sid["id"], history, answers, 1)
+                        started.append((k, sid["id"], history, answers))
+                    await asyncio.gather(*(turns(k, sid, h, a, 3) for k, sid, h, a in started))  # the rest at once
+                    done = {sid: answers for _, sid, _, answers in started}
             finally:
                 await server.stop()
             after = counters(fleet.engine_urls)

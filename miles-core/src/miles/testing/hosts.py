@@ -233,9 +233,16 @@ class Host:
         return ["ip", "netns", "exec", self.netns, *argv]
 
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` inside this host (``subprocess.Popen`` keywords apply); reaped when the set closes."""
+        """Start ``argv`` inside this host (``subprocess.Popen`` keywords apply); reaped when the set closes.
+        Returns once the process is in the host (``ip netns exec`` enters it a moment after it starts), so
+        :meth:`pids` lists it, or once it has ended."""
         process = subprocess.Popen(self.command(argv), **kwargs)
         self.processes.append(process)
+        deadline = time.monotonic() + 30
+        while process.poll() is None and process.pid not in _netns_pids(self.netns):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"host {self.name}: pid {process.pid} did not enter {self.netns} in 30 s")
+            time.sleep(0.005)
         return process
 
     def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:

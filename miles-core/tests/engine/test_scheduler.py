@@ -57,6 +57,44 @@ def test_mixed_batch_equals_solo_greedy(engine_models: dict[str, Path], arch: st
         sched.stop()
 
 
+def test_requests_that_arrive_during_a_prefill_join_before_the_next_decode_step(
+    engine_models: dict[str, Path],
+) -> None:
+    """The samples of a step reach the engine a few milliseconds apart; one sent while the first is being
+    prefilled is prefilled before the batch decodes (SGLang's prefill priority), not after a decode step of
+    the first alone, which costs a step at the start and one more at the end."""
+    torch.set_num_threads(1)
+    state = build_engine(engine_models["qwen2"], max_cache_tokens=0)
+    sched = state.scheduler
+    runner = sched.runner
+    col = Collector()
+    col.expected = 2
+    late = make("late", [9, 8, 7, 6], 6, col)
+    prefill, decode = runner.prefill, runner.decode
+    decoded_rows: list[int] = []
+    sent: list[Request] = []
+
+    def prefill_then_send(*args: object, **kwargs: object) -> object:
+        out = prefill(*args, **kwargs)
+        if not sent:
+            sent.append(late)
+            sched.add(sent)  # (sent from another thread in a run; the engine sees it after this prefill)
+        return out
+
+    def counted(tokens: list[int], *args: object, **kwargs: object) -> object:
+        decoded_rows.append(len(tokens))
+        return decode(tokens, *args, **kwargs)
+
+    runner.prefill, runner.decode = prefill_then_send, counted
+    try:
+        sched.add([make("first", [1, 2, 3, 4, 5], 6, col)])
+        assert col.event.wait(120)
+        assert decoded_rows == [2] * 6  # six tokens each, from six decode steps of both (the prompt's last
+        assert sched.steps == 6  # token is fed by the first); before: [1, 2, 2, 2, 2, 2, 1]
+    finally:
+        sched.stop()
+
+
 def test_retract_recomputes_kv(engine_models: dict[str, Path]) -> None:
     torch.set_num_threads(1)
     state = build_engine(engine_models["qwen2"], max_cache_tokens=1000)

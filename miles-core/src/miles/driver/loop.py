@@ -37,7 +37,7 @@ from miles.driver.colocate import LOADED_FILE, Colocation
 from miles.driver.fidelity import mismatch_metrics, optimizer_step_metrics, scoring_temperature_of, warn_on_mismatch
 from miles.driver.publish import WeightPublisher, make_publisher
 from miles.driver.records import SampleRecords
-from miles.driver.signals import SignalChecks, logprob_spread
+from miles.driver.signals import SIGNAL_PROBE_TOKENS, SignalChecks, logprob_spread
 from miles.driver.threads import ComputeThread
 from miles.types import SampleGroup
 
@@ -287,7 +287,8 @@ class TrainingLoop:
             return {}
         assert self.client is not None
         if not self._probe:
-            self._probe = self.publisher.probe or [int(t) for t in self.tokenizer.encode(PROBE_TEXT)]
+            probe = self.publisher.probe or [int(t) for t in self.tokenizer.encode(PROBE_TEXT)]
+            self._probe = probe[:SIGNAL_PROBE_TOKENS]
         return await self.signals.probe_metrics(self.client, self._probe)
 
     async def train_on(self, groups: list[SampleGroup] | None) -> dict[str, float]:

@@ -18,9 +18,9 @@ PACK_AFTER = 4
 """In bfloat16 a weight is packed at its fourth forward of more rows than the row kernel takes since it last
 changed; the forwards before run ``F.linear`` on the plain weight, which oneDNN reorders on each call, with the
 same bits (:func:`packing_works`). On an AMD EPYC packing SmolLM2's projections took 48 ms and a forward of
-8-128 rows on plain weights 8-10 ms more than on packed ones. A GRPO step pushes new weights and then runs three
-such forwards (the ``probe_unchanged`` probe, then each prompt of the rollout: the second is fed apart, after the
-system prompt it shares with the first is cached), which now skip the packing."""
+8-128 rows on plain weights 8-10 ms more than on packed ones. A GRPO step pushes new weights and then runs two
+such forwards (each prompt of the rollout: the second is fed apart, after the system prompt it shares with the first
+is cached; the ``probe_unchanged`` probe's 8 rows go to the row kernel), which skip the packing."""
 
 
 @functools.cache

@@ -3,7 +3,10 @@
 Every iteration it (1) runs commands sent from the HTTP side (add / abort requests, pause, continue,
 flush, weight updates), (2) admits waiting requests into free slots — copying their longest cached
 prefix from the radix cache and prefilling the rest — and (3) runs one batched decode step for every
-running request. Requests therefore join and leave the batch at token granularity: a short request never
+running request. When commands arrived while a prefill ran, the iteration starts over before decoding, so
+requests sent together are prefilled before the batch decodes, as SGLang gives prefill priority (a GRPO
+step's samples reach the engine over a few milliseconds: the first was otherwise prefilled and decoded a
+step alone, and the batch needed a step more at its end). Requests therefore join and leave the batch at token granularity: a short request never
 waits for a long one. Running request ``i`` always sits in KV slot ``i``; when one leaves, the last one is
 moved into its slot.
 
@@ -265,8 +268,10 @@ class Scheduler:
                 if self.paused is not None:
                     continue
                 try:
-                    self._admit()
+                    admitted = self._admit()
                     self._finish_prefill_only()
+                    if admitted and not self._inbox.empty():
+                        continue  # what arrived during the prefill joins before the next decode step
                     if self.running:
                         self._decode_step()
                 except Exception as exc:  # a model error fails the batch, not the server
@@ -288,14 +293,14 @@ class Scheduler:
                 future.set_exception(RuntimeError("the engine is shutting down"))
 
     # ------------------------------------------------------------- admission
-    def _admit(self) -> None:
-        """Move waiting requests into free slots, prefilling them in padded batches.
+    def _admit(self) -> bool:
+        """Move waiting requests into free slots, prefilling them in padded batches; whether any moved.
 
         Requests with the same sequence as an earlier one of this round (the ``n`` samples of a prompt)
         are admitted after it, so they find its KV in the prefix cache instead of recomputing it.
         """
         if not self.waiting:
-            return
+            return False
         idle = not self.running
         batch: list[Request] = []
         count = len(self.running)
@@ -316,7 +321,7 @@ class Scheduler:
             count += 1
             longest = span
         if not batch:
-            return
+            return False
         if idle:
             self.runner.fit(count, longest)
         self.peak_running = max(self.peak_running, count)
@@ -333,6 +338,7 @@ class Scheduler:
         for group in (first, later):
             if group:
                 self._prefill(group)
+        return True
 
     def _span(self, req: Request) -> int:
         """KV positions ``req`` may need at most."""

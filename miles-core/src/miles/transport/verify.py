@@ -273,10 +273,11 @@ async def rows_problem(client: EngineClient, reference: Mapping[str, torch.Tenso
 
 async def engine_probe_logprobs(client: EngineClient, url: str, probe: Sequence[int]) -> list[float]:
     """One engine's logprobs of ``probe[1:]`` given the tokens before each (``/generate`` with the prompt's
-    logprobs from position 0, temperature 1)."""
+    logprobs from position 0, temperature 1; ``max_new_tokens = 0``, SGLang's scoring-only request: one
+    prefill, no decode step)."""
     payload = {
         "input_ids": list(probe),
-        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
         "return_logprob": True,
         "logprob_start_len": 0,
     }

@@ -367,6 +367,14 @@ class SampleGroup:
         """Rewards of the group's samples; an unscored sample counts as 0.0."""
         return [0.0 if s.reward is None else float(s.reward) for s in self.samples]
 
+    @property
+    def scored(self) -> list[bool]:
+        """Which samples' rewards count in the group's statistics (its mean and spread for advantages, whether
+        they differ): those with a reward, but a failed or aborted one (its reward is missing, not 0, and it
+        trains on nothing)."""
+        unscored = (SampleStatus.FAILED, SampleStatus.ABORTED)
+        return [s.reward is not None and s.status not in unscored for s in self.samples]
+
     def to_dict(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "samples": [s.to_dict() for s in self.samples]}
 

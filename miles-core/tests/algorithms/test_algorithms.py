@@ -20,6 +20,8 @@ from miles.algorithms.settings import (
     GRPOSettings,
     GSPOSettings,
     PPOSettings,
+    ReinforcePPSettings,
+    RLOOSettings,
     SFTSettings,
 )
 from miles.testing import check_algorithm
@@ -279,6 +281,47 @@ def test_dapo_dynamic_sampling_and_overlong_shaping() -> None:
     adv = shaped.compute_advantages(AdvantageInputs([group(0, [1.0, 1.0], [6, 8])])).advantages
     assert adv[0][0][0].item() == pytest.approx(0.707107, abs=1e-6)
     assert adv[0][1][0].item() == pytest.approx(-0.707107, abs=1e-6)
+
+
+def test_a_failed_sample_counts_in_no_group_statistic() -> None:
+    """A sample whose generation or reward failed has no reward (``None``) and trains on nothing. Counted as 0 in
+    its group's statistics, it moved the other samples' advantages (three equal rewards and a failure gave the
+    three a positive advantage each), kept a group of otherwise equal rewards under DAPO's dynamic sampling, and
+    moved REINFORCE++-baseline's group mean; now the group's scored samples alone make those statistics."""
+    from miles.types import SampleStatus
+
+    def group(rewards: list[float | None]) -> SampleGroup:
+        samples = [
+            Sample(
+                prompt_ids=[1],
+                response_ids=[3, 4],
+                rollout_logprobs=[-1.0, -1.0],
+                loss_mask=[1, 1] if r is not None else [0, 0],
+                reward=r,
+                group_id=0,
+                index=i,
+                status=SampleStatus.COMPLETED if r is not None else SampleStatus.FAILED,
+            )
+            for i, r in enumerate(rewards)
+        ]
+        return SampleGroup(0, samples)
+
+    def scalars(algo: object, g: SampleGroup) -> list[float]:
+        out = algo.compute_advantages(AdvantageInputs([g])).advantages[0]  # type: ignore[attr-defined]
+        return [float(t[0]) for t in out]
+
+    equal_and_failed = group([1.0, 1.0, 1.0, None])
+    for cls, settings in ((GRPO, GRPOSettings()), (RLOO, RLOOSettings()), (DrGRPO, DrGRPOSettings())):
+        assert scalars(cls(settings), equal_and_failed) == [0.0] * 4, cls.__name__
+    # the scored ones as if alone: GRPO on (1, 0) -> +-0.707107 (unbiased std, eps 0); the failed one 0
+    assert scalars(GRPO(GRPOSettings(eps=0.0)), group([1.0, None, 0.0])) == pytest.approx([0.707107, 0.0, -0.707107])
+    assert DAPO(DAPOSettings()).keep_groups([equal_and_failed, group([1.0, None, 0.0])]) == [False, True]
+    # REINFORCE++-baseline: the group mean over the scored samples (1.0) leaves nothing to whiten
+    baseline = ReinforcePPBaseline(ReinforcePPSettings())
+    assert all(
+        a.abs().max().item() == 0.0
+        for a in baseline.compute_advantages(AdvantageInputs([equal_and_failed])).advantages[0]
+    )
 
 
 def test_settings_errors_name_the_field() -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from miles.algorithms.advantages import broadcast_to_tokens, group_normalized
+from miles.algorithms.advantages import broadcast_to_tokens, group_normalized, over_scored
 from miles.algorithms.base import (
     AdvantageInputs,
     Advantages,
@@ -91,8 +91,10 @@ class FlowGRPO(DiffusionAlgorithm[FlowGRPOSettings]):
         s = self.settings
         out = []
         for group in inputs.groups:
-            scalars = group_normalized(
-                group.rewards, std_normalize=s.std_normalize, unbiased_std=s.unbiased_std, eps=s.eps
+            scalars = over_scored(
+                group.rewards,
+                group.scored,
+                lambda r: group_normalized(r, std_normalize=s.std_normalize, unbiased_std=s.unbiased_std, eps=s.eps),
             )
             clipped = [max(-s.adv_clip_max, min(s.adv_clip_max, a)) for a in scalars]
             out.append(

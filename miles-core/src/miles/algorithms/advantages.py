@@ -15,7 +15,7 @@ Conventions, checked by the tests with hand-worked numbers:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ __all__ = [
     "global_token_normalize",
     "group_normalized",
     "kl_penalized_returns",
+    "over_scored",
     "overlong_penalty",
     "rloo",
 ]
@@ -54,6 +55,16 @@ def group_normalized(
     var = sum(c * c for c in centered) / (n - 1 if unbiased_std else n)
     std = math.sqrt(var)
     return [c / (std + eps) for c in centered]
+
+
+def over_scored(
+    rewards: Sequence[float], scored: Sequence[bool], scalars_of: Callable[[list[float]], list[float]]
+) -> list[float]:
+    """``scalars_of`` over the scored samples' rewards only (:attr:`~miles.types.SampleGroup.scored`), 0 for the
+    others: a sample whose generation or reward failed has no reward, and counting it as 0 would move the
+    others' advantages (three correct answers and a failure would look like three above the mean)."""
+    values = iter(scalars_of([r for r, ok in zip(rewards, scored, strict=True) if ok]))
+    return [next(values) if ok else 0.0 for ok in scored]
 
 
 def rloo(rewards: Sequence[float]) -> list[float]:

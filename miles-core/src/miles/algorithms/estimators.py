@@ -31,6 +31,7 @@ from miles.algorithms.advantages import (
     global_token_normalize,
     group_normalized,
     kl_penalized_returns,
+    over_scored,
     rloo,
 )
 from miles.algorithms.base import AdvantageInputs, Advantages
@@ -132,7 +133,7 @@ def _group_estimator(
                 r - settings.kl_coef * _sequence_kl(sample, _ref(inputs, g, i), settings.kl_estimator)
                 for i, (r, sample) in enumerate(zip(shaped, group.samples, strict=True))
             ]
-        scalars = scalars_of(shaped)
+        scalars = over_scored(shaped, group.scored, scalars_of)
         out.append([broadcast_to_tokens(a, s.loss_mask) for a, s in zip(scalars, group.samples, strict=True)])
     return Advantages(out)
 
@@ -165,9 +166,8 @@ def _reinforce_pp(
     masks: list[torch.Tensor] = []
     for g, group in enumerate(inputs.groups):
         group_rewards = rewards[g]
-        if subtract_group_mean and group_rewards:
-            mean = sum(group_rewards) / len(group_rewards)
-            group_rewards = [r - mean for r in group_rewards]
+        if subtract_group_mean and any(group.scored):
+            group_rewards = over_scored(group_rewards, group.scored, lambda r: [v - sum(r) / len(r) for v in r])
         for i, (sample, reward) in enumerate(zip(group.samples, group_rewards, strict=True)):
             flat.append(token_rewards_with_kl(sample, _ref(inputs, g, i), settings, reward, settings.gamma))
             masks.append(torch.tensor(sample.loss_mask, dtype=torch.float32))

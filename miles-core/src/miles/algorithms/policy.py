@@ -109,10 +109,10 @@ class PolicyGradientAlgorithm(Algorithm[PolicyT]):
 
     # -- DAPO tricks ---------------------------------------------------------------------------------
     def keep_groups(self, groups: Sequence[SampleGroup]) -> list[bool]:
-        """With ``dynamic_sampling``: keep a group only when its rewards are not all equal."""
+        """With ``dynamic_sampling``: keep a group only when its scored samples' rewards are not all equal."""
         if not self.settings.dynamic_sampling:
             return [True] * len(groups)
-        return [len(set(g.rewards)) > 1 for g in groups]
+        return [len({r for r, ok in zip(g.rewards, g.scored, strict=True) if ok}) > 1 for g in groups]
 
     def shaped_rewards(self, group: SampleGroup) -> list[float]:
         """The group's rewards plus DAPO's overlong penalty (when ``overlong_buffer_length`` > 0).

@@ -42,6 +42,29 @@ def test_advantages_are_rewards_minus_the_group_median_on_trained_tokens() -> No
             torch.testing.assert_close(adv, expected)
 
 
+def test_a_failed_sample_is_left_out_of_the_median() -> None:
+    """A failed sample keeps its place with no reward and trains on nothing; the median is the others'."""
+    from dataclasses import replace
+
+    from miles.types import SampleGroup, SampleStatus
+
+    (group,) = example_groups(num_groups=1, group_size=4, seed=3)
+    rewards = [1.0, 1.0, 0.0, None]
+    samples = [
+        replace(
+            s,
+            reward=r,
+            status=SampleStatus.FAILED if r is None else s.status,
+            loss_mask=s.loss_mask if r is not None else [0] * len(s.loss_mask),
+        )
+        for s, r in zip(group.samples, rewards, strict=True)
+    ]
+    (row,) = MedianGRPO(MedianGRPOSettings()).compute_advantages(AdvantageInputs([SampleGroup(0, samples)])).advantages
+    # the median of (1, 1, 0) is 1 (counting the failed sample as 0 it was 0.5)
+    for sample, adv, expected in zip(samples, row, [0.0, 0.0, -1.0, 0.0], strict=True):
+        torch.testing.assert_close(adv, torch.tensor(sample.loss_mask, dtype=torch.float32) * expected)
+
+
 def test_the_drift_term_is_zero_on_policy_and_grows_with_the_ratio() -> None:
     algorithm = MedianGRPO(MedianGRPOSettings(drift_coef=0.5, clip_eps_low=10.0, clip_eps_high=10.0))
     old = torch.tensor([-1.0, -2.0, -0.5])

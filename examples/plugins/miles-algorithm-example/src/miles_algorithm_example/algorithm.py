@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from miles.algorithms.advantages import broadcast_to_tokens
+from miles.algorithms.advantages import broadcast_to_tokens, over_scored
 from miles.algorithms.base import AdvantageInputs, Advantages, LossInputs
 from miles.algorithms.estimators import estimator
 from miles.algorithms.policy import PolicyGradientAlgorithm
@@ -31,16 +31,19 @@ def group_median(inputs: AdvantageInputs, settings: Any, rewards: list[list[floa
     """Each sample's reward minus its group's median, on every trained token (0 on tool tokens).
 
     ``rewards`` are the group's rewards after the algorithm's reward shaping; a median baseline is not
-    pulled around by one outlier reward the way GRPO's mean is.
+    pulled around by one outlier reward the way GRPO's mean is. A failed sample has no reward (0 in
+    ``rewards``): ``over_scored`` takes the median of the scored samples alone and gives it 0.
     """
     import statistics
 
+    def minus_median(scores: list[float]) -> list[float]:
+        median = statistics.median(scores)
+        return [r - median for r in scores]
+
     advantages = []
     for group, scores in zip(inputs.groups, rewards, strict=True):
-        median = statistics.median(scores)
-        advantages.append(
-            [broadcast_to_tokens(r - median, s.loss_mask) for s, r in zip(group.samples, scores, strict=True)]
-        )
+        values = over_scored(scores, group.scored, minus_median)
+        advantages.append([broadcast_to_tokens(a, s.loss_mask) for s, a in zip(group.samples, values, strict=True)])
     return Advantages(advantages)
 
 

@@ -157,6 +157,11 @@ def rloo_estimator(inputs: AdvantageInputs, settings: Any, rewards: list[list[fl
     return _group_estimator(inputs, settings, rewards, rloo)
 
 
+def _minus_mean(rewards: list[float]) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
 def _reinforce_pp(
     inputs: AdvantageInputs, settings: Any, rewards: list[list[float]], *, subtract_group_mean: bool
 ) -> Advantages:
@@ -167,7 +172,7 @@ def _reinforce_pp(
     for g, group in enumerate(inputs.groups):
         group_rewards = rewards[g]
         if subtract_group_mean and any(group.scored):
-            group_rewards = over_scored(group_rewards, group.scored, lambda r: [v - sum(r) / len(r) for v in r])
+            group_rewards = over_scored(group_rewards, group.scored, _minus_mean)
         for i, (sample, reward) in enumerate(zip(group.samples, group_rewards, strict=True)):
             flat.append(token_rewards_with_kl(sample, _ref(inputs, g, i), settings, reward, settings.gamma))
             masks.append(torch.tensor(sample.loss_mask, dtype=torch.float32))

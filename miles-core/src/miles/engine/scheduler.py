@@ -6,9 +6,9 @@ prefix from the radix cache and prefilling the rest — and (3) runs one batched
 running request. When commands arrived while a prefill ran, the iteration starts over before decoding, so
 requests sent together are prefilled before the batch decodes, as SGLang gives prefill priority (a GRPO
 step's samples reach the engine over a few milliseconds: the first was otherwise prefilled and decoded a
-step alone, and the batch needed a step more at its end). Requests therefore join and leave the batch at token granularity: a short request never
-waits for a long one. Running request ``i`` always sits in KV slot ``i``; when one leaves, the last one is
-moved into its slot.
+step alone, and the batch needed a step more at its end). Requests therefore join and leave the batch at
+token granularity: a short request never waits for a long one. Running request ``i`` always sits in KV
+slot ``i``; when one leaves, the last one is moved into its slot.
 
 With ``deterministic`` (``--enable-deterministic-inference``, SGLang's flag) every forward is
 batch-invariant, and the prefix cache is an :class:`ExactPrefixCache`, whose hits are bit for bit what a

@@ -203,7 +203,7 @@ def run_miles(spec: dict[str, Any], workdir: Path, variant: str, threads: int | 
     chosen = [
         line.strip()
         for line in log_path.read_text(errors="replace").splitlines()
-        if line.startswith(("precision:", "transport:", "threads:"))
+        if line.startswith(("precision:", "rollout.engine_dtype:", "transport:", "threads:"))
     ]
     return {
         "step_times": times,

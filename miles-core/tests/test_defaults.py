@@ -10,10 +10,13 @@ import pytest
 from miles.components import ComponentKind
 from miles.compose import Run, build_run
 from miles.defaults import (
+    BF16_TRAIN_SPEEDUP,
     SPIN_COUNT,
     MachineFacts,
     TransportFacts,
+    choose_engine_dtype,
     choose_precision,
+    measure_bf16_gemm_speedup,
     split_threads,
     transport_candidates,
 )
@@ -26,6 +29,7 @@ SAPPHIRE_RAPIDS = frozenset(
 )
 ICE_LAKE = frozenset(["fpu", "sse2", "avx2", "avx512f", "avx512_vnni"])  # AVX-512 without bf16 units
 ZEN4 = frozenset(["fpu", "sse2", "avx2", "avx512f", "avx512_bf16"])  # AMD EPYC 9004: AVX-512 BF16, no AMX
+XEON_NO_AMX = frozenset(["fpu", "sse2", "avx2", "avx512f", "avx512_bf16", "avx512_fp16"])  # AMX not exposed
 
 
 # -------------------------------------------------------------------------------------------- precision
@@ -51,6 +55,43 @@ def test_fidelity_sensitive_settings_keep_float32() -> None:
     assert fp32_engine.value == "fp32" and "rollout.engine_dtype = float32" in fp32_engine.reason
     bf16_engine = choose_precision(device="cpu", cpu_flags=SAPPHIRE_RAPIDS, engine_dtype="bfloat16")
     assert bf16_engine.value == "bf16"
+
+
+def test_measured_bf16_gemms_decide_whether_to_train_in_bf16_and_the_engines_still_serve_bf16() -> None:
+    """A CPU with bfloat16 units trains in bf16 where its bf16 GEMMs, measured, beat float32's by
+    :data:`BF16_TRAIN_SPEEDUP` (AMX: 2.4x); where they do not (a Xeon whose AMX is not exposed: 0.55-0.65x), the
+    trainer computes in float32 and the engines serve bfloat16, since decoding reads the weights."""
+    fast = choose_precision(device="cpu", cpu_flags=SAPPHIRE_RAPIDS, bf16_gemm_speedup=2.4)
+    assert fast.value == "bf16" and "bf16 GEMMs run at 2.40x float32's here (measured at start)" in fast.reason
+    slow = choose_precision(device="cpu", cpu_flags=XEON_NO_AMX, bf16_gemm_speedup=0.6)
+    assert slow.value == "fp32"
+    assert slow.reason == (
+        "auto: the CPU has bfloat16 units (avx512_bf16), but bf16 GEMMs run at 0.60x float32's here (measured at "
+        f"start), below the {BF16_TRAIN_SPEEDUP}x that bf16 training needs: the trainer computes in float32"
+    )
+    engine = choose_engine_dtype(device="cpu", cpu_flags=XEON_NO_AMX, precision="fp32", bf16_gemm_speedup=0.6)
+    assert engine is not None and (engine.field, engine.value) == ("rollout.engine_dtype", "bfloat16")
+    assert "half the bytes" in engine.reason
+    # the engines keep the recipe's dtype everywhere else
+    kept = [
+        dict(device="cpu", cpu_flags=XEON_NO_AMX, precision="fp32", bf16_gemm_speedup=None),  # not measured
+        dict(device="cpu", cpu_flags=SAPPHIRE_RAPIDS, precision="bf16", bf16_gemm_speedup=2.4),
+        dict(device="cpu", cpu_flags=ICE_LAKE, precision="fp32", bf16_gemm_speedup=0.3),  # no units
+        dict(device="cpu", cpu_flags=XEON_NO_AMX, precision="fp32", bf16_gemm_speedup=0.6, true_on_policy=True),
+        dict(device="cpu", cpu_flags=XEON_NO_AMX, precision="fp32", bf16_gemm_speedup=0.6, engine_dtype="float32"),
+        dict(device="cuda", cpu_flags=XEON_NO_AMX, precision="fp32", bf16_gemm_speedup=0.6),
+    ]
+    assert [choose_engine_dtype(**facts) for facts in kept] == [None] * len(kept)  # type: ignore[arg-type]
+    # the flags alone, unmeasured, and the fidelity settings, decide as before
+    assert choose_precision(device="cpu", cpu_flags=XEON_NO_AMX).value == "bf16"
+    on_policy = choose_precision(device="cpu", cpu_flags=XEON_NO_AMX, true_on_policy=True, bf16_gemm_speedup=3.0)
+    assert on_policy.value == "fp32"
+
+
+def test_this_hosts_bf16_gemm_speedup_is_measured() -> None:
+    """The measurement runs the real GEMMs of this host in both dtypes (a rate ratio: positive and finite)."""
+    speedup = measure_bf16_gemm_speedup(rounds=2)
+    assert speedup is not None and 0.01 < speedup < 100
 
 
 def test_machine_facts_read_the_first_processor_of_cpuinfo(tmp_path: Path) -> None:
@@ -175,6 +216,16 @@ def test_build_run_replaces_auto_before_resolving() -> None:
     run = _build(unnamed, MachineFacts(cpu_flags=SAPPHIRE_RAPIDS))
     assert (unnamed.precision.name, unnamed.transport.name) == ("bf16", "broadcast")
     assert run.choices["precision"].reason.startswith("auto: the CPU has bfloat16 units")
+    assert "engine_dtype" not in run.choices and run.engine_dtype == "bfloat16"
+    # bf16 units whose GEMMs are slow: the trainer in float32, the engines in bfloat16
+    slow = MilesSettings()
+    run = _build(slow, MachineFacts(cpu_flags=XEON_NO_AMX, bf16_gemm_speedup=0.6))
+    assert (slow.precision.name, slow.rollout.engine_dtype, run.engine_dtype) == ("fp32", "bfloat16", "bfloat16")
+    assert run.choices["engine_dtype"].line().startswith("rollout.engine_dtype = bfloat16: auto: the trainer")
+    # a dtype the user set is kept
+    kept = MilesSettings(rollout={"engine_dtype": "float32"})
+    run = _build(kept, MachineFacts(cpu_flags=XEON_NO_AMX, bf16_gemm_speedup=0.6))
+    assert (kept.precision.name, run.engine_dtype) == ("fp32", "float32") and "engine_dtype" not in run.choices
 
 
 def test_colocated_on_cuda_auto_takes_tensor_ipc_else_disk_where_broadcast_is_refused() -> None:

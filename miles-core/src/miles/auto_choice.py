@@ -26,8 +26,10 @@ def choose_automatic(
     settings: MilesSettings, pm: PluginManager, kinds: tuple[ComponentKind, ...], machine: MachineFacts | None
 ) -> dict[str, Choice]:
     """Replace ``precision = "auto"`` and ``transport = "auto"`` in ``settings`` with the names
-    :mod:`miles.defaults` chooses; return every choice (those set by the user too) with its reason."""
-    from miles.defaults import AUTO, Choice, MachineFacts, choose_precision
+    :mod:`miles.defaults` chooses (and ``rollout.engine_dtype = "auto"`` with ``bfloat16`` where ``auto`` trains
+    in float32 on a CPU whose bfloat16 GEMMs are slow: :func:`~miles.defaults.choose_engine_dtype`); return every
+    choice (those set by the user too) with its reason."""
+    from miles.defaults import AUTO, Choice, MachineFacts, choose_engine_dtype, choose_precision
     from miles.settings.loader import sources_of
     from miles.settings.model import PluginSpec
 
@@ -36,17 +38,24 @@ def choose_automatic(
     if ComponentKind.PRECISION in kinds:
         spec = settings.precision
         if spec.name == AUTO:
-            facts = machine if machine is not None else MachineFacts.of_this_host()
-            choice = choose_precision(
-                device=settings.cluster.device,
-                cpu_flags=facts.cpu_flags,
-                true_on_policy=settings.train.true_on_policy,
-                engine_dtype=settings.rollout.engine_dtype,
-            )
+            on_cpu = settings.cluster.device == "cpu"
+            facts = machine if machine is not None else MachineFacts.of_this_host(measure_gemms=on_cpu)
+            asked: dict[str, Any] = {
+                "device": settings.cluster.device,
+                "cpu_flags": facts.cpu_flags,
+                "true_on_policy": settings.train.true_on_policy,
+                "engine_dtype": settings.rollout.engine_dtype,
+                "bf16_gemm_speedup": facts.bf16_gemm_speedup,
+            }
+            choice = choose_precision(**asked)
             if ComponentKind.TRAINER in kinds:
                 choice = _accepted_by_trainer(settings, pm, choice)
             out["precision"] = choice
             settings.precision = PluginSpec(name=choice.value, **spec.options)
+            engine_dtype = choose_engine_dtype(precision=choice.value, **asked)
+            if engine_dtype is not None:
+                out["engine_dtype"] = engine_dtype
+                settings.rollout.engine_dtype = engine_dtype.value
         else:
             out["precision"] = Choice("precision", spec.name, _as_set(source_of("precision")))
     if ComponentKind.TRANSPORT in kinds:

@@ -10,6 +10,7 @@ any component is resolved. ``miles train`` (and ``--dry-run``) prints every choi
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +19,16 @@ from typing import Any, Literal
 __all__ = [
     "AUTO",
     "BF16_CPU_FLAGS",
+    "BF16_TRAIN_SPEEDUP",
     "SPIN_COUNT",
     "Choice",
     "MachineFacts",
     "ThreadSplit",
     "TransportCandidate",
     "TransportFacts",
+    "choose_engine_dtype",
     "choose_precision",
+    "measure_bf16_gemm_speedup",
     "split_threads",
     "transport_candidates",
 ]
@@ -33,9 +37,19 @@ AUTO = "auto"
 """The component name that asks Miles to choose (``precision = "auto"``, ``transport = "auto"``)."""
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-"""``/proc/cpuinfo`` flags of CPUs with bfloat16 units (AVX-512 BF16 dot products, AMX tiles): torch's
-bfloat16 matmuls run there at about twice float32's speed (2.4x measured on this project's Xeon); elsewhere
-they are emulated and slower than float32."""
+"""``/proc/cpuinfo`` flags of CPUs with bfloat16 units (AVX-512 BF16 dot products, AMX tiles); elsewhere
+bfloat16 matmuls are emulated and slower than float32. Having the units is not enough for training: an Intel
+Xeon with AMX ran oneDNN's bfloat16 GEMMs 2.4x faster than float32's and an AMD EPYC (AVX-512 BF16, no AMX)
+faster too, but a Xeon whose AMX is not exposed (AVX-512 BF16 alone: one bf16 dot product a cycle where float32
+has two FMA ports) runs them at 0.55x float32's (``docs/benchmarks.md``). :func:`measure_bf16_gemm_speedup`
+tells which."""
+
+BF16_TRAIN_SPEEDUP = 1.25
+"""How much faster than float32's this host's bfloat16 GEMMs must run (:func:`measure_bf16_gemm_speedup`) for
+``precision = "auto"`` to train in bfloat16 on a CPU: below it the trainer computes in float32 (bfloat16 adds
+the weights' casts and loses mantissa for no speed) and the engines still serve bfloat16
+(:func:`choose_engine_dtype`). The hosts measured so far sit far from it on both sides (2.4x with AMX, 0.55x
+without)."""
 
 
 @dataclass(frozen=True)
@@ -57,11 +71,15 @@ class MachineFacts:
     cpu_flags: frozenset[str] = frozenset()
     cpu_model: str = ""
     cores: int = 1
+    bf16_gemm_speedup: float | None = None
+    """This host's bfloat16 GEMM rate over float32's (:func:`measure_bf16_gemm_speedup`); ``None``: not
+    measured, the flags alone decide."""
 
     @classmethod
-    def of_this_host(cls, cpuinfo: str | Path = "/proc/cpuinfo") -> MachineFacts:
+    def of_this_host(cls, cpuinfo: str | Path = "/proc/cpuinfo", *, measure_gemms: bool = False) -> MachineFacts:
         """This host's facts: the first processor's ``flags`` and ``model name`` in ``cpuinfo`` (none where the
-        file is missing: no bf16 units assumed) and the cores this process may run on."""
+        file is missing: no bf16 units assumed) and the cores this process may run on; with ``measure_gemms``,
+        on a CPU with bfloat16 units, also how much faster its bfloat16 GEMMs run than float32's (~0.1 s)."""
         flags: frozenset[str] = frozenset()
         model = ""
         try:
@@ -77,7 +95,8 @@ class MachineFacts:
                 model = value.strip()
             if flags and model:
                 break
-        return cls(cpu_flags=flags, cpu_model=model, cores=usable_cores())
+        speedup = measure_bf16_gemm_speedup() if measure_gemms and flags & set(BF16_CPU_FLAGS) else None
+        return cls(cpu_flags=flags, cpu_model=model, cores=usable_cores(), bf16_gemm_speedup=speedup)
 
 
 def usable_cores() -> int:
@@ -89,14 +108,55 @@ def usable_cores() -> int:
 
 
 # -------------------------------------------------------------------------------------------- precision
+def measure_bf16_gemm_speedup(*, rounds: int = 5, shape: tuple[int, int, int] = (256, 1024, 1024)) -> float | None:
+    """This host's bfloat16 GEMM rate over float32's: the trainer's GEMM (oneDNN's linear, as
+    ``onednn_linear`` runs it; ``F.linear`` where torch has no oneDNN) on ``shape`` (rows, in, out: a
+    micro-batch's tokens through a 1024-wide layer), the fastest of ``rounds`` timings of each dtype, taken in
+    turn so that both see the same load. ``None`` where torch is missing or the GEMM fails (the flags decide)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    rows, inner, outer = shape
+    generator = torch.Generator().manual_seed(0)
+    x32, w32 = torch.randn(rows, inner, generator=generator), torch.randn(outer, inner, generator=generator)
+    operands = {dtype: (x32.to(dtype), w32.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    onednn = torch.backends.mkldnn.is_available()
+
+    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return torch.nn.functional.linear(x, w)
+
+    best = dict.fromkeys(operands, float("inf"))
+    try:
+        with torch.no_grad():
+            for x, w in operands.values():  # oneDNN builds each primitive on its first call
+                gemm(x, w)
+            for _ in range(rounds):
+                for dtype, (x, w) in operands.items():
+                    start = time.perf_counter()
+                    gemm(x, w)
+                    best[dtype] = min(best[dtype], time.perf_counter() - start)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return best[torch.float32] / best[torch.bfloat16]
+
+
 def choose_precision(
-    *, device: str, cpu_flags: frozenset[str], true_on_policy: bool = False, engine_dtype: str = "auto"
+    *,
+    device: str,
+    cpu_flags: frozenset[str],
+    true_on_policy: bool = False,
+    engine_dtype: str = "auto",
+    bf16_gemm_speedup: float | None = None,
 ) -> Choice:
     """What ``precision = "auto"`` becomes.
 
     Fidelity-sensitive settings keep float32: ``train.true_on_policy`` and ``rollout.engine_dtype =
-    "float32"``. Otherwise ``bf16`` on CUDA and on a CPU with bfloat16 units (:data:`BF16_CPU_FLAGS`), and
-    ``fp32`` on a CPU without them."""
+    "float32"``. Otherwise ``bf16`` on CUDA and on a CPU with bfloat16 units (:data:`BF16_CPU_FLAGS`) whose
+    bfloat16 GEMMs run at least :data:`BF16_TRAIN_SPEEDUP` times float32's (``bf16_gemm_speedup``, measured;
+    ``None``: the flags decide), and ``fp32`` on other CPUs."""
     if true_on_policy:
         return Choice(
             "precision", "fp32", "auto: train.true_on_policy asks for fidelity first, so float32 (set bf16 to trade it)"
@@ -106,15 +166,54 @@ def choose_precision(
     if device == "cuda":
         return Choice("precision", "bf16", "auto: CUDA GPUs compute in bfloat16 at full speed")
     units = [flag for flag in BF16_CPU_FLAGS if flag in cpu_flags]
-    if units:
+    if not units:
         return Choice(
-            "precision", "bf16", f"auto: the CPU has bfloat16 units ({', '.join(units)}), bf16 matmuls beat float32"
+            "precision",
+            "fp32",
+            f"auto: the CPU has no bfloat16 units (no {' / '.join(BF16_CPU_FLAGS)} flag): bf16 would be emulated, "
+            "slower than float32",
         )
+    have = f"the CPU has bfloat16 units ({', '.join(units)})"
+    if bf16_gemm_speedup is None:
+        return Choice("precision", "bf16", f"auto: {have}, bf16 matmuls beat float32")
+    measured = f"bf16 GEMMs run at {bf16_gemm_speedup:.2f}x float32's here (measured at start)"
+    if bf16_gemm_speedup >= BF16_TRAIN_SPEEDUP:
+        return Choice("precision", "bf16", f"auto: {have} and {measured}")
     return Choice(
         "precision",
         "fp32",
-        f"auto: the CPU has no bfloat16 units (no {' / '.join(BF16_CPU_FLAGS)} flag): bf16 would be emulated, "
-        "slower than float32",
+        f"auto: {have}, but {measured}, below the {BF16_TRAIN_SPEEDUP}x that bf16 training needs: the trainer "
+        "computes in float32",
+    )
+
+
+def choose_engine_dtype(
+    *,
+    device: str,
+    cpu_flags: frozenset[str],
+    precision: str,
+    true_on_policy: bool = False,
+    engine_dtype: str = "auto",
+    bf16_gemm_speedup: float | None = None,
+) -> Choice | None:
+    """What ``rollout.engine_dtype = "auto"`` becomes where ``precision = "auto"`` chose ``precision``; ``None``:
+    it stays ``auto``, the precision recipe's dtype.
+
+    ``bfloat16`` where the trainer computes in float32 only because this CPU's bfloat16 GEMMs are too slow to
+    train in (:func:`choose_precision`): decoding reads the weights, a step at a time, and reads half the bytes
+    in bfloat16 (the local engine's row kernel and SGLang's CPU kernels compute with the same bfloat16 units),
+    so the engines serve bfloat16 while the trainer keeps float32. Not under ``train.true_on_policy``."""
+    slow_bf16 = bf16_gemm_speedup is not None and bf16_gemm_speedup < BF16_TRAIN_SPEEDUP
+    has_units = any(flag in cpu_flags for flag in BF16_CPU_FLAGS)
+    if engine_dtype != "auto" or true_on_policy or device != "cpu" or precision != "fp32":
+        return None
+    if not (has_units and slow_bf16):
+        return None
+    return Choice(
+        "rollout.engine_dtype",
+        "bfloat16",
+        "auto: the trainer computes in float32 (bf16 GEMMs are slow here), but decoding reads every weight a "
+        "step and the CPU has bfloat16 units: the engines serve bfloat16, half the bytes",
     )
 
 

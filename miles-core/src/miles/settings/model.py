@@ -306,7 +306,8 @@ class RolloutSettings(_Section):
     trainer's critical path. Verification still runs after every push; its metrics (and a mismatch, which
     stops the run naming the tensor) arrive with the next step. ``false``: push and verify in line."""
     engine_dtype: str = "auto"
-    """Dtype engines serve in (``auto``: the precision recipe's)."""
+    """Dtype engines serve in (``auto``: the precision recipe's; ``bfloat16`` where ``precision = "auto"`` trains
+    in float32 on a CPU with bfloat16 units whose bfloat16 GEMMs are slow, since decoding reads the weights)."""
     teacher: TeacherSettings = Field(default_factory=TeacherSettings)
     """On-policy distillation: the teacher server that scores each sample (``[rollout.teacher]``)."""
     sessions: SessionSettings = Field(default_factory=SessionSettings)
@@ -455,9 +456,10 @@ class MilesSettings(BaseSettings):
     where that is refused. The choice is printed with its reason at start."""
     precision: PluginSpec = Field(default_factory=lambda: PluginSpec(name="auto"))
     """Precision recipe: ``auto`` (the default: chosen from the machine), ``fp32``, ``bf16`` ... ``auto`` takes
-    ``bf16`` on CUDA and on a CPU with bfloat16 units (``avx512_bf16`` / ``amx_bf16``); ``fp32`` elsewhere, and
-    with ``train.true_on_policy`` or ``rollout.engine_dtype = "float32"``. The choice is printed with its reason
-    at start."""
+    ``bf16`` on CUDA and on a CPU with bfloat16 units (``avx512_bf16`` / ``amx_bf16``) whose bfloat16 GEMMs,
+    measured at start, run at least 1.25x float32's; ``fp32`` elsewhere (with the engines serving bfloat16 where
+    the CPU has the units), and with ``train.true_on_policy`` or ``rollout.engine_dtype = "float32"``. The choice
+    is printed with its reason at start."""
     log: LogSettings = Field(default_factory=LogSettings)
     """Metrics and logs."""
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)

@@ -35,6 +35,24 @@ def test_clip_grad_norm_matches_torch() -> None:
     assert clip_grad_norm([torch.nn.Parameter(torch.zeros(1))], 1.0) == 0.0
 
 
+def test_the_norm_of_float32_gradients_is_their_float64_norm_and_gradients_within_it_are_left_as_they_are() -> None:
+    """A SmolLM2-sized embedding gradient (28M float32 elements) and a few small ones: the total norm is the
+    float64 norm to 1e-5 (``get_total_norm``'s float32 reduction was 3e-4 off on these), gradients within
+    ``max_norm`` keep their bits, and those beyond it are scaled to it."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n, 576)) for n in (49152, 576, 1536)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    want = sum(float(p.grad.double().pow(2).sum()) for p in params) ** 0.5
+    kept = [p.grad.clone() for p in params]
+    norm = clip_grad_norm(params, max_norm=2 * want)
+    assert abs(norm - want) / want < 1e-5
+    assert all(torch.equal(p.grad, k) for p, k in zip(params, kept, strict=True))
+    assert clip_grad_norm(params, max_norm=want / 2) == pytest.approx(want, rel=1e-5)
+    scaled = sum(float(p.grad.double().pow(2).sum()) for p in params) ** 0.5
+    assert scaled == pytest.approx(want / 2, rel=1e-5)
+
+
 def test_plain_parameters_step_with_fused_adamw_equal_to_foreach_and_their_versions_move() -> None:
     """Fused AdamW on plain CPU tensors: the update of the default (foreach) path to float32 rounding, and
     each parameter's version counter moves at every step (the fused kernel alone leaves it, and the oneDNN

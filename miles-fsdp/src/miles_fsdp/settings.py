@@ -61,6 +61,13 @@ class FSDPSettings(ComponentSettings):
     group's samples) hold it once in the packed row, each response attending to it as its own copy would
     (:mod:`miles_fsdp.packed_attention`): the same logprobs and gradients to float32 rounding, the prompt's
     forward and backward computed once per group instead of once per sample. Off: every sequence whole."""
+    skip_zero_advantage_backward: bool = True
+    """Sequences whose trained tokens all have advantage 0 (a GRPO group whose samples all scored alike), under
+    an algorithm whose loss is then 0 (``Algorithm.zero_advantage_trains_nothing``: the surrogate alone, no KL
+    in the loss, entropy, SFT, distillation or critic term), are scored in micro-batches of their own without
+    a backward pass: their gradient is exactly 0, and their loss, entropy and mismatch metrics still count. The
+    same update to float32 rounding (the other sequences' micro-batches are packed without them). ``false``:
+    every sequence takes the backward pass."""
     train_vision_tower: bool = True
     """A vision-language actor (Qwen2-VL family): train its vision tower with the rest; ``False`` freezes it
     (its weights are still pushed to the engines and verified with the others)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles.algorithms.aggregation import aggregate_loss
+from miles.algorithms.aggregation import StepDenominators, aggregate_loss
 from miles.algorithms.base import LossInputs
 from miles.errors import NonFiniteStepError
 from miles.training.batch import TOKEN_FIELDS
@@ -49,7 +49,9 @@ class StepContext:
     train: TrainSettings
     empty_cache: bool
     """Empty the CUDA cache after the step."""
-    micro_batches: Callable[[TrainBatch], Iterator[PackedMicroBatch]]
+    micro_batches: Callable[..., Iterator[PackedMicroBatch]]
+    """``(batch, subset=None)``: the micro-batches of ``batch`` (of the sequences in ``subset``), as many on every
+    rank."""
     logits: Callable[[nn.Module, PackedMicroBatch], torch.Tensor]
     values: Callable[[PackedMicroBatch], torch.Tensor]
     fused_logprobs: (
@@ -63,6 +65,30 @@ class StepContext:
     exact_logprobs: list[torch.Tensor] | None = None
     """``train.true_on_policy``: per sequence, the engine's logprobs (the loss sees these values exactly, with
     the gradient of the trainer's own forward: :func:`miles_fsdp.true_on_policy.with_exact_values`)."""
+    score_without_backward: bool = False
+    """Score the sequences that train nothing (:func:`inert_sequences`) without a backward pass
+    (``[train.backend] skip_zero_advantage_backward``)."""
+
+
+def inert_sequences(batch: TrainBatch, algorithm: Algorithm) -> list[int]:
+    """The sequences of ``batch`` whose trained tokens all have advantage exactly 0, where the algorithm's loss
+    then adds nothing to the gradient (:attr:`~miles.algorithms.base.Algorithm.zero_advantage_trains_nothing`);
+    none otherwise, and none without advantages."""
+    if batch.advantages is None or not algorithm.zero_advantage_trains_nothing:
+        return []
+    live = ((batch.advantages != 0) & (batch.loss_mask != 0)).tolist()
+    bounds = batch.response_offsets
+    return [i for i in range(len(batch)) if not any(live[bounds[i] : bounds[i + 1]])]
+
+
+def _any_over_ranks(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag or-ed over the world (one all-reduce)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in value.tolist()]
 
 
 def run_train_step(
@@ -94,53 +120,28 @@ def run_train_step(
         critic.train()
     sums = StepMetrics(device)
 
-    entropy_grad = algorithm.needs.entropy
     fused = ctx.fused_logprobs if topk == 0 and ctx.exact_logprobs is None else None
-    for mb in ctx.micro_batches(batch):
-        scored = fused(actor, mb, temperature, True, entropy_grad) if fused is not None else None
-        logits = ctx.logits(actor, mb) if scored is None else scored[0]
-        values = ctx.values(mb) if needs_values else None
-        if mb.is_empty:  # keeps this rank's collectives in step with the others; contributes nothing
-            dummy = logits.sum() * 0.0
-            if values is not None:
-                dummy = dummy + values.sum() * 0.0
-            dummy.backward()
-            continue
-        if scored is None:
-            scored = token_logprobs(
-                logits, mb.targets, temperature, with_entropy=True, entropy_grad=entropy_grad, mask_ids=mb.mask_ids
-            )
-        logprobs, entropy = scored
-        if ctx.exact_logprobs is not None:
-            exact = torch.cat([ctx.exact_logprobs[i] for i in mb.indices])
-            logprobs = with_exact_values(logprobs, exact)
-        mask = batch.token_field("loss_mask", mb.indices, device)
-        assert mask is not None
-        fields = {name: batch.token_field(name, mb.indices, device) for name in TOKEN_FIELDS[1:]}
-        teacher_topk = student_topk = None
-        if topk > 0:  # the student's logprobs at the teacher's top-k ids, response positions only
-            topk_ids, teacher_topk = batch.teacher_topk_rows(mb.indices, topk, device)
-            student_topk = topk_logprobs(logits, topk_ids, temperature)
-        inputs = LossInputs(
-            logprobs=logprobs,
-            loss_mask=mask,
-            response_lengths=mb.response_lengths,
-            entropy=entropy,
-            values=values,
-            teacher_topk_logprobs=teacher_topk,
-            student_topk_logprobs=student_topk,
-            **fields,
-        )
-        output = algorithm.loss(inputs)
-        loss = aggregate_loss(output.per_token_loss, mask, mb.response_lengths, algorithm.aggregation, denominators)
-        loss.backward()
-        sums.add_loss(loss)
-        for name, per_token in output.metrics.items():
-            sums.add(name, per_token, mask)
-        assert entropy is not None
-        sums.add("entropy", entropy, mask)
-        if fields["rollout_logprobs"] is not None:
-            sums.add("train_rollout_logprob_abs_diff", (logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
+    if ctx.score_without_backward and batch.advantages is not None and algorithm.zero_advantage_trains_nothing:
+        # trained first, then the inert sequences scored without a backward pass; both phases on every rank
+        # (each agrees its micro-batch count over the ranks), whether or not this rank has inert sequences
+        inert = inert_sequences(batch, algorithm)
+        rest = sorted(set(range(len(batch))) - set(inert))
+        any_rest, any_inert = _any_over_ranks([bool(rest), bool(inert)], device)
+        phases = [(ctx.micro_batches(batch, rest), True)] if any_rest else []
+        if any_inert:
+            phases.append((ctx.micro_batches(batch, inert), False))
+    else:
+        phases = [(ctx.micro_batches(batch), True)]
+    backward_ran = False
+    for micro_batches, backward in phases:
+        for mb in micro_batches:
+            with torch.enable_grad() if backward else torch.no_grad():
+                backward_ran |= _micro_step(ctx, batch, algorithm, mb, sums, denominators, temperature, fused, backward)
+    if not backward_ran:  # every sequence inert: zero gradients, so that the optimizer still steps (momentum)
+        for model, _, _ in ctx.parts.values():
+            for param in model.parameters():
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
 
     train = ctx.train
     parts = ctx.parts
@@ -168,3 +169,74 @@ def run_train_step(
     metrics["trained_tokens"] = float(denominators.num_tokens)
     metrics["sequences"] = float(denominators.num_sequences)
     return metrics
+
+
+def _micro_step(
+    ctx: StepContext,
+    batch: TrainBatch,
+    algorithm: Algorithm,
+    mb: PackedMicroBatch,
+    sums: StepMetrics,
+    denominators: StepDenominators,
+    temperature: float,
+    fused: Any,
+    backward: bool,
+) -> bool:
+    """One micro-batch: its forward, the algorithm's loss and metrics, and (``backward``) its backward pass;
+    returns whether a backward pass ran."""
+    topk = algorithm.needs.teacher_topk
+    actor = ctx.actor
+    scored = fused(actor, mb, temperature, True, algorithm.needs.entropy) if fused is not None else None
+    logits = ctx.logits(actor, mb) if scored is None else scored[0]
+    values = ctx.values(mb) if algorithm.needs.values else None
+    if mb.is_empty:  # keeps this rank's collectives in step with the others; contributes nothing
+        if not backward:
+            return False
+        dummy = logits.sum() * 0.0
+        if values is not None:
+            dummy = dummy + values.sum() * 0.0
+        dummy.backward()
+        return True
+    if scored is None:
+        scored = token_logprobs(
+            logits,
+            mb.targets,
+            temperature,
+            with_entropy=True,
+            entropy_grad=algorithm.needs.entropy,
+            mask_ids=mb.mask_ids,
+        )
+    logprobs, entropy = scored
+    if ctx.exact_logprobs is not None:
+        exact = torch.cat([ctx.exact_logprobs[i] for i in mb.indices])
+        logprobs = with_exact_values(logprobs, exact)
+    device = ctx.device
+    mask = batch.token_field("loss_mask", mb.indices, device)
+    assert mask is not None
+    fields = {name: batch.token_field(name, mb.indices, device) for name in TOKEN_FIELDS[1:]}
+    teacher_topk = student_topk = None
+    if topk > 0:  # the student's logprobs at the teacher's top-k ids, response positions only
+        topk_ids, teacher_topk = batch.teacher_topk_rows(mb.indices, topk, device)
+        student_topk = topk_logprobs(logits, topk_ids, temperature)
+    inputs = LossInputs(
+        logprobs=logprobs,
+        loss_mask=mask,
+        response_lengths=mb.response_lengths,
+        entropy=entropy,
+        values=values,
+        teacher_topk_logprobs=teacher_topk,
+        student_topk_logprobs=student_topk,
+        **fields,
+    )
+    output = algorithm.loss(inputs)
+    loss = aggregate_loss(output.per_token_loss, mask, mb.response_lengths, algorithm.aggregation, denominators)
+    if backward:
+        loss.backward()
+    sums.add_loss(loss)
+    for name, per_token in output.metrics.items():
+        sums.add(name, per_token, mask)
+    assert entropy is not None
+    sums.add("entropy", entropy, mask)
+    if fields["rollout_logprobs"] is not None:
+        sums.add("train_rollout_logprob_abs_diff", (logprobs.detach() - fields["rollout_logprobs"]).abs(), mask)
+    return backward

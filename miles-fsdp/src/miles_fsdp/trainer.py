@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from miles.errors import SettingsError
@@ -254,14 +254,19 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             raise RuntimeError("FSDPTrainer.setup() must be called first")
 
     # -- forward helpers ---------------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[PackedMicroBatch]:
+    def _micro_batches(self, batch: TrainBatch, subset: Sequence[int] | None = None) -> Iterator[PackedMicroBatch]:
+        """``batch``'s sequences (or those of ``subset``) packed into micro-batches of the token budget; every
+        rank yields the same number (empty ones where it has fewer)."""
         from miles.training.packing import agree_max, balanced_bins, first_fit_decreasing
         from miles_fsdp.microbatch import pack
 
         budget = self.train_settings.max_tokens_per_micro_batch
-        lengths = batch.lengths
+        every = batch.lengths
+        chosen = list(range(len(batch))) if subset is None else list(subset)
+        lengths = [every[i] for i in chosen]
         count = agree_max(len(first_fit_decreasing(lengths, budget)), self.device)
-        for indices in balanced_bins(lengths, budget, count):
+        for bin_ in balanced_bins(lengths, budget, count):
+            indices = [chosen[i] for i in bin_]
             mb = pack(batch, indices, self.device, self._pad_token_id, share_prefixes=self._share_prefixes)
             if self._vision is not None:
                 self._vision.annotate(mb, batch, self.device)
@@ -423,6 +428,7 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             fused_logprobs=self._fused_logprobs if not self.train_settings.true_on_policy else None,
             step=self.step,
             exact_logprobs=exact,
+            score_without_backward=self.options.skip_zero_advantage_backward,
         )
         if self._routing is not None:
             self._routing.measure = True

@@ -130,6 +130,13 @@ class Algorithm(Component[SettingsT], ABC):
         """The constant of ``seq_mean_token_sum_norm`` aggregation (Dr.GRPO: the maximum response length)."""
         return 1.0
 
+    @property
+    def zero_advantage_trains_nothing(self) -> bool:
+        """Whether a sequence whose trained tokens all have advantage 0 adds nothing to the gradient (its
+        per-token loss is the advantage times a finite factor, and no other term is on): the trainer may then
+        score it without a backward pass (its metrics still count). ``False`` unless an algorithm says so."""
+        return False
+
     def keep_groups(self, groups: Sequence[SampleGroup]) -> list[bool]:
         """Which groups to train on (dynamic sampling); the rollout manager refills dropped ones."""
         return [True] * len(groups)

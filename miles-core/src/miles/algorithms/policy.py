@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 
 PolicyT = TypeVar("PolicyT", bound=PolicyLossSettings)
 
+_ADVANTAGE_LINEAR_SURROGATES = frozenset({"ppo_clip", "gspo"})
+"""Built-in surrogates whose per-token loss is the advantage times a factor of the ratio (0 at advantage 0)."""
+_BUILTIN_TERMS = frozenset({"kl", "entropy", "sft", "distill"})
+"""The built-in added terms, each off at a zero coefficient."""
+
 
 class PolicyGradientAlgorithm(Algorithm[PolicyT]):
     """A policy-gradient algorithm composed from registered parts (see the module docstring)."""
@@ -106,6 +111,23 @@ class PolicyGradientAlgorithm(Algorithm[PolicyT]):
     @property
     def seq_len_norm(self) -> float:
         return float(self.settings.max_response_length) if self.settings.max_response_length > 0 else 1.0
+
+    @property
+    def zero_advantage_trains_nothing(self) -> bool:
+        """``True`` where the loss is the built-in surrogate alone (PPO clip or GSPO, each the advantage times
+        the ratio's factor, optionally times the TIS / IcePop weight): no KL in the loss, no entropy bonus, no
+        SFT or distillation term, no critic, and neither :meth:`loss` nor the terms replaced by a subclass."""
+        s = self.settings
+        return (
+            type(self).loss is PolicyGradientAlgorithm.loss
+            and self.surrogate in _ADVANTAGE_LINEAR_SURROGATES
+            and set(self.terms) <= _BUILTIN_TERMS
+            and not self.critic_terms
+            and (s.kl_coef <= 0.0 or s.kl_in_reward)
+            and s.entropy_coef <= 0.0
+            and s.sft_coef <= 0.0
+            and s.distill_coef <= 0.0
+        )
 
     # -- DAPO tricks ---------------------------------------------------------------------------------
     def keep_groups(self, groups: Sequence[SampleGroup]) -> list[bool]:

@@ -66,8 +66,9 @@ class FSDPSettings(ComponentSettings):
     an algorithm whose loss is then 0 (``Algorithm.zero_advantage_trains_nothing``: the surrogate alone, no KL
     in the loss, entropy, SFT, distillation or critic term), are scored in micro-batches of their own without
     a backward pass: their gradient is exactly 0, and their loss, entropy and mismatch metrics still count. The
-    same update to float32 rounding (the other sequences' micro-batches are packed without them). ``false``:
-    every sequence takes the backward pass."""
+    same update to float32 rounding (the other sequences' micro-batches are packed without them). Not with a
+    vision-language actor (its vision tower runs only where a micro-batch has images, so ranks would gather
+    different parameters). ``false``: every sequence takes the backward pass."""
     train_vision_tower: bool = True
     """A vision-language actor (Qwen2-VL family): train its vision tower with the rest; ``False`` freezes it
     (its weights are still pushed to the engines and verified with the others)."""

@@ -428,7 +428,10 @@ class FSDPTrainer(Trainer[FSDPSettings]):
             fused_logprobs=self._fused_logprobs if not self.train_settings.true_on_policy else None,
             step=self.step,
             exact_logprobs=exact,
-            score_without_backward=self.options.skip_zero_advantage_backward,
+            # not with a vision tower: it runs only in micro-batches with images, and a rank whose sequences are
+            # all inert would run an empty micro-batch while another encodes images (the ranks' FSDP gathers
+            # would differ)
+            score_without_backward=self.options.skip_zero_advantage_backward and self._vision is None,
         )
         if self._routing is not None:
             self._routing.measure = True

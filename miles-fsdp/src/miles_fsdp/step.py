@@ -184,11 +184,12 @@ def _micro_step(
 ) -> bool:
     """One micro-batch: its forward, the algorithm's loss and metrics, and (``backward``) its backward pass;
     returns whether a backward pass ran."""
-    topk = algorithm.needs.teacher_topk
+    needs = algorithm.needs
+    topk, entropy_grad = needs.teacher_topk, needs.entropy
     actor = ctx.actor
-    scored = fused(actor, mb, temperature, True, algorithm.needs.entropy) if fused is not None else None
+    scored = fused(actor, mb, temperature, True, entropy_grad) if fused is not None else None
     logits = ctx.logits(actor, mb) if scored is None else scored[0]
-    values = ctx.values(mb) if algorithm.needs.values else None
+    values = ctx.values(mb) if needs.values else None
     if mb.is_empty:  # keeps this rank's collectives in step with the others; contributes nothing
         if not backward:
             return False
@@ -199,12 +200,7 @@ def _micro_step(
         return True
     if scored is None:
         scored = token_logprobs(
-            logits,
-            mb.targets,
-            temperature,
-            with_entropy=True,
-            entropy_grad=algorithm.needs.entropy,
-            mask_ids=mb.mask_ids,
+            logits, mb.targets, temperature, with_entropy=True, entropy_grad=entropy_grad, mask_ids=mb.mask_ids
         )
     logprobs, entropy = scored
     if ctx.exact_logprobs is not None:

@@ -130,8 +130,9 @@ def test_on_an_idle_machine_threads_spin_briefly_and_on_a_busy_one_they_sleep(mo
     monkeypatch.setattr(contention, "_free_cores", 1.0)  # another process kept a core busy
     busy = _child_env(MilesSettings())
     assert busy["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in busy
-    # libgomp does as told: the spinning worker burns CPU after each operation (~3.5 ms each on this
-    # project's hosts), the passive one next to none
+    # libgomp does as told: the spinning worker burns CPU after each operation, the passive one next to none.
+    # How long 100000 spins take is the host's (0.2 ms to 3.5 ms an operation on this project's hosts, less
+    # under a busy CI), so the spin is judged against the passive wait measured beside it, not against a clock
     spun = _burned_while_idle({"GOMP_SPINCOUNT": idle["GOMP_SPINCOUNT"], "OMP_NUM_THREADS": "2"})
     slept = _burned_while_idle({"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"})
-    assert spun > 0.005 and slept < spun / 3, (spun, slept)
+    assert spun > 2 * slept + 0.0005, (spun, slept)

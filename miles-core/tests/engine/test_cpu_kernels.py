@@ -392,3 +392,42 @@ def test_bf16_decode_blocks_give_the_bits_of_the_layer_by_layer_step(engine_mode
     runner.lora.set_rows([None, None])
     runner.decode([7, 11], [4, 4])
     assert counted.blocks == len(runner.layers)
+
+
+@needs_bf16_rows
+def test_decode_blocks_take_weights_loaded_and_released_after_their_first_step(engine_models: dict[str, Path]) -> None:
+    """The decode blocks gather each layer's weights once, at the first step: weights loaded later (copied into
+    those tensors) and a release and resume of the weights (their storage emptied and refilled, then loaded) decode
+    what a runner started on the new weights decodes, bit for bit."""
+    from miles.engine.model_runner import ModelRunner
+    from miles.engine.weight_sync import MemoryOccupation
+
+    def on_blocks(runner: ModelRunner) -> ModelRunner:
+        runner._rows_max, runner._rows_pending = 8, False
+        runner._ops = Counted(runner._ops)
+        return runner
+
+    fresh = decode_steps(on_blocks(ModelRunner(engine_models["qwen2_b"], dtype="bfloat16")))
+    runner = on_blocks(ModelRunner(engine_models["qwen2"], dtype="bfloat16"))
+    before = decode_steps(runner)
+    assert runner._ops.blocks > 0 and not torch.equal(before[0], fresh[0])
+    runner.load_weights(engine_models["qwen2_b"])
+    for loaded, started in zip(decode_steps(runner), fresh, strict=True):
+        assert torch.equal(loaded, started)
+
+    class Paused:  # what MemoryOccupation asks of the scheduler
+        paused = "retract"
+
+        def __init__(self, runner: ModelRunner) -> None:
+            self.runner = runner
+
+        def flush_cache(self) -> None:
+            pass
+
+    occupation = MemoryOccupation()
+    runner.load_weights(engine_models["qwen2"])
+    assert occupation.release(Paused(runner), ["weights"])["freed_bytes"] > 0
+    occupation.resume(Paused(runner), ["weights"])
+    runner.load_weights(engine_models["qwen2_b"])
+    for loaded, started in zip(decode_steps(runner), fresh, strict=True):
+        assert torch.equal(loaded, started)

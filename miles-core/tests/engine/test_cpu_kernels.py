@@ -234,6 +234,13 @@ class Counted:
         out: torch.Tensor = self.ops.decode_block(*args)
         return out
 
+    def decode_blocks(self, *args: Any) -> torch.Tensor:
+        layers = len(args[-1]) // 2  # (two norm epsilons a layer)
+        self.calls += 4 * layers
+        self.blocks += layers
+        out: torch.Tensor = self.ops.decode_blocks(*args)
+        return out
+
 
 @needs_bf16_rows
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -392,6 +399,21 @@ def test_bf16_decode_blocks_give_the_bits_of_the_layer_by_layer_step(engine_mode
     runner.lora.set_rows([None, None])
     runner.decode([7, 11], [4, 4])
     assert counted.blocks == len(runner.layers)
+
+
+def test_decode_blocks_name_what_their_weights_lack() -> None:
+    """``decode_blocks`` checks its lists before any layer runs: nine weights and two epsilons a layer, and the
+    weights no layer goes without (the biases may be None)."""
+    ops = cpu_kernels.load()
+    x = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 1, 1, 4, 8, dtype=torch.bfloat16)
+    step = (x, x, x, 1, 1, cache, cache, 0, torch.zeros(1, dtype=torch.long), 1, 1.0)
+    with pytest.raises(RuntimeError, match=r"decode_blocks: 9 weights and 2 eps per layer \(8 weights, 2 eps\)"):
+        ops.decode_blocks(*step, [x] * 8, [1e-6, 1e-6])
+    weights: list[torch.Tensor | None] = [x] * 9
+    weights[6] = None
+    with pytest.raises(RuntimeError, match="decode_blocks: layer 0 lacks weight 6"):
+        ops.decode_blocks(*step, weights, [1e-6, 1e-6])
 
 
 @needs_bf16_rows

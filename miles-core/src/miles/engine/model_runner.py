@@ -141,7 +141,7 @@ class ModelRunner:
         self.weights_generation = 0
         """Bumped whenever weights change (what encoded images are checked against)."""
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
-        self._blocks_args: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
+        self._blocks_args: tuple[list[torch.Tensor | None], list[float]] | None = None
         self._fused_mlp: list[torch.Tensor | None] = []
         self._dequantized_qkv: list[tuple[Any, ...] | None] = []
         """Per layer: q/k/v as quantized projections that dequantize (one prepacked matmul for the three)."""
@@ -580,35 +580,34 @@ class ModelRunner:
     def _decode_blocks(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first_slot: int, pos: torch.Tensor, span: int
     ) -> torch.Tensor:
-        """:meth:`_layers` for a decode step of plain layers on the row kernel: each layer one ``decode_block``
-        call (the same kernels and ATen ops in the same order: the same bits), then the final norm."""
-        delta: torch.Tensor | None = None
-        block = self._ops.decode_block
-        heads, kv_heads, k, v, scale = self.num_heads, self.num_kv_heads, self.k, self.v, self.scaling
-        for i, (attention, mlp) in enumerate(self._block_args()):
-            delta = block(x, delta, *attention, cos, sin, heads, kv_heads, k, v, i, first_slot, pos, span, scale, *mlp)
+        """:meth:`_layers` for a decode step of plain layers on the row kernel: every layer one ``decode_block``
+        (the same kernels and ATen ops in the same order: the same bits), all in one call, then the final norm."""
+        weights, eps = self._block_args()
+        delta = self._ops.decode_blocks(
+            x, cos, sin, self.num_heads, self.num_kv_heads, self.k, self.v, first_slot, pos, span, self.scaling,
+            weights, eps,
+        )  # fmt: skip
         return self._norm(self.text_model.norm, x, delta)[1]
 
-    def _block_args(self) -> list[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-        """Each layer's weights as ``decode_block`` takes them (before and after the step's arguments), gathered
-        once: a decode step of SmolLM2 looked up some 440 module attributes (``nn.Module.__getattr__``, about a
-        microsecond each) to pass the same tensors 30 times (bfloat16 steps, interleaved in one process on an
-        Intel Xeon without AMX: 12.6 -> 11.9 ms at one row, 20.5 -> 19.7 ms at eight, the same logits). Weight
-        loads copy into these tensors and a release empties and refills their storage, so they hold for the
-        runner's life (the layers' modules are not replaced)."""
+    def _block_args(self) -> tuple[list[torch.Tensor | None], list[float]]:
+        """Every layer's weights and norm epsilons as ``decode_blocks`` takes them, gathered once: a decode step of
+        SmolLM2 looked up some 440 module attributes (``nn.Module.__getattr__``, about a microsecond each) and
+        called ``decode_block`` 30 times from Python to pass the same tensors (bfloat16 steps, interleaved in one
+        process on an Intel Xeon without AMX: 12.6 -> 11.9 ms at one row, 20.5 -> 19.7 ms at eight, the same
+        logits, from the gathering alone). Weight loads copy into these tensors and a release empties and refills
+        their storage, so they hold for the runner's life (the layers' modules are not replaced)."""
         if self._blocks_args is None:
-            args = []
+            weights: list[torch.Tensor | None] = []
+            eps: list[float] = []
             for i, layer in enumerate(self.layers):
                 attn, mlp = layer.self_attn, layer.mlp
                 norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
                 fused = self._fused_qkv[i]
                 assert fused is not None  # (every layer's, where _blocks)
-                args.append((
-                    (norm1.weight, norm1.variance_epsilon, fused[0], fused[1]),
-                    (attn.o_proj.weight, attn.o_proj.bias, norm2.weight, norm2.variance_epsilon, self._fused_mlp[i],
-                     mlp.down_proj.weight, mlp.down_proj.bias),
-                ))  # fmt: skip
-            self._blocks_args = args
+                weights += [norm1.weight, fused[0], fused[1], attn.o_proj.weight, attn.o_proj.bias, norm2.weight,
+                            self._fused_mlp[i], mlp.down_proj.weight, mlp.down_proj.bias]  # fmt: skip
+                eps += [norm1.variance_epsilon, norm2.variance_epsilon]
+            self._blocks_args = (weights, eps)
         return self._blocks_args
 
     @torch.inference_mode()

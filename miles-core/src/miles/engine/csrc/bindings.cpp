@@ -10,4 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows, "bfloat16 x [M <= 8, K] @ w [N, K]^T (+ bias), AVX-512 BF16");
   m.def("linear_rows_available", &linear_rows_available, "whether linear_rows was built (AVX-512 BF16)");
   m.def("decode_block", &decode_block, "one plain decoder layer of a decode step on the kernels above; its MLP output");
+  m.def("decode_blocks", &decode_blocks, "decode_block over every layer (9 weights, 2 eps each); the last MLP output");
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -96,3 +97,7 @@ at::Tensor decode_block(at::Tensor x, c10::optional<at::Tensor> delta, at::Tenso
                         at::Tensor pos, int64_t span, double scale, at::Tensor o_w, c10::optional<at::Tensor> o_b,
                         at::Tensor norm2, double eps2, at::Tensor gate_up_w, at::Tensor down_w,
                         c10::optional<at::Tensor> down_b);
+at::Tensor decode_blocks(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t kv_heads,
+                         at::Tensor k_cache, at::Tensor v_cache, int64_t first_slot, at::Tensor pos, int64_t span,
+                         double scale, const std::vector<c10::optional<at::Tensor>>& weights,
+                         const std::vector<double>& eps);

@@ -51,3 +51,32 @@ at::Tensor decode_block(at::Tensor x, c10::optional<at::Tensor> delta, at::Tenso
   const std::vector<at::Tensor> gu = rows(h2, gate_up_w, c10::nullopt).chunk(2, -1);
   return rows(at::silu(gu[0]) * gu[1], down_w, down_b);
 }
+
+// Every layer of a decode step, decode_block after decode_block, in one call from Python: the per-layer call
+// from Python (its ~27 arguments converted by pybind11, and the interpreter's loop) cost about as much as the
+// layer's view operations. weights holds kBlockWeights per layer, in decode_block's order (norm1, qkv_w, qkv_b,
+// o_w, o_b, norm2, gate_up_w, down_w, down_b; the biases may be None), eps two per layer (norm1's, norm2's).
+// Returns the last layer's MLP output (x, updated in place, has not had it added yet).
+at::Tensor decode_blocks(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t heads, int64_t kv_heads,
+                         at::Tensor k_cache, at::Tensor v_cache, int64_t first_slot, at::Tensor pos, int64_t span,
+                         double scale, const std::vector<c10::optional<at::Tensor>>& weights,
+                         const std::vector<double>& eps) {
+  constexpr size_t kBlockWeights = 9;
+  const size_t layers = eps.size() / 2;
+  TORCH_CHECK(layers > 0 && eps.size() == 2 * layers && weights.size() == kBlockWeights * layers,
+              "decode_blocks: ", kBlockWeights, " weights and 2 eps per layer (", weights.size(), " weights, ",
+              eps.size(), " eps)");
+  for (size_t i = 0; i < layers; ++i) {
+    for (size_t j : {0, 1, 3, 5, 6, 7}) {
+      TORCH_CHECK(weights[kBlockWeights * i + j].has_value(), "decode_blocks: layer ", i, " lacks weight ", j);
+    }
+  }
+  c10::optional<at::Tensor> delta;
+  for (size_t i = 0; i < layers; ++i) {
+    const auto* w = &weights[kBlockWeights * i];
+    delta = decode_block(x, delta, *w[0], eps[2 * i], *w[1], w[2], cos, sin, heads, kv_heads, k_cache, v_cache,
+                         static_cast<int64_t>(i), first_slot, pos, span, scale, *w[3], w[4], *w[5], eps[2 * i + 1],
+                         *w[6], *w[7], w[8]);
+  }
+  return *delta;
+}

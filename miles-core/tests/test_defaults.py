@@ -94,6 +94,29 @@ def test_this_hosts_bf16_gemm_speedup_is_measured() -> None:
     assert speedup is not None and 0.01 < speedup < 100
 
 
+def test_a_bf16_gemm_that_fails_leaves_the_choice_to_the_flags(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torch build without a bfloat16 GEMM kernel (injected: torch's linear raising NotImplementedError, as
+    torch does for a dtype without a kernel, where oneDNN is absent) gives no measurement, with the error in the
+    log, and the CPU flags decide as before."""
+    import torch
+
+    linear = torch.nn.functional.linear
+
+    def no_bf16(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
+            raise NotImplementedError("\"addmm_impl_cpu_\" not implemented for 'BFloat16'")
+        return linear(x, w, *args)
+
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(torch.nn.functional, "linear", no_bf16)
+    with caplog.at_level("WARNING", logger="miles.defaults"):
+        assert measure_bf16_gemm_speedup(rounds=1) is None
+    assert "timing bfloat16 GEMMs against float32 failed" in caplog.text and "BFloat16" in caplog.text
+    assert choose_precision(device="cpu", cpu_flags=XEON_NO_AMX, bf16_gemm_speedup=None).value == "bf16"
+
+
 def test_machine_facts_read_the_first_processor_of_cpuinfo(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(

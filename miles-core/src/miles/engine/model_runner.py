@@ -141,8 +141,9 @@ class ModelRunner:
         self.weights_generation = 0
         """Bumped whenever weights change (what encoded images are checked against)."""
         self._fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
-        self._blocks_args: tuple[list[torch.Tensor | None], list[float]] | None = None
         self._fused_mlp: list[torch.Tensor | None] = []
+        self._blocks_args: tuple[list[torch.Tensor | None], list[float]] | None = None
+        """The layers' weights and epsilons as ``decode_blocks`` takes them (:meth:`_block_args`, at the first step)."""
         self._dequantized_qkv: list[tuple[Any, ...] | None] = []
         """Per layer: q/k/v as quantized projections that dequantize (one prepacked matmul for the three)."""
         self._dequantized_gate_up: list[tuple[Any, ...] | None] = []
